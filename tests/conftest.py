@@ -1,0 +1,24 @@
+"""Test setup: two logical CPU devices so MirroredStrategy tests run on any machine.
+
+The logical-device split must happen before TensorFlow initialises its devices, so it
+lives here, imported by pytest before any test module.
+"""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import tensorflow as tf  # noqa: E402
+
+_cpus = tf.config.list_physical_devices("CPU")
+try:
+    tf.config.set_logical_device_configuration(
+        _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2
+    )
+except RuntimeError:  # devices already initialised (e.g. by another plugin)
+    pass
+
+
+def two_cpu_strategy():
+    """A MirroredStrategy over two logical CPUs (the test stand-in for 2 GPUs)."""
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
