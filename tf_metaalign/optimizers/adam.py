@@ -1,0 +1,69 @@
+"""Adam, Keras semantics, as a pure rule plus a Keras optimizer."""
+import tensorflow as tf
+
+from tf_metaalign.optimizers import base
+
+
+class AdamRule(base.UpdateRule):
+    """The `keras.optimizers.Adam` rule (amsgrad=False), step t 1-based:
+
+        m <- m + (1 - beta_1) * (g - m)
+        v <- v + (1 - beta_2) * (g^2 - v)
+        w <- w - lr * sqrt(1 - beta_2^t) / (1 - beta_1^t) * m / (sqrt(v) + epsilon)
+    """
+
+    hyperparameter_names = ("beta_1", "beta_2", "epsilon")
+
+    def __init__(self, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+        super().__init__(beta_1=beta_1, beta_2=beta_2, epsilon=epsilon)
+
+    def slot_shapes(self, shape, options):
+        return {"m": tuple(shape), "v": tuple(shape)}
+
+    def update(self, grad, var, slots, hparams, step, options=None):
+        g, w, slots, hp, t, options, dtype = self._prepare(
+            grad, var, slots, hparams, step, options
+        )
+        b1, b2, eps = hp["beta_1"], hp["beta_2"], hp["epsilon"]
+        m = slots["m"] + (1.0 - b1) * (g - slots["m"])
+        v = slots["v"] + (1.0 - b2) * (tf.square(g) - slots["v"])
+        alpha = hp["learning_rate"] * tf.sqrt(1.0 - tf.pow(b2, t)) / (1.0 - tf.pow(b1, t))
+        new_w = w - alpha * m / (tf.sqrt(v) + eps)
+        return self._finish(new_w, var, {"m": m, "v": v}, dtype)
+
+
+class Adam(base.BaseOptimizer):
+    """Adam with the exact `keras.optimizers.Adam` update (see `AdamRule`).
+
+    `beta_1` and `beta_2` are stored as variables (learnable, checkpointed).
+    """
+
+    differentiable_hyperparameters = ("learning_rate", "beta_1", "beta_2")
+
+    def __init__(
+        self,
+        learning_rate=0.001,
+        beta_1=0.9,
+        beta_2=0.999,
+        epsilon=1e-7,
+        aggregated_clipnorm=None,
+        name="Adam",
+        **kwargs,
+    ):
+        beta_1 = base.check_unit_interval("beta_1", beta_1)
+        beta_2 = base.check_unit_interval("beta_2", beta_2)
+        epsilon = base.check_non_negative("epsilon", epsilon)
+        super().__init__(
+            learning_rate,
+            AdamRule(beta_1=beta_1, beta_2=beta_2, epsilon=epsilon),
+            variable_hyperparameters={"beta_1": beta_1, "beta_2": beta_2},
+            aggregated_clipnorm=aggregated_clipnorm,
+            name=name,
+            **kwargs,
+        )
+        self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(beta_1=self.beta_1, beta_2=self.beta_2, epsilon=self.epsilon)
+        return config

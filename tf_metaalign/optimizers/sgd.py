@@ -1,0 +1,81 @@
+"""SGD with (Nesterov) momentum, Keras semantics, as a pure rule plus a Keras optimizer."""
+import tensorflow as tf
+
+from tf_metaalign.optimizers import base
+
+
+class SGDRule(base.UpdateRule):
+    """Keras `keras.optimizers.SGD` rule (learning rate inside the momentum buffer).
+
+    Without momentum:   w <- w - lr * g
+    With momentum mu:   m <- mu * m - lr * g
+                        w <- w + m                       (nesterov=False)
+                        w <- w + mu * m - lr * g         (nesterov=True)
+    Slot "momentum" exists only when `has_momentum` (default: momentum > 0).
+    """
+
+    hyperparameter_names = ("momentum",)
+
+    def __init__(self, momentum=0.0, nesterov=False, has_momentum=None):
+        super().__init__(momentum=momentum)
+        self.nesterov = bool(nesterov)
+        self.has_momentum = (momentum > 0) if has_momentum is None else bool(has_momentum)
+
+    def slot_shapes(self, shape, options):
+        return {"momentum": tuple(shape)} if self.has_momentum else {}
+
+    def update(self, grad, var, slots, hparams, step, options=None):
+        g, w, slots, hp, step, options, dtype = self._prepare(
+            grad, var, slots, hparams, step, options
+        )
+        lr = hp["learning_rate"]
+        if not self.has_momentum:
+            return self._finish(w - lr * g, var, {}, dtype)
+        mu = hp["momentum"]
+        m = mu * slots["momentum"] - lr * g
+        if self.nesterov:
+            new_w = w + mu * m - lr * g
+        else:
+            new_w = w + m
+        return self._finish(new_w, var, {"momentum": m}, dtype)
+
+
+class SGD(base.BaseOptimizer):
+    """Stochastic gradient descent with Keras's momentum semantics (see `SGDRule`).
+
+    Args:
+      learning_rate: float >= 0, a `LearningRateSchedule` or a callable.
+      momentum: float in [0, 1); stored as the variable "momentum" (learnable) when > 0.
+      nesterov: Nesterov momentum.
+      aggregated_clipnorm: clip the all-reduced gradient list to this global norm.
+      **kwargs: other `keras.optimizers.Optimizer` arguments.
+    """
+
+    def __init__(
+        self,
+        learning_rate=0.01,
+        momentum=0.0,
+        nesterov=False,
+        aggregated_clipnorm=None,
+        name="SGD",
+        **kwargs,
+    ):
+        momentum = base.check_unit_interval("momentum", momentum)
+        super().__init__(
+            learning_rate,
+            SGDRule(momentum=momentum, nesterov=nesterov),
+            variable_hyperparameters={"momentum": momentum} if momentum > 0 else {},
+            aggregated_clipnorm=aggregated_clipnorm,
+            name=name,
+            **kwargs,
+        )
+        self.momentum = momentum
+        self.nesterov = bool(nesterov)
+        self.differentiable_hyperparameters = (
+            ("learning_rate", "momentum") if momentum > 0 else ("learning_rate",)
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(momentum=self.momentum, nesterov=self.nesterov)
+        return config
