@@ -1,0 +1,285 @@
+"""A Keras model evaluated at *given* weights, and algebra on lists of gradients.
+
+Nothing in this module assigns a variable. Every function takes weights as tensors and
+returns new tensors, so it can run inside `tf.function`, XLA (`jit_compile=True`) and any
+`tf.distribute` strategy's replica context, and it can be differentiated through.
+
+Conventions
+-----------
+* `params`: list of tensors, one per `model.trainable_variables`, in that order.
+* `state`: list of tensors, one per `model.non_trainable_variables` (BatchNorm statistics,
+  the random-seed state of Dropout layers, ...), in that order. Evaluating twice from the
+  same `state` gives the same dropout masks; the returned `new_state` is what Keras would
+  have assigned after the call.
+* A *loss function* in the algorithms has the signature
+  `loss_fn(params, state, batch) -> (loss, (new_state, outputs))`, in the style of
+  `jax.value_and_grad(..., has_aux=True)`; `make_loss_fn` builds one from a Keras model.
+* Loss scaling under a strategy follows Keras exactly: a compiled mean-reduced loss is
+  already divided by the number of replicas (`keras.src.losses.loss.reduce_values`), and
+  the optimizer *sums* gradients across replicas, so per-replica gradients are in
+  "replica-scaled" units whose sum is the global mean gradient. `all_reduce_sum` turns
+  such per-replica values into the global value; `unscale_loss_for_distribution` turns a
+  per-replica loss back into a number that does not depend on the replica count.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import keras
+import tensorflow as tf
+
+from keras.src.losses import loss as _keras_loss_module
+
+LossFn = Callable  # (params, state, batch) -> (loss, (new_state, outputs))
+
+# --------------------------------------------------------------------------- model state
+
+
+def current_params(model: keras.Model) -> list[tf.Tensor]:
+    """The current values of `model.trainable_variables`, as tensors."""
+    return [tf.convert_to_tensor(v.value) for v in model.trainable_variables]
+
+
+def current_state(model: keras.Model) -> list[tf.Tensor]:
+    """The current values of `model.non_trainable_variables`, as tensors."""
+    return [tf.convert_to_tensor(v.value) for v in model.non_trainable_variables]
+
+
+def assign_state(model: keras.Model, new_state: Sequence[tf.Tensor]) -> None:
+    """Write `new_state` into `model.non_trainable_variables` (what a stateful call does).
+
+    Keras creates BatchNorm statistics and seed-generator states with aggregation
+    "none"; assigning them from a replica context is what Keras's own layers do, and
+    every replica computes the same value for the seed state.
+    """
+    variables = model.non_trainable_variables
+    if len(new_state) != len(variables):
+        raise ValueError(
+            f"assign_state: `new_state` has {len(new_state)} tensors but the model has "
+            f"{len(variables)} non-trainable variables."
+        )
+    for variable, value in zip(variables, new_state):
+        variable.assign(value)
+
+
+def _ensure_built(model: keras.Model) -> None:
+    if not model.built:
+        raise ValueError(
+            f"The model {model.name!r} must be built (call it once on a batch, or give "
+            "its Input shapes) before it can be evaluated at given weights."
+        )
+
+
+def stateless_forward(
+    model: keras.Model,
+    params: Sequence[tf.Tensor],
+    state: Sequence[tf.Tensor],
+    x,
+    training: bool = True,
+):
+    """Run `model(x, training=training)` at weights `params`/`state`.
+
+    Returns `(outputs, new_state, model_losses)` where `model_losses` are the losses the
+    model adds itself (`add_loss`, kernel/activity regularisers), computed at `params`.
+    """
+    _ensure_built(model)
+    kwargs = {"training": training} if _call_has_training_arg(model) else {}
+    outputs, new_state, losses = model.stateless_call(
+        list(params), list(state), x, return_losses=True, **kwargs
+    )
+    return outputs, list(new_state), list(losses)
+
+
+def _call_has_training_arg(model: keras.Model) -> bool:
+    value = getattr(model, "_call_has_training_arg", None)
+    return True if value is None else bool(value)
+
+
+def sum_model_losses(losses: Sequence[tf.Tensor]) -> tf.Tensor | None:
+    """Sum the model's own losses the way Keras's TF trainer does (replica-scaled)."""
+    if not losses:
+        return None
+    total = tf.add_n([tf.reduce_sum(tf.cast(l, keras.backend.floatx())) for l in losses])
+    return scale_loss_for_distribution(total)
+
+
+def make_loss_fn(
+    model: keras.Model,
+    loss: Callable,
+    training: bool = True,
+    loss_scale: tf.Tensor | float | None = None,
+) -> LossFn:
+    """A pure `loss_fn(params, state, batch) -> (loss, (new_state, outputs))` for `model`.
+
+    Args:
+      model: a built Keras model (Sequential, functional, subclassed, keras-hub backbone).
+      loss: called as `loss(y_true, y_pred, sample_weight)`, e.g. a `keras.losses.Loss`
+        or a trainer's compiled loss. Keras mean-reduced losses already divide by the
+        number of replicas under a strategy; the model's own losses are added, scaled
+        the same way.
+      training: passed to the model's `call`.
+      loss_scale: multiplies the returned loss (mixed-precision loss scaling); the
+        unscaled loss is not returned, divide by the same factor.
+
+    `batch` is `(x, y)` or `(x, y, sample_weight)`.
+    """
+
+    def loss_fn(params, state, batch):
+        x, y, sample_weight = unpack_batch(batch)
+        outputs, new_state, model_losses = stateless_forward(
+            model, params, state, x, training=training
+        )
+        value = loss(y, outputs, sample_weight)
+        extra = sum_model_losses(model_losses)
+        if extra is not None:
+            value = value + tf.cast(extra, value.dtype)
+        if loss_scale is not None:
+            value = value * tf.cast(loss_scale, value.dtype)
+        return value, (new_state, outputs)
+
+    return loss_fn
+
+
+def unpack_batch(batch):
+    """`(x,)`, `(x, y)` or `(x, y, sample_weight)` -> `(x, y, sample_weight)`."""
+    if isinstance(batch, (tuple, list)):
+        if len(batch) == 1:
+            return batch[0], None, None
+        if len(batch) == 2:
+            return batch[0], batch[1], None
+        if len(batch) == 3:
+            return tuple(batch)
+        raise ValueError(
+            f"`batch` must be (x,), (x, y) or (x, y, sample_weight); got a sequence of "
+            f"length {len(batch)}."
+        )
+    return batch, None, None
+
+
+def value_and_grad(loss_fn: LossFn, params, state, batch):
+    """`(loss, grads, aux)` of `loss_fn` at `params`; `grads` are dense tensors."""
+    params = list(params)
+    with tf.GradientTape() as tape:
+        tape.watch(params)
+        value, aux = loss_fn(params, state, batch)
+    grads = tape.gradient(value, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return value, densify(grads), aux
+
+
+# ------------------------------------------------------------------- gradient algebra
+
+
+def densify(tensors: Sequence) -> list[tf.Tensor]:
+    """IndexedSlices (embedding gradients) -> dense tensors; other tensors unchanged."""
+    return [tf.convert_to_tensor(t) for t in tensors]
+
+
+def add(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    _check_same_length(a, b, "add")
+    return [x + tf.cast(y, x.dtype) for x, y in zip(a, b)]
+
+
+def sub(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    _check_same_length(a, b, "sub")
+    return [x - tf.cast(y, x.dtype) for x, y in zip(a, b)]
+
+
+def scale(s, a: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    return [tf.cast(s, x.dtype) * x for x in a]
+
+
+def axpy(s, x: Sequence[tf.Tensor], y: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """`s * x + y`, elementwise over the lists (in `y`'s dtypes)."""
+    _check_same_length(x, y, "axpy")
+    return [tf.cast(s, b.dtype) * tf.cast(a, b.dtype) + b for a, b in zip(x, y)]
+
+
+def zeros_like(a: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    return [tf.zeros_like(x) for x in a]
+
+
+def dot(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> tf.Tensor:
+    """Inner product of two gradient lists, accumulated in float32 (float64 if given)."""
+    _check_same_length(a, b, "dot")
+    if not a:
+        return tf.constant(0.0)
+    acc = _accumulation_dtype(a)
+    return tf.add_n(
+        [tf.reduce_sum(tf.cast(x, acc) * tf.cast(y, acc)) for x, y in zip(a, b)]
+    )
+
+
+def global_norm(a: Sequence[tf.Tensor]) -> tf.Tensor:
+    return tf.sqrt(dot(a, a))
+
+
+def cosine(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> tf.Tensor:
+    """Cosine similarity of two gradient lists; 0 when either is zero."""
+    return tf.math.divide_no_nan(dot(a, b), global_norm(a) * global_norm(b))
+
+
+def _accumulation_dtype(a):
+    return tf.float64 if any(x.dtype == tf.float64 for x in a) else tf.float32
+
+
+def _check_same_length(a, b, op):
+    if len(a) != len(b):
+        raise ValueError(f"{op}: gradient lists differ in length ({len(a)} vs {len(b)}).")
+
+
+# ---------------------------------------------------------------------- distribution
+
+
+def num_replicas() -> int:
+    """Replicas in sync of the current strategy (1 outside any strategy)."""
+    return tf.distribute.get_strategy().num_replicas_in_sync
+
+
+def scale_loss_for_distribution(value):
+    """Divide a per-replica loss by the replica count, as Keras does for compiled losses."""
+    return _keras_loss_module.scale_loss_for_distribution(value)
+
+
+def unscale_loss_for_distribution(value):
+    """Undo `scale_loss_for_distribution`: a loss value independent of the replica count."""
+    return _keras_loss_module.unscale_loss_for_distribution(value)
+
+
+def all_reduce_sum(tensors):
+    """Sum a nest of per-replica tensors over replicas (identity with one replica).
+
+    Must be called in a replica context (inside `strategy.run` / `train_step`).
+    """
+    if num_replicas() == 1:
+        return tensors
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None:
+        raise RuntimeError(
+            "all_reduce_sum must be called in a replica context (inside strategy.run)."
+        )
+    return ctx.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def batch_size(x) -> tf.Tensor:
+    """The leading dimension of the first tensor of a nest (dynamic if unknown)."""
+    first = next(t for t in tf.nest.flatten(x) if t is not None)
+    static = first.shape[0] if first.shape.rank else None
+    return static if static is not None else tf.shape(first)[0]
+
+
+def split_batch(batch, n_first, arg_name: str = "batch"):
+    """Split every tensor of a nest along axis 0 into `[:n_first]` and `[n_first:]`."""
+
+    def head(t):
+        return None if t is None else t[:n_first]
+
+    def tail(t):
+        return None if t is None else t[n_first:]
+
+    return (
+        tf.nest.map_structure(head, batch),
+        tf.nest.map_structure(tail, batch),
+    )

@@ -1,0 +1,171 @@
+"""`DotProdTrainer`: Meta DotProd (Kedia et al., Algorithm 1) inside `model.fit`."""
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tf_metaalign import functional as F
+from tf_metaalign.algorithms import dotprod
+from tf_metaalign.trainers.base import MetaTrainer
+
+
+class DotProdTrainer(MetaTrainer):
+    """Train `model` with the Meta DotProd regulariser.
+
+    Each batch that `fit` gives (per replica, under a strategy) is split in two:
+    b1 = the first floor(n/2) examples, b2 = the rest (a batch of fewer than 2 examples
+    is an error). The gradient handed to the compiled optimizer is exactly::
+
+        G = G1 + G2 + weight * (G(theta - alpha*G1; b2) - G2) / alpha
+
+    where G1, G2 are the gradients of the compiled loss plus the model's own losses on
+    b1 and b2 (see `tf_metaalign.algorithms.dotprod`). On pairs where the regulariser is
+    skipped (`every > 1`: it runs on pairs 0, every, 2*every, ... counted from the start
+    of training, across epochs and `steps_per_execution`), G = G1 + G2. Note that G1+G2
+    is the sum of two half-batch mean gradients, i.e. twice the full-batch gradient, as
+    in the paper; pick the learning rate accordingly.
+
+    Args:
+      model: the Keras model to train (`trainer.model`).
+      weight: the regulariser weight (the paper's LR_G1G2), >= 0.
+      alpha: "auto" (a perturbation the compute dtype can represent:
+        sqrt(eps)*(1+||theta||)/||G1||) or a float used as given. The paper's 1e-7 is
+        unsafe in float32: theta - 1e-7*G1 rounds back to theta for most weights.
+      every: apply the regulariser on every `every`-th pair only (1 = always).
+      method: "finite_difference" (the paper) or "exact" (an exact Hessian-vector
+        product instead of the finite difference; about 2x the cost of a backward pass).
+      accumulation_steps: accumulate this many pairs' gradients G before one optimizer
+        update (their mean is applied). G is linear in G1, G2 and G21, so this is the same
+        as accumulating the three separately and combining once. Implemented with the
+        optimizer's own `gradient_accumulation_steps` (set at compile time), which
+        accumulates after the cross-replica sum.
+
+    Under mixed precision (`keras.mixed_precision.set_global_policy("mixed_float16")` and
+    a `LossScaleOptimizer`), gradients are of the scaled loss, and the perturbation
+    theta - alpha*G1 is applied to the float32 variables with the unscaled G1.
+
+    Logs: loss, the compiled metrics, `grad_dot` (G1.G2 of the true mean gradients) and
+    `grad_cosine`.
+    """
+
+    diagnostic_names = ("grad_dot", "grad_cosine")
+
+    def __init__(
+        self,
+        model: keras.Model,
+        weight: float = 0.1,
+        alpha="auto",
+        every: int = 1,
+        method: str = "finite_difference",
+        accumulation_steps: int = 1,
+        **kwargs,
+    ):
+        dotprod.validate_options(weight, alpha, every, method)
+        if (
+            isinstance(accumulation_steps, bool)
+            or not isinstance(accumulation_steps, int)
+            or accumulation_steps < 1
+        ):
+            raise ValueError(
+                f"`accumulation_steps` must be an integer >= 1; got {accumulation_steps!r}."
+            )
+        super().__init__(model, **kwargs)
+        self.weight = float(weight)
+        self.alpha = alpha if alpha == "auto" else float(alpha)
+        self.every = int(every)
+        self.method = method
+        self.accumulation_steps = int(accumulation_steps)
+        # Pairs seen since the start of training: drives the `every` schedule and is
+        # checkpointed so a resumed run keeps its phase.
+        self.pairs_seen = self.add_state_variable("dotprod_pairs_seen", dtype="int64")
+
+    def compile(self, optimizer="rmsprop", *args, **kwargs):
+        super().compile(optimizer, *args, **kwargs)
+        if self.accumulation_steps > 1:
+            inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+            current = getattr(inner, "gradient_accumulation_steps", None)
+            if current not in (None, 1, self.accumulation_steps):
+                raise ValueError(
+                    f"DotProdTrainer(accumulation_steps={self.accumulation_steps}) conflicts "
+                    f"with the optimizer's gradient_accumulation_steps={current}."
+                )
+            if inner.built and current != self.accumulation_steps:
+                raise ValueError(
+                    "`accumulation_steps` needs an optimizer that is not built yet "
+                    "(compile with a fresh optimizer)."
+                )
+            inner.gradient_accumulation_steps = self.accumulation_steps
+
+    def _pair_sizes(self, x):
+        n = F.batch_size(x)
+        if isinstance(n, int):
+            if n < 2:
+                raise ValueError(
+                    "DotProdTrainer splits each batch into halves b1 and b2, so every "
+                    f"batch (per replica) needs at least 2 examples; got batch size {n}. "
+                    "Use a larger batch_size (or drop_remainder=True)."
+                )
+            return n // 2, n
+        tf.debugging.assert_greater_equal(
+            n,
+            2,
+            message=(
+                "DotProdTrainer splits each batch into halves b1 and b2, so every batch "
+                "(per replica) needs at least 2 examples (batch size)"
+            ),
+        )
+        return n // 2, n
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        self._ensure_model_built(x)
+        n_1, n = self._pair_sizes(x)
+        batch_1, batch_2 = F.split_batch((x, y, sample_weight), n_1)
+
+        loss_scale = self.loss_scale()
+        if self.every == 1:
+            apply_regularizer = True
+        else:
+            apply_regularizer = tf.equal(self.pairs_seen % self.every, 0)
+
+        result = dotprod.dotprod_gradient(
+            self.loss_fn(loss_scale=loss_scale),
+            F.current_params(self.model),
+            F.current_state(self.model),
+            batch_1,
+            batch_2,
+            weight=self.weight,
+            alpha=self.alpha,
+            method=self.method,
+            apply_regularizer=apply_regularizer,
+            gradient_scale=loss_scale,
+            compute_dtype=self.model_compute_dtype(),
+        )
+        self.pairs_seen.assign_add(1)
+        F.assign_state(self.model, result.aux_2[0])
+        self.optimizer.apply_gradients(zip(result.gradient, self.model.trainable_variables))
+
+        # The loss of the whole batch: the size-weighted mean of the two halves.
+        n_f = tf.cast(n, tf.float32)
+        n_1f = tf.cast(n_1, tf.float32)
+        loss = (
+            n_1f * tf.cast(result.loss_1, tf.float32)
+            + (n_f - n_1f) * tf.cast(result.loss_2, tf.float32)
+        ) / (n_f * tf.cast(loss_scale, tf.float32))
+        self.update_loss_tracker(loss, n)
+        self.update_diagnostics(grad_dot=result.grad_dot, grad_cosine=result.grad_cosine)
+        y_pred = tf.nest.map_structure(
+            lambda a, b: tf.concat([a, b], axis=0), result.aux_1[1], result.aux_2[1]
+        )
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            weight=self.weight,
+            alpha=self.alpha,
+            every=self.every,
+            method=self.method,
+            accumulation_steps=self.accumulation_steps,
+        )
+        return config
