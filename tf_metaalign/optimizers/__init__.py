@@ -1,7 +1,35 @@
-"""T5/Pegasus/BERT-faithful optimizers; each rule a pure function used by Keras and by
-differentiable code. See docs/optimizers.md."""
-from tf_metaalign.optimizers.base import BaseOptimizer, UpdateRule
-from tf_metaalign.optimizers.sgd import SGD, SGDRule
+"""T5/Pegasus/BERT-faithful optimizers; each rule is a pure function (`UpdateRule.update`) used
+both by the Keras optimizer and by code that differentiates through an update.
+See docs/optimizers.md."""
+from tf_metaalign.optimizers import schedules
+from tf_metaalign.optimizers.adafactor import Adafactor, AdafactorRule, factored_dims
 from tf_metaalign.optimizers.adam import Adam, AdamRule
+from tf_metaalign.optimizers.adam_weight_decay import AdamWeightDecay, AdamWeightDecayRule
+from tf_metaalign.optimizers.base import BaseOptimizer, UpdateRule
+from tf_metaalign.optimizers.lamb import Lamb, LambRule
+from tf_metaalign.optimizers.schedules import (
+    BertSchedule,
+    PegasusSchedule,
+    T5InverseSquareRootSchedule,
+)
+from tf_metaalign.optimizers.sgd import SGD, SGDRule
 
-__all__ = ["BaseOptimizer", "UpdateRule", "SGD", "SGDRule", "Adam", "AdamRule"]
+__all__ = [
+    "Adafactor",
+    "AdafactorRule",
+    "Adam",
+    "AdamRule",
+    "AdamWeightDecay",
+    "AdamWeightDecayRule",
+    "BaseOptimizer",
+    "BertSchedule",
+    "Lamb",
+    "LambRule",
+    "PegasusSchedule",
+    "SGD",
+    "SGDRule",
+    "T5InverseSquareRootSchedule",
+    "UpdateRule",
+    "factored_dims",
+    "schedules",
+]

@@ -1,4 +1,5 @@
 """Adam, Keras semantics, as a pure rule plus a Keras optimizer."""
+import keras
 import tensorflow as tf
 
 from tf_metaalign.optimizers import base
@@ -32,6 +33,7 @@ class AdamRule(base.UpdateRule):
         return self._finish(new_w, var, {"m": m, "v": v}, dtype)
 
 
+@keras.saving.register_keras_serializable(package="tf_metaalign")
 class Adam(base.BaseOptimizer):
     """Adam with the exact `keras.optimizers.Adam` update (see `AdamRule`).
 

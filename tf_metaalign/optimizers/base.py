@@ -26,6 +26,7 @@ be checked by finite differences). Slots are float32 whatever the variable dtype
 float64 variable); `new_var` has the variable's dtype.
 """
 import numbers
+import re
 
 import keras
 import tensorflow as tf
@@ -77,22 +78,32 @@ def check_non_negative(name, value, allow_none=False, positive=False):
 
 
 def check_name_patterns(name, patterns, allow_none=False):
-    """Exclusion lists: a tuple/list of strings (substrings of the variable path)."""
+    """Exclusion lists: a tuple/list of regex strings searched in the variable path."""
     if patterns is None and allow_none:
         return None
     if isinstance(patterns, str):
         patterns = (patterns,)
-    if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
+    if not isinstance(patterns, (list, tuple)):
         raise TypeError(
-            f"`{name}` must be a list or tuple of strings (substrings of variable paths such as "
-            f"'dense/bias'), got {name}={patterns!r}."
+            f"`{name}` must be a list or tuple of strings (regexes searched in variable paths "
+            f"such as 'dense/bias'), got {name}={patterns!r}."
         )
+    for p in patterns:
+        if not isinstance(p, str):
+            raise TypeError(
+                f"`{name}` entries must be strings (regexes searched in the variable path), "
+                f"got an entry of type {type(p).__name__}: {p!r}."
+            )
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise ValueError(f"`{name}` entry {p!r} is not a valid regex: {e}.") from None
     return tuple(patterns)
 
 
 def matches_any(path, patterns):
-    """BERT's exclusion test: `re.search(pattern, name)`; here a plain substring of the path."""
-    return any(p in path for p in patterns)
+    """BERT's exclusion test, `re.search(pattern, name)`, applied to the Keras variable path."""
+    return any(re.search(p, path) is not None for p in patterns)
 
 
 def variable_path(variable):

@@ -1,4 +1,5 @@
 """SGD with (Nesterov) momentum, Keras semantics, as a pure rule plus a Keras optimizer."""
+import keras
 import tensorflow as tf
 
 from tf_metaalign.optimizers import base
@@ -40,6 +41,7 @@ class SGDRule(base.UpdateRule):
         return self._finish(new_w, var, {"momentum": m}, dtype)
 
 
+@keras.saving.register_keras_serializable(package="tf_metaalign")
 class SGD(base.BaseOptimizer):
     """Stochastic gradient descent with Keras's momentum semantics (see `SGDRule`).
 

@@ -1,0 +1,133 @@
+"""BERT's AdamWeightDecayOptimizer (google-research/bert optimization.py)."""
+import keras
+import tensorflow as tf
+
+from tf_metaalign.optimizers import base
+
+BERT_EXCLUDE_FROM_WEIGHT_DECAY = ("LayerNorm", "layer_norm", "bias")
+
+
+class AdamWeightDecayRule(base.UpdateRule):
+    """BERT's rule: Adam without bias correction, L2 decay added to the update.
+
+        m <- beta_1 * m + (1 - beta_1) * g
+        v <- beta_2 * v + (1 - beta_2) * g^2
+        u  = m / (sqrt(v) + epsilon)  [+ weight_decay_rate * w   if options["weight_decay"]]
+        w <- w - learning_rate * u
+
+    `w` in the decay term is the value before this step. Options: {"weight_decay": bool}.
+    """
+
+    hyperparameter_names = ("beta_1", "beta_2", "epsilon", "weight_decay_rate")
+
+    def __init__(self, weight_decay_rate=0.01, beta_1=0.9, beta_2=0.999, epsilon=1e-6):
+        super().__init__(
+            weight_decay_rate=weight_decay_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon
+        )
+
+    def default_options(self, shape):
+        return {"weight_decay": True}
+
+    def slot_shapes(self, shape, options):
+        return {"m": tuple(shape), "v": tuple(shape)}
+
+    def update(self, grad, var, slots, hparams, step, options=None):
+        g, w, slots, hp, _, options, dtype = self._prepare(
+            grad, var, slots, hparams, step, options
+        )
+        m = hp["beta_1"] * slots["m"] + (1.0 - hp["beta_1"]) * g
+        v = hp["beta_2"] * slots["v"] + (1.0 - hp["beta_2"]) * tf.square(g)
+        update = m / (tf.sqrt(v) + hp["epsilon"])
+        if options.get("weight_decay", True):
+            update = update + hp["weight_decay_rate"] * w
+        return self._finish(w - hp["learning_rate"] * update, var, {"m": m, "v": v}, dtype)
+
+
+def decay_options(variable, weight_decay_rate, exclude_from_weight_decay):
+    """BERT's `_do_use_weight_decay`: off when the rate is 0/None or a pattern matches."""
+    if not weight_decay_rate:
+        return False
+    return not base.matches_any(base.variable_path(variable), exclude_from_weight_decay)
+
+
+@keras.saving.register_keras_serializable(package="tf_metaalign")
+class AdamWeightDecay(base.BaseOptimizer):
+    """BERT's AdamWeightDecayOptimizer as a Keras 3 optimizer (see `AdamWeightDecayRule`).
+
+    No bias correction; epsilon 1e-6; the decay `weight_decay_rate * w` is added to the Adam
+    direction before multiplying by the learning rate (so it follows the schedule).
+
+    Exclusions. BERT tests `re.search(pattern, name)` on TF1 names such as
+    "bert/encoder/layer_0/attention/output/LayerNorm/gamma" and ".../dense/bias". Here each
+    pattern is `re.search`ed in the Keras variable PATH, decided once in `build()`:
+      BERT (TF1) name                    Keras 3 / keras-hub path                    excluded by
+      .../LayerNorm/gamma, /beta        .../self_attention_layer_norm/gamma, /beta   "layer_norm"
+      (keras default LayerNormalization) layer_normalization/gamma                    "layer_norm"
+      .../dense/bias                     .../feedforward_output_dense/bias            "bias"
+      .../query/bias (EinsumDense)       .../self_attention_layer/query/bias          "bias"
+    Keras's own AdamW instead matches `variable.name` (the short name, e.g. "gamma"), so
+    "layer_norm" never matches there.
+
+    Args:
+      learning_rate: float >= 0, schedule or callable.
+      weight_decay_rate: float >= 0 (variable "weight_decay_rate", learnable).
+      beta_1, beta_2: in [0, 1) (variables, learnable).
+      epsilon: >= 0.
+      exclude_from_weight_decay: regex patterns searched in the variable path.
+      aggregated_clipnorm: clip the all-reduced gradients to this global norm (BERT clips at
+        1.0; see `BaseOptimizer`).
+      **kwargs: other `keras.optimizers.Optimizer` arguments.
+    """
+
+    differentiable_hyperparameters = ("learning_rate", "beta_1", "beta_2", "weight_decay_rate")
+
+    def __init__(
+        self,
+        learning_rate=0.001,
+        weight_decay_rate=0.01,
+        beta_1=0.9,
+        beta_2=0.999,
+        epsilon=1e-6,
+        exclude_from_weight_decay=BERT_EXCLUDE_FROM_WEIGHT_DECAY,
+        aggregated_clipnorm=None,
+        name="AdamWeightDecay",
+        **kwargs,
+    ):
+        weight_decay_rate = base.check_non_negative("weight_decay_rate", weight_decay_rate)
+        beta_1 = base.check_unit_interval("beta_1", beta_1)
+        beta_2 = base.check_unit_interval("beta_2", beta_2)
+        epsilon = base.check_non_negative("epsilon", epsilon)
+        exclude = base.check_name_patterns("exclude_from_weight_decay", exclude_from_weight_decay)
+        super().__init__(
+            learning_rate,
+            AdamWeightDecayRule(weight_decay_rate, beta_1, beta_2, epsilon),
+            variable_hyperparameters={
+                "beta_1": beta_1,
+                "beta_2": beta_2,
+                "weight_decay_rate": weight_decay_rate,
+            },
+            aggregated_clipnorm=aggregated_clipnorm,
+            name=name,
+            **kwargs,
+        )
+        self.weight_decay_rate = weight_decay_rate
+        self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
+        self.exclude_from_weight_decay_patterns = exclude
+
+    def variable_options(self, variable):
+        return {
+            "weight_decay": decay_options(
+                variable, self.weight_decay_rate, self.exclude_from_weight_decay_patterns
+            )
+        }
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            weight_decay_rate=self.weight_decay_rate,
+            beta_1=self.beta_1,
+            beta_2=self.beta_2,
+            epsilon=self.epsilon,
+            exclude_from_weight_decay=list(self.exclude_from_weight_decay_patterns),
+        )
+        return config

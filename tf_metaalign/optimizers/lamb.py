@@ -1,0 +1,163 @@
+"""LAMB as in google-research/bert and ALBERT `lamb_optimizer.py` (and the tf-addons variant)."""
+import keras
+import tensorflow as tf
+
+from tf_metaalign.optimizers import base
+from tf_metaalign.optimizers.adam_weight_decay import (
+    BERT_EXCLUDE_FROM_WEIGHT_DECAY,
+    decay_options,
+)
+
+
+def safe_norm(x):
+    """L2 norm whose derivative is 0 (not NaN) at x = 0."""
+    sq = tf.reduce_sum(tf.square(x))
+    positive = sq > 0
+    return tf.where(positive, tf.sqrt(tf.where(positive, sq, tf.ones_like(sq))), tf.zeros_like(sq))
+
+
+class LambRule(base.UpdateRule):
+    """The BERT/ALBERT LAMB rule; `bias_correction=True` gives tf-addons / Model Garden LAMB.
+
+        m <- beta_1 * m + (1 - beta_1) * g
+        v <- beta_2 * v + (1 - beta_2) * g^2
+        (bias_correction: m_hat = m / (1 - beta_1^t), v_hat = v / (1 - beta_2^t); else m, v)
+        u  = m_hat / (sqrt(v_hat) + epsilon)  [+ weight_decay_rate * w  if options["weight_decay"]]
+        r  = ||w|| / ||u|| if options["layer_adaptation"] and both norms > 0, else 1
+        w <- w - learning_rate * r * u
+
+    The decay is inside the trust ratio (it enters ||u||). Norms are over the whole variable.
+    Options: {"weight_decay": bool, "layer_adaptation": bool}.
+    """
+
+    hyperparameter_names = ("beta_1", "beta_2", "epsilon", "weight_decay_rate")
+
+    def __init__(
+        self, weight_decay_rate=0.01, beta_1=0.9, beta_2=0.999, epsilon=1e-6, bias_correction=False
+    ):
+        super().__init__(
+            weight_decay_rate=weight_decay_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon
+        )
+        self.bias_correction = bool(bias_correction)
+
+    def default_options(self, shape):
+        return {"weight_decay": True, "layer_adaptation": True}
+
+    def slot_shapes(self, shape, options):
+        return {"m": tuple(shape), "v": tuple(shape)}
+
+    def update(self, grad, var, slots, hparams, step, options=None):
+        g, w, slots, hp, t, options, dtype = self._prepare(
+            grad, var, slots, hparams, step, options
+        )
+        b1, b2 = hp["beta_1"], hp["beta_2"]
+        m = b1 * slots["m"] + (1.0 - b1) * g
+        v = b2 * slots["v"] + (1.0 - b2) * tf.square(g)
+        if self.bias_correction:
+            m_hat = m / (1.0 - tf.pow(b1, t))
+            v_hat = v / (1.0 - tf.pow(b2, t))
+        else:
+            m_hat, v_hat = m, v
+        update = m_hat / (tf.sqrt(v_hat) + hp["epsilon"])
+        if options.get("weight_decay", True):
+            update = update + hp["weight_decay_rate"] * w
+        if options.get("layer_adaptation", True):
+            w_norm = safe_norm(w)
+            u_norm = safe_norm(update)
+            ok = tf.logical_and(w_norm > 0, u_norm > 0)
+            ratio = tf.where(ok, w_norm / tf.where(ok, u_norm, tf.ones_like(u_norm)), 1.0)
+            update = ratio * update
+        return self._finish(w - hp["learning_rate"] * update, var, {"m": m, "v": v}, dtype)
+
+
+@keras.saving.register_keras_serializable(package="tf_metaalign")
+class Lamb(base.BaseOptimizer):
+    """LAMB with the BERT/ALBERT semantics by default (see `LambRule`).
+
+    Args:
+      learning_rate: float >= 0, schedule or callable.
+      weight_decay_rate: float >= 0 (variable, learnable).
+      beta_1, beta_2: in [0, 1) (variables, learnable).
+      epsilon: >= 0 (1e-6 as in BERT/ALBERT and tf-addons).
+      exclude_from_weight_decay: regex patterns `re.search`ed in the Keras variable path (the
+        mapping from BERT names is in `AdamWeightDecay`'s docstring).
+      exclude_from_layer_adaptation: patterns for variables whose trust ratio is 1; `None`
+        (default) uses `exclude_from_weight_decay`, as ALBERT's lamb_optimizer does.
+      bias_correction: False: BERT/ALBERT; True: tf-addons / Model Garden LAMB.
+      aggregated_clipnorm: clip the all-reduced gradients to this global norm.
+      **kwargs: other `keras.optimizers.Optimizer` arguments.
+    """
+
+    differentiable_hyperparameters = ("learning_rate", "beta_1", "beta_2", "weight_decay_rate")
+
+    def __init__(
+        self,
+        learning_rate=0.001,
+        weight_decay_rate=0.01,
+        beta_1=0.9,
+        beta_2=0.999,
+        epsilon=1e-6,
+        exclude_from_weight_decay=BERT_EXCLUDE_FROM_WEIGHT_DECAY,
+        exclude_from_layer_adaptation=None,
+        bias_correction=False,
+        aggregated_clipnorm=None,
+        name="Lamb",
+        **kwargs,
+    ):
+        weight_decay_rate = base.check_non_negative("weight_decay_rate", weight_decay_rate)
+        beta_1 = base.check_unit_interval("beta_1", beta_1)
+        beta_2 = base.check_unit_interval("beta_2", beta_2)
+        epsilon = base.check_non_negative("epsilon", epsilon)
+        exclude_wd = base.check_name_patterns(
+            "exclude_from_weight_decay", exclude_from_weight_decay
+        )
+        exclude_la = base.check_name_patterns(
+            "exclude_from_layer_adaptation", exclude_from_layer_adaptation, allow_none=True
+        )
+        super().__init__(
+            learning_rate,
+            LambRule(weight_decay_rate, beta_1, beta_2, epsilon, bias_correction),
+            variable_hyperparameters={
+                "beta_1": beta_1,
+                "beta_2": beta_2,
+                "weight_decay_rate": weight_decay_rate,
+            },
+            aggregated_clipnorm=aggregated_clipnorm,
+            name=name,
+            **kwargs,
+        )
+        self.weight_decay_rate = weight_decay_rate
+        self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
+        self.bias_correction = bool(bias_correction)
+        self.exclude_from_weight_decay_patterns = exclude_wd
+        self.exclude_from_layer_adaptation_patterns = exclude_la
+
+    def variable_options(self, variable):
+        layer_exclusions = self.exclude_from_layer_adaptation_patterns
+        if layer_exclusions is None:
+            layer_exclusions = self.exclude_from_weight_decay_patterns
+        return {
+            "weight_decay": decay_options(
+                variable, self.weight_decay_rate, self.exclude_from_weight_decay_patterns
+            ),
+            "layer_adaptation": not base.matches_any(
+                base.variable_path(variable), layer_exclusions
+            ),
+        }
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            weight_decay_rate=self.weight_decay_rate,
+            beta_1=self.beta_1,
+            beta_2=self.beta_2,
+            epsilon=self.epsilon,
+            exclude_from_weight_decay=list(self.exclude_from_weight_decay_patterns),
+            exclude_from_layer_adaptation=(
+                None
+                if self.exclude_from_layer_adaptation_patterns is None
+                else list(self.exclude_from_layer_adaptation_patterns)
+            ),
+            bias_correction=self.bias_correction,
+        )
+        return config

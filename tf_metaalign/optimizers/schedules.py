@@ -1,0 +1,111 @@
+"""Learning-rate schedules of T5, BERT and Pegasus as Keras `LearningRateSchedule`s.
+
+Keras calls a schedule with `optimizer.iterations`, the number of updates already applied
+(0 for the first update), which is the TF1 `global_step` the reference code reads.
+"""
+import keras
+import tensorflow as tf
+
+
+def _check(name, value, minimum=0, positive=False, integer=False):
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if ok and integer:
+        ok = isinstance(value, int)
+    if ok:
+        ok = value > minimum if positive else value >= minimum
+    if not ok:
+        kind = "an int" if integer else "a number"
+        bound = f"> {minimum}" if positive else f">= {minimum}"
+        raise ValueError(f"`{name}` must be {kind} {bound}, got {name}={value!r}.")
+    return value
+
+
+@keras.saving.register_keras_serializable(package="tf_metaalign")
+class T5InverseSquareRootSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """T5 pre-training: lr(step) = scale / sqrt(max(step, warmup_steps)) (step = global_step).
+
+    With the T5 default warmup_steps=10000 this is 0.01 for the first 10k steps.
+    """
+
+    def __init__(self, warmup_steps=10000, scale=1.0):
+        self.warmup_steps = _check("warmup_steps", warmup_steps, positive=True, integer=True)
+        self.scale = float(_check("scale", scale))
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        return self.scale * tf.math.rsqrt(tf.maximum(step, float(self.warmup_steps)))
+
+    def get_config(self):
+        return {"warmup_steps": self.warmup_steps, "scale": self.scale}
+
+
+@keras.saving.register_keras_serializable(package="tf_metaalign")
+class BertSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """BERT `create_optimizer`: linear warmup, then polynomial decay counted from step 0.
+
+        decayed(step) = (init_lr - end_lr) * (1 - min(step, num_train_steps)/num_train_steps)^power
+                        + end_lr
+        lr(step) = init_lr * step / num_warmup_steps   if step < num_warmup_steps
+                   decayed(step)                        otherwise
+    (step = global_step, so the first update has rate 0 when warming up, as in BERT.)
+    """
+
+    def __init__(
+        self, init_learning_rate, num_train_steps, num_warmup_steps=0, end_learning_rate=0.0,
+        power=1.0,
+    ):
+        self.init_learning_rate = float(_check("init_learning_rate", init_learning_rate))
+        self.num_train_steps = _check("num_train_steps", num_train_steps, positive=True, integer=True)
+        self.num_warmup_steps = _check("num_warmup_steps", num_warmup_steps, integer=True)
+        self.end_learning_rate = float(_check("end_learning_rate", end_learning_rate))
+        self.power = float(_check("power", power))
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        progress = tf.minimum(step, float(self.num_train_steps)) / float(self.num_train_steps)
+        decayed = (self.init_learning_rate - self.end_learning_rate) * tf.pow(
+            1.0 - progress, self.power
+        ) + self.end_learning_rate
+        if self.num_warmup_steps <= 0:
+            return decayed
+        warmup = self.init_learning_rate * step / float(self.num_warmup_steps)
+        return tf.where(step < float(self.num_warmup_steps), warmup, decayed)
+
+    def get_config(self):
+        return {
+            "init_learning_rate": self.init_learning_rate,
+            "num_train_steps": self.num_train_steps,
+            "num_warmup_steps": self.num_warmup_steps,
+            "end_learning_rate": self.end_learning_rate,
+            "power": self.power,
+        }
+
+
+@keras.saving.register_keras_serializable(package="tf_metaalign")
+class PegasusSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """Pegasus `estimator_utils`: lr = init_lr / 0.01 * rsqrt(max(step, 10000)), and with
+    warmup (Pegasus fine-tuning from a checkpoint): min((step + 1) / warmup_steps * init_lr, lr).
+    """
+
+    def __init__(self, init_learning_rate, warmup_steps=None, decay_start_step=10000):
+        self.init_learning_rate = float(_check("init_learning_rate", init_learning_rate))
+        if warmup_steps is not None:
+            _check("warmup_steps", warmup_steps, positive=True, integer=True)
+        self.warmup_steps = warmup_steps
+        self.decay_start_step = _check("decay_start_step", decay_start_step, positive=True, integer=True)
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        lr = self.init_learning_rate / 0.01 * tf.math.rsqrt(
+            tf.maximum(step, float(self.decay_start_step))
+        )
+        if self.warmup_steps is not None:
+            lr = tf.minimum((step + 1.0) / float(self.warmup_steps) * self.init_learning_rate, lr)
+        return lr
+
+    def get_config(self):
+        return {
+            "init_learning_rate": self.init_learning_rate,
+            "warmup_steps": self.warmup_steps,
+            "decay_start_step": self.decay_start_step,
+        }
