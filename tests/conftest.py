@@ -19,6 +19,16 @@ except RuntimeError:  # devices already initialised (e.g. by another plugin)
     pass
 
 
+_STRATEGY = []
+
+
 def two_cpu_strategy():
-    """A MirroredStrategy over two logical CPUs (the test stand-in for 2 GPUs)."""
-    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    """A MirroredStrategy over two logical CPUs (the test stand-in for 2 GPUs).
+
+    One instance per process: a second MirroredStrategy over the same devices reuses
+    collective instance keys, and its all-reduces then fail with "Shape mismatch in
+    the collective instance".
+    """
+    if not _STRATEGY:
+        _STRATEGY.append(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+    return _STRATEGY[0]
