@@ -115,14 +115,16 @@ class AdafactorRule(base.UpdateRule):
         g, w, slots, hp, t, options, dtype = self._prepare(
             grad, var, slots, hparams, step, options
         )
-        rho = 1.0 - tf.pow(tf.maximum(t - float(self.decay_offset), 1.0), -hp["decay_rate"])
+        c = lambda x: tf.cast(x, dtype)  # noqa: E731  (float64 scalar -> compute dtype)
+        decay = 1.0 - tf.pow(tf.maximum(t - float(self.decay_offset), 1.0), -hp["decay_rate"])
+        rho, mixing = c(decay), c(1.0 - decay)
         g_sq = tf.square(g) + self.epsilon_1
         new_slots = {}
         dims = options.get("factored_dims")
         if dims is not None:
             a, b = dims
-            v_row = rho * slots["v_row"] + (1.0 - rho) * tf.reduce_mean(g_sq, axis=b)
-            v_col = rho * slots["v_col"] + (1.0 - rho) * tf.reduce_mean(g_sq, axis=a)
+            v_row = rho * slots["v_row"] + mixing * tf.reduce_mean(g_sq, axis=b)
+            v_col = rho * slots["v_col"] + mixing * tf.reduce_mean(g_sq, axis=a)
             new_slots["v_row"], new_slots["v_col"] = v_row, v_col
             a_in_row = a if a < b else a - 1  # axis a's index once axis b is removed
             row_mean = tf.reduce_mean(v_row, axis=a_in_row, keepdims=True)
@@ -130,21 +132,21 @@ class AdafactorRule(base.UpdateRule):
             col_factor = tf.math.rsqrt(v_col)
             x = g * tf.expand_dims(row_factor, axis=b) * tf.expand_dims(col_factor, axis=a)
         else:
-            v = rho * slots["v"] + (1.0 - rho) * g_sq
+            v = rho * slots["v"] + mixing * g_sq
             new_slots["v"] = v
             x = g * tf.math.rsqrt(v)
         if self.clipping_threshold is not None:
             x = x / tf.maximum(1.0, base.rms(x) / self.clipping_threshold)
-        scale = hp["learning_rate"]
+        scale = c(hp["learning_rate"])
         if options.get("parameter_scale", False):
             scale = scale * tf.maximum(base.rms(w), self.epsilon_2)
         u = scale * x
         if self.use_momentum:
             b1 = hp["beta_1"]
-            u = b1 * slots["m"] + (1.0 - b1) * u
+            u = c(b1) * slots["m"] + c(1.0 - b1) * u
             new_slots["m"] = u
         if options.get("weight_decay", False) and hp["weight_decay_rate"] is not None:
-            new_w = (1.0 - hp["weight_decay_rate"]) * w - u
+            new_w = c(1.0 - hp["weight_decay_rate"]) * w - u
         else:
             new_w = w - u
         return self._finish(new_w, var, new_slots, dtype)

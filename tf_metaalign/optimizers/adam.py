@@ -25,11 +25,11 @@ class AdamRule(base.UpdateRule):
         g, w, slots, hp, t, options, dtype = self._prepare(
             grad, var, slots, hparams, step, options
         )
-        b1, b2, eps = hp["beta_1"], hp["beta_2"], hp["epsilon"]
-        m = slots["m"] + (1.0 - b1) * (g - slots["m"])
-        v = slots["v"] + (1.0 - b2) * (tf.square(g) - slots["v"])
+        b1, b2 = hp["beta_1"], hp["beta_2"]
+        m = slots["m"] + tf.cast(1.0 - b1, dtype) * (g - slots["m"])
+        v = slots["v"] + tf.cast(1.0 - b2, dtype) * (tf.square(g) - slots["v"])
         alpha = hp["learning_rate"] * tf.sqrt(1.0 - tf.pow(b2, t)) / (1.0 - tf.pow(b1, t))
-        new_w = w - alpha * m / (tf.sqrt(v) + eps)
+        new_w = w - tf.cast(alpha, dtype) * m / (tf.sqrt(v) + tf.cast(hp["epsilon"], dtype))
         return self._finish(new_w, var, {"m": m, "v": v}, dtype)
 
 

@@ -35,12 +35,14 @@ class AdamWeightDecayRule(base.UpdateRule):
         g, w, slots, hp, _, options, dtype = self._prepare(
             grad, var, slots, hparams, step, options
         )
-        m = hp["beta_1"] * slots["m"] + (1.0 - hp["beta_1"]) * g
-        v = hp["beta_2"] * slots["v"] + (1.0 - hp["beta_2"]) * tf.square(g)
-        update = m / (tf.sqrt(v) + hp["epsilon"])
+        c = lambda x: tf.cast(x, dtype)  # noqa: E731  (float64 scalar -> compute dtype)
+        b1, b2 = hp["beta_1"], hp["beta_2"]
+        m = c(b1) * slots["m"] + c(1.0 - b1) * g
+        v = c(b2) * slots["v"] + c(1.0 - b2) * tf.square(g)
+        update = m / (tf.sqrt(v) + c(hp["epsilon"]))
         if options.get("weight_decay", True):
-            update = update + hp["weight_decay_rate"] * w
-        return self._finish(w - hp["learning_rate"] * update, var, {"m": m, "v": v}, dtype)
+            update = update + c(hp["weight_decay_rate"]) * w
+        return self._finish(w - c(hp["learning_rate"]) * update, var, {"m": m, "v": v}, dtype)
 
 
 def decay_options(variable, weight_decay_rate, exclude_from_weight_decay):

@@ -130,6 +130,13 @@ def dense(grad):
     return grad
 
 
+def _to_float64(value):
+    # tf.cast(python_float, float64) would round through float32 first.
+    if isinstance(value, numbers.Number):
+        return tf.constant(float(value), tf.float64)
+    return tf.cast(value, tf.float64)
+
+
 def rms(x):
     return tf.sqrt(tf.reduce_mean(tf.square(x)))
 
@@ -180,7 +187,13 @@ class UpdateRule:
 
     # -- helpers for subclasses ---------------------------------------------------------------
     def _prepare(self, grad, var, slots, hparams, step, options):
-        """Casts everything to the compute dtype; returns (g, w, slots, hp, step, options, dtype)."""
+        """Returns (g, w, slots, hp, step, options, dtype).
+
+        Tensors are cast to the compute dtype. Scalar hyperparameters and the step are cast to
+        float64, so scalar coefficients such as 1 - beta_2 and beta_1^t are as exact as in the
+        reference code (which computed them from Python floats); rules cast the coefficients to
+        the compute dtype when they meet tensors.
+        """
         dtype = compute_dtype_for(var)
         if options is None:
             options = self.default_options(tuple(var.shape))
@@ -189,11 +202,11 @@ class UpdateRule:
         hp = {}
         for name in ("learning_rate",) + tuple(self.hyperparameter_names):
             value = hparams.get(name, self.defaults.get(name))
-            hp[name] = None if value is None else tf.cast(value, dtype)
+            hp[name] = None if value is None else _to_float64(value)
         g = tf.cast(dense(grad), dtype)
         w = tf.cast(var, dtype)
         slots = {k: tf.cast(v, dtype) for k, v in slots.items()}
-        step = tf.cast(step, dtype)
+        step = _to_float64(step)
         return g, w, slots, hp, step, options, dtype
 
     @staticmethod
@@ -211,8 +224,10 @@ class BaseOptimizer(keras.optimizers.Optimizer):
     saved with the optimizer:
       * `learning_rate_scale`: non-trainable float32 scalar, initial 1.0, that multiplies the
         learning rate (or schedule value) of every update;
-      * one float32 scalar variable per name in `variable_hyperparameters` (e.g. "beta_1"), so
-        another algorithm can assign learned values between steps.
+      * one float64 scalar variable per name in `variable_hyperparameters` (e.g. "beta_1"), so
+        another algorithm can assign learned values between steps. float64 because the
+        reference implementations computed 1 - beta_2 from Python floats: in float32,
+        1 - float32(0.999) is off by 1.3e-5 relative, a visible change of the update.
     Per-variable static options (weight-decay exclusion, factoring, ...) are decided once in
     `build()` from the Keras variable path, because the TF backend hands `update_step` the
     underlying `tf.Variable`, which has no `.path`.
@@ -272,10 +287,12 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         return dict(self._hyperparameter_variables)
 
     def current_hyperparameters(self):
-        """dict name -> float32 tensor for the NEXT update.
+        """dict name -> scalar tensor for the NEXT update.
 
-        "learning_rate" is schedule(iterations) (or the fixed rate) times `learning_rate_scale`;
-        the others are the current values of their variables.
+        "learning_rate" (float32) is schedule(iterations) (or the fixed rate) times
+        `learning_rate_scale`; the others (float64) are the current values of their variables.
+        `rule.update(g, var, slots, optimizer.current_hyperparameters(), optimizer.iterations + 1,
+        optimizer.options_for(var))` is exactly the update `apply_gradients` makes next.
         """
         self._check_built("current_hyperparameters()")
         return self._hyperparameters(self._get_current_learning_rate())
@@ -318,7 +335,7 @@ class BaseOptimizer(keras.optimizers.Optimizer):
                 v = keras.Variable(
                     float(value),
                     name=hp_name,
-                    dtype="float32",
+                    dtype="float64",
                     trainable=False,
                     aggregation="only_first_replica",
                 )

@@ -50,24 +50,25 @@ class LambRule(base.UpdateRule):
         g, w, slots, hp, t, options, dtype = self._prepare(
             grad, var, slots, hparams, step, options
         )
+        c = lambda x: tf.cast(x, dtype)  # noqa: E731  (float64 scalar -> compute dtype)
         b1, b2 = hp["beta_1"], hp["beta_2"]
-        m = b1 * slots["m"] + (1.0 - b1) * g
-        v = b2 * slots["v"] + (1.0 - b2) * tf.square(g)
+        m = c(b1) * slots["m"] + c(1.0 - b1) * g
+        v = c(b2) * slots["v"] + c(1.0 - b2) * tf.square(g)
         if self.bias_correction:
-            m_hat = m / (1.0 - tf.pow(b1, t))
-            v_hat = v / (1.0 - tf.pow(b2, t))
+            m_hat = m / c(1.0 - tf.pow(b1, t))
+            v_hat = v / c(1.0 - tf.pow(b2, t))
         else:
             m_hat, v_hat = m, v
-        update = m_hat / (tf.sqrt(v_hat) + hp["epsilon"])
+        update = m_hat / (tf.sqrt(v_hat) + c(hp["epsilon"]))
         if options.get("weight_decay", True):
-            update = update + hp["weight_decay_rate"] * w
+            update = update + c(hp["weight_decay_rate"]) * w
         if options.get("layer_adaptation", True):
             w_norm = safe_norm(w)
             u_norm = safe_norm(update)
             ok = tf.logical_and(w_norm > 0, u_norm > 0)
             ratio = tf.where(ok, w_norm / tf.where(ok, u_norm, tf.ones_like(u_norm)), 1.0)
             update = ratio * update
-        return self._finish(w - hp["learning_rate"] * update, var, {"m": m, "v": v}, dtype)
+        return self._finish(w - c(hp["learning_rate"]) * update, var, {"m": m, "v": v}, dtype)
 
 
 @keras.saving.register_keras_serializable(package="tf_metaalign")

@@ -29,10 +29,10 @@ class SGDRule(base.UpdateRule):
         g, w, slots, hp, step, options, dtype = self._prepare(
             grad, var, slots, hparams, step, options
         )
-        lr = hp["learning_rate"]
+        lr = tf.cast(hp["learning_rate"], dtype)
         if not self.has_momentum:
             return self._finish(w - lr * g, var, {}, dtype)
-        mu = hp["momentum"]
+        mu = tf.cast(hp["momentum"], dtype)
         m = mu * slots["momentum"] - lr * g
         if self.nesterov:
             new_w = w + mu * m - lr * g
