@@ -239,6 +239,12 @@ class BaseOptimizer(keras.optimizers.Optimizer):
     aggregate). `aggregated_clipnorm=c` instead all-reduces (sums) the gradients first and then
     rescales the whole aggregated gradient list by `min(1, c / global_norm)`, identically on
     every replica, so 1 replica and N replicas clip the same gradient.
+    BERT (`optimization.create_optimizer`) calls `tf.clip_by_global_norm(grads, 1.0)` on each
+    TPU shard's gradient of that shard's MEAN loss, before `CrossShardOptimizer` averages the
+    shards: per-shard clipping. On one replica BERT, `global_clipnorm` and `aggregated_clipnorm`
+    coincide; on N replicas BERT's per-shard clipping at c is Keras's `global_clipnorm=c / N`
+    (Keras's per-replica gradient is 1/N of a shard-mean gradient), while
+    `aggregated_clipnorm=c` clips the gradient of the global-batch mean loss, independent of N.
     """
 
     #: names of hyperparameters whose derivative flows through `rule.update` (first is always
