@@ -166,6 +166,17 @@ def value_and_grad(loss_fn: LossFn, params, state, batch):
     return value, densify(grads), aux
 
 
+_EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}
+
+
+def machine_epsilon(dtype) -> float:
+    """Machine epsilon of a floating dtype (bfloat16 included, which numpy lacks)."""
+    name = tf.as_dtype(dtype).name
+    if name not in _EPS:
+        raise ValueError(f"machine_epsilon: {name} is not a floating dtype.")
+    return _EPS[name]
+
+
 # ------------------------------------------------------------------- gradient algebra
 
 

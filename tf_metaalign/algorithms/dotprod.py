@@ -113,9 +113,9 @@ def auto_alpha(params, direction, compute_dtype=None) -> tf.Tensor:
     (any alpha then gives a zero regulariser).
     """
     acc = tf.float64 if any(p.dtype == tf.float64 for p in params) else tf.float32
-    eps = float(np.finfo(params[0].dtype.as_numpy_dtype).eps)
+    eps = F.machine_epsilon(params[0].dtype)
     if compute_dtype is not None:
-        eps = max(eps, float(np.finfo(tf.as_dtype(compute_dtype).as_numpy_dtype).eps))
+        eps = max(eps, F.machine_epsilon(compute_dtype))
     p_norm = tf.cast(F.global_norm(params), acc)
     d_norm = tf.cast(F.global_norm(direction), acc)
     safe = tf.where(d_norm > 0, d_norm, tf.ones_like(d_norm))

@@ -31,6 +31,9 @@ class MetaTrainer(keras.Model):
             )
         super().__init__(**kwargs)
         self.model = model
+        if model.built:
+            # fit() never calls the trainer itself; it is built when its model is.
+            self.built = True
         self._diagnostics = {
             name: keras.metrics.Mean(name=name) for name in self.diagnostic_names
         }
@@ -100,7 +103,20 @@ class MetaTrainer(keras.Model):
         return self.optimizer.scale_loss(tf.constant(1.0, tf.float32))
 
     def model_compute_dtype(self):
-        return self.model.dtype_policy.compute_dtype
+        """The least precise compute dtype among the layers that hold weights.
+
+        Not `model.dtype_policy`: a container (Sequential, functional) keeps the global
+        policy of when it was built, while its layers may compute in float64 or float16.
+        """
+        dtypes = {
+            layer.dtype_policy.compute_dtype
+            for layer in self.model._flatten_layers(include_self=False)
+            if layer.weights
+            and tf.as_dtype(layer.dtype_policy.compute_dtype).is_floating
+        }
+        if not dtypes:
+            return self.model.dtype_policy.compute_dtype
+        return max(dtypes, key=F.machine_epsilon)
 
     # ---------------------------------------------------------------------- reporting
 
@@ -113,6 +129,14 @@ class MetaTrainer(keras.Model):
     def update_diagnostics(self, **values):
         for name, value in values.items():
             self._diagnostics[name].update_state(value)
+
+    def compile_from_config(self, config):
+        # Keras skips this for classes that override compile(); trainers may (to check
+        # their options against the optimizer), and must still reload compiled.
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
 
     def get_config(self):
         config = super().get_config()

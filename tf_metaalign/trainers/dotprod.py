@@ -9,6 +9,7 @@ from tf_metaalign.algorithms import dotprod
 from tf_metaalign.trainers.base import MetaTrainer
 
 
+@keras.saving.register_keras_serializable(package="tf_metaalign")
 class DotProdTrainer(MetaTrainer):
     """Train `model` with the Meta DotProd regulariser.
 
