@@ -21,6 +21,7 @@ VARIABLES = [
     ("scalar/w", ()),
     ("dense/bias", (7,)),
     ("layer_norm/gamma", (16,)),
+    ("zero_init/w", (9,)),  # ||w|| = 0: LAMB's trust ratio 1, Adafactor's epsilon_2 floor
     ("dense/kernel", (64, 32)),  # T5: unfactored (32 < 128); Pegasus: factored
     ("attention/kernel", (512, 256)),
     ("einsum/kernel", (4, 256, 192)),
@@ -76,9 +77,10 @@ def make_variables(dtype="float32", seed=0):
     for path, shape in VARIABLES:
         scope, name = path.split("/")
         with keras.name_scope(scope):
-            out.append(
-                keras.Variable(rng.normal(size=shape).astype("float32"), name=name, dtype=dtype)
-            )
+            value = rng.normal(size=shape).astype("float32")
+            if scope == "zero_init":
+                value = np.zeros(shape, "float32")
+            out.append(keras.Variable(value, name=name, dtype=dtype))
     return out
 
 
@@ -236,7 +238,7 @@ def test_matches_numpy_reference(case):
     for (path, _), v, w in zip(VARIABLES, variables, ws):
         np.testing.assert_allclose(v.numpy(), w, rtol=1e-6, atol=1e-6, err_msg=f"{case} {path}")
         # the update actually moved the variable (guards against a vacuous pass)
-    assert not np.allclose(variables[3].numpy(), make_variables()[3].numpy())
+    assert not np.allclose(variables[4].numpy(), make_variables()[4].numpy())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,7 +406,7 @@ def test_low_precision_variables_keep_float32_slots(case, dtype):
         assert np.all(np.isfinite(v.numpy().astype(np.float32)))
         for s in opt.slots_for(v).values():
             assert s.dtype == "float32"
-    assert not np.array_equal(variables[4].numpy().astype(np.float32), before[4])
+    assert not np.array_equal(variables[5].numpy().astype(np.float32), before[5])
 
 
 def test_factored_slot_bytes_4096_square():
@@ -527,6 +529,15 @@ def test_one_replica_equals_two(case):
     two = _replica_run(REPLICA_CASES[case], two_cpu_strategy())
     for a, b in zip(one, two):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_keras_global_clipnorm_is_per_replica_but_aggregated_clipnorm_is_not():
+    # The documented contrast: Keras clips each replica's share before the all-reduce.
+    def keras_clip():
+        return O.AdamWeightDecay(0.01, global_clipnorm=0.05)
+
+    one, two = _replica_run(keras_clip, None), _replica_run(keras_clip, two_cpu_strategy())
+    assert max(np.abs(a - b).max() for a, b in zip(one, two)) > 1e-3
 
 
 def test_aggregated_clipnorm_clips_the_global_gradient():
