@@ -350,3 +350,44 @@ def test_odd_batch_is_split_and_reported_loss_is_the_batch_mean():
 def test_keras_optimizer_not_a_model_is_rejected():
     with pytest.raises(TypeError, match="`model` must be a keras.Model"):
         DotProdTrainer(lambda x: x)
+
+
+def test_custom_loop_example_under_strategy_equals_fit(float64):
+    """The README's custom-loop example (tf.function + strategy.run) == DotProdTrainer.fit."""
+    x, y = _data(32, dtype="float64")
+    strategy = two_cpu_strategy()
+    with strategy.scope():
+        model = _mlp("float64", seed=9)
+        optimizer = keras.optimizers.SGD(0.05)
+        trainer = _compile(DotProdTrainer(_mlp("float64", seed=9), weight=0.3))
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    trainer.fit(ds, epochs=1, verbose=0)
+
+    loss_fn = F.make_loss_fn(model, keras.losses.MeanSquaredError(dtype="float64"))
+
+    @tf.function
+    def train_step(batch):
+        def step(batch):
+            bx, by = batch
+            b1, b2 = F.split_batch((bx, by), tf.shape(bx)[0] // 2)
+            r = dotprod_gradient(loss_fn, F.current_params(model), F.current_state(model), b1, b2,
+                                 weight=0.3, alpha="auto")
+            F.assign_state(model, r.aux_2[0])
+            optimizer.apply_gradients(zip(r.gradient, model.trainable_variables))
+            return r.grad_dot
+        return strategy.run(step, args=(batch,))
+
+    for batch in strategy.experimental_distribute_dataset(ds):
+        train_step(batch)
+    _assert_weights_close(_weights(trainer.model), _weights(model), rtol=1e-9, atol=1e-12)
+
+
+def test_nan_loss_stops_with_a_clear_error_before_touching_the_weights():
+    x, y = _data(16)
+    y[3, 0] = np.nan
+    trainer = _compile(DotProdTrainer(_mlp(seed=10)))
+    before = _weights(trainer.model)
+    with pytest.raises(Exception, match="not finite"):
+        trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    _assert_weights_close(before, _weights(trainer.model), rtol=0, atol=0)
+    assert int(trainer.pairs_seen.numpy()) == 0

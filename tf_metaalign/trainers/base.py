@@ -118,6 +118,22 @@ class MetaTrainer(keras.Model):
             return self.model.dtype_policy.compute_dtype
         return max(dtypes, key=F.machine_epsilon)
 
+    def check_finite_loss(self, loss, where="the training loss"):
+        """Stop training with a clear error when `loss` is NaN or infinite.
+
+        Skipped under a `LossScaleOptimizer`, whose job is to skip such steps (float16
+        overflow is expected there). Returns `loss`, to be used downstream so that the
+        check runs before the update.
+        """
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            return loss
+        return tf.debugging.check_numerics(
+            loss,
+            f"{type(self).__name__}: {where} is not finite (NaN or inf). Lower the "
+            "learning rate, check the data for NaN/inf, or use keras.callbacks."
+            "TerminateOnNaN to stop without an error",
+        )
+
     # ---------------------------------------------------------------------- reporting
 
     def update_loss_tracker(self, per_replica_loss, n_examples):

@@ -142,10 +142,6 @@ class DotProdTrainer(MetaTrainer):
             gradient_scale=loss_scale,
             compute_dtype=self.model_compute_dtype(),
         )
-        self.pairs_seen.assign_add(1)
-        F.assign_state(self.model, result.aux_2[0])
-        self.optimizer.apply_gradients(zip(result.gradient, self.model.trainable_variables))
-
         # The loss of the whole batch: the size-weighted mean of the two halves.
         n_f = tf.cast(n, tf.float32)
         n_1f = tf.cast(n_1, tf.float32)
@@ -153,6 +149,14 @@ class DotProdTrainer(MetaTrainer):
             n_1f * tf.cast(result.loss_1, tf.float32)
             + (n_f - n_1f) * tf.cast(result.loss_2, tf.float32)
         ) / (n_f * tf.cast(loss_scale, tf.float32))
+        # Checked before anything is assigned, so a NaN never reaches the weights.
+        loss = self.check_finite_loss(loss, "the loss of the pair (b1, b2)")
+        with tf.control_dependencies([loss]):
+            self.pairs_seen.assign_add(1)
+            F.assign_state(self.model, result.aux_2[0])
+            self.optimizer.apply_gradients(
+                zip(result.gradient, self.model.trainable_variables)
+            )
         self.update_loss_tracker(loss, n)
         self.update_diagnostics(grad_dot=result.grad_dot, grad_cosine=result.grad_cosine)
         y_pred = tf.nest.map_structure(
