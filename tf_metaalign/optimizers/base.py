@@ -33,7 +33,6 @@ import tensorflow as tf
 from keras.src import backend as keras_backend
 
 
-
 # ----------------------------------------------------------------------------------------------
 # Validation helpers (shared by every optimizer so the messages name the argument).
 
