@@ -103,14 +103,17 @@ def hyperparameters_from_raw(
       base_hparams: the optimizer's hyperparameters for this step, with
         "learning_rate" = the SCHEDULE value (not multiplied by the learned scale).
       raw: name -> raw scalar (e.g. {"learning_rate": r1, "beta_1": r2}).
-      dtype: dtype of the activated values handed to the rule (default: raw's dtype).
-        The trainer uses float32, exactly what `BaseOptimizer` computes with.
+      dtype: dtype of the activated values handed to the rule (default: raw's dtype), or
+        a dict name -> dtype. The trainer uses the dtypes of the optimizer's own variables
+        (float32 learning-rate scale, float64 coefficients), so the rule sees exactly the
+        values `BaseOptimizer` computes with.
     """
     hparams = dict(base_hparams)
     for name, r in raw.items():
         value = activate(name, r)
-        if dtype is not None:
-            value = tf.cast(value, dtype)
+        d = dtype.get(name) if isinstance(dtype, Mapping) else dtype
+        if d is not None:
+            value = tf.cast(value, d)
         if name == "learning_rate":
             schedule = tf.cast(base_hparams["learning_rate"], value.dtype)
             hparams["learning_rate"] = schedule * value
@@ -242,8 +245,13 @@ def reduce_and_sanitize(hypergrads: Mapping[str, tf.Tensor], guidance_loss):
     """
     names = list(hypergrads)
     values = [tf.convert_to_tensor(hypergrads[n]) for n in names]
-    reduced = F.all_reduce_sum(values + [tf.convert_to_tensor(guidance_loss)])
-    values, loss = list(reduced[:-1]), reduced[-1]
+    loss = tf.convert_to_tensor(guidance_loss)
+    dtypes = [v.dtype for v in values] + [loss.dtype]
+    # One all-reduce of a single dtype (a batched all-reduce concatenates its inputs).
+    packed = tf.stack([tf.cast(v, tf.float64) for v in values + [loss]])
+    packed = F.all_reduce_sum(packed)
+    unpacked = [tf.cast(packed[i], d) for i, d in enumerate(dtypes)]
+    values, loss = unpacked[:-1], unpacked[-1]
     out, n_bad = {}, tf.constant(0, tf.int64)
     for n, x in zip(names, values):
         clean, bad = sanitize(x)

@@ -1,0 +1,233 @@
+"""GuidedTrainer: plain-training equivalence, replicas, save/restore, bad input, custom loop."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import two_cpu_strategy
+from tf_metaalign import functional as F
+from tf_metaalign import optimizers as O
+from tf_metaalign.trainers.guided import (
+    GuidedHyperparameters,
+    GuidedTrainer,
+    split_guidance_batch,
+)
+
+
+def _data(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = (x @ rng.normal(size=(4, 1)) + 0.1 * rng.normal(size=(n, 1))).astype("float32")
+    return x, y
+
+
+def _model(seed=0, dropout=0.0):
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((4,)), keras.layers.Dense(8, activation="tanh")]
+    if dropout:
+        layers.append(keras.layers.Dropout(dropout, seed=3))
+    layers.append(keras.layers.Dense(1))
+    return keras.Sequential(layers)
+
+
+def _weights(model):
+    return [v.numpy() for v in model.trainable_variables]
+
+
+OPTS = {
+    "adam": lambda: O.Adam(0.02),
+    "sgd_momentum": lambda: O.SGD(0.05, momentum=0.9),
+    "lamb": lambda: O.Lamb(0.02),
+    "adafactor_b1": lambda: O.Adafactor(0.02, beta_1=0.5, min_dim_size_to_factor=2),
+    # beta_1=None (T5's default): only the learning rate is learnable.
+    "adafactor_t5": lambda: O.Adafactor(0.02, min_dim_size_to_factor=2),
+}
+
+
+@pytest.mark.parametrize("key", sorted(OPTS))
+def test_meta_learning_rate_zero_equals_plain_training(key):
+    x, y = _data()
+    plain = _model(dropout=0.2)
+    plain.compile(OPTS[key](), loss="mse")
+    plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+
+    model = _model(dropout=0.2)
+    trainer = GuidedTrainer(model, _data(16, seed=5), meta_optimizer=O.Adam(0.0))
+    trainer.compile(OPTS[key](), loss="mse")
+    hist = trainer.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(_weights(plain), _weights(model)):
+        np.testing.assert_array_equal(a, b)
+    assert hist.history["learning_rate_scale"][-1] == 1.0
+    assert np.isfinite(hist.history["guidance_loss"]).all()
+    assert hist.history["hypergrad_learning_rate"][-1] != 0.0
+
+
+def _run_guided(strategy, steps_x, meta_lr=0.05, key="adam"):
+    x, y = steps_x
+    with strategy.scope():
+        model = _model()
+        trainer = GuidedTrainer(model, _data(16, seed=5), meta_optimizer=O.Adam(meta_lr))
+        trainer.compile(OPTS[key](), loss="mse")
+    hist = trainer.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    return trainer, hist
+
+
+@pytest.mark.parametrize("key", ["adam", "sgd_momentum"])
+def test_one_replica_equals_two(key):
+    data = _data()
+    t1, h1 = _run_guided(tf.distribute.OneDeviceStrategy("/cpu:0"), data, key=key)
+    t2, h2 = _run_guided(two_cpu_strategy(), data, key=key)
+    for a, b in zip(_weights(t1.model), _weights(t2.model)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    v1, v2 = t1.learned_values(), t2.learned_values()
+    assert v1["learning_rate"] != 1.0  # the values did move
+    for n in v1:
+        np.testing.assert_allclose(v1[n], v2[n], rtol=1e-5)
+    for k in ("loss", "guidance_loss", "hypergrad_learning_rate", "learning_rate_scale"):
+        np.testing.assert_allclose(h1.history[k], h2.history[k], rtol=2e-4, err_msg=k)
+
+
+def _make_trainer(meta_lr=0.05):
+    trainer = GuidedTrainer(_model(), _data(16, seed=5), meta_optimizer=O.Adam(meta_lr))
+    trainer.compile(O.Lamb(0.02), loss="mse")
+    return trainer
+
+
+def test_save_restore_continues_identically(tmp_path):
+    x, y = _data()
+    a = _make_trainer()
+    a.fit(x[:32], y[:32], batch_size=16, epochs=1, shuffle=False, verbose=0)
+    path = str(tmp_path / "guided.weights.h5")
+    a.save_weights(path)
+    saved = a.learned_values()
+    saved_slots = {k: v.numpy() for k, v in a.guided.meta_slots["learning_rate"].items()}
+    a.fit(x[32:], y[32:], batch_size=16, epochs=1, shuffle=False, verbose=0)
+
+    b = _make_trainer()
+    b.optimizer.build(b.model.trainable_variables)
+    b.load_weights(path)
+    assert b.learned_values() == saved
+    for k, v in b.guided.meta_slots["learning_rate"].items():
+        np.testing.assert_array_equal(v.numpy(), saved_slots[k])
+        assert np.any(v.numpy() != 0)
+    assert int(b.guided.guided_steps.numpy()) == 2
+    b.fit(x[32:], y[32:], batch_size=16, epochs=1, shuffle=False, verbose=0)
+    for u, v in zip(_weights(a.model), _weights(b.model)):
+        np.testing.assert_array_equal(u, v)
+    assert a.learned_values() == b.learned_values()
+    # Re-compiling a restored trainer keeps the learned values.
+    b.compile(O.Lamb(0.02), loss="mse")
+    assert b.learned_values() == a.learned_values()
+
+
+def test_custom_loop_matches_trainer():
+    x, y = _data(32)
+    trainer = _make_trainer()
+    trainer.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+
+    model = _model()
+    optimizer = O.Lamb(0.02)
+    optimizer.build(model.trainable_variables)
+    hyper = GuidedHyperparameters(meta_optimizer=O.Adam(0.05))
+    hyper.bind(optimizer)
+    mse = keras.losses.MeanSquaredError()
+    train_loss = F.make_loss_fn(model, mse, training=True)
+    guide_loss = F.make_loss_fn(model, mse, training=False)
+    guidance = tuple(tf.constant(t) for t in _data(16, seed=5))
+
+    @tf.function
+    def step(batch):
+        return hyper.train_step(model, optimizer, train_loss, guide_loss, batch, guidance)["loss"]
+
+    for i in range(2):
+        step((tf.constant(x[16 * i:16 * (i + 1)]), tf.constant(y[16 * i:16 * (i + 1)])))
+    for u, v in zip(_weights(trainer.model), _weights(model)):
+        np.testing.assert_allclose(u, v, rtol=1e-6, atol=1e-7)
+    got = {n: float(v) for n, v in hyper.values().items()}
+    for n, v in trainer.learned_values().items():
+        np.testing.assert_allclose(got[n], v, rtol=1e-7)
+
+
+def test_guidance_every_and_dataset_cycling():
+    x, y = _data()
+    ds = tf.data.Dataset.from_tensor_slices(_data(48, seed=9)).batch(16)
+    trainer = GuidedTrainer(_model(), ds, meta_optimizer=O.Adam(0.05), guidance_every=2)
+    trainer.compile(O.Adam(0.02), loss="mse")
+    assert trainer.guidance.num_batches == 3
+    trainer.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)  # 4 steps
+    assert int(trainer.guided.steps.numpy()) == 4
+    assert int(trainer.guided.guided_steps.numpy()) == 2
+
+
+def test_split_guidance_batch():
+    ds = tf.data.Dataset.from_tensor_slices(_data(64)).batch(16)
+    guidance, rest = split_guidance_batch(ds)
+    assert guidance[0].shape == (16, 4)
+    assert len(list(rest)) == 3
+    with pytest.raises(ValueError, match="empty"):
+        split_guidance_batch(ds.take(0))
+
+
+def test_learns_momentum_of_sgd_as_beta_1():
+    trainer = GuidedTrainer(_model(), _data(16, seed=5), meta_optimizer=O.Adam(0.05))
+    trainer.compile(O.SGD(0.05, momentum=0.5), loss="mse")
+    assert trainer.guided.active == {"learning_rate": "learning_rate", "beta_1": "momentum"}
+    # At step 1 the momentum buffer is 0, so d theta / d momentum = 0: h is 0 at first.
+    hist = trainer.fit(*_data(64), batch_size=16, epochs=1, verbose=0)
+    assert hist.history["beta_1"][0] != 0.5
+    # Plain SGD: the default names drop beta_1.
+    t2 = GuidedTrainer(_model(), _data(16, seed=5))
+    t2.compile(O.SGD(0.05), loss="mse")
+    assert list(t2.guided.active) == ["learning_rate"]
+    assert "beta_1" not in t2.fit(*_data(32), batch_size=16, verbose=0).history
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_keras_builtin_optimizer_is_rejected_with_the_supported_list():
+    trainer = GuidedTrainer(_model(), _data(16))
+    with pytest.raises(ValueError, match="Adafactor, Adam, AdamWeightDecay, Lamb, SGD"):
+        trainer.compile(keras.optimizers.Adam(0.01), loss="mse")
+    with pytest.raises(ValueError, match="not differentiable"):
+        trainer.compile("adam", loss="mse")
+
+
+def test_unknown_hyperparameter_lists_the_optimizer_ones():
+    trainer = GuidedTrainer(_model(), _data(16), hyperparameters=("learning_rate", "gamma"))
+    with pytest.raises(ValueError, match=r"'gamma'.*\['learning_rate', 'beta_1', 'beta_2'\]"):
+        trainer.compile(O.Adam(0.01), loss="mse")
+    t2 = GuidedTrainer(_model(), _data(16), hyperparameters=("learning_rate", "beta_1"))
+    with pytest.raises(ValueError, match="beta_1.*Adafactor learns beta_1 only"):
+        t2.compile(O.Adafactor(0.01), loss="mse")
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="empty dataset"):
+        GuidedTrainer(_model(), tf.data.Dataset.from_tensor_slices(_data(16)).batch(4).take(0))
+    with pytest.raises(ValueError, match="at least one example"):
+        GuidedTrainer(_model(), (np.zeros((0, 4), "float32"), np.zeros((0, 1), "float32")))
+    with pytest.raises(ValueError, match="guidance_data"):
+        GuidedTrainer(_model(), None)
+    with pytest.raises(ValueError, match="guidance_every"):
+        GuidedTrainer(_model(), _data(16), guidance_every=0)
+    with pytest.raises(ValueError, match="hyperparameters"):
+        GuidedTrainer(_model(), _data(16), hyperparameters=())
+    with pytest.raises(ValueError, match="meta_optimizer"):
+        GuidedTrainer(_model(), _data(16), meta_optimizer=keras.optimizers.Adam())
+    trainer = GuidedTrainer(_model(), _data(16))
+    with pytest.raises(ValueError, match="aggregated_clipnorm"):
+        trainer.compile(O.Adam(0.01, global_clipnorm=1.0), loss="mse")
+
+
+def test_nonfinite_hypergradients_are_sanitised_and_counted():
+    x, y = _data(32)
+    gx, gy = _data(16, seed=5)
+    gy[0, 0] = np.nan  # a NaN guidance target: NaN guidance loss and hypergradients
+    trainer = GuidedTrainer(_model(), (gx, gy), meta_optimizer=O.Adam(0.05))
+    trainer.compile(O.Adam(0.02), loss="mse")
+    hist = trainer.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert hist.history["nonfinite_hypergrads"][-1] == 4.0  # 2 steps x 2 hyperparameters
+    assert hist.history["hypergrad_learning_rate"][-1] == 0.0
+    assert trainer.learned_values()["learning_rate"] == 1.0  # NaN -> 0: Adam does not move
+    assert all(np.isfinite(w).all() for w in _weights(trainer.model))
