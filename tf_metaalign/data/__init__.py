@@ -1,0 +1,22 @@
+"""Offline datasets: loaders returning numpy splits / `tf.data.Dataset`s with fixed seeds.
+
+  load_digits               scikit-learn's 8x8 digits (1,797 images, 10 classes)
+  load_wordnet_supersenses  WordNet gloss -> supersense (45 classes; `apt-get install wordnet-base`)
+  wordnet_tasks             one WordNet task per part of speech
+  text_encoder              the pretrained all-MiniLM-L6-v2 encoder through keras-hub, offline
+  load_tfds                 a TFDS dataset already on disk (never downloads)
+"""
+from tf_metaalign.data.digits import load_digits
+from tf_metaalign.data.splits import Splits, make_dataset
+from tf_metaalign.data.tfds import load_tfds
+from tf_metaalign.data.wordnet import (
+    SUPERSENSES,
+    load_wordnet_supersenses,
+    wordnet_tasks,
+)
+from tf_metaalign.data import text_encoder
+
+__all__ = [
+    "Splits", "make_dataset", "load_digits", "load_wordnet_supersenses", "wordnet_tasks",
+    "SUPERSENSES", "text_encoder", "load_tfds",
+]
