@@ -1,0 +1,175 @@
+r"""Time and memory per step of `GuidedTrainer` against plain `fit` with the same optimizer.
+
+    python -m benchmarks.guided_overhead                      # ~2-3 min on 2 CPU cores
+    python -m benchmarks.guided_overhead --optimizers=adam,lamb,adafactor --steps=30
+
+Same conventions as `benchmarks/dotprod_overhead.py`: one process, one model (weights
+reset before each configuration), warm per-step wall times (the first `--warmup` steps,
+which trace and compile, are not timed), ratio of medians, configurations interleaved over
+`--repeats`. The guidance batch has the training batch's size (the cost of the guidance
+pass is that of one training forward+backward, so the floor is about 2x at
+guidance_every=1). Learned: learning rate and beta_1 (where the optimizer has one).
+
+Memory: on GPU the allocator peak (exact); on CPU the RSS peak delta (approximate). The
+target is peak(guided) <= peak(plain) + 2 parameter copies (theta_{t+1} and the guidance
+gradient), and step time <= 2.1x plain. Writes `benchmarks/results/guided_overhead.json`.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from pathlib import Path  # noqa: E402
+
+from absl import app, flags  # noqa: E402
+
+flags.DEFINE_integer("input_dim", 784, "Input features of the synthetic classification data.")
+flags.DEFINE_integer("width", 1024, "Hidden units of each Dense layer.")
+flags.DEFINE_integer("depth", 3, "Hidden Dense layers.")
+flags.DEFINE_integer("num_classes", 10, "Output classes.")
+flags.DEFINE_integer("batch_size", 256, "Training batch (and guidance batch) size.")
+flags.DEFINE_integer("steps", 20, "Timed steps per configuration and repeat.")
+flags.DEFINE_integer("warmup", 3, "Untimed steps first (tracing, compilation).")
+flags.DEFINE_integer("repeats", 2, "Interleaved repeats of all configurations.")
+flags.DEFINE_list("optimizers", ["adam", "lamb"], "adam, lamb, adafactor, sgd_momentum.")
+flags.DEFINE_list("guidance_every", ["1"], "GuidedTrainer guidance_every values to time.")
+flags.DEFINE_bool("jit_compile", False, "XLA-compile the train step (all configurations).")
+flags.DEFINE_string("output", str(Path(__file__).resolve().parent / "results" / "guided_overhead.json"),
+                    "Where the JSON goes.")
+FLAGS = flags.FLAGS
+
+TARGET_RATIO = 2.1
+TARGET_EXTRA_PARAM_COPIES = 2.0
+
+
+def build_model():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((FLAGS.input_dim,))]
+    layers += [keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.depth)]
+    layers += [keras.layers.Dense(FLAGS.num_classes)]
+    return keras.Sequential(layers, name="mlp")
+
+
+def make_optimizer(name):
+    from tf_metaalign import optimizers as O
+
+    if name == "adam":
+        return O.Adam(1e-3)
+    if name == "lamb":
+        return O.Lamb(1e-3)
+    if name == "adafactor":
+        return O.Adafactor(1e-3, beta_1=0.0)
+    if name == "sgd_momentum":
+        return O.SGD(1e-2, momentum=0.9)
+    raise ValueError(f"`--optimizers`: unknown optimizer {name!r}.")
+
+
+def main(argv):
+    del argv
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from benchmarks import common
+    from tf_metaalign.trainers.guided import GuidedTrainer
+    from trainers.common import format_table, write_json
+
+    rng = np.random.default_rng(0)
+    n = FLAGS.batch_size * 8
+    x = rng.normal(size=(n, FLAGS.input_dim)).astype("float32")
+    y = rng.integers(0, FLAGS.num_classes, size=n).astype("int32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(
+        FLAGS.batch_size, drop_remainder=True).prefetch(2)
+    guidance = (
+        rng.normal(size=(FLAGS.batch_size, FLAGS.input_dim)).astype("float32"),
+        rng.integers(0, FLAGS.num_classes, size=FLAGS.batch_size).astype("int32"),
+    )
+    model = build_model()
+    initial = model.get_weights()
+    param_bytes = int(sum(np.prod(v.shape) * 4 for v in model.trainable_variables))
+
+    configs = []
+    for opt in FLAGS.optimizers:
+        configs.append((opt, "plain"))
+        configs += [(opt, f"guided_every={e}") for e in FLAGS.guidance_every]
+    per = {c: {"times": [], "memory": [], "first": []} for c in configs}
+    memory_kind = None
+    for repeat in range(FLAGS.repeats):
+        order = configs if repeat % 2 == 0 else list(reversed(configs))
+        for opt, kind in order:
+            model.set_weights(initial)
+            if kind == "plain":
+                runner = model
+            else:
+                runner = GuidedTrainer(model, guidance,
+                                       guidance_every=int(kind.split("=")[1]))
+            runner.compile(make_optimizer(opt),
+                           keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                           jit_compile=FLAGS.jit_compile)
+            with common.PeakMemory() as mem:
+                timer = common.StepTimer(warmup=FLAGS.warmup)
+                runner.fit(dataset, steps_per_epoch=FLAGS.warmup + FLAGS.steps, epochs=1,
+                           verbose=0, callbacks=[timer])
+            memory_kind = mem.kind
+            rec = per[(opt, kind)]
+            rec["times"].extend(timer.warm_times)
+            rec["memory"].append(mem.peak_bytes)
+            rec["first"].append(timer.first())
+            print(f"repeat {repeat} {opt:12s} {kind:16s} median {1000 * timer.median():7.1f} ms "
+                  f"peak {mem.peak_bytes / 2**20:8.1f} MB", flush=True)
+
+    rows, results = [], {}
+    for opt, kind in configs:
+        rec = per[(opt, kind)]
+        plain = per[(opt, "plain")]
+        med = float(np.median(rec["times"]))
+        plain_med = float(np.median(plain["times"]))
+        peak, plain_peak = max(rec["memory"]), max(plain["memory"])
+        extra_copies = (peak - plain_peak) / param_bytes
+        r = {
+            "optimizer": opt,
+            "config": kind,
+            "median_step_ms": 1000 * med,
+            "mean_step_ms": 1000 * float(np.mean(rec["times"])),
+            "ratio_median": common.ratio(med, plain_med),
+            "peak_memory_mb": peak / 2**20,
+            "extra_memory_param_copies": extra_copies,
+            "first_step_s": max(rec["first"]),
+            "timed_steps": len(rec["times"]),
+        }
+        if kind != "plain":
+            r["meets_time_target"] = r["ratio_median"] <= TARGET_RATIO
+            r["meets_memory_target"] = extra_copies <= TARGET_EXTRA_PARAM_COPIES
+        results[f"{opt}/{kind}"] = r
+        rows.append(r)
+    table = format_table(rows, [
+        ("optimizer", "optimizer", "s"), ("config", "config", "s"),
+        ("median_step_ms", "median ms/step", ".1f"), ("ratio_median", "ratio", ".3f"),
+        ("peak_memory_mb", f"peak MB ({memory_kind})", ".1f"),
+        ("extra_memory_param_copies", "extra (param copies)", ".2f"),
+    ])
+    print(table)
+    out = {
+        "description": "GuidedTrainer (learning rate + beta_1, guidance batch = training batch "
+                       "size) vs plain model.fit with the same tf_metaalign optimizer; warm "
+                       "per-step wall time, ratio = guided / plain (medians).",
+        "targets": {"ratio_median": TARGET_RATIO, "extra_memory_param_copies": TARGET_EXTRA_PARAM_COPIES},
+        "model": {"kind": "mlp", "input_dim": FLAGS.input_dim, "width": FLAGS.width,
+                  "depth": FLAGS.depth, "num_classes": FLAGS.num_classes,
+                  "params": int(model.count_params()), "param_bytes": param_bytes},
+        "batch_size": FLAGS.batch_size, "steps": FLAGS.steps, "warmup": FLAGS.warmup,
+        "repeats": FLAGS.repeats, "jit_compile": FLAGS.jit_compile,
+        "memory_kind": memory_kind,
+        "environment": common.environment(),
+        "results": results,
+        "table": table,
+    }
+    path = write_json(FLAGS.output, out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    app.run(main)
