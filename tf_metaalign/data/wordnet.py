@@ -113,7 +113,7 @@ def load_wordnet_supersenses(
         synsets, 45 classes).
       test_fraction: fraction of each class held out.
       seed: seed of the subsample and the split.
-      max_examples: if given, a stratified random subsample of this many synsets
+      max_examples: if given, a stratified random subsample of about this many synsets
         (before the split), drawn with `seed`.
       include_lemma: prefix each gloss with the synset's first word ("dog: a member of...").
       relabel: number the classes present 0..k-1 (e.g. 15 for verbs) instead of using the
@@ -137,7 +137,7 @@ def load_wordnet_supersenses(
         max_examples = check_positive_int(max_examples, "max_examples")
         if max_examples < len(labels):
             # Stratified: every class keeps about max_examples/len(labels) of its synsets
-            # (at least one), so the result may hold slightly more than max_examples.
+            # (at least one), so the result holds about max_examples (per-class rounding).
             keep, _ = stratified_split(labels, 1.0 - max_examples / len(labels), seed)
             keep = np.sort(keep)
             texts, labels = texts[keep], labels[keep]

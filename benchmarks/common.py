@@ -1,0 +1,109 @@
+"""Timing and memory helpers for the benchmarks (usable by any benchmark script).
+
+* `warm_fit_timing(model_or_trainer, dataset, steps, warmup)`: run `fit` and return the
+  per-step wall times after `warmup` steps (the first step traces and compiles).
+* `PeakMemory`: peak memory during a block. On GPU: TensorFlow's allocator peak
+  (`tf.config.experimental.get_memory_info(device)["peak"]`, reset at the start: exact,
+  per block). On CPU: the process RSS sampled by a thread (psutil) every `interval`
+  seconds, reported as peak minus the RSS at the start: approximate, and an
+  underestimate when the block reuses memory freed by an earlier block.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import threading
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from trainers.common import StepTimer  # noqa: F401  (re-exported for benchmarks)
+
+
+def warm_fit_timing(model, dataset, steps: int, warmup: int = 3, **fit_kwargs) -> dict:
+    """Fit `steps + warmup` steps; per-step times of the last `steps` (compilation excluded).
+
+    Returns `{"mean_s", "median_s", "min_s", "std_s", "steps", "first_step_s"}`.
+    """
+    if steps < 1:
+        raise ValueError(f"`steps` must be >= 1; got {steps}.")
+    timer = StepTimer(warmup=warmup)
+    model.fit(dataset, steps_per_epoch=steps + warmup, epochs=1, verbose=0,
+              callbacks=[timer], **fit_kwargs)
+    t = timer.warm_times
+    return {
+        "mean_s": float(np.mean(t)),
+        "median_s": float(np.median(t)),
+        "min_s": float(np.min(t)),
+        "std_s": float(np.std(t)),
+        "steps": len(t),
+        "first_step_s": timer.first(),
+    }
+
+
+def gpu_device() -> str | None:
+    gpus = tf.config.list_logical_devices("GPU")
+    return gpus[0].name.replace("/device:", "") if gpus else None
+
+
+class PeakMemory:
+    """`with PeakMemory() as m: ...` then `m.peak_bytes`, `m.kind` ("gpu_allocator_peak"
+    or "cpu_rss_delta")."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval = interval
+        self.device = gpu_device()
+        self.kind = "gpu_allocator_peak" if self.device else "cpu_rss_delta"
+        self.peak_bytes = None
+        self._stop = threading.Event()
+
+    def _rss(self) -> int:
+        import psutil
+
+        return psutil.Process(os.getpid()).memory_info().rss
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self._peak = max(self._peak, self._rss())
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        if self.device:
+            tf.config.experimental.reset_memory_stats(self.device)
+        else:
+            self._start = self._peak = self._rss()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device:
+            self.peak_bytes = int(tf.config.experimental.get_memory_info(self.device)["peak"])
+        else:
+            self._stop.set()
+            self._thread.join()
+            self._peak = max(self._peak, self._rss())
+            self.peak_bytes = int(self._peak - self._start)
+        return False
+
+
+def environment() -> dict:
+    """What the numbers were measured on."""
+    return {
+        "tensorflow": tf.__version__,
+        "keras": __import__("keras").__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "gpu": gpu_device(),
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+
+
+def ratio(a: float, b: float) -> float:
+    return float(a) / float(b) if b else float("nan")
+
+
+median = statistics.median

@@ -1,0 +1,248 @@
+r"""Time per step of `DotProdTrainer` against plain `fit`: same model, optimizer, global batch.
+
+    python -m benchmarks.dotprod_overhead                  # ~2 min on 2 CPU cores
+    python -m benchmarks.dotprod_overhead --width=2048 --batch_size=256   # weight-bound
+
+All configurations run in one process, on one model (a ReLU MLP on synthetic data, Adam),
+each with its own compiled trainer. Warm: each first runs `--warmup` untimed steps
+(tracing + compilation). Timed: `--rounds` rounds; each round runs every configuration
+for `--steps_per_round` steps in a shuffled order (so load from other processes on a
+shared machine falls on all of them alike), and the wall time of every step is taken by
+a Keras batch callback. Ratio = median step time / plain's median (the mean ratio is
+recorded too).
+
+Memory: on GPU the TensorFlow allocator's peak during the configuration's warm-up
+(`tf.config.experimental.get_memory_info`, reset before each; exact). On CPU a fresh
+process per configuration builds, compiles and runs it, and reports its peak RSS
+(`ru_maxrss`) and that peak minus its RSS before `fit` (tracing + optimizer slots +
+activations).
+
+Targets (the floor at every=1 is 1.5x: three half-batch forward+backward passes where
+plain training does two, i.e. one full-batch pass): every=1 <= 1.6x, every=10 <= 1.15x,
+method=exact <= 2.5x. Writes `benchmarks/results/dotprod_overhead.json`.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from pathlib import Path  # noqa: E402
+
+from absl import app, flags  # noqa: E402
+
+flags.DEFINE_integer("input_dim", 784, "Input features of the synthetic classification data.")
+flags.DEFINE_integer("width", 1024, "Hidden units of each Dense layer.")
+flags.DEFINE_integer("depth", 3, "Hidden Dense layers.")
+flags.DEFINE_integer("num_classes", 10, "Output classes.")
+flags.DEFINE_integer("batch_size", 1024, "Global batch (DotProd halves: batch_size/2).")
+flags.DEFINE_integer("rounds", 8, "Timed rounds; each runs every configuration once, shuffled.")
+flags.DEFINE_integer("steps_per_round", 3, "Timed steps per configuration and round.")
+flags.DEFINE_integer("warmup", 3, "Untimed steps first (tracing, compilation).")
+flags.DEFINE_bool("memory", True, "CPU: measure peak RSS in a fresh process per configuration.")
+flags.DEFINE_string("memory_child", None, "Internal: run one configuration for the memory probe.")
+flags.DEFINE_float("learning_rate", 1e-3, "Adam learning rate.")
+flags.DEFINE_bool("jit_compile", False, "XLA-compile the train step (all configurations).")
+flags.DEFINE_string("output", str(Path(__file__).resolve().parent / "results" / "dotprod_overhead.json"),
+                    "Where the JSON goes.")
+flags.DEFINE_list("configs", ["plain", "weight0", "every=1", "every=2", "every=10", "exact"],
+                  "Configurations: plain, weight0 (DotProdTrainer(weight=0), regulariser pass off: "
+                  "G1+G2 from two half-batch passes), every=N (weight 0.1), exact (every=1, method=exact).")
+FLAGS = flags.FLAGS
+
+TARGETS = {"every=1": 1.6, "every=10": 1.15, "exact": 2.5}
+
+
+def build_model():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((FLAGS.input_dim,))]
+    layers += [keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.depth)]
+    layers += [keras.layers.Dense(FLAGS.num_classes)]
+    return keras.Sequential(layers, name="mlp")
+
+
+def make_runner(config, model):
+    import keras
+
+    from tf_metaalign.trainers import DotProdTrainer
+
+    if config == "plain":
+        runner = model
+    elif config == "exact":
+        runner = DotProdTrainer(model, weight=0.1, method="exact")
+    elif config == "weight0":
+        runner = DotProdTrainer(model, weight=0.0, every=2**31 - 1)
+    elif config.startswith("every="):
+        runner = DotProdTrainer(model, weight=0.1, every=int(config.split("=", 1)[1]))
+    else:
+        raise ValueError(f"`--configs`: unknown configuration {config!r}.")
+    runner.compile(keras.optimizers.Adam(FLAGS.learning_rate),
+                   keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                   jit_compile=FLAGS.jit_compile)
+    return runner
+
+
+def make_dataset():
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    n = FLAGS.batch_size * 8
+    x = rng.normal(size=(n, FLAGS.input_dim)).astype("float32")
+    y = rng.integers(0, FLAGS.num_classes, size=n).astype("int32")
+    return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(
+        FLAGS.batch_size, drop_remainder=True).prefetch(2)
+
+
+def memory_child(config):
+    """Run in a fresh process: peak RSS of building, compiling and running `config`."""
+    import json
+    import resource
+
+    import psutil
+
+    from benchmarks import common
+
+    dataset = make_dataset()
+    model = build_model()
+    runner = make_runner(config, model)
+    before = psutil.Process(os.getpid()).memory_info().rss
+    runner.fit(dataset, steps_per_epoch=FLAGS.warmup, epochs=1, verbose=0)
+    with common.PeakMemory() as steady:  # RSS sampled during warm steps only
+        runner.fit(dataset, steps_per_epoch=4, epochs=1, verbose=0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    print("MEMORY_JSON " + json.dumps({"rss_before_fit": before, "peak_rss": peak,
+                                       "steady_delta": steady.peak_bytes}))
+
+
+def memory_in_subprocesses(configs):
+    import json
+    import subprocess
+    import sys
+
+    out = {}
+    for config in configs:
+        args = [sys.executable, "-m", "benchmarks.dotprod_overhead", f"--memory_child={config}"]
+        args += [f"--{k}={getattr(FLAGS, k)}" for k in
+                 ("input_dim", "width", "depth", "num_classes", "batch_size", "warmup",
+                  "learning_rate", "jit_compile")]
+        proc = subprocess.run(args, capture_output=True, text=True,
+                              cwd=str(Path(__file__).resolve().parents[1]))
+        line = [l for l in proc.stdout.splitlines() if l.startswith("MEMORY_JSON ")]
+        if proc.returncode or not line:
+            raise RuntimeError(f"memory child for {config!r} failed:\n{proc.stderr[-2000:]}")
+        out[config] = json.loads(line[-1].split(" ", 1)[1])
+    return out
+
+
+def main(argv):
+    del argv
+    import random
+
+    import numpy as np
+
+    from benchmarks import common
+    from trainers.common import format_table, write_json
+
+    if FLAGS.memory_child:
+        memory_child(FLAGS.memory_child)
+        return
+    dataset = make_dataset()
+    model = build_model()
+    gpu = common.gpu_device()
+
+    # Compile every configuration once (the untimed warm-up), on one shared model.
+    runners, first_step, gpu_peak = {}, {}, {}
+    for config in FLAGS.configs:
+        runners[config] = make_runner(config, model)
+        with common.PeakMemory() as mem:
+            timer = common.StepTimer(warmup=0)
+            runners[config].fit(dataset, steps_per_epoch=FLAGS.warmup, epochs=1, verbose=0,
+                                callbacks=[timer])
+        first_step[config] = timer.first()
+        gpu_peak[config] = mem.peak_bytes if gpu else None
+
+    # Timed: `--rounds` rounds, each running every configuration for `--steps_per_round`
+    # steps in a shuffled order, so load from other processes hits all of them alike.
+    times = {c: [] for c in FLAGS.configs}
+    rng = random.Random(0)
+    for r in range(FLAGS.rounds):
+        order = list(FLAGS.configs)
+        rng.shuffle(order)
+        for config in order:
+            timer = common.StepTimer(warmup=0)
+            runners[config].fit(dataset, steps_per_epoch=FLAGS.steps_per_round, epochs=1,
+                                verbose=0, callbacks=[timer])
+            times[config].extend(timer.times)
+        print(f"round {r}: " + ", ".join(f"{c} {1000 * np.median(times[c]):.1f}" for c in FLAGS.configs),
+              flush=True)
+
+    if gpu:
+        memory = {c: {"peak_mb": gpu_peak[c] / 2**20} for c in FLAGS.configs}
+        memory_kind = f"gpu_allocator_peak ({gpu}; reset before each configuration's warm-up)"
+    elif FLAGS.memory:
+        mem = memory_in_subprocesses(FLAGS.configs)
+        memory = {c: {"peak_mb": m["peak_rss"] / 2**20,
+                      "delta_mb": (m["peak_rss"] - m["rss_before_fit"]) / 2**20,
+                      "steady_delta_mb": m["steady_delta"] / 2**20}
+                  for c, m in mem.items()}
+        memory_kind = ("cpu_rss: a fresh process per configuration; peak = its peak RSS "
+                       "(ru_maxrss); delta = peak minus RSS after building model and data "
+                       "(tracing + optimizer slots + activations); steady = RSS growth "
+                       "during 4 warm steps after compilation (psutil sampling every 5 ms)")
+    else:
+        memory, memory_kind = {c: {} for c in FLAGS.configs}, "not measured"
+
+    plain = float(np.median(times["plain"])) if "plain" in times else None
+    plain_mean = float(np.mean(times["plain"])) if "plain" in times else None
+    rows, results = [], {}
+    for config in FLAGS.configs:
+        t = times[config]
+        med, mean = float(np.median(t)), float(np.mean(t))
+        r = {
+            "config": config,
+            "median_step_ms": 1000 * med,
+            "mean_step_ms": 1000 * mean,
+            "ratio_median": common.ratio(med, plain) if plain else None,
+            "ratio_mean": common.ratio(mean, plain_mean) if plain else None,
+            "target_ratio": TARGETS.get(config),
+            "first_step_s": first_step[config],
+            "timed_steps": len(t),
+            **memory[config],
+        }
+        if r["target_ratio"] is not None and r["ratio_median"] is not None:
+            r["meets_target"] = bool(r["ratio_median"] <= r["target_ratio"])
+        results[config] = r
+        rows.append(r)
+    table = format_table(rows, [
+        ("config", "config", "s"), ("median_step_ms", "median ms/step", ".1f"),
+        ("mean_step_ms", "mean ms/step", ".1f"), ("ratio_median", "ratio (median)", ".3f"),
+        ("ratio_mean", "ratio (mean)", ".3f"), ("target_ratio", "target", ".2f"),
+        ("peak_mb", "peak MB", ".0f"), ("delta_mb", "delta MB", ".0f"),
+        ("steady_delta_mb", "steady MB", ".0f"),
+    ])
+    print(table)
+    print(f"memory: {memory_kind}")
+    out = {
+        "description": "DotProdTrainer vs plain model.fit: same MLP, Adam, global batch; warm "
+                       "per-step wall time (compilation excluded), ratio = config / plain "
+                       "(median over all timed steps; configurations interleaved).",
+        "model": {"kind": "mlp", "input_dim": FLAGS.input_dim, "width": FLAGS.width,
+                  "depth": FLAGS.depth, "num_classes": FLAGS.num_classes,
+                  "params": int(model.count_params())},
+        "batch_size": FLAGS.batch_size, "rounds": FLAGS.rounds,
+        "steps_per_round": FLAGS.steps_per_round, "warmup": FLAGS.warmup,
+        "jit_compile": FLAGS.jit_compile,
+        "memory_kind": memory_kind,
+        "environment": common.environment(),
+        "results": results,
+        "table": table,
+    }
+    path = write_json(FLAGS.output, out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    app.run(main)

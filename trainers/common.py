@@ -1,0 +1,172 @@
+"""Helpers shared by the absl programs in `trainers/`: timing, tables, JSON, TensorBoard.
+
+Nothing here knows an algorithm: a program builds its runs, then uses
+`StepTimer` (time per step, compilation excluded), `format_table` (a readable result
+table), `write_json` (results.json) and `tensorboard_callback` / `write_summary`
+(TensorBoard logs).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import keras
+import numpy as np
+
+
+class StepTimer(keras.callbacks.Callback):
+    """Wall time of each training batch; `warmup` first batches (tracing/compilation)
+    are left out of the summary.
+
+    With `steps_per_execution=k` each "batch" Keras reports is k steps; divide by k.
+    """
+
+    def __init__(self, warmup: int = 2):
+        super().__init__()
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"`warmup` must be an integer >= 0; got {warmup!r}.")
+        self.warmup = warmup
+        self.times: list[float] = []
+        self._start = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._start is not None:
+            self.times.append(time.perf_counter() - self._start)
+            self._start = None
+
+    @property
+    def warm_times(self) -> list[float]:
+        return self.times[self.warmup:]
+
+    def mean(self) -> float:
+        """Mean warm step time in seconds (NaN if there is no warm step)."""
+        t = self.warm_times
+        return float(np.mean(t)) if t else float("nan")
+
+    def median(self) -> float:
+        t = self.warm_times
+        return float(np.median(t)) if t else float("nan")
+
+    def first(self) -> float:
+        """The first batch's time: tracing + compilation + one step."""
+        return self.times[0] if self.times else float("nan")
+
+
+def _fmt(value, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and math.isnan(value):
+        return "n/a"
+    try:
+        return format(value, fmt)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def format_table(rows: Sequence[Mapping[str, Any]],
+                 columns: Sequence[tuple[str, str, str]]) -> str:
+    """A fixed-width text table.
+
+    Args:
+      rows: one mapping per row.
+      columns: `(key, header, format_spec)` triples, e.g. `("accuracy", "test acc", ".3f")`;
+        a missing key prints "-".
+    """
+    if not columns:
+        raise ValueError("`columns` is empty: nothing to print.")
+    cells = [[header for _, header, _ in columns]]
+    for row in rows:
+        cells.append([_fmt(row.get(key), fmt) for key, _, fmt in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = []
+    for n, r in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if n and i else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def to_jsonable(obj):
+    """numpy scalars/arrays, Paths, tuples and NaN -> plain JSON values (NaN -> null)."""
+    if isinstance(obj, Mapping):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return to_jsonable(obj.tolist())
+    if isinstance(obj, np.generic):
+        return to_jsonable(obj.item())
+    if isinstance(obj, float):
+        return None if not math.isfinite(obj) else obj
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def write_json(path, obj) -> Path:
+    """Write `obj` (made JSON-safe with `to_jsonable`) to `path`, creating folders."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(to_jsonable(obj), f, indent=2, sort_keys=False)
+        f.write("\n")
+    return path
+
+
+def prepare_output_dir(output_dir, arg_name: str = "output_dir") -> Path:
+    """Create `output_dir` (raise a clear error naming the flag if it cannot be)."""
+    if not output_dir:
+        raise ValueError(f"`--{arg_name}` is empty; give a folder for the results.")
+    path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"`--{arg_name}`={str(path)!r} exists and is not a folder.")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def tensorboard_callback(log_dir, update_freq="epoch") -> keras.callbacks.TensorBoard:
+    """Keras's TensorBoard callback writing scalars only (no graph, no profiling)."""
+    return keras.callbacks.TensorBoard(
+        log_dir=str(log_dir), update_freq=update_freq, write_graph=False,
+        write_images=False, profile_batch=0,
+    )
+
+
+def write_summary(log_dir, scalars: Mapping[str, float], step: int = 0) -> None:
+    """Write `scalars` as TensorBoard scalars at `step` (e.g. final test metrics)."""
+    import tensorflow as tf
+
+    writer = tf.summary.create_file_writer(str(log_dir))
+    with writer.as_default():
+        for name, value in scalars.items():
+            if value is not None and np.isfinite(value):
+                tf.summary.scalar(name, float(value), step=step)
+    writer.flush()
+    writer.close()
+
+
+def flag_values(flags_module, names: Iterable[str]) -> dict:
+    """The values of the named absl flags, as a dict (for results.json)."""
+    return {name: getattr(flags_module.FLAGS, name) for name in names}
+
+
+def set_cpu_threads(threads: int | None) -> None:
+    """Limit TensorFlow's intra/inter-op threads (call before any op runs); None/0: leave."""
+    if threads:
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+
+
+def quiet_tensorflow() -> None:
+    """Hide TensorFlow's C++ info logs (call before importing TensorFlow)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
