@@ -25,7 +25,6 @@ Datasets (`--dataset`):
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
