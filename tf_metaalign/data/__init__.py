@@ -5,6 +5,7 @@
   wordnet_tasks             one WordNet task per part of speech
   text_encoder              the pretrained all-MiniLM-L6-v2 encoder through keras-hub, offline
   load_tfds                 a TFDS dataset already on disk (never downloads)
+  translation               Django's gettext catalogs as English -> X translation pairs
 """
 from tf_metaalign.data.digits import load_digits
 from tf_metaalign.data.splits import Splits, make_dataset
@@ -14,9 +15,9 @@ from tf_metaalign.data.wordnet import (
     load_wordnet_supersenses,
     wordnet_tasks,
 )
-from tf_metaalign.data import text_encoder
+from tf_metaalign.data import text_encoder, translation
 
 __all__ = [
     "Splits", "make_dataset", "load_digits", "load_wordnet_supersenses", "wordnet_tasks",
-    "SUPERSENSES", "text_encoder", "load_tfds",
+    "SUPERSENSES", "text_encoder", "load_tfds", "translation",
 ]
