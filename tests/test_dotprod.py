@@ -204,18 +204,19 @@ def test_every_schedule_counts_across_epochs_and_steps_per_execution(float64):
     assert not all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(_weights(trainer.model), _weights(wrong)))
 
 
-def test_one_replica_equals_two(float64):
+@pytest.mark.parametrize("every", [1, 2])
+def test_one_replica_equals_two(float64, every):
     x, y = _data(32, dtype="float64")
     # A global batch of 8 reaches replica r as rows [4r, 4r+4); each replica splits its own
     # shard, so the global b1 is rows {0,1,4,5} and b2 {2,3,6,7}. Feed one replica that order.
     order = np.concatenate([[s + 0, s + 1, s + 4, s + 5, s + 2, s + 3, s + 6, s + 7] for s in range(0, 32, 8)])
 
-    single = _compile(DotProdTrainer(_mlp("float64", seed=2), weight=0.3))
+    single = _compile(DotProdTrainer(_mlp("float64", seed=2), weight=0.3, every=every))
     h1 = single.fit(x[order], y[order], batch_size=8, epochs=1, shuffle=False, verbose=0)
 
     strategy = two_cpu_strategy()
     with strategy.scope():
-        double = _compile(DotProdTrainer(_mlp("float64", seed=2), weight=0.3))
+        double = _compile(DotProdTrainer(_mlp("float64", seed=2), weight=0.3, every=every))
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
     h2 = double.fit(ds, epochs=1, verbose=0)
 

@@ -140,6 +140,40 @@ def make_loss_fn(
     return loss_fn
 
 
+def make_split_loss_fn(
+    model: keras.Model,
+    loss: Callable,
+    n_first,
+    training: bool = True,
+    loss_scale: tf.Tensor | float | None = None,
+) -> LossFn:
+    """`L(b1) + L(b2)` from ONE forward pass over the whole batch.
+
+    `loss_fn(params, state, batch) -> (L1 + L2, (new_state, outputs, L1, L2))`, where b1 is
+    the first `n_first` examples and b2 the rest, each loss computed on its slice of the
+    outputs (so any reduction is respected) and each including the model's own losses,
+    exactly as two `make_loss_fn` evaluations would. Its gradient is G1 + G2 at the cost of
+    one full-batch pass instead of two half-batch passes; only layers that mix examples
+    (BatchNormalization in training mode) see the whole batch instead of each half.
+    """
+
+    def loss_fn(params, state, batch):
+        x, y, sample_weight = unpack_batch(batch)
+        outputs, new_state, model_losses = stateless_forward(
+            model, params, state, x, training=training
+        )
+        first, second = split_batch((y, outputs, sample_weight), n_first)
+        values = [loss(*part) for part in (first, second)]
+        extra = sum_model_losses(model_losses)
+        if extra is not None:
+            values = [v + tf.cast(extra, v.dtype) for v in values]
+        if loss_scale is not None:
+            values = [v * tf.cast(loss_scale, v.dtype) for v in values]
+        return values[0] + values[1], (new_state, outputs, values[0], values[1])
+
+    return loss_fn
+
+
 def unpack_batch(batch):
     """`(x,)`, `(x, y)` or `(x, y, sample_weight)` -> `(x, y, sample_weight)`."""
     if isinstance(batch, (tuple, list)):

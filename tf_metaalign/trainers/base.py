@@ -98,6 +98,19 @@ class MetaTrainer(keras.Model):
 
         return F.make_loss_fn(self.model, compiled, training=training, loss_scale=loss_scale)
 
+    def split_loss_fn(self, n_first, loss_scale=None, training=True):
+        """Like `loss_fn`, but `L(b1) + L(b2)` from one pass (`functional.make_split_loss_fn`)."""
+        compile_loss = self._compile_loss
+
+        def compiled(y, y_pred, sample_weight):
+            if compile_loss is None:
+                return tf.constant(0.0)
+            return compile_loss(y, y_pred, sample_weight)
+
+        return F.make_split_loss_fn(
+            self.model, compiled, n_first, training=training, loss_scale=loss_scale
+        )
+
     def loss_scale(self):
         """The optimizer's loss scale (1 unless it is a `LossScaleOptimizer`)."""
         return self.optimizer.scale_loss(tf.constant(1.0, tf.float32))
@@ -143,8 +156,12 @@ class MetaTrainer(keras.Model):
         )
 
     def update_diagnostics(self, **values):
+        """`name=value` or `name=(value, sample_weight)` for each diagnostic."""
         for name, value in values.items():
-            self._diagnostics[name].update_state(value)
+            if isinstance(value, tuple):
+                self._diagnostics[name].update_state(value[0], sample_weight=value[1])
+            else:
+                self._diagnostics[name].update_state(value)
 
     def compile_from_config(self, config):
         # Keras skips this for classes that override compile(); trainers may (to check

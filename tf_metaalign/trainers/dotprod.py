@@ -22,9 +22,20 @@ class DotProdTrainer(MetaTrainer):
     where G1, G2 are the gradients of the compiled loss plus the model's own losses on
     b1 and b2 (see `tf_metaalign.algorithms.dotprod`). On pairs where the regulariser is
     skipped (`every > 1`: it runs on pairs 0, every, 2*every, ... counted from the start
-    of training, across epochs and `steps_per_execution`), G = G1 + G2. Note that G1+G2
-    is the sum of two half-batch mean gradients, i.e. twice the full-batch gradient, as
-    in the paper; pick the learning rate accordingly.
+    of training, across epochs and `steps_per_execution`), G = G1 + G2, computed as
+    grad(L(b1) + L(b2)) in one pass over the whole batch (the losses on the two slices of
+    the output), which costs what plain training costs (with one replica; under a
+    multi-replica strategy skipped pairs take two half passes, because an all-reduce
+    cannot sit inside `tf.cond` there); `grad_dot`/`grad_cosine` are averaged over the
+    regularised pairs only. Note that G1+G2 is the sum of two
+    half-batch mean gradients, i.e. twice the full-batch gradient, as in the paper;
+    pick the learning rate accordingly.
+
+    Stability: the update is about (I - weight*H2) G, so it diverges once weight exceeds
+    roughly 1/lambda_max(H2); measured here, the paper's weight=0.1 diverged when
+    fine-tuning MiniLM with Adam(1e-4) (0.01 was stable). With `weight=0` nothing is
+    perturbed: G1 + G2 comes from two half passes and the diagnostics are still logged,
+    which makes a baseline that measures G1.G2.
 
     Args:
       model: the Keras model to train (`trainer.model`).
@@ -44,6 +55,9 @@ class DotProdTrainer(MetaTrainer):
     Under mixed precision (`keras.mixed_precision.set_global_policy("mixed_float16")` and
     a `LossScaleOptimizer`), gradients are of the scaled loss, and the perturbation
     theta - alpha*G1 is applied to the float32 variables with the unscaled G1.
+
+    Use: `trainer.compile(optimizer=..., loss=..., metrics=[...])` (keywords: Keras's
+    third positional argument is `loss_weights`), then `trainer.fit(...)`.
 
     Logs: loss, the compiled metrics, `grad_dot` (G1.G2 of the true mean gradients) and
     `grad_cosine`.
@@ -124,44 +138,72 @@ class DotProdTrainer(MetaTrainer):
         batch_1, batch_2 = F.split_batch((x, y, sample_weight), n_1)
 
         loss_scale = self.loss_scale()
-        if self.every == 1:
-            apply_regularizer = True
-        else:
-            apply_regularizer = tf.equal(self.pairs_seen % self.every, 0)
+        params = F.current_params(self.model)
+        state = F.current_state(self.model)
+        acc = tf.float64 if any(p.dtype == tf.float64 for p in params) else tf.float32
 
-        result = dotprod.dotprod_gradient(
-            self.loss_fn(loss_scale=loss_scale),
-            F.current_params(self.model),
-            F.current_state(self.model),
-            batch_1,
-            batch_2,
-            weight=self.weight,
-            alpha=self.alpha,
-            method=self.method,
-            apply_regularizer=apply_regularizer,
-            gradient_scale=loss_scale,
-            compute_dtype=self.model_compute_dtype(),
-        )
+        def with_dotprod(apply_regularizer=self.weight > 0):
+            # weight == 0: G1 + G2 from two half passes, G21 never computed; the
+            # diagnostics are still measured (a baseline that logs G1.G2).
+            r = dotprod.dotprod_gradient(
+                self.loss_fn(loss_scale=loss_scale),
+                params,
+                state,
+                batch_1,
+                batch_2,
+                weight=self.weight,
+                alpha=self.alpha,
+                method=self.method,
+                apply_regularizer=apply_regularizer,
+                gradient_scale=loss_scale,
+                compute_dtype=self.model_compute_dtype(),
+            )
+            y_pred = tf.nest.map_structure(
+                lambda a, b: tf.concat([a, b], axis=0), r.aux_1[1], r.aux_2[1]
+            )
+            measured = tf.constant(1.0, acc)
+            return (r.gradient, r.loss_1, r.loss_2, y_pred, r.aux_2[0],
+                    r.grad_dot, r.grad_cosine, measured)
+
+        def skipped():
+            # G1 + G2 = grad(L(b1) + L(b2)), in one pass over the whole batch.
+            _, grads, (new_state, y_pred, loss_1, loss_2) = F.value_and_grad(
+                self.split_loss_fn(n_1, loss_scale=loss_scale), params, state,
+                (x, y, sample_weight),
+            )
+            zero = tf.constant(0.0, acc)
+            return grads, loss_1, loss_2, y_pred, new_state, zero, zero, zero
+
+        regularize_now = tf.equal(self.pairs_seen % self.every, 0)
+        if self.every == 1 or self.weight == 0:
+            outputs = with_dotprod()
+        elif F.num_replicas() == 1:
+            outputs = tf.cond(regularize_now, with_dotprod, skipped)
+        else:
+            # An all-reduce may not sit inside tf.cond under MirroredStrategy (merge_call),
+            # so with several replicas skipped pairs keep the two half passes and the
+            # all-reduces; only the G21 pass is conditional (inside dotprod_gradient).
+            outputs = with_dotprod(apply_regularizer=regularize_now)
+            measured = tf.cast(regularize_now, outputs[-1].dtype)
+            outputs = outputs[:-1] + (measured,)
+        gradient, loss_1, loss_2, y_pred, new_state, grad_dot, grad_cosine, measured = outputs
+
         # The loss of the whole batch: the size-weighted mean of the two halves.
         n_f = tf.cast(n, tf.float32)
         n_1f = tf.cast(n_1, tf.float32)
         loss = (
-            n_1f * tf.cast(result.loss_1, tf.float32)
-            + (n_f - n_1f) * tf.cast(result.loss_2, tf.float32)
+            n_1f * tf.cast(loss_1, tf.float32)
+            + (n_f - n_1f) * tf.cast(loss_2, tf.float32)
         ) / (n_f * tf.cast(loss_scale, tf.float32))
         # Checked before anything is assigned, so a NaN never reaches the weights.
         loss = self.check_finite_loss(loss, "the loss of the pair (b1, b2)")
         with tf.control_dependencies([loss]):
             self.pairs_seen.assign_add(1)
-            F.assign_state(self.model, result.aux_2[0])
-            self.optimizer.apply_gradients(
-                zip(result.gradient, self.model.trainable_variables)
-            )
+            F.assign_state(self.model, new_state)
+            self.optimizer.apply_gradients(zip(gradient, self.model.trainable_variables))
         self.update_loss_tracker(loss, n)
-        self.update_diagnostics(grad_dot=result.grad_dot, grad_cosine=result.grad_cosine)
-        y_pred = tf.nest.map_structure(
-            lambda a, b: tf.concat([a, b], axis=0), result.aux_1[1], result.aux_2[1]
-        )
+        # Skipped pairs (every > 1) do not measure G1.G2: weight 0 keeps them out of the mean.
+        self.update_diagnostics(grad_dot=(grad_dot, measured), grad_cosine=(grad_cosine, measured))
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def get_config(self):
