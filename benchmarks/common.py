@@ -2,11 +2,13 @@
 
 * `warm_fit_timing(model_or_trainer, dataset, steps, warmup)`: run `fit` and return the
   per-step wall times after `warmup` steps (the first step traces and compiles).
-* `PeakMemory`: peak memory during a block. On GPU: TensorFlow's allocator peak
-  (`tf.config.experimental.get_memory_info(device)["peak"]`, reset at the start: exact,
-  per block). On CPU: the process RSS sampled by a thread (psutil) every `interval`
-  seconds, reported as peak minus the RSS at the start: approximate, and an
-  underestimate when the block reuses memory freed by an earlier block.
+* `PeakMemory`: peak memory during a block: TensorFlow's allocator peak on the device
+  that runs the block (the first GPU, else "CPU:0"; TF 2.21 keeps allocator statistics
+  for the CPU too): `get_memory_info(device)["peak"]` after `reset_memory_stats`, minus the
+  memory allocated when the block starts: exact, per block, tensors only (no compiler or
+  Python memory). Only if the allocator has no
+  statistics: the process RSS sampled by a thread (psutil), peak minus start
+  (approximate; dominated by tracing/compilation).
 """
 from __future__ import annotations
 
@@ -49,13 +51,19 @@ def gpu_device() -> str | None:
 
 
 class PeakMemory:
-    """`with PeakMemory() as m: ...` then `m.peak_bytes`, `m.kind` ("gpu_allocator_peak"
-    or "cpu_rss_delta")."""
+    """`with PeakMemory() as m: ...` then `m.peak_bytes`, `m.kind` ("gpu_allocator_peak",
+    "cpu_allocator_peak" or, as a fallback, "cpu_rss_delta")."""
 
     def __init__(self, interval: float = 0.005):
         self.interval = interval
         self.device = gpu_device()
         self.kind = "gpu_allocator_peak" if self.device else "cpu_rss_delta"
+        if self.device is None:
+            try:
+                tf.config.experimental.get_memory_info("CPU:0")
+                self.device, self.kind = "CPU:0", "cpu_allocator_peak"
+            except (ValueError, tf.errors.OpError):
+                pass
         self.peak_bytes = None
         self._stop = threading.Event()
 
@@ -72,6 +80,7 @@ class PeakMemory:
     def __enter__(self):
         if self.device:
             tf.config.experimental.reset_memory_stats(self.device)
+            self._start = int(tf.config.experimental.get_memory_info(self.device)["current"])
         else:
             self._start = self._peak = self._rss()
             self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -80,7 +89,11 @@ class PeakMemory:
 
     def __exit__(self, *exc):
         if self.device:
-            self.peak_bytes = int(tf.config.experimental.get_memory_info(self.device)["peak"])
+            # Peak minus what was allocated at the start: what this block added at its
+            # worst (optimizer slots, activations, the algorithm's temporaries), not
+            # what earlier blocks left alive.
+            peak = int(tf.config.experimental.get_memory_info(self.device)["peak"])
+            self.peak_bytes = peak - self._start
         else:
             self._stop.set()
             self._thread.join()

@@ -157,7 +157,8 @@ def main(argv):
     gpu = common.gpu_device()
 
     # Compile every configuration once (the untimed warm-up), on one shared model.
-    runners, first_step, gpu_peak = {}, {}, {}
+    runners, first_step, alloc_peak = {}, {}, {}
+    memory_kind = None
     for config in FLAGS.configs:
         # plain_half gets its own (identical) model so no compiled function sees two shapes.
         runners[config] = make_runner(config, build_model() if config == "plain_half" else model)
@@ -166,7 +167,8 @@ def main(argv):
             runners[config].fit(data_for(config), steps_per_epoch=FLAGS.warmup, epochs=1, verbose=0,
                                 callbacks=[timer])
         first_step[config] = timer.first()
-        gpu_peak[config] = mem.peak_bytes if gpu else None
+        if mem.kind.endswith("allocator_peak"):
+            alloc_peak[config], memory_kind = mem.peak_bytes, mem.kind
 
     # Timed: `--rounds` rounds, each running every configuration for `--steps_per_round`
     # steps in a shuffled order, so load from other processes hits all of them alike.
@@ -183,9 +185,13 @@ def main(argv):
         print(f"round {r}: " + ", ".join(f"{c} {1000 * np.median(times[c]):.1f}" for c in FLAGS.configs),
               flush=True)
 
-    if gpu:
-        memory = {c: {"peak_mb": gpu_peak[c] / 2**20} for c in FLAGS.configs}
-        memory_kind = f"gpu_allocator_peak ({gpu}; reset before each configuration's warm-up)"
+    if len(alloc_peak) == len(FLAGS.configs):
+        memory = {c: {"peak_mb": alloc_peak[c] / 2**20,
+                      "peak_ratio": alloc_peak[c] / alloc_peak["plain"] if "plain" in alloc_peak else None}
+                  for c in FLAGS.configs}
+        memory_kind = (f"{memory_kind} ({gpu or 'CPU:0'}): TensorFlow allocator peak during the "
+                       "configuration's warm-up steps (optimizer build, tracing, first steps) "
+                       "minus what was allocated before; tensors only")
     elif FLAGS.memory:
         mem = memory_in_subprocesses(FLAGS.configs)
         memory = {c: {"peak_mb": m["peak_rss"] / 2**20,
@@ -239,7 +245,7 @@ def main(argv):
         ("mean_step_ms", "mean ms/step", ".1f"), ("ratio_median", "ratio (median)", ".3f"),
         ("ratio_mean", "ratio (mean)", ".3f"), ("target_ratio", "target", ".2f"),
         ("peak_mb", "peak MB", ".0f"), ("delta_mb", "delta MB", ".0f"),
-        ("steady_delta_mb", "steady MB", ".0f"),
+        ("steady_delta_mb", "steady MB", ".0f"), ("peak_ratio", "memory ratio", ".2f"),
     ])
     print(table)
     print(f"memory: {memory_kind}")

@@ -10,7 +10,10 @@ which trace and compile, are not timed), ratio of medians, configurations interl
 pass is that of one training forward+backward, so the floor is about 2x at
 guidance_every=1). Learned: learning rate and beta_1 (where the optimizer has one).
 
-Memory: on GPU the allocator peak (exact); on CPU the RSS peak delta (approximate). The
+Memory: TensorFlow's allocator peak on the device (GPU, else "CPU:0": exact, tensors
+only). The default model (a 10M-parameter MLP, 38 MB per parameter copy, batch 64) makes
+a parameter copy large against allocator noise, and a small batch is the worst case for
+the time ratio (the optimizer update is a larger share of a step). The
 target is peak(guided) <= peak(plain) + 2 parameter copies (theta_{t+1} and the guidance
 gradient), and step time <= 2.1x plain. Writes `benchmarks/results/guided_overhead.json`.
 """
@@ -25,15 +28,19 @@ from pathlib import Path  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 flags.DEFINE_integer("input_dim", 784, "Input features of the synthetic classification data.")
-flags.DEFINE_integer("width", 1024, "Hidden units of each Dense layer.")
+flags.DEFINE_integer("width", 2048, "Hidden units of each Dense layer.")
 flags.DEFINE_integer("depth", 3, "Hidden Dense layers.")
 flags.DEFINE_integer("num_classes", 10, "Output classes.")
-flags.DEFINE_integer("batch_size", 256, "Training batch (and guidance batch) size.")
+flags.DEFINE_integer("batch_size", 64, "Training batch (and guidance batch) size.")
 flags.DEFINE_integer("steps", 20, "Timed steps per configuration and repeat.")
 flags.DEFINE_integer("warmup", 3, "Untimed steps first (tracing, compilation).")
 flags.DEFINE_integer("repeats", 2, "Interleaved repeats of all configurations.")
 flags.DEFINE_list("optimizers", ["adam", "lamb"], "adam, lamb, adafactor, sgd_momentum.")
 flags.DEFINE_list("guidance_every", ["1"], "GuidedTrainer guidance_every values to time.")
+flags.DEFINE_bool("reuse_lookahead", True,
+                  "Also time GuidedTrainer(reuse_lookahead=False) (config 'guided_recompute').")
+flags.DEFINE_bool("memory_efficient", True,
+                  "Also time GuidedTrainer(memory_efficient=True) (config 'guided_memory_efficient').")
 flags.DEFINE_bool("jit_compile", False, "XLA-compile the train step (all configurations).")
 flags.DEFINE_string("output", str(Path(__file__).resolve().parent / "results" / "guided_overhead.json"),
                     "Where the JSON goes.")
@@ -95,6 +102,10 @@ def main(argv):
     for opt in FLAGS.optimizers:
         configs.append((opt, "plain"))
         configs += [(opt, f"guided_every={e}") for e in FLAGS.guidance_every]
+        if FLAGS.reuse_lookahead:
+            configs.append((opt, "guided_recompute"))
+        if FLAGS.memory_efficient:
+            configs.append((opt, "guided_memory_efficient"))
     per = {c: {"times": [], "memory": [], "first": []} for c in configs}
     memory_kind = None
     for repeat in range(FLAGS.repeats):
@@ -103,6 +114,10 @@ def main(argv):
             model.set_weights(initial)
             if kind == "plain":
                 runner = model
+            elif kind == "guided_memory_efficient":
+                runner = GuidedTrainer(model, guidance, memory_efficient=True)
+            elif kind == "guided_recompute":
+                runner = GuidedTrainer(model, guidance, reuse_lookahead=False)
             else:
                 runner = GuidedTrainer(model, guidance,
                                        guidance_every=int(kind.split("=")[1]))

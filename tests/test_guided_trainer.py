@@ -44,19 +44,27 @@ OPTS = {
 }
 
 
+@pytest.mark.parametrize("reuse_lookahead", [False, True])
 @pytest.mark.parametrize("key", sorted(OPTS))
-def test_meta_learning_rate_zero_equals_plain_training(key):
+def test_meta_learning_rate_zero_equals_plain_training(key, reuse_lookahead):
     x, y = _data()
     plain = _model(dropout=0.2)
     plain.compile(OPTS[key](), loss="mse")
     plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
 
     model = _model(dropout=0.2)
-    trainer = GuidedTrainer(model, _data(16, seed=5), meta_optimizer=O.Adam(0.0))
+    trainer = GuidedTrainer(model, _data(16, seed=5), meta_optimizer=O.Adam(0.0),
+                            reuse_lookahead=reuse_lookahead)
     trainer.compile(OPTS[key](), loss="mse")
     hist = trainer.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    if not reuse_lookahead:  # the same update path as plain training: bit-identical
+        for a, b in zip(_weights(plain), _weights(model)):
+            np.testing.assert_array_equal(a, b)
+    # reuse_lookahead: the guided step commits its own lookahead update (the same rule on the same inputs,
+    # in another graph): bit-identical for most rules, within an ulp where the compiler
+    # fuses LAMB's last multiply-subtract differently. Any real difference is >> 2 ulp.
     for a, b in zip(_weights(plain), _weights(model)):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_max_ulp(a, b, maxulp=2)
     assert hist.history["learning_rate_scale"][-1] == 1.0
     assert np.isfinite(hist.history["guidance_loss"]).all()
     assert hist.history["hypergrad_learning_rate"][-1] != 0.0

@@ -632,3 +632,30 @@ def test_schedules_follow_reference_formulas():
 def test_bad_input_names_the_argument(make, argument):
     with pytest.raises((ValueError, TypeError), match=argument):
         make()
+
+
+def test_assign_update_commits_a_rule_result_like_apply_gradients():
+    rng = np.random.default_rng(0)
+    values = [rng.normal(size=(4, 3)).astype("float32"), rng.normal(size=(3,)).astype("float32")]
+    grads = [tf.constant(rng.normal(size=v.shape).astype("float32")) for v in values]
+    a = [keras.Variable(v) for v in values]
+    b = [keras.Variable(v) for v in values]
+    opt_a, opt_b = O.Lamb(0.1), O.Lamb(0.1)
+    opt_a.build(a)
+    opt_b.build(b)
+    opt_a.apply_gradients(zip(grads, a))
+    hp = opt_b.current_hyperparameters()
+    results = [
+        opt_b.rule.update(g, tf.convert_to_tensor(v), {k: s.value for k, s in opt_b.slots_for(v).items()},
+                          hp, tf.constant(1.0), opt_b.options_for(v))
+        for g, v in zip(grads, b)
+    ]
+    opt_b.assign_update(b, [r[0] for r in results], [r[1] for r in results])
+    assert int(opt_b.iterations.numpy()) == int(opt_a.iterations.numpy()) == 1
+    for va, vb in zip(a, b):
+        np.testing.assert_array_max_ulp(va.numpy(), vb.numpy(), maxulp=2)
+        for (ka, sa), (kb, sb) in zip(opt_a.slots_for(va).items(), opt_b.slots_for(vb).items()):
+            np.testing.assert_array_max_ulp(sa.numpy(), sb.numpy(), maxulp=2)
+    with two_cpu_strategy().scope():
+        with pytest.raises(RuntimeError, match="single replica"):
+            opt_b.assign_update(b, [r[0] for r in results], [r[1] for r in results])

@@ -23,10 +23,13 @@ computed in three passes, none of which forms a Jacobian or a second model:
 2. ``v = grad L_guide(theta_{t+1})``: one forward + backward pass on the guidance batch
    (``training=False`` in the trainer: no dropout);
 3. ``h = d/d raw < stop_gradient(v), update(raw) >``: the elementwise update again, under
-   a tape over the scalar raw values only; its backward pass is as cheap as the update.
+   a tape over the scalar raw values only. Its forward values are the step's update
+   itself: `commit` can assign them, so the optimizer need not compute the update a
+   fourth time.
 
-Peak extra memory over a training step is about two parameter copies (``theta_{t+1}``
-and ``v``); pass 3 keeps the update's intermediates only per variable.
+Extra memory: ``theta_{t+1}`` (during the guidance pass) and ``v``, plus the tape's
+intermediates of the update in pass 3: for all variables at once by default, for one
+variable at a time with ``sequential=True`` (slower: the chain removes parallelism).
 
 Distribution
 ------------
@@ -169,6 +172,8 @@ def hypergradients(
     guidance_batch,
     guidance_weight=None,
     hparam_dtype=None,
+    commit=None,
+    sequential=False,
 ) -> HypergradientResult:
     """The greedy hypergradient ``d L_guide(theta_{t+1}(raw)) / d raw`` (local value).
 
@@ -187,6 +192,12 @@ def hypergradients(
       guidance_batch: `(x, y)` or `(x, y, sample_weight)`.
       guidance_weight: multiplies the guidance loss (unequal replica shards); None = 1.
       hparam_dtype: dtype of the activated values given to the rule (None: raw's dtype).
+      commit: optional `commit(i, new_var, new_slots) -> op`, called for each variable
+        with pass 3's forward values (this step's update at the given raw values): e.g.
+        assign them, instead of recomputing the update in `apply_gradients`.
+      sequential: run pass 3 one variable after another (control dependencies), so the
+        tape holds one variable's intermediates at a time: less memory, more time (see
+        `GuidedTrainer(memory_efficient=...)` for measurements).
 
     Returns a `HypergradientResult` in per-replica units: call `reduce_and_sanitize`
     (inside the same replica context) for the global, sanitised values.
@@ -209,15 +220,27 @@ def hypergradients(
     guide_loss, v, aux = F.value_and_grad(weighted_loss_fn, new_params, state, guidance_batch)
     v = [tf.stop_gradient(x) for x in v]
 
-    # Pass 3: h = d/d raw <v, theta_{t+1}(raw)>, the update re-run under a tape over raw.
-    with tf.GradientTape() as tape:
-        tape.watch(list(raw_t.values()))
-        hp = hyperparameters_from_raw(base_hparams, raw_t, dtype=hparam_dtype)
-        inner = F.dot(v, lookahead(rule, grads, params, slots, options, hp, step))
-    h = tape.gradient(
-        inner, list(raw_t.values()), unconnected_gradients=tf.UnconnectedGradients.ZERO
-    )
-    h = {n: tf.cast(x, raw_t[n].dtype) for n, x in zip(names, h)}
+    # Pass 3: h = d/d raw <v, theta_{t+1}(raw)>, the update re-run under a tape over raw,
+    # per variable (with `sequential`, chained by control dependencies so the tape's
+    # intermediates exist for one variable at a time). Its forward values are this
+    # step's update, which `commit` may assign (saving the optimizer a recomputation).
+    raw_list = list(raw_t.values())
+    acc = tf.float64 if any(r.dtype == tf.float64 for r in raw_list) else tf.float32
+    h_sum = [tf.zeros((), acc) for _ in names]
+    deps = []
+    for i, (g, w, s_i, o, v_i) in enumerate(zip(grads, params, slots, options, v)):
+        with tf.control_dependencies(deps):
+            with tf.GradientTape() as tape:
+                tape.watch(raw_list)
+                hp = hyperparameters_from_raw(base_hparams, raw_t, dtype=hparam_dtype)
+                new_w, new_s = rule.update(g, w, s_i, hp, step, o)
+                inner = tf.reduce_sum(tf.cast(v_i, acc) * tf.cast(new_w, acc))
+            h_i = tape.gradient(inner, raw_list, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            committed = commit(i, new_w, new_s) if commit is not None else None
+            if sequential:
+                deps = [tf.identity(x) for x in h_i] + ([committed] if committed is not None else [])
+        h_sum = [a + tf.cast(b, acc) for a, b in zip(h_sum, h_i)]
+    h = {n: tf.cast(x, raw_t[n].dtype) for n, x in zip(names, h_sum)}
     return HypergradientResult(
         hypergradients=h, guidance_loss=guide_loss, new_params=new_params, guidance_aux=aux
     )

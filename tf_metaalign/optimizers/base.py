@@ -384,6 +384,36 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         for k, v in slot_vars.items():
             self.assign(v, new_slots[k])
 
+    def assign_update(self, variables, new_values, new_slots):
+        """Commit an update already computed with `rule.update`: what `apply_gradients`
+        does after the rule (assign variables and slots, count the iteration).
+
+        For code that computed `rule.update` itself (guided learning's lookahead) and
+        should not pay for the update a second time. Only with one replica: under a
+        multi-replica strategy use `apply_gradients`, which synchronises the update.
+        """
+        if tf.distribute.get_strategy().num_replicas_in_sync != 1:
+            raise RuntimeError(
+                "assign_update is for a single replica; use apply_gradients under a strategy."
+            )
+        if not (len(variables) == len(new_values) == len(new_slots)):
+            raise ValueError(
+                "assign_update: variables, new_values and new_slots must have one entry per "
+                f"variable; got {len(variables)}, {len(new_values)}, {len(new_slots)}."
+            )
+        for variable, value, slots in zip(variables, new_values, new_slots):
+            self.assign_variable_update(variable, value, slots)
+        self.iterations.assign_add(1)
+
+    def assign_variable_update(self, variable, new_value, new_slots):
+        """`assign_update` for one variable, without counting the iteration (the caller
+        adds 1 to `iterations` once all variables are committed). Returns the assign op
+        of the variable (for control dependencies)."""
+        slot_vars = self._slot_variables[self._get_variable_index(variable)]
+        for k, v in slot_vars.items():
+            v.assign(new_slots[k])
+        return variable.assign(tf.cast(new_value, variable.dtype))
+
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         if self.aggregated_clipnorm is None:
             return super()._backend_update_step(grads, trainable_variables, learning_rate)
