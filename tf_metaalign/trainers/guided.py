@@ -149,6 +149,7 @@ class LastValue(keras.metrics.Metric):
         pass
 
 
+@keras.saving.register_keras_serializable(package="tf_metaalign")
 class GuidedHyperparameters(keras.layers.Layer):
     """Learned raw hyperparameters, their meta-optimizer state, and the greedy step.
 
@@ -488,6 +489,16 @@ def split_guidance_batch(dataset: tf.data.Dataset, num_batches: int = 1):
     return tf.data.Dataset.from_tensor_slices(_stack(head)), rest
 
 
+def _encode_array(t):
+    """A tensor as JSON-able config (values, shape, dtype)."""
+    a = np.asarray(t)
+    return {"values": a.ravel().tolist(), "shape": list(a.shape), "dtype": a.dtype.name}
+
+
+def _decode_array(d):
+    return np.asarray(d["values"], dtype=d["dtype"]).reshape(d["shape"])
+
+
 def _stack(batches):
     return tf.nest.map_structure(lambda *t: tf.stack(t), *batches)
 
@@ -571,6 +582,7 @@ class GuidanceData:
 # -------------------------------------------------------------------------- trainer
 
 
+@keras.saving.register_keras_serializable(package="tf_metaalign")
 class GuidedTrainer(MetaTrainer):
     """Train `model` while learning its optimizer's learning-rate scale and beta_1.
 
@@ -702,8 +714,13 @@ class GuidedTrainer(MetaTrainer):
         config = super().get_config()
         config.update(
             guidance_data={
-                "batches": [tf.nest.map_structure(lambda a: a.tolist(), b) for b in self.guidance.batches()],
-                "dtypes": [t.dtype.name for t in tf.nest.flatten(self.guidance.stacked)],
+                "num_batches": self.guidance.num_batches,
+                # (x, y[, sample_weight]) with a leading batch-index axis; x may be a dict.
+                "stacked": [
+                    {k: _encode_array(v) for k, v in e.items()} if isinstance(e, dict)
+                    else _encode_array(e)
+                    for e in self.guidance.stacked
+                ],
             },
             hyperparameters=list(self.guided.names) if self.guided.explicit_names else None,
             meta_optimizer=keras.optimizers.serialize(self.guided.meta_optimizer),
@@ -718,13 +735,15 @@ class GuidedTrainer(MetaTrainer):
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         data = config["guidance_data"]
-        if isinstance(data, dict) and "batches" in data:
-            batches = []
-            for b in data["batches"]:
-                flat = [np.asarray(a, dtype=d) for a, d in zip(tf.nest.flatten(b), data["dtypes"])]
-                batches.append(tuple(flat) if len(flat) in (2, 3) else tf.nest.pack_sequence_as(b, flat))
+        if isinstance(data, dict) and "stacked" in data:
+            stacked = tuple(
+                {k: _decode_array(v) for k, v in e.items()} if "values" not in e
+                else _decode_array(e)
+                for e in data["stacked"]
+            )
             config["guidance_data"] = (
-                batches[0] if len(batches) == 1 else tf.data.Dataset.from_tensor_slices(_stack(batches))
+                tf.nest.map_structure(lambda a: a[0], stacked) if data["num_batches"] == 1
+                else tf.data.Dataset.from_tensor_slices(stacked)
             )
         config["meta_optimizer"] = keras.optimizers.deserialize(config["meta_optimizer"])
         return super().from_config(config, custom_objects=custom_objects)
