@@ -79,12 +79,8 @@ class MetaTrainer(keras.Model):
 
     # ---------------------------------------------------------------- loss at weights
 
-    def loss_fn(self, loss_scale=None, training=True):
-        """`loss_fn(params, state, batch) -> (loss, (new_state, y_pred))` for `self.model`.
-
-        The loss is the compiled loss plus the model's own losses, both divided by the
-        number of replicas exactly as Keras's `train_step` does, times `loss_scale`.
-        """
+    def _compiled_loss(self):
+        """`loss(y, y_pred, sample_weight)`: the compiled loss (0 if only model losses)."""
         if self._compile_loss is None and not self.model.losses:
             raise ValueError(
                 f"{type(self).__name__}: no loss to compute. Pass `loss=` to compile()."
@@ -96,19 +92,22 @@ class MetaTrainer(keras.Model):
                 return tf.constant(0.0)
             return compile_loss(y, y_pred, sample_weight)
 
-        return F.make_loss_fn(self.model, compiled, training=training, loss_scale=loss_scale)
+        return compiled
+
+    def loss_fn(self, loss_scale=None, training=True):
+        """`loss_fn(params, state, batch) -> (loss, (new_state, y_pred))` for `self.model`.
+
+        The loss is the compiled loss plus the model's own losses, both divided by the
+        number of replicas exactly as Keras's `train_step` does, times `loss_scale`.
+        """
+        return F.make_loss_fn(
+            self.model, self._compiled_loss(), training=training, loss_scale=loss_scale
+        )
 
     def split_loss_fn(self, n_first, loss_scale=None, training=True):
         """Like `loss_fn`, but `L(b1) + L(b2)` from one pass (`functional.make_split_loss_fn`)."""
-        compile_loss = self._compile_loss
-
-        def compiled(y, y_pred, sample_weight):
-            if compile_loss is None:
-                return tf.constant(0.0)
-            return compile_loss(y, y_pred, sample_weight)
-
         return F.make_split_loss_fn(
-            self.model, compiled, n_first, training=training, loss_scale=loss_scale
+            self.model, self._compiled_loss(), n_first, training=training, loss_scale=loss_scale
         )
 
     def loss_scale(self):
