@@ -175,19 +175,8 @@ def make_split_loss_fn(
 
 
 def unpack_batch(batch):
-    """`(x,)`, `(x, y)` or `(x, y, sample_weight)` -> `(x, y, sample_weight)`."""
-    if isinstance(batch, (tuple, list)):
-        if len(batch) == 1:
-            return batch[0], None, None
-        if len(batch) == 2:
-            return batch[0], batch[1], None
-        if len(batch) == 3:
-            return tuple(batch)
-        raise ValueError(
-            f"`batch` must be (x,), (x, y) or (x, y, sample_weight); got a sequence of "
-            f"length {len(batch)}."
-        )
-    return batch, None, None
+    """`(x,)`, `(x, y)` or `(x, y, sample_weight)` -> `(x, y, sample_weight)` (Keras's rule)."""
+    return keras.utils.unpack_x_y_sample_weight(tuple(batch) if isinstance(batch, list) else batch)
 
 
 def value_and_grad(loss_fn: LossFn, params, state, batch):

@@ -67,7 +67,6 @@ class DotProdResult:
       grad_dot: global G1 . G2, unscaled (true mean gradients).
       grad_cosine: global cos(G1, G2).
       alpha: the perturbation used (a scalar tensor).
-      applied: whether the regulariser was applied (bool tensor).
     """
 
     gradient: list
@@ -81,7 +80,6 @@ class DotProdResult:
     grad_dot: tf.Tensor
     grad_cosine: tf.Tensor
     alpha: tf.Tensor
-    applied: tf.Tensor
 
 
 def validate_options(weight, alpha, every=1, method="finite_difference"):
@@ -257,5 +255,4 @@ def dotprod_gradient(
         grad_dot=F.dot(unscaled_g1, unscaled_g2),
         grad_cosine=F.cosine(unscaled_g1, unscaled_g2),
         alpha=alpha_t,
-        applied=tf.convert_to_tensor(apply_regularizer),
     )

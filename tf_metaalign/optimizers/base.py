@@ -300,7 +300,12 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         optimizer.options_for(var))` is exactly the update `apply_gradients` makes next.
         """
         self._check_built("current_hyperparameters()")
-        return self._hyperparameters(self._get_current_learning_rate())
+        return self._hyperparameters(self.schedule_learning_rate())
+
+    def schedule_learning_rate(self):
+        """The learning rate of the next update before `learning_rate_scale` (the schedule's
+        value at `iterations`, or the fixed rate), float32."""
+        return tf.cast(self._get_current_learning_rate(), tf.float32)
 
     def slots_for(self, variable):
         """dict slot name -> slot variable (rule.slot_names order) for a Keras or tf variable."""
@@ -392,10 +397,6 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         should not pay for the update a second time. Only with one replica: under a
         multi-replica strategy use `apply_gradients`, which synchronises the update.
         """
-        if tf.distribute.get_strategy().num_replicas_in_sync != 1:
-            raise RuntimeError(
-                "assign_update is for a single replica; use apply_gradients under a strategy."
-            )
         if not (len(variables) == len(new_values) == len(new_slots)):
             raise ValueError(
                 "assign_update: variables, new_values and new_slots must have one entry per "
@@ -409,6 +410,10 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         """`assign_update` for one variable, without counting the iteration (the caller
         adds 1 to `iterations` once all variables are committed). Returns the assign op
         of the variable (for control dependencies)."""
+        if tf.distribute.get_strategy().num_replicas_in_sync != 1:
+            raise RuntimeError(
+                "assign_update is for a single replica; use apply_gradients under a strategy."
+            )
         slot_vars = self._slot_variables[self._get_variable_index(variable)]
         for k, v in slot_vars.items():
             v.assign(new_slots[k])

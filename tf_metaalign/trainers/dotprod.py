@@ -174,12 +174,13 @@ class DotProdTrainer(MetaTrainer):
             zero = tf.constant(0.0, acc)
             return grads, loss_1, loss_2, y_pred, new_state, zero, zero, zero
 
-        regularize_now = tf.equal(self.pairs_seen % self.every, 0)
         if self.every == 1 or self.weight == 0:
             outputs = with_dotprod()
         elif F.num_replicas() == 1:
+            regularize_now = tf.equal(self.pairs_seen % self.every, 0)
             outputs = tf.cond(regularize_now, with_dotprod, skipped)
         else:
+            regularize_now = tf.equal(self.pairs_seen % self.every, 0)
             # An all-reduce may not sit inside tf.cond under MirroredStrategy (merge_call),
             # so with several replicas skipped pairs keep the two half passes and the
             # all-reduces; only the G21 pass is conditional (inside dotprod_gradient).

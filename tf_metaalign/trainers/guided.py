@@ -345,7 +345,7 @@ class GuidedHyperparameters(keras.layers.Layer):
         keys = [self.active[n] for n in names]
         raw = {n: tf.convert_to_tensor(self.raw[n].value) for n in names}
         base = optimizer.current_hyperparameters()
-        schedule_lr = tf.cast(optimizer._get_current_learning_rate(), tf.float32)
+        schedule_lr = optimizer.schedule_learning_rate()
         base["learning_rate"] = schedule_lr
         step = tf.cast(optimizer.iterations + 1, tf.float32)
         slots = [
