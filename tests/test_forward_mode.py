@@ -1,0 +1,196 @@
+"""Forward-mode tangents (tf_metaalign.forward_mode) against float64 finite differences.
+
+The guided-learning hypergradient is <v, tangent>, so every optimizer rule's tangent with
+respect to every hyperparameter it reads is checked here, together with the promise that
+the primal is exactly `rule.update` (the committed update is the optimizer's update).
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_metaalign import forward_mode as fm
+from tf_metaalign.optimizers import adafactor, adam, adam_weight_decay, lamb, sgd
+
+RULES = {
+    "sgd": (lambda: sgd.SGDRule(), {}),
+    "sgd_momentum": (lambda: sgd.SGDRule(momentum=0.8), {}),
+    "sgd_nesterov": (lambda: sgd.SGDRule(momentum=0.8, nesterov=True), {}),
+    "adam": (lambda: adam.AdamRule(), {}),
+    "adamw": (lambda: adam_weight_decay.AdamWeightDecayRule(weight_decay_rate=0.1), {}),
+    "adamw_excluded": (
+        lambda: adam_weight_decay.AdamWeightDecayRule(weight_decay_rate=0.1),
+        {"weight_decay": False},
+    ),
+    "lamb": (lambda: lamb.LambRule(weight_decay_rate=0.1), {}),
+    "lamb_bias_correction": (lambda: lamb.LambRule(weight_decay_rate=0.1, bias_correction=True), {}),
+    "lamb_no_adaptation": (
+        lambda: lamb.LambRule(weight_decay_rate=0.1),
+        {"weight_decay": False, "layer_adaptation": False},
+    ),
+    "adafactor_factored_momentum": (
+        lambda: adafactor.AdafactorRule(beta_1=0.6, min_dim_size_to_factor=2, weight_decay_rate=0.01),
+        None,
+    ),
+    "adafactor_unfactored": (
+        lambda: adafactor.AdafactorRule(beta_1=0.6, factored=False, multiply_by_parameter_scale=False),
+        None,
+    ),
+    "adafactor_no_clipping": (
+        lambda: adafactor.AdafactorRule(beta_1=0.3, clipping_threshold=None, min_dim_size_to_factor=2),
+        None,
+    ),
+}
+
+#: rules whose step is learning_rate * (something independent of it); not SGD with momentum
+#: (the buffer holds earlier rates) nor Adafactor with beta_1 or weight decay.
+LINEAR_IN_LEARNING_RATE = {"sgd", "adam", "adamw", "adamw_excluded", "lamb",
+                           "lamb_bias_correction", "lamb_no_adaptation"}
+
+SHAPES = [(6, 4), (2, 3, 5), (7,), ()]
+
+
+def _inputs(rule, shape, seed):
+    rng = np.random.default_rng(seed)
+    w = tf.constant(rng.normal(size=shape), tf.float64)
+    g = tf.constant(rng.normal(size=shape), tf.float64)
+    options = rule.default_options(shape)
+    slots = {}
+    for name, slot_shape in rule.slot_shapes(shape, options).items():
+        value = rng.uniform(0.05, 0.5, size=slot_shape)
+        if name == "m" or name == "momentum":
+            value = rng.normal(size=slot_shape) * 0.3
+        slots[name] = tf.constant(value, tf.float64)
+    return w, g, slots, options
+
+
+def _hyperparameters(rule):
+    values = {"learning_rate": 0.03}
+    for name in rule.hyperparameter_names:
+        default = rule.defaults.get(name)
+        if default is not None and name != "epsilon":
+            values[name] = default
+    return values
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("key", sorted(RULES))
+def test_rule_tangent_equals_central_difference_and_primal_is_the_update(key, shape):
+    make, options_override = RULES[key]
+    rule = make()
+    w, g, slots, options = _inputs(rule, shape, seed=len(shape) + 3)
+    if options_override is not None:
+        options = dict(options, **options_override)
+    values = _hyperparameters(rule)
+    names = sorted(values)
+    step = 4.0
+
+    def update_at(hv):
+        hp = {n: tf.constant(hv[n], tf.float64) for n in names}
+        return rule.update(g, w, slots, hp, step, options)
+
+    duals = {n: fm.seed(tf.constant(values[n], tf.float64), len(names), k) for k, n in enumerate(names)}
+    new_w, new_slots = rule.update(g, w, slots, duals, step, options)
+    tangents = fm.tangents(new_w, len(names))
+
+    plain_w, plain_slots = update_at(values)
+    np.testing.assert_array_equal(fm.primal(new_w).numpy(), plain_w.numpy())
+    for k in plain_slots:
+        np.testing.assert_array_equal(fm.primal(new_slots[k]).numpy(), plain_slots[k].numpy())
+
+    for k, name in enumerate(names):
+        eps = 1e-6 * max(1.0, abs(values[name]))
+        plus = update_at(dict(values, **{name: values[name] + eps}))[0].numpy()
+        minus = update_at(dict(values, **{name: values[name] - eps}))[0].numpy()
+        fd = (plus - minus) / (2 * eps)
+        t = tangents[k].numpy()
+        assert t.shape == tuple(shape)
+        np.testing.assert_allclose(t, fd, rtol=1e-5, atol=1e-8, err_msg=f"{key}/{name}")
+        if name == "learning_rate" and key in LINEAR_IN_LEARNING_RATE:
+            # These rules are linear in the learning rate: the tangent is the step itself.
+            step_taken = (plain_w - w).numpy() / values["learning_rate"]
+            np.testing.assert_allclose(t, step_taken, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("key", ["adam", "lamb", "adafactor_factored_momentum"])
+def test_primal_is_bitwise_the_float32_update_in_a_graph(key):
+    rule = RULES[key][0]()
+    shape = (64, 48)
+    rng = np.random.default_rng(0)
+    w = tf.constant(rng.normal(size=shape), tf.float32)
+    g = tf.constant(rng.normal(size=shape) * 1e-2, tf.float32)
+    options = rule.default_options(shape)
+    slots = {n: tf.constant(rng.uniform(1e-6, 1e-3, size=s), tf.float32)
+             for n, s in rule.slot_shapes(shape, options).items()}
+    hp = {n: tf.constant(v, tf.float64) for n, v in _hyperparameters(rule).items()}
+    hp["learning_rate"] = tf.constant(1e-3, tf.float32)
+
+    @tf.function
+    def both():
+        plain = rule.update(g, w, slots, hp, 3.0, options)[0]
+        duals = {n: fm.seed(v, len(hp), k) for k, (n, v) in enumerate(sorted(hp.items()))}
+        return plain, fm.primal(rule.update(g, w, slots, duals, 3.0, options)[0])
+
+    plain, dual = both()
+    np.testing.assert_array_equal(plain.numpy(), dual.numpy())
+
+
+def test_elementary_chain_rules():
+    x, y = 1.7, 0.6
+
+    def f(a, b):
+        return (a ** b) * tf.sqrt(a) / tf.exp(b) - tf.math.rsqrt(a) + tf.square(b) * tf.sigmoid(a)
+
+    def f64(a, b):
+        return f(tf.constant(a, tf.float64), tf.constant(b, tf.float64)).numpy()
+
+    out, (da, db) = fm.jvp(f, [tf.constant(x, tf.float64), tf.constant(y, tf.float64)],
+                           [[1.0, None], [None, 1.0]])
+    eps = 1e-6
+    np.testing.assert_allclose(out.numpy(), f64(x, y))
+    np.testing.assert_allclose(da.numpy(), (f64(x + eps, y) - f64(x - eps, y)) / (2 * eps), rtol=1e-8)
+    np.testing.assert_allclose(db.numpy(), (f64(x, y + eps) - f64(x, y - eps)) / (2 * eps), rtol=1e-8)
+
+
+def test_max_min_where_follow_tensorflow_gradient_conventions():
+    a = tf.constant([1.0, 2.0, 3.0], tf.float64)
+    b = tf.constant([1.0, 5.0, 0.0], tf.float64)
+    directions = [[tf.ones(3, tf.float64), None], [None, tf.ones(3, tf.float64)]]
+    _, (da, db) = fm.jvp(tf.maximum, [a, b], directions)
+    np.testing.assert_array_equal(da.numpy(), [1.0, 0.0, 1.0])  # tie -> x, like TF's gradient
+    np.testing.assert_array_equal(db.numpy(), [0.0, 1.0, 0.0])
+    _, (da, db) = fm.jvp(tf.minimum, [a, b], directions)
+    np.testing.assert_array_equal(da.numpy(), [1.0, 1.0, 0.0])
+    _, (dw,) = fm.jvp(lambda s: tf.where(a > 1.5, s * a, 1.0), [tf.constant(2.0, tf.float64)], [[1.0]])
+    np.testing.assert_array_equal(dw.numpy(), [0.0, 2.0, 3.0])
+
+
+def test_a_scalar_tangent_is_broadcast_before_reductions_and_reshapes():
+    """`s + zeros((3, 4))` keeps a scalar tangent; a sum over the 12 elements must be 12."""
+    zeros = tf.zeros((3, 4), tf.float64)
+    s = tf.constant(0.5, tf.float64)
+    _, (t,) = fm.jvp(lambda v: tf.reduce_sum(v + zeros), [s], [[1.0]])
+    assert float(t) == 12.0
+    _, (t,) = fm.jvp(lambda v: tf.reduce_mean(v + zeros, axis=0), [s], [[1.0]])
+    np.testing.assert_array_equal(t.numpy(), np.ones(4))
+    _, (t,) = fm.jvp(lambda v: tf.expand_dims(v + zeros, 1), [s], [[1.0]])
+    assert t.shape == (3, 1, 4)
+    _, (t,) = fm.jvp(lambda v: v + zeros, [s], [[1.0]])
+    assert t.shape == (3, 4)  # `tangents` expands to the primal's shape
+
+
+def test_no_tangent_costs_nothing_and_comparisons_are_plain():
+    x = tf.constant([1.0, -2.0])
+    dual = fm.seed(tf.constant(3.0), 2, 0)
+    out = dual * x
+    assert isinstance(out, fm.Dual) and out.tangents[1] is None
+    assert not isinstance(x * 2.0, fm.Dual)
+    assert (dual > 2.0).dtype == tf.bool
+    assert isinstance(tf.ones_like(dual), tf.Tensor)
+
+
+def test_an_op_without_a_rule_is_a_clear_error():
+    dual = fm.seed(tf.constant(0.3), 1, 0)
+    with pytest.raises(TypeError, match="forward_mode"):
+        tf.math.tanh(dual)
+    with pytest.raises(TypeError, match="truth value"):
+        bool(dual)
