@@ -37,10 +37,10 @@ flags.DEFINE_integer("warmup", 3, "Untimed steps first (tracing, compilation).")
 flags.DEFINE_integer("repeats", 2, "Interleaved repeats of all configurations.")
 flags.DEFINE_list("optimizers", ["adam", "lamb"], "adam, lamb, adafactor, sgd_momentum.")
 flags.DEFINE_list("guidance_every", ["1"], "GuidedTrainer guidance_every values to time.")
+flags.DEFINE_list("hyperparameters", ["learning_rate", "beta_1"],
+                  "What GuidedTrainer learns (beta_1 is dropped for an optimizer without one).")
 flags.DEFINE_bool("reuse_lookahead", True,
                   "Also time GuidedTrainer(reuse_lookahead=False) (config 'guided_recompute').")
-flags.DEFINE_bool("memory_efficient", True,
-                  "Also time GuidedTrainer(memory_efficient=True) (config 'guided_memory_efficient').")
 flags.DEFINE_bool("jit_compile", False, "XLA-compile the train step (all configurations).")
 flags.DEFINE_string("output", str(Path(__file__).resolve().parent / "results" / "guided_overhead.json"),
                     "Where the JSON goes.")
@@ -104,8 +104,6 @@ def main(argv):
         configs += [(opt, f"guided_every={e}") for e in FLAGS.guidance_every]
         if FLAGS.reuse_lookahead:
             configs.append((opt, "guided_recompute"))
-        if FLAGS.memory_efficient:
-            configs.append((opt, "guided_memory_efficient"))
     per = {c: {"times": [], "memory": [], "first": []} for c in configs}
     memory_kind = None
     for repeat in range(FLAGS.repeats):
@@ -114,12 +112,11 @@ def main(argv):
             model.set_weights(initial)
             if kind == "plain":
                 runner = model
-            elif kind == "guided_memory_efficient":
-                runner = GuidedTrainer(model, guidance, memory_efficient=True)
             elif kind == "guided_recompute":
-                runner = GuidedTrainer(model, guidance, reuse_lookahead=False)
+                runner = GuidedTrainer(model, guidance, hyperparameters=tuple(FLAGS.hyperparameters),
+                                       reuse_lookahead=False)
             else:
-                runner = GuidedTrainer(model, guidance,
+                runner = GuidedTrainer(model, guidance, hyperparameters=tuple(FLAGS.hyperparameters),
                                        guidance_every=int(kind.split("=")[1]))
             runner.compile(make_optimizer(opt),
                            keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -242,12 +242,12 @@ def test_nonfinite_hypergradients_are_sanitised_and_counted():
 
 
 @pytest.mark.parametrize("key", ["adam", "lamb"])
-def test_memory_efficient_and_recompute_paths_follow_the_default_trajectory(key):
-    """The three ways of running the step are one algorithm: same learned values, same weights."""
+def test_committed_and_recomputed_update_follow_one_trajectory(key):
+    """Committing the forward-mode update or recomputing it in apply_gradients is one
+    algorithm: same learned values, same weights."""
     x, y = _data()
     results = {}
-    for name, kwargs in {"default": {}, "memory_efficient": {"memory_efficient": True},
-                         "recompute": {"reuse_lookahead": False}}.items():
+    for name, kwargs in {"default": {}, "recompute": {"reuse_lookahead": False}}.items():
         model = _model()
         trainer = GuidedTrainer(model, _data(16, seed=5), meta_optimizer=O.Adam(0.05), **kwargs)
         trainer.compile(OPTS[key](), loss="mse")
@@ -255,7 +255,7 @@ def test_memory_efficient_and_recompute_paths_follow_the_default_trajectory(key)
         results[name] = (_weights(model), trainer.learned_values())
     ref_w, ref_v = results["default"]
     assert ref_v["learning_rate"] != 1.0  # the meta-optimizer did move the values
-    for name in ("memory_efficient", "recompute"):
+    for name in ("recompute",):
         w, v = results[name]
         for a, b in zip(ref_w, w):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -266,13 +266,13 @@ def test_memory_efficient_and_recompute_paths_follow_the_default_trajectory(key)
 def test_trainer_saves_and_reloads_with_its_options_and_learned_values(tmp_path):
     x, y = _data()
     trainer = GuidedTrainer(_model(), _data(16, seed=5), meta_optimizer=O.Adam(0.05),
-                            memory_efficient=True)
+                            reuse_lookahead=False)
     trainer.compile(O.Adam(0.02), loss="mse")
     trainer.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     trainer.save(tmp_path / "guided.keras")
     loaded = keras.models.load_model(tmp_path / "guided.keras")
     assert isinstance(loaded, GuidedTrainer)
-    assert loaded.guided.memory_efficient and loaded.guided.reuse_lookahead
+    assert not loaded.guided.reuse_lookahead
     for n, v in trainer.learned_values().items():
         np.testing.assert_allclose(loaded.learned_values()[n], v, rtol=1e-12)
     np.testing.assert_allclose(loaded.model.predict(x, verbose=0), trainer.model.predict(x, verbose=0), rtol=1e-6)

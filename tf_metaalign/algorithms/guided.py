@@ -16,20 +16,21 @@ a coefficient in [0, 1) such as ``beta_1`` is ``min(sigmoid(raw), 1 - 1e-5)``.
 
 Cost: the inner-product structure
 ---------------------------------
-By the chain rule ``h = < grad L_guide(theta_{t+1}), d theta_{t+1} / d raw >``. It is
-computed in three passes, none of which forms a Jacobian or a second model:
+By the chain rule ``h_k = < grad L_guide(theta_{t+1}), d theta_{t+1} / d raw_k >``. It
+is computed without a Jacobian, a tape over the update, or a second model:
 
-1. ``theta_{t+1} = update(raw)`` (elementwise, no tape);
+1. ``theta_{t+1}`` and, per learned value, the tangent ``d theta_{t+1} / d raw_k``: one
+   evaluation of the elementwise update in forward mode (`update_with_tangents`,
+   `forward_mode.Dual`). Its values are the step's update itself: `commit` assigns
+   them, so the optimizer does not compute the update again;
 2. ``v = grad L_guide(theta_{t+1})``: one forward + backward pass on the guidance batch
    (``training=False`` in the trainer: no dropout);
-3. ``h = d/d raw < stop_gradient(v), update(raw) >``: the elementwise update again, under
-   a tape over the scalar raw values only. Its forward values are the step's update
-   itself: `commit` can assign them, so the optimizer need not compute the update a
-   fourth time.
+3. ``h_k = <v, tangent_k>``: one multiply-and-sum per variable and learned value.
 
-Extra memory: ``theta_{t+1}`` (during the guidance pass) and ``v``, plus the tape's
-intermediates of the update in pass 3: for all variables at once by default, for one
-variable at a time with ``sequential=True`` (slower: the chain removes parallelism).
+Extra memory over plain training: one tangent per learned value (a parameter copy
+each), held from the update to the end of the guidance pass; with `commit`, nothing
+else (theta_{t+1} lives in the model's variables, g_t is freed after the update).
+Without `commit`, also theta_{t+1} as a separate copy.
 
 Distribution
 ------------
@@ -51,6 +52,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import tensorflow as tf
 
+from tf_metaalign import forward_mode as fm
 from tf_metaalign import functional as F
 
 #: value of a sigmoid-activated hyperparameter is capped at 1 - SIGMOID_CAP_MARGIN.
@@ -71,8 +73,10 @@ def activation_name(name: str) -> str:
 
 
 def activate(name: str, raw):
-    """The hyperparameter value (or learning-rate scale) for a raw value; differentiable."""
-    raw = tf.convert_to_tensor(raw)
+    """The hyperparameter value (or learning-rate scale) for a raw value; differentiable
+    (by tapes, and in forward mode when `raw` is a `forward_mode.Dual`)."""
+    if not isinstance(raw, fm.Dual):
+        raw = tf.convert_to_tensor(raw)
     if activation_name(name) == "exp":
         return tf.exp(raw)
     return tf.minimum(tf.sigmoid(raw), tf.cast(1.0 - SIGMOID_CAP_MARGIN, raw.dtype))
@@ -141,6 +145,75 @@ def lookahead(rule, grads, params, slots, options, hparams, step):
 # ------------------------------------------------------------------------- the step
 
 
+def seeded_hyperparameters(base_hparams, raw, hparam_dtype=None):
+    """`hyperparameters_from_raw` with each raw value seeded as its own forward-mode
+    direction: the learned entries are `forward_mode.Dual`s (direction k = raw k)."""
+    names = list(raw)
+    seeded = {name: fm.seed(raw[name], len(names), k) for k, name in enumerate(names)}
+    return hyperparameters_from_raw(base_hparams, seeded, dtype=hparam_dtype)
+
+
+def _largest_first(params):
+    sizes = [p.shape.num_elements() or 0 for p in params]
+    return sorted(range(len(params)), key=lambda i: -sizes[i])
+
+
+def _variable_update_with_tangents(rule, g, w, s, o, hparams, step, n):
+    new_w, new_s = rule.update(g, w, s, hparams, step, o)
+    return fm.primal(new_w), {k: fm.primal(x) for k, x in new_s.items()}, fm.tangents(new_w, n)
+
+
+@dataclasses.dataclass
+class UpdateWithTangents:
+    """`update_with_tangents`'s result, one entry per variable.
+
+    Attributes:
+      new_params: theta_{t+1} at the given raw values (exactly `rule.update`'s values).
+      new_slots: the rule's new slots (dict per variable).
+      tangents: per variable, one tensor per raw value: d theta_{t+1} / d raw_k.
+    """
+
+    new_params: list
+    new_slots: list
+    tangents: list
+
+
+def update_with_tangents(
+    rule, grads, params, slots, options, base_hparams, raw, step, hparam_dtype=None
+) -> UpdateWithTangents:
+    """This step's update and its derivatives with respect to every raw value.
+
+    One evaluation of `rule.update` per variable in forward mode (`forward_mode.Dual`):
+    the update's values are computed by the same ops as in `rule.update`, and each op
+    that depends on a raw value adds its tangent op, once per raw value.
+    """
+    if not (len(grads) == len(params) == len(slots) == len(options)):
+        raise ValueError(
+            "update_with_tangents: grads, params, slots and options must have one entry per "
+            f"variable; got {len(grads)}, {len(params)}, {len(slots)}, {len(options)}."
+        )
+    names = list(raw)
+    n = len(names)
+    hparams = seeded_hyperparameters(base_hparams, raw, hparam_dtype)
+    new_params, new_slots, tangents = [], [], []
+    for g, w, s, o in zip(grads, params, slots, options):
+        new_w, new_s, t = _variable_update_with_tangents(rule, g, w, s, o, hparams, step, n)
+        new_params.append(new_w)
+        new_slots.append(new_s)
+        tangents.append(t)
+    return UpdateWithTangents(new_params, new_slots, tangents)
+
+
+def _inner(v, t):
+    """<v, t> for a dense or IndexedSlices (embedding) gradient v, in v's dtype.
+
+    A dot product of the flattened tensors (no elementwise product is materialised)."""
+    if isinstance(v, tf.IndexedSlices):
+        v, t = v.values, tf.gather(t, v.indices)
+    t = tf.cast(t, v.dtype)
+    return tf.tensordot(tf.reshape(v, [-1]), tf.reshape(t, [-1]), axes=1)
+
+
 @dataclasses.dataclass
 class HypergradientResult:
     """What `hypergradients` computes (local, per-replica units; see the module doc).
@@ -149,12 +222,14 @@ class HypergradientResult:
       hypergradients: name -> d L_guide / d raw (scalar, raw's dtype).
       guidance_loss: the guidance loss at theta_{t+1} (times `guidance_weight`).
       new_params: theta_{t+1} at the given raw values.
+      new_slots: the optimizer slots after this step's update.
       guidance_aux: the guidance loss function's aux output ((new_state, y_pred)).
     """
 
     hypergradients: dict
     guidance_loss: tf.Tensor
     new_params: list
+    new_slots: list
     guidance_aux: Any
 
 
@@ -173,7 +248,6 @@ def hypergradients(
     guidance_weight=None,
     hparam_dtype=None,
     commit=None,
-    sequential=False,
 ) -> HypergradientResult:
     """The greedy hypergradient ``d L_guide(theta_{t+1}(raw)) / d raw`` (local value).
 
@@ -192,23 +266,53 @@ def hypergradients(
       guidance_batch: `(x, y)` or `(x, y, sample_weight)`.
       guidance_weight: multiplies the guidance loss (unequal replica shards); None = 1.
       hparam_dtype: dtype of the activated values given to the rule (None: raw's dtype).
-      commit: optional `commit(i, new_var, new_slots) -> op`, called for each variable
-        with pass 3's forward values (this step's update at the given raw values): e.g.
-        assign them, instead of recomputing the update in `apply_gradients`.
-      sequential: run pass 3 one variable after another (control dependencies), so the
-        tape holds one variable's intermediates at a time: less memory, more time (see
-        `GuidedTrainer(memory_efficient=...)` for measurements).
+      commit: optional `commit(i, new_var, new_slots) -> tensor`: called for each
+        variable once its update and tangents exist, e.g. to assign them to the model
+        and optimizer; returns the value of theta_{t+1} to evaluate the guidance loss at
+        (the variable read after its assignment). Saves the optimizer recomputing the
+        update and keeps no separate copy of theta_{t+1}.
 
     Returns a `HypergradientResult` in per-replica units: call `reduce_and_sanitize`
     (inside the same replica context) for the global, sanitised values.
     """
     names = list(raw)
     raw_t = {n: tf.convert_to_tensor(raw[n]) for n in names}
-    params = list(params)
+    grads, params, slots, options = list(grads), list(params), list(slots), list(options)
 
-    # Pass 1: theta_{t+1} at the current raw values (no tape, nothing kept).
-    hparams = hyperparameters_from_raw(base_hparams, raw_t, dtype=hparam_dtype)
-    new_params = lookahead(rule, grads, params, slots, options, hparams, step)
+    # Pass 1: theta_{t+1} and its tangents d theta_{t+1} / d raw_k (forward mode).
+    if commit is None:
+        look = update_with_tangents(
+            rule, grads, params, slots, options, base_hparams, raw_t, step, hparam_dtype
+        )
+        eval_params = look.new_params
+    else:
+        # Variable by variable, each update after the previous one's commit, largest
+        # first: g_i and the update's temporaries are freed before the next variable's
+        # update, so the extra memory peaks early, at about the rest of g_t plus one
+        # large variable's temporaries and tangents, instead of all tangents plus the
+        # temporaries of every variable at once.
+        if not (len(grads) == len(params) == len(slots) == len(options)):
+            raise ValueError(
+                "hypergradients: grads, params, slots and options must have one entry per "
+                f"variable; got {len(grads)}, {len(params)}, {len(slots)}, {len(options)}."
+            )
+        hparams = seeded_hyperparameters(base_hparams, raw_t, hparam_dtype)
+        n_vars = len(grads)
+        look = UpdateWithTangents([None] * n_vars, [None] * n_vars, [None] * n_vars)
+        eval_params = [None] * n_vars
+        previous = []
+        for i in _largest_first(params):
+            with tf.control_dependencies(previous):
+                new_w, new_s, t = _variable_update_with_tangents(
+                    rule, grads[i], params[i], slots[i], options[i], hparams, step, len(names)
+                )
+                # The tangents read theta_t, g_t and the old slots: computed before the
+                # assignment, so nothing of the old step outlives it.
+                with tf.control_dependencies(t):
+                    committed = commit(i, new_w, new_s)
+            look.new_params[i], look.new_slots[i], look.tangents[i] = new_w, new_s, t
+            eval_params[i] = committed
+            previous = [committed]
 
     def weighted_loss_fn(p, s, b):
         value, aux = guide_loss_fn(p, s, b)
@@ -217,32 +321,21 @@ def hypergradients(
         return value, aux
 
     # Pass 2: v = grad L_guide(theta_{t+1}).
-    guide_loss, v, aux = F.value_and_grad(weighted_loss_fn, new_params, state, guidance_batch)
-    v = [tf.stop_gradient(x) for x in v]
+    guide_loss, v, aux = F.value_and_grad(weighted_loss_fn, eval_params, state, guidance_batch)
 
-    # Pass 3: h = d/d raw <v, theta_{t+1}(raw)>, the update re-run under a tape over raw,
-    # per variable (with `sequential`, chained by control dependencies so the tape's
-    # intermediates exist for one variable at a time). Its forward values are this
-    # step's update, which `commit` may assign (saving the optimizer a recomputation).
-    raw_list = list(raw_t.values())
-    acc = tf.float64 if any(r.dtype == tf.float64 for r in raw_list) else tf.float32
-    h_sum = [tf.zeros((), acc) for _ in names]
-    deps = []
-    for i, (g, w, s_i, o, v_i) in enumerate(zip(grads, params, slots, options, v)):
-        with tf.control_dependencies(deps):
-            with tf.GradientTape() as tape:
-                tape.watch(raw_list)
-                hp = hyperparameters_from_raw(base_hparams, raw_t, dtype=hparam_dtype)
-                new_w, new_s = rule.update(g, w, s_i, hp, step, o)
-                inner = tf.reduce_sum(tf.cast(v_i, acc) * tf.cast(new_w, acc))
-            h_i = tape.gradient(inner, raw_list, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            committed = commit(i, new_w, new_s) if commit is not None else None
-            if sequential:
-                deps = [tf.identity(x) for x in h_i] + ([committed] if committed is not None else [])
-        h_sum = [a + tf.cast(b, acc) for a, b in zip(h_sum, h_i)]
-    h = {n: tf.cast(x, raw_t[n].dtype) for n, x in zip(names, h_sum)}
+    # h_k = <v, d theta_{t+1} / d raw_k>, summed per variable in v's dtype and across
+    # variables in float64.
+    acc = tf.float64 if any(r.dtype == tf.float64 for r in raw_t.values()) else tf.float32
+    h = {}
+    for k, name in enumerate(names):
+        terms = [tf.cast(_inner(v_i, t_i[k]), acc) for v_i, t_i in zip(v, look.tangents)]
+        h[name] = tf.cast(tf.add_n(terms), raw_t[name].dtype)
     return HypergradientResult(
-        hypergradients=h, guidance_loss=guide_loss, new_params=new_params, guidance_aux=aux
+        hypergradients=h,
+        guidance_loss=guide_loss,
+        new_params=look.new_params,
+        new_slots=look.new_slots,
+        guidance_aux=aux,
     )
 
 
@@ -322,4 +415,6 @@ __all__ = [
     "meta_update",
     "reduce_and_sanitize",
     "sanitize",
+    "update_with_tangents",
+    "UpdateWithTangents",
 ]

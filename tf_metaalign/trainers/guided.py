@@ -184,22 +184,18 @@ class GuidedHyperparameters(keras.layers.Layer):
       meta_optimizer: a tf_metaalign optimizer whose rule and learning rate update the raw
         values (its variables are not used; the state lives here). Default: Adam(3e-5).
       guidance_every: take a hypergradient step every this many training steps.
-      reuse_lookahead: commit this step's update from the hypergradient computation
-        (pass 3 of `algorithms.guided.hypergradients` computes exactly theta_{t+1} and the
-        new slots) instead of recomputing it in `optimizer.apply_gradients`: the update
-        is computed 3 times per step instead of 4. Used only with one replica,
-        `guidance_every=1` and no EMA; otherwise `apply_gradients`. The committed update
-        equals the recomputed one to within an ulp (LAMB: the compiler fuses its last
-        multiply-subtract differently); False makes meta-lr 0 bit-identical to `fit`.
-      memory_efficient: run pass 3 one variable at a time, so its tape never holds the
-        update's intermediates for all variables at once. Measured on a 10M-parameter
-        MLP (benchmarks/results/guided_overhead.json, CPU allocator peaks, 2 cores):
-        default Adam 2.20x plain step time / +5.5 parameter copies, LAMB 2.30x / +5.5;
-        memory_efficient Adam 2.86x / +3.2, LAMB 3.04x / +1.6.
+      reuse_lookahead: commit this step's update as computed with the tangents (pass 1
+        of `algorithms.guided.hypergradients` computes exactly theta_{t+1} and the new
+        slots) instead of recomputing it in `optimizer.apply_gradients`; the guidance
+        pass then reads the updated variables, so no separate copy of theta_{t+1}
+        exists. Used only with one replica, `guidance_every=1` and no EMA; otherwise
+        `apply_gradients`. The committed update equals the recomputed one to within an
+        ulp (the compiler may fuse a multiply-subtract differently); False makes
+        meta-lr 0 bit-identical to `fit`.
     """
 
     def __init__(self, hyperparameters=None, meta_optimizer=None, guidance_every=1,
-                 reuse_lookahead=True, memory_efficient=False, **kwargs):
+                 reuse_lookahead=True, **kwargs):
         super().__init__(**kwargs)
         self.explicit_names = hyperparameters is not None
         if hyperparameters is None:
@@ -233,9 +229,6 @@ class GuidedHyperparameters(keras.layers.Layer):
             )
         if not isinstance(reuse_lookahead, bool):
             raise ValueError(f"`reuse_lookahead` must be True or False; got {reuse_lookahead!r}.")
-        if not isinstance(memory_efficient, bool):
-            raise ValueError(f"`memory_efficient` must be True or False; got {memory_efficient!r}.")
-        self.memory_efficient = memory_efficient
         self.names = tuple(hyperparameters)
         self.guidance_every = int(guidance_every)
         self.reuse_lookahead = reuse_lookahead
@@ -357,9 +350,9 @@ class GuidedHyperparameters(keras.layers.Layer):
         opt_vars = {n: self._optimizer_variable(optimizer, self.active[n]) for n in names}
         rule_dtypes = {self.active[n]: opt_vars[n].dtype for n in names}
 
-        # With one replica and a hypergradient every step, pass 3's forward values ARE
-        # this step's update: `reuse_lookahead` assigns them variable by variable instead
-        # of recomputing the update in apply_gradients (see the class doc).
+        # With one replica and a hypergradient every step, pass 1's values ARE this
+        # step's update: `reuse_lookahead` assigns them variable by variable instead of
+        # recomputing the update in apply_gradients (see the class doc).
         commit_lookahead = (
             self.reuse_lookahead
             and every == 1
@@ -369,7 +362,9 @@ class GuidedHyperparameters(keras.layers.Layer):
         if commit_lookahead:
 
             def commit(i, new_value, new_slots):
-                return optimizer.assign_variable_update(variables[i], new_value, new_slots)
+                assigned = optimizer.assign_variable_update(variables[i], new_value, new_slots)
+                with tf.control_dependencies([assigned]):
+                    return tf.convert_to_tensor(variables[i])
         else:
             commit = None
 
@@ -377,7 +372,7 @@ class GuidedHyperparameters(keras.layers.Layer):
             result = alg.hypergradients(
                 guide_loss_fn, optimizer.rule, grads, params, slots, options, base, rule_raw,
                 step, new_state, guidance_batch, guidance_weight=guidance_weight,
-                hparam_dtype=rule_dtypes, commit=commit, sequential=self.memory_efficient,
+                hparam_dtype=rule_dtypes, commit=commit,
             )
             return (
                 [result.hypergradients[k] for k in keys],
@@ -412,7 +407,7 @@ class GuidedHyperparameters(keras.layers.Layer):
             opt_vars[n].assign(tf.cast(values[n], opt_vars[n].dtype))
         F.assign_state(model, new_state)
         if commit_lookahead:
-            optimizer.iterations.assign_add(1)  # the variables were assigned in pass 3
+            optimizer.iterations.assign_add(1)  # the variables were assigned in pass 1
         else:
             optimizer.apply_gradients(zip(g_local, variables))
 
@@ -455,13 +450,14 @@ class GuidedHyperparameters(keras.layers.Layer):
             meta_optimizer=keras.optimizers.serialize(self.meta_optimizer),
             guidance_every=self.guidance_every,
             reuse_lookahead=self.reuse_lookahead,
-            memory_efficient=self.memory_efficient,
         )
         return config
 
     @classmethod
     def from_config(cls, config):
         config = dict(config)
+        # An option of the earlier tape-based pass 3, saved by files made before forward mode.
+        config.pop("memory_efficient", None)
         config["meta_optimizer"] = keras.optimizers.deserialize(config["meta_optimizer"])
         return cls(**config)
 
@@ -612,7 +608,6 @@ class GuidedTrainer(MetaTrainer):
       reuse_lookahead: see `GuidedHyperparameters` (True, the default: commit the update
         computed for the hypergradient, one optimizer update fewer per step; False:
         recompute it in `apply_gradients`, bit-identical to `fit` at meta learning rate 0).
-      memory_efficient: see `GuidedHyperparameters` (less memory, more time).
 
     Compile with one of `tf_metaalign.optimizers` (SGD, Adam, AdamWeightDecay, Lamb,
     Adafactor). Logs, per step (batch-level logs, TensorBoard `update_freq="batch"`) and
@@ -631,7 +626,6 @@ class GuidedTrainer(MetaTrainer):
         guidance_every: int = 1,
         max_guidance_batches: int = 64,
         reuse_lookahead: bool = True,
-        memory_efficient: bool = False,
         **kwargs,
     ):
         if guidance_data is None:
@@ -650,8 +644,7 @@ class GuidedTrainer(MetaTrainer):
         self.max_guidance_batches = max_guidance_batches
         self.guided = GuidedHyperparameters(
             hyperparameters, meta_optimizer, guidance_every,
-            reuse_lookahead=reuse_lookahead, memory_efficient=memory_efficient,
-            name="guided_hyperparameters",
+            reuse_lookahead=reuse_lookahead, name="guided_hyperparameters",
         )
         all_names = (
             ["learning_rate_scale", "effective_learning_rate", "guidance_loss", "nonfinite_hypergrads"]
@@ -727,7 +720,6 @@ class GuidedTrainer(MetaTrainer):
             guidance_every=self.guided.guidance_every,
             max_guidance_batches=self.max_guidance_batches,
             reuse_lookahead=self.guided.reuse_lookahead,
-            memory_efficient=self.guided.memory_efficient,
         )
         return config
 
@@ -745,6 +737,7 @@ class GuidedTrainer(MetaTrainer):
                 tf.nest.map_structure(lambda a: a[0], stacked) if data["num_batches"] == 1
                 else tf.data.Dataset.from_tensor_slices(stacked)
             )
+        config.pop("memory_efficient", None)  # see GuidedHyperparameters.from_config
         config["meta_optimizer"] = keras.optimizers.deserialize(config["meta_optimizer"])
         return super().from_config(config, custom_objects=custom_objects)
 
