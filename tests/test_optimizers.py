@@ -656,6 +656,46 @@ def test_assign_update_commits_a_rule_result_like_apply_gradients():
         np.testing.assert_array_max_ulp(va.numpy(), vb.numpy(), maxulp=2)
         for (ka, sa), (kb, sb) in zip(opt_a.slots_for(va).items(), opt_b.slots_for(vb).items()):
             np.testing.assert_array_max_ulp(sa.numpy(), sb.numpy(), maxulp=2)
-    with two_cpu_strategy().scope():
-        with pytest.raises(RuntimeError, match="single replica"):
+
+
+def test_assign_update_under_two_replicas_assigns_every_copy_like_apply_gradients():
+    """Each replica commits its (identical) update to its own copies, without any
+    communication; the result is what apply_gradients does with the all-reduced gradient."""
+    rng = np.random.default_rng(1)
+    values = [rng.normal(size=(4, 3)).astype("float32"), rng.normal(size=(3,)).astype("float32")]
+    grads = [tf.constant(rng.normal(size=v.shape).astype("float32")) for v in values]
+    strategy = two_cpu_strategy()
+    with strategy.scope():
+        a = [keras.Variable(v) for v in values]
+        b = [keras.Variable(v) for v in values]
+        opt_a, opt_b = O.Lamb(0.1), O.Lamb(0.1)
+        opt_a.build(a)
+        opt_b.build(b)
+
+    @tf.function
+    def step():
+        def replica_fn():
+            opt_a.apply_gradients(zip([g / 2.0 for g in grads], a))  # summed over 2 replicas
+            hp = opt_b.current_hyperparameters()
+            t = tf.cast(opt_b.iterations + 1, tf.float32)
+            results = [
+                opt_b.rule.update(g, tf.convert_to_tensor(v),
+                                  {k: tf.convert_to_tensor(s.value) for k, s in opt_b.slots_for(v).items()},
+                                  hp, t, opt_b.options_for(v))
+                for g, v in zip(grads, b)
+            ]
             opt_b.assign_update(b, [r[0] for r in results], [r[1] for r in results])
+
+        strategy.run(replica_fn)
+
+    step()
+    step()
+    assert int(opt_b.iterations.numpy()) == int(opt_a.iterations.numpy()) == 2
+    for va, vb in zip(a, b):
+        copies_a, copies_b = va.value.values, vb.value.values
+        assert len(copies_b) == 2
+        for ca, cb in zip(copies_a, copies_b):
+            np.testing.assert_array_max_ulp(ca.numpy(), cb.numpy(), maxulp=4)
+        for (_, sa), (_, sb) in zip(opt_a.slots_for(va).items(), opt_b.slots_for(vb).items()):
+            for ca, cb in zip(sa.value.values, sb.value.values):
+                np.testing.assert_array_max_ulp(ca.numpy(), cb.numpy(), maxulp=4)

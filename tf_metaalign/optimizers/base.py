@@ -394,8 +394,10 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         does after the rule (assign variables and slots, count the iteration).
 
         For code that computed `rule.update` itself (guided learning's lookahead) and
-        should not pay for the update a second time. Only with one replica: under a
-        multi-replica strategy use `apply_gradients`, which synchronises the update.
+        should not pay for the update a second time. Call it where you would call
+        `apply_gradients` (in a replica context under a strategy). The values must be the
+        same on every replica, i.e. computed from all-reduced gradients: each replica
+        assigns its own copy of each variable, nothing is communicated.
         """
         if not (len(variables) == len(new_values) == len(new_slots)):
             raise ValueError(
@@ -408,16 +410,33 @@ class BaseOptimizer(keras.optimizers.Optimizer):
 
     def assign_variable_update(self, variable, new_value, new_slots):
         """`assign_update` for one variable, without counting the iteration (the caller
-        adds 1 to `iterations` once all variables are committed). Returns the assign op
-        of the variable (for control dependencies)."""
-        if tf.distribute.get_strategy().num_replicas_in_sync != 1:
-            raise RuntimeError(
-                "assign_update is for a single replica; use apply_gradients under a strategy."
-            )
+        adds 1 to `iterations` once all variables are committed).
+
+        Returns the variable's new value as read back after the assignment (this
+        replica's copy under a strategy): evaluating the model at it reads the variable's
+        buffer instead of keeping `new_value` alive as a separate copy.
+        """
         slot_vars = self._slot_variables[self._get_variable_index(variable)]
-        for k, v in slot_vars.items():
-            v.assign(new_slots[k])
-        return variable.assign(tf.cast(new_value, variable.dtype))
+        target = variable.value if isinstance(variable, keras_backend.Variable) else variable
+
+        def assign_one_copy(var, value, slots):
+            # `var` is one device's copy under a mirrored strategy; `self.assign` on the
+            # slot variables assigns the copy of the device being updated.
+            for k, v in slot_vars.items():
+                self.assign(v, slots[k])
+            var.assign(tf.cast(value, var.dtype))
+            return var.read_value()
+
+        def assign_all_copies(distribution, value, slots):
+            # group=True: the per-device reads come back as one mirrored value, which the
+            # replica context unwraps to this replica's copy (the default strategy: the read).
+            return distribution.extended.update(
+                target, assign_one_copy, args=(value, slots), group=True
+            )
+
+        return tf.__internal__.distribute.interim.maybe_merge_call(
+            assign_all_copies, self._distribution_strategy, new_value, dict(new_slots)
+        )
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         if self.aggregated_clipnorm is None:

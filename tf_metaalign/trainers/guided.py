@@ -188,7 +188,8 @@ class GuidedHyperparameters(keras.layers.Layer):
         of `algorithms.guided.hypergradients` computes exactly theta_{t+1} and the new
         slots) instead of recomputing it in `optimizer.apply_gradients`; the guidance
         pass then reads the updated variables, so no separate copy of theta_{t+1}
-        exists. Used only with one replica, `guidance_every=1` and no EMA; otherwise
+        exists. Used with `guidance_every=1` and no EMA (any number of replicas: each
+        assigns its copy, as `apply_gradients` does after its all-reduce); otherwise
         `apply_gradients`. The committed update equals the recomputed one to within an
         ulp (the compiler may fuse a multiply-subtract differently); False makes
         meta-lr 0 bit-identical to `fit`.
@@ -350,21 +351,17 @@ class GuidedHyperparameters(keras.layers.Layer):
         opt_vars = {n: self._optimizer_variable(optimizer, self.active[n]) for n in names}
         rule_dtypes = {self.active[n]: opt_vars[n].dtype for n in names}
 
-        # With one replica and a hypergradient every step, pass 1's values ARE this
-        # step's update: `reuse_lookahead` assigns them variable by variable instead of
+        # With a hypergradient every step, pass 1's values ARE this step's update: `reuse_lookahead` assigns them variable by variable instead of
         # recomputing the update in apply_gradients (see the class doc).
         commit_lookahead = (
             self.reuse_lookahead
             and every == 1
-            and F.num_replicas() == 1
             and not getattr(optimizer, "use_ema", False)
         )
         if commit_lookahead:
 
             def commit(i, new_value, new_slots):
-                assigned = optimizer.assign_variable_update(variables[i], new_value, new_slots)
-                with tf.control_dependencies([assigned]):
-                    return tf.convert_to_tensor(variables[i])
+                return optimizer.assign_variable_update(variables[i], new_value, new_slots)
         else:
             commit = None
 
