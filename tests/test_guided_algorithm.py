@@ -176,3 +176,15 @@ def test_meta_update_is_adam_on_raw():
     new_raw, _ = out["learning_rate"]
     # First Adam step moves by ~ -lr * sign(h).
     np.testing.assert_allclose(float(new_raw), -0.1, rtol=1e-5)
+
+
+def test_committed_update_groups_cover_every_variable_once_largest_first():
+    shapes = [(784, 64), (64,), (64, 64), (64,), (64, 10), (10,)] + [(3, 3)] * 20
+    params = [tf.zeros(s) for s in shapes]
+    groups = guided._update_groups(params, max_groups=4)
+    flat = [i for g in groups for i in g]
+    assert sorted(flat) == list(range(len(params)))
+    sizes = [int(np.prod(s)) for s in shapes]
+    assert [sizes[i] for i in flat] == sorted(sizes, reverse=True)
+    assert len(groups) <= 5 and groups[0] == [0]
+    assert guided._update_groups([]) == []

@@ -2,6 +2,7 @@
 
 Layers (each a subpackage or module):
   functional   -- a Keras model evaluated at *given* weights, and gradient-list algebra.
+  forward_mode -- forward-mode tangents of pure TF functions (the optimizer rules).
   algorithms   -- the algorithms as pure functions usable from a custom training loop.
   optimizers   -- T5/Pegasus/BERT-faithful optimizers, each rule a pure function.
   trainers     -- keras.Model wrappers whose train_step runs an algorithm (compile + fit).
@@ -10,6 +11,15 @@ Layers (each a subpackage or module):
 """
 __version__ = "0.1.0"
 
-from tf_metaalign import algorithms, data, functional, optimizers, trainers  # noqa: E402
+from tf_metaalign import (  # noqa: E402
+    algorithms,
+    data,
+    forward_mode,
+    functional,
+    optimizers,
+    trainers,
+)
 
-__all__ = ["algorithms", "data", "functional", "optimizers", "trainers", "__version__"]
+__all__ = [
+    "algorithms", "data", "forward_mode", "functional", "optimizers", "trainers", "__version__",
+]

@@ -153,9 +153,26 @@ def seeded_hyperparameters(base_hparams, raw, hparam_dtype=None):
     return hyperparameters_from_raw(base_hparams, seeded, dtype=hparam_dtype)
 
 
-def _largest_first(params):
+#: the committed update runs in at most about this many sequential groups of variables.
+UPDATE_GROUPS = 8
+
+
+def _update_groups(params, max_groups=UPDATE_GROUPS):
+    """Variable indices, largest first, cut into groups of at least 1/max_groups of the
+    parameters each (a large variable is a group of its own)."""
     sizes = [p.shape.num_elements() or 0 for p in params]
-    return sorted(range(len(params)), key=lambda i: -sizes[i])
+    order = sorted(range(len(params)), key=lambda i: -sizes[i])
+    target = sum(sizes) / max_groups
+    groups, current, current_size = [], [], 0
+    for i in order:
+        current.append(i)
+        current_size += sizes[i]
+        if current_size >= target:
+            groups.append(current)
+            current, current_size = [], 0
+    if current:
+        groups.append(current)
+    return groups
 
 
 def _variable_update_with_tangents(rule, g, w, s, o, hparams, step, n):
@@ -286,11 +303,13 @@ def hypergradients(
         )
         eval_params = look.new_params
     else:
-        # Variable by variable, each update after the previous one's commit, largest
-        # first: g_i and the update's temporaries are freed before the next variable's
-        # update, so the extra memory peaks early, at about the rest of g_t plus one
-        # large variable's temporaries and tangents, instead of all tangents plus the
-        # temporaries of every variable at once.
+        # In a few groups of variables (`_update_groups`), each group's updates after
+        # the previous group's commits, largest first: g_i and the update's temporaries
+        # are freed before the next group starts, so the extra memory peaks at about the
+        # rest of g_t plus one group's temporaries and tangents, instead of all tangents
+        # plus the temporaries of every variable at once; within a group the updates run
+        # in parallel (a chain of single small variables costs time on many-variable
+        # models).
         if not (len(grads) == len(params) == len(slots) == len(options)):
             raise ValueError(
                 "hypergradients: grads, params, slots and options must have one entry per "
@@ -301,18 +320,20 @@ def hypergradients(
         look = UpdateWithTangents([None] * n_vars, [None] * n_vars, [None] * n_vars)
         eval_params = [None] * n_vars
         previous = []
-        for i in _largest_first(params):
+        for group in _update_groups(params):
+            committed_group = []
             with tf.control_dependencies(previous):
-                new_w, new_s, t = _variable_update_with_tangents(
-                    rule, grads[i], params[i], slots[i], options[i], hparams, step, len(names)
-                )
-                # The tangents read theta_t, g_t and the old slots: computed before the
-                # assignment, so nothing of the old step outlives it.
-                with tf.control_dependencies(t):
-                    committed = commit(i, new_w, new_s)
-            look.new_params[i], look.new_slots[i], look.tangents[i] = new_w, new_s, t
-            eval_params[i] = committed
-            previous = [committed]
+                for i in group:
+                    new_w, new_s, t = _variable_update_with_tangents(
+                        rule, grads[i], params[i], slots[i], options[i], hparams, step, len(names)
+                    )
+                    # The tangents read theta_t, g_t and the old slots: computed before
+                    # the assignment, so nothing of the old step outlives it.
+                    with tf.control_dependencies(t):
+                        eval_params[i] = commit(i, new_w, new_s)
+                    look.new_params[i], look.new_slots[i], look.tangents[i] = new_w, new_s, t
+                    committed_group.append(eval_params[i])
+            previous = committed_group
 
     def weighted_loss_fn(p, s, b):
         value, aux = guide_loss_fn(p, s, b)

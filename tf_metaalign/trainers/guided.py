@@ -172,8 +172,9 @@ class GuidedHyperparameters(keras.layers.Layer):
         def step(batch, guidance_batch):
             return hyper.train_step(model, optimizer, train_loss, guide_loss, batch, guidance_batch)
 
-    `train_step` applies the update to `model` (with `optimizer.apply_gradients`) and
-    updates the raw values; it returns a dict with "loss" (per-replica units), "y_pred",
+    `train_step` applies the update to `model` (committing the update computed with the
+    tangents, see `reuse_lookahead`, or with `optimizer.apply_gradients`) and updates the
+    raw values; it returns a dict with "loss" (per-replica units), "y_pred",
     "new_state" and "logs" (see `GuidedTrainer`). Under a strategy call it inside
     `strategy.run`; each replica passes its own shard of the guidance batch with
     `guidance_weight = n_shard * replicas / n_guidance` (1 for equal shards).
