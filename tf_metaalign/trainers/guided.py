@@ -352,8 +352,9 @@ class GuidedHyperparameters(keras.layers.Layer):
         opt_vars = {n: self._optimizer_variable(optimizer, self.active[n]) for n in names}
         rule_dtypes = {self.active[n]: opt_vars[n].dtype for n in names}
 
-        # With a hypergradient every step, pass 1's values ARE this step's update: `reuse_lookahead` assigns them variable by variable instead of
-        # recomputing the update in apply_gradients (see the class doc).
+        # With a hypergradient every step, pass 1's values ARE this step's update:
+        # `reuse_lookahead` assigns them (group by group) instead of recomputing the
+        # update in apply_gradients (see the class doc).
         commit_lookahead = (
             self.reuse_lookahead
             and every == 1
