@@ -175,17 +175,13 @@ def _update_groups(params, max_groups=UPDATE_GROUPS):
     return groups
 
 
-def _variable_update_with_tangents(rule, g, w, s, o, hparams, step, n):
-    new_w, new_s = rule.update(g, w, s, hparams, step, o)
-    return fm.primal(new_w), {k: fm.primal(x) for k, x in new_s.items()}, fm.tangents(new_w, n)
-
-
 @dataclasses.dataclass
 class UpdateWithTangents:
     """`update_with_tangents`'s result, one entry per variable.
 
     Attributes:
-      new_params: theta_{t+1} at the given raw values (exactly `rule.update`'s values).
+      new_params: theta_{t+1} at the given raw values (exactly `rule.update`'s values;
+        with `commit`, the values `commit` returned).
       new_slots: the rule's new slots (dict per variable).
       tangents: per variable, one tensor per raw value: d theta_{t+1} / d raw_k.
     """
@@ -196,29 +192,53 @@ class UpdateWithTangents:
 
 
 def update_with_tangents(
-    rule, grads, params, slots, options, base_hparams, raw, step, hparam_dtype=None
+    rule, grads, params, slots, options, base_hparams, raw, step, hparam_dtype=None,
+    commit=None,
 ) -> UpdateWithTangents:
     """This step's update and its derivatives with respect to every raw value.
 
     One evaluation of `rule.update` per variable in forward mode (`forward_mode.Dual`):
     the update's values are computed by the same ops as in `rule.update`, and each op
     that depends on a raw value adds its tangent op, once per raw value.
+
+    With `commit(i, new_var, new_slots) -> tensor` (see `hypergradients`), each variable's
+    update is committed once its tangents exist, in a few groups of variables
+    (`_update_groups`), each group after the previous group's commits, largest first:
+    g_i and the update's temporaries are freed before the next group starts, so the
+    extra memory peaks at about the rest of g_t plus one group's temporaries and
+    tangents, instead of all tangents plus the temporaries of every variable at once;
+    within a group the updates run in parallel (a chain of single small variables costs
+    time on many-variable models). `new_params` then holds what `commit` returned.
     """
+    grads, params, slots, options = list(grads), list(params), list(slots), list(options)
     if not (len(grads) == len(params) == len(slots) == len(options)):
         raise ValueError(
             "update_with_tangents: grads, params, slots and options must have one entry per "
             f"variable; got {len(grads)}, {len(params)}, {len(slots)}, {len(options)}."
         )
-    names = list(raw)
-    n = len(names)
+    n = len(raw)
     hparams = seeded_hyperparameters(base_hparams, raw, hparam_dtype)
-    new_params, new_slots, tangents = [], [], []
-    for g, w, s, o in zip(grads, params, slots, options):
-        new_w, new_s, t = _variable_update_with_tangents(rule, g, w, s, o, hparams, step, n)
-        new_params.append(new_w)
-        new_slots.append(new_s)
-        tangents.append(t)
-    return UpdateWithTangents(new_params, new_slots, tangents)
+    n_vars = len(params)
+    out = UpdateWithTangents([None] * n_vars, [None] * n_vars, [None] * n_vars)
+    groups = [list(range(n_vars))] if commit is None else _update_groups(params)
+    previous = []
+    for group in groups:
+        committed = []
+        with tf.control_dependencies(previous):
+            for i in group:
+                new_w, new_s = rule.update(grads[i], params[i], slots[i], hparams, step, options[i])
+                t = fm.tangents(new_w, n)
+                new_w = fm.primal(new_w)
+                new_s = {k: fm.primal(x) for k, x in new_s.items()}
+                if commit is not None:
+                    # The tangents read theta_t, g_t and the old slots: computed before
+                    # the assignment, so nothing of the old step outlives it.
+                    with tf.control_dependencies(t):
+                        new_w = commit(i, new_w, new_s)
+                    committed.append(new_w)
+                out.new_params[i], out.new_slots[i], out.tangents[i] = new_w, new_s, t
+        previous = committed
+    return out
 
 
 def _inner(v, t):
@@ -294,46 +314,13 @@ def hypergradients(
     """
     names = list(raw)
     raw_t = {n: tf.convert_to_tensor(raw[n]) for n in names}
-    grads, params, slots, options = list(grads), list(params), list(slots), list(options)
 
-    # Pass 1: theta_{t+1} and its tangents d theta_{t+1} / d raw_k (forward mode).
-    if commit is None:
-        look = update_with_tangents(
-            rule, grads, params, slots, options, base_hparams, raw_t, step, hparam_dtype
-        )
-        eval_params = look.new_params
-    else:
-        # In a few groups of variables (`_update_groups`), each group's updates after
-        # the previous group's commits, largest first: g_i and the update's temporaries
-        # are freed before the next group starts, so the extra memory peaks at about the
-        # rest of g_t plus one group's temporaries and tangents, instead of all tangents
-        # plus the temporaries of every variable at once; within a group the updates run
-        # in parallel (a chain of single small variables costs time on many-variable
-        # models).
-        if not (len(grads) == len(params) == len(slots) == len(options)):
-            raise ValueError(
-                "hypergradients: grads, params, slots and options must have one entry per "
-                f"variable; got {len(grads)}, {len(params)}, {len(slots)}, {len(options)}."
-            )
-        hparams = seeded_hyperparameters(base_hparams, raw_t, hparam_dtype)
-        n_vars = len(grads)
-        look = UpdateWithTangents([None] * n_vars, [None] * n_vars, [None] * n_vars)
-        eval_params = [None] * n_vars
-        previous = []
-        for group in _update_groups(params):
-            committed_group = []
-            with tf.control_dependencies(previous):
-                for i in group:
-                    new_w, new_s, t = _variable_update_with_tangents(
-                        rule, grads[i], params[i], slots[i], options[i], hparams, step, len(names)
-                    )
-                    # The tangents read theta_t, g_t and the old slots: computed before
-                    # the assignment, so nothing of the old step outlives it.
-                    with tf.control_dependencies(t):
-                        eval_params[i] = commit(i, new_w, new_s)
-                    look.new_params[i], look.new_slots[i], look.tangents[i] = new_w, new_s, t
-                    committed_group.append(eval_params[i])
-            previous = committed_group
+    # Pass 1: theta_{t+1} and its tangents d theta_{t+1} / d raw_k (forward mode),
+    # committed group by group when `commit` is given.
+    look = update_with_tangents(
+        rule, grads, params, slots, options, base_hparams, raw_t, step, hparam_dtype, commit
+    )
+    eval_params = look.new_params
 
     def weighted_loss_fn(p, s, b):
         value, aux = guide_loss_fn(p, s, b)
