@@ -15,7 +15,7 @@ Conventions
   `loss_fn(params, state, batch) -> (loss, (new_state, outputs))`, in the style of
   `jax.value_and_grad(..., has_aux=True)`; `make_loss_fn` builds one from a Keras model.
 * Loss scaling under a strategy follows Keras exactly: a compiled mean-reduced loss is
-  already divided by the number of replicas (`keras.src.losses.loss.reduce_values`), and
+  already divided by the number of replicas (Keras's loss reduction), and
   the optimizer *sums* gradients across replicas, so per-replica gradients are in
   "replica-scaled" units whose sum is the global mean gradient. `all_reduce_sum` turns
   such per-replica values into the global value; `unscale_loss_for_distribution` turns a
@@ -23,12 +23,13 @@ Conventions
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Sequence
 
 import keras
 import tensorflow as tf
 
-from keras.src.losses import loss as _keras_loss_module
+from tf_metaalign import _compat
 
 LossFn = Callable  # (params, state, batch) -> (loss, (new_state, outputs))
 
@@ -80,32 +81,54 @@ def stateless_forward(
     """Run `model(x, training=training)` at weights `params`/`state`.
 
     Returns `(outputs, new_state, model_losses)` where `model_losses` are the losses the
-    model adds itself (`add_loss`, kernel/activity regularisers), computed at `params`.
+    model adds itself (`add_loss`, activity and weight regularisers), computed at
+    `params` (what `model.losses` holds after a call).
     """
     _ensure_built(model)
-    kwargs = {"training": training} if _call_has_training_arg(model) else {}
+    kwargs = {"training": training} if call_has_training_arg(model) else {}
     outputs, new_state, losses = model.stateless_call(
         list(params), list(state), x, return_losses=True, **kwargs
     )
     return outputs, list(new_state), list(losses)
 
 
-def _call_has_training_arg(model: keras.Model) -> bool:
-    value = getattr(model, "_call_has_training_arg", None)
-    return True if value is None else bool(value)
+def call_has_training_arg(model: keras.Model) -> bool:
+    """Whether `model.call` takes `training` (Keras passes it only then)."""
+    return "training" in inspect.signature(model.call).parameters
 
 
-def sum_model_losses(losses: Sequence[tf.Tensor]) -> tf.Tensor | None:
-    """Sum the model's own losses the way Keras's TF trainer does (replica-scaled)."""
-    if not losses:
-        return None
-    total = tf.add_n([tf.reduce_sum(tf.cast(l, keras.backend.floatx())) for l in losses])
-    return scale_loss_for_distribution(total)
+def compute_loss(model: keras.Model, x, y, y_pred, sample_weight, model_losses,
+                 training=True, loss=None):
+    """`model.compute_loss(x, y, y_pred, sample_weight, training)`, the loss `fit` uses,
+    for outputs computed at given weights.
+
+    It honours `compile(loss=..., loss_weights=...)`, multi-output models and an
+    override of `compute_loss` in the model's class. `model_losses` (from
+    `stateless_forward`) stand in for `model.losses`. `loss`: the compiled loss to use
+    instead of the model's own (a trainer passes its compiled loss; a custom loop may
+    pass any `loss(y_true, y_pred, sample_weight)`, e.g. a `keras.losses.Loss`);
+    None = the model's own `compile` loss. Model losses are added as Keras adds them.
+    """
+    compile_loss = _compat.compiled_loss(model) if loss is None else loss
+    if compile_loss is None and not model_losses and _uses_keras_compute_loss(model):
+        raise ValueError(
+            f"No loss to compute for the model {model.name!r}: pass `loss=` to compile() "
+            "(of the trainer, or of the model in a custom loop), or give the model losses "
+            "of its own (add_loss, regularisers)."
+        )
+    with _compat.lent_loss(model, compile_loss, model_losses):
+        if "training" in inspect.signature(model.compute_loss).parameters:
+            return model.compute_loss(x, y, y_pred, sample_weight, training=training)
+        return model.compute_loss(x, y, y_pred, sample_weight)
+
+
+def _uses_keras_compute_loss(model):
+    return type(model).compute_loss is keras.Model.compute_loss
 
 
 def make_loss_fn(
     model: keras.Model,
-    loss: Callable,
+    loss: Callable | None = None,
     training: bool = True,
     loss_scale: tf.Tensor | float | None = None,
 ) -> LossFn:
@@ -113,10 +136,12 @@ def make_loss_fn(
 
     Args:
       model: a built Keras model (Sequential, functional, subclassed, keras-hub backbone).
-      loss: called as `loss(y_true, y_pred, sample_weight)`, e.g. a `keras.losses.Loss`
-        or a trainer's compiled loss. Keras mean-reduced losses already divide by the
-        number of replicas under a strategy; the model's own losses are added, scaled
-        the same way.
+      loss: the compiled loss: called as `loss(y_true, y_pred, sample_weight)`, e.g. a
+        `keras.losses.Loss` or a trainer's compiled loss; None = the model's own
+        `compile` loss. The value is what `fit` would compute at these weights:
+        `model.compute_loss` (see `compute_loss`), so Keras mean-reduced losses are
+        already divided by the number of replicas under a strategy, and the model's
+        own losses are added as Keras adds them.
       training: passed to the model's `call`.
       loss_scale: multiplies the returned loss (mixed-precision loss scaling); the
         unscaled loss is not returned, divide by the same factor.
@@ -129,10 +154,8 @@ def make_loss_fn(
         outputs, new_state, model_losses = stateless_forward(
             model, params, state, x, training=training
         )
-        value = loss(y, outputs, sample_weight)
-        extra = sum_model_losses(model_losses)
-        if extra is not None:
-            value = value + tf.cast(extra, value.dtype)
+        value = compute_loss(model, x, y, outputs, sample_weight, model_losses,
+                             training=training, loss=loss)
         if loss_scale is not None:
             value = value * tf.cast(loss_scale, value.dtype)
         return value, (new_state, outputs)
@@ -142,7 +165,7 @@ def make_loss_fn(
 
 def make_split_loss_fn(
     model: keras.Model,
-    loss: Callable,
+    loss: Callable | None,
     n_first,
     training: bool = True,
     loss_scale: tf.Tensor | float | None = None,
@@ -162,11 +185,11 @@ def make_split_loss_fn(
         outputs, new_state, model_losses = stateless_forward(
             model, params, state, x, training=training
         )
-        first, second = split_batch((y, outputs, sample_weight), n_first)
-        values = [loss(*part) for part in (first, second)]
-        extra = sum_model_losses(model_losses)
-        if extra is not None:
-            values = [v + tf.cast(extra, v.dtype) for v in values]
+        first, second = split_batch((x, y, outputs, sample_weight), n_first)
+        values = [
+            compute_loss(model, *part, model_losses, training=training, loss=loss)
+            for part in (first, second)
+        ]
         if loss_scale is not None:
             values = [v * tf.cast(loss_scale, v.dtype) for v in values]
         return values[0] + values[1], (new_state, outputs, values[0], values[1])
@@ -237,7 +260,7 @@ def dot(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> tf.Tensor:
     _check_same_length(a, b, "dot")
     if not a:
         return tf.constant(0.0)
-    acc = _accumulation_dtype(a)
+    acc = accumulation_dtype(a)
     return tf.add_n(
         [tf.reduce_sum(tf.cast(x, acc) * tf.cast(y, acc)) for x, y in zip(a, b)]
     )
@@ -252,8 +275,10 @@ def cosine(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> tf.Tensor:
     return tf.math.divide_no_nan(dot(a, b), global_norm(a) * global_norm(b))
 
 
-def _accumulation_dtype(a):
-    return tf.float64 if any(x.dtype == tf.float64 for x in a) else tf.float32
+def accumulation_dtype(tensors) -> tf.DType:
+    """float64 if any of `tensors` is float64, else float32: the dtype sums, norms and
+    scalar diagnostics over a list of tensors accumulate in (never float16)."""
+    return tf.float64 if any(t.dtype == tf.float64 for t in tensors) else tf.float32
 
 
 def _check_same_length(a, b, op):
@@ -271,12 +296,12 @@ def num_replicas() -> int:
 
 def scale_loss_for_distribution(value):
     """Divide a per-replica loss by the replica count, as Keras does for compiled losses."""
-    return _keras_loss_module.scale_loss_for_distribution(value)
+    return _compat.scale_loss_for_distribution(value)
 
 
 def unscale_loss_for_distribution(value):
     """Undo `scale_loss_for_distribution`: a loss value independent of the replica count."""
-    return _keras_loss_module.unscale_loss_for_distribution(value)
+    return _compat.unscale_loss_for_distribution(value)
 
 
 def all_reduce_sum(tensors):
@@ -304,7 +329,7 @@ def batch_size(x) -> tf.Tensor:
     return static if static is not None else tf.shape(first)[0]
 
 
-def split_batch(batch, n_first, arg_name: str = "batch"):
+def split_batch(batch, n_first):
     """Split every tensor of a nest along axis 0 into `[:n_first]` and `[n_first:]`."""
 
     def head(t):

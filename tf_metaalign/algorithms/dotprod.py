@@ -110,7 +110,7 @@ def auto_alpha(params, direction, compute_dtype=None) -> tf.Tensor:
     never smaller than that of the params' dtype. Returns 1.0 when ||direction|| == 0
     (any alpha then gives a zero regulariser).
     """
-    acc = tf.float64 if any(p.dtype == tf.float64 for p in params) else tf.float32
+    acc = F.accumulation_dtype(params)
     eps = F.machine_epsilon(params[0].dtype)
     if compute_dtype is not None:
         eps = max(eps, F.machine_epsilon(compute_dtype))
@@ -179,7 +179,7 @@ def dotprod_gradient(
 
     loss_1, g1, aux_1 = F.value_and_grad(loss_fn, params, state, batch_1)
     state_1 = aux_1[0] if isinstance(aux_1, (tuple, list)) else None
-    acc = tf.float64 if any(p.dtype == tf.float64 for p in params) else tf.float32
+    acc = F.accumulation_dtype(params)
     unscale = 1.0 / tf.cast(gradient_scale, acc)
 
     def perturbation_direction(g1_global):

@@ -333,7 +333,7 @@ def hypergradients(
 
     # h_k = <v, d theta_{t+1} / d raw_k>, summed per variable in v's dtype and across
     # variables in float64.
-    acc = tf.float64 if any(r.dtype == tf.float64 for r in raw_t.values()) else tf.float32
+    acc = F.accumulation_dtype(list(raw_t.values()))
     h = {}
     for k, name in enumerate(names):
         terms = [tf.cast(_inner(v_i, t_i[k]), acc) for v_i, t_i in zip(v, look.tangents)]

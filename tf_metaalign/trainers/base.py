@@ -1,27 +1,215 @@
-"""The base of every Keras trainer: a `keras.Model` that wraps a user's model.
+"""The trainer contract: the base of every Keras trainer.
 
-`trainer = SomeTrainer(model, ...)`, then `trainer.compile(optimizer, loss, metrics)` and
-`trainer.fit(...)` as for any Keras model. The wrapped model is `trainer.model`; it is
+`trainer = SomeTrainer(model, ...)`, then `trainer.compile(optimizer, loss=..., metrics=...)`
+and `trainer.fit(...)` as for any Keras model. The wrapped model is `trainer.model`; it is
 never rebuilt or cloned, so after training it is the user's model, trained, and
 `trainer.model.save("m.keras")` / `keras.models.load_model` give it back as itself.
-`trainer.evaluate` / `predict` run the wrapped model unchanged (Keras's own test and
-predict steps). Cross-step state of an algorithm (counters, slow weights, running
-gradients, learned hyperparameters) is created with `add_state_variable` in the strategy
-scope and saved with `trainer.save_weights` / `BackupAndRestore`.
+`trainer.evaluate` / `predict` run the wrapped model unchanged.
+
+What a trainer subclass writes
+------------------------------
+Its algorithm lives in `tf_metaalign.algorithms`; the trainer's `train_step` only
+
+1. unpacks the batch (`self.unpack(data)`) and evaluates the loss at weights given as
+   tensors with `self.loss_fn()` (the loss `fit` would use, see below);
+2. calls its algorithm;
+3. ends with `return self.finish_step(...)`, the one way to end a step.
+
+`finish_step` (in this order): checks the loss is finite before anything is assigned
+(a NaN never reaches the weights); assigns the model's new non-trainable state (BatchNorm
+statistics, dropout seeds); then EITHER applies a gradient with the compiled optimizer
+(`gradients=`: all-reduce, clipping, accumulation, loss scaling as in `fit`) OR commits
+new weights (`new_params=`: assigned identically on every replica, no optimizer) OR runs
+the algorithm's own update (`update=`, a function, e.g. guided learning's committed
+update); advances the step counters; reports the loss, the diagnostics and the
+compiled metrics.
+
+Cross-step state
+----------------
+* `add_state_variable(name, ...)`: a checkpointed scalar or tensor of the trainer
+  (counters, learned values), created in the strategy scope.
+* `add_weights_copy(name)`: one variable per trainable weight of the model, initialised
+  from the model's weights when the model is built (now, or at the first `fit` /
+  `build`): slow weights (Sequential Reptile's phi), the initial weights an L2 distance
+  is measured from. Checkpointed with the trainer.
+* `EveryKSteps`: an "every k steps" schedule that owns its checkpointed counter and the
+  multi-replica rule for conditional work (`cond`).
+All are saved by `trainer.save_weights` / `BackupAndRestore` / `trainer.save`.
+
+Where the weights live. Inner loops inside one `train_step` (MAML, Reptile over one
+task) keep the adapted weights as tensors (`tf_metaalign.functional`, the optimizers'
+`apply_on_tensors`); the model's variables always hold the weights the user
+evaluates and saves. A trajectory that spans many `train_step`s (Sequential Reptile)
+keeps its FAST weights in the model's variables and its SLOW weights in
+`add_weights_copy` state; such a trainer restores the slow weights into the model at
+the end of `fit` so that what the user evaluates and saves is the slow weights.
+
+Loss
+----
+`self.loss_fn()` evaluates `trainer.model.compute_loss` (see
+`tf_metaalign.functional.compute_loss`) with the trainer's compiled loss: `loss_weights`,
+multi-output models and an override of `compute_loss` in the wrapped model's class
+behave as in the model's own `fit`; the model's own losses (`add_loss`, regularisers)
+are added as Keras adds them. `trainer.compute_loss` (used by `evaluate`) is the same.
+
+Diagnostics
+-----------
+`self.add_diagnostic(name, reduction)`: one mechanism for every logged algorithm
+quantity. `"mean"`: the (weighted) mean over the epoch, reset each epoch, like the
+loss; `"last"`: the last value given (steps with weight 0 keep the previous value),
+never reset, so History holds each epoch's last value. Diagnostics are training-only:
+`evaluate` does not report them.
+
+Resuming mid-epoch
+------------------
+Keras's `BackupAndRestore(save_freq=N)` saves mid-epoch but on restore restarts the
+interrupted epoch from its first batch. Every trainer counts the batches done in the
+current epoch (`epoch_steps`, checkpointed) and, when a `fit` restored by
+`BackupAndRestore` starts, skips that many batches of the restarted epoch (reading them,
+not training on them), so the resumed run sees the same batches as an uninterrupted
+one. This needs the data to come in the same order on the restarted epoch (no shuffle,
+or a deterministic one).
 """
 from __future__ import annotations
+
+import inspect
+import logging
 
 import keras
 import tensorflow as tf
 
+from tf_metaalign import _compat
 from tf_metaalign import functional as F
+
+REDUCTIONS = ("mean", "last")
+
+
+# --------------------------------------------------------------------- diagnostics
+
+
+class Diagnostic(keras.metrics.Metric):
+    """An algorithm quantity logged with a reduction (see the module doc).
+
+    `update_state(value, weight=1.0)`: "mean" weights the value (weight 0 leaves the
+    mean unchanged); "last" keeps the previous value where `weight` is 0.
+    Under a strategy the per-replica values are combined as Keras combines metrics:
+    the weighted mean over replicas, and for "last" the mean of the replicas' values
+    (identical values stay as they are).
+    """
+
+    def __init__(self, name, reduction="mean", dtype="float32"):
+        if reduction not in REDUCTIONS:
+            raise ValueError(
+                f"`reduction` of diagnostic {name!r} must be one of {REDUCTIONS}; "
+                f"got {reduction!r}."
+            )
+        super().__init__(name=name, dtype=dtype)
+        self.reduction = reduction
+        if reduction == "mean":
+            self.total = self.add_variable((), "zeros", dtype=self.dtype,
+                                           aggregation="sum", name="total")
+            self.count = self.add_variable((), "zeros", dtype=self.dtype,
+                                           aggregation="sum", name="count")
+        else:
+            self.last = self.add_variable((), "zeros", dtype=self.dtype,
+                                          aggregation="mean", name="last")
+
+    def update_state(self, value, weight=1.0):
+        value = tf.cast(value, self.dtype)
+        weight = tf.cast(weight, self.dtype)
+        if self.reduction == "mean":
+            self.total.assign_add(value * weight)
+            self.count.assign_add(weight)
+        else:
+            keep = tf.convert_to_tensor(self.last.value)
+            self.last.assign(tf.where(weight > 0, value, keep))
+
+    def result(self):
+        if self.reduction == "mean":
+            return tf.math.divide_no_nan(self.total.value, self.count.value)
+        return tf.convert_to_tensor(self.last.value)
+
+    def reset_state(self):
+        if self.reduction == "mean":
+            self.total.assign(0.0)
+            self.count.assign(0.0)
+        # "last" is never reset: History keeps each epoch's last value.
+
+
+# ---------------------------------------------------------------- every k steps
+
+
+def replica_safe_cond(pred, true_fn, false_fn, communicates=False, merged=None):
+    """`tf.cond(pred, true_fn, false_fn)` that is valid under any strategy.
+
+    Under MirroredStrategy a cross-replica communication (all-reduce,
+    `optimizer.apply_gradients`, a commit of mirrored variables) may not sit inside
+    `tf.cond`. Branches that do not communicate (`communicates=False`) are always run
+    with `tf.cond`. Communicating branches are run with `tf.cond` on one replica; on
+    several replicas `merged(pred)` is called instead, which must do the
+    communication unconditionally and the rest under `pred` (default: run both
+    branches and select their outputs with `tf.where`; their side effects then both
+    happen, so only use the default for side-effect-free branches).
+    """
+    if isinstance(pred, bool):
+        return true_fn() if pred else false_fn()
+    if not communicates or F.num_replicas() == 1:
+        return tf.cond(pred, true_fn, false_fn)
+    if merged is not None:
+        return merged(pred)
+    on, off = true_fn(), false_fn()
+    return tf.nest.map_structure(lambda a, b: tf.where(pred, a, b), on, off)
+
+
+class EveryKSteps(keras.layers.Layer):
+    """An "every k steps" schedule with its own checkpointed counter.
+
+    `count` is the number of steps seen (int64, saved with whatever model tracks this
+    layer, so a resumed run keeps its phase across epochs and `steps_per_execution`).
+    `is_first()` is true on steps 0, k, 2k, ... (the first step of each period),
+    `is_last()` on steps k-1, 2k-1, ... (the last: an outer update after k inner steps);
+    with k = 1 both are the python constant True (no `tf.cond` at all). `cond(...)`
+    runs work conditionally under the multi-replica rule of `replica_safe_cond`;
+    `advance()` counts the step (call it once per step, e.g. via `finish_step`).
+    """
+
+    def __init__(self, k, name="every_k_steps", **kwargs):
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"`k` (steps per period) must be an integer >= 1; got {k!r}.")
+        super().__init__(name=name, **kwargs)
+        self.k = int(k)
+        self.count = self.add_weight(
+            name="count", shape=(), dtype="int64", initializer="zeros",
+            trainable=False, aggregation="only_first_replica",
+        )
+        self.built = True
+
+    def phase(self):
+        return tf.math.floormod(tf.convert_to_tensor(self.count.value), self.k)
+
+    def is_first(self):
+        return True if self.k == 1 else tf.equal(self.phase(), 0)
+
+    def is_last(self):
+        return True if self.k == 1 else tf.equal(self.phase(), self.k - 1)
+
+    def cond(self, pred, true_fn, false_fn, communicates=False, merged=None):
+        """`replica_safe_cond` (see there)."""
+        return replica_safe_cond(pred, true_fn, false_fn, communicates, merged)
+
+    def advance(self):
+        return self.count.assign_add(1)
+
+    def get_config(self):
+        return {**super().get_config(), "k": self.k}
+
+
+# ------------------------------------------------------------------------ trainer
 
 
 class MetaTrainer(keras.Model):
-    """Owns the wrapped model, the loss at given weights, metrics and diagnostics."""
-
-    #: names of the per-step diagnostics a subclass logs (each a `keras.metrics.Mean`).
-    diagnostic_names: tuple[str, ...] = ()
+    """Owns the wrapped model, the loss at given weights, state, diagnostics, the end
+    of a step and mid-epoch resumption (see the module doc)."""
 
     def __init__(self, model: keras.Model, **kwargs):
         if not isinstance(model, keras.Model):
@@ -31,12 +219,18 @@ class MetaTrainer(keras.Model):
             )
         super().__init__(**kwargs)
         self.model = model
+        self._diagnostics = {}
+        self._active_diagnostics = None  # None: all
+        self._weight_copies = {}  # name -> list of variables (None until the model is built)
+        # Schedules advanced by finish_step (the trainer's own, in creation order).
+        self._schedules = []
+        # Batches done in the current epoch: lets a fit restored by BackupAndRestore
+        # skip the batches the interrupted epoch already trained on.
+        self.epoch_steps = self.add_state_variable("epoch_steps", dtype="int64")
+        self._skip_batches = None  # set when a fit starts; read at its first step
         if model.built:
             # fit() never calls the trainer itself; it is built when its model is.
             self.built = True
-        self._diagnostics = {
-            name: keras.metrics.Mean(name=name) for name in self.diagnostic_names
-        }
 
     # ------------------------------------------------------------------ Keras plumbing
 
@@ -46,16 +240,28 @@ class MetaTrainer(keras.Model):
     def build(self, input_shape=None):
         if not self.model.built and input_shape is not None:
             self.model.build(input_shape)
+        self._create_weight_copies()
         self.built = True
 
     @property
     def metrics(self):
-        return super().metrics + list(self._diagnostics.values())
+        mine = {id(m) for m in self._diagnostics.values()}
+        out = [m for m in super().metrics if id(m) not in mine]
+        active = self._active_diagnostics
+        return out + [m for n, m in self._diagnostics.items() if active is None or n in active]
 
     def test_step(self, data):
         # Training diagnostics (grad_dot, ...) are not measured by evaluate(): leave them out.
         logs = super().test_step(data)
         return {k: v for k, v in logs.items() if k not in self._diagnostics}
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        """The wrapped model's `compute_loss` with this trainer's compiled loss (what
+        `evaluate` reports; training steps use `loss_fn`, the same loss at given weights)."""
+        return F.compute_loss(self.model, x, y, y_pred, sample_weight, self.model.losses,
+                              training=training, loss=self._compiled_loss())
+
+    # ------------------------------------------------------------------------- state
 
     def add_state_variable(self, name, shape=(), dtype="float32", initializer="zeros"):
         """A non-trainable, checkpointed variable of the trainer (call in `__init__`).
@@ -64,51 +270,93 @@ class MetaTrainer(keras.Model):
         and the first one's is kept.
         """
         return self.add_weight(
-            name=name,
-            shape=shape,
-            dtype=dtype,
-            initializer=initializer,
-            trainable=False,
-            aggregation="only_first_replica",
+            name=name, shape=shape, dtype=dtype, initializer=initializer,
+            trainable=False, aggregation="only_first_replica",
         )
 
-    def _ensure_model_built(self, x):
-        if not self.model.built:
-            # A subclassed model without Input shapes: build it by calling it once.
-            self.model(x, training=False)
+    def add_weights_copy(self, name):
+        """Register a copy of the model's trainable weights (call in `__init__`).
+
+        The variables (one per `model.trainable_variables`, same shapes and dtypes,
+        non-trainable, checkpointed) are created in the strategy scope and initialised
+        from the model's current weights once the model is built: now if it is, else
+        when the trainer is built (first `fit`). `weights_copy(name)` returns them.
+        """
+        if name in self._weight_copies:
+            raise ValueError(f"A weights copy named {name!r} exists already.")
+        self._weight_copies[name] = None
+        if self.model.built:
+            self._create_weight_copies()
+
+    def weights_copy(self, name):
+        """The variables of the weights copy `name` (see `add_weights_copy`)."""
+        copies = self._weight_copies.get(name)
+        if copies is None:
+            raise ValueError(
+                f"The weights copy {name!r} does not exist yet: "
+                + ("register it with add_weights_copy() in __init__."
+                   if name not in self._weight_copies else
+                   "it is created when the model is built (call the trainer or fit first).")
+            )
+        return copies
+
+    def _create_weight_copies(self):
+        pending = [n for n, v in self._weight_copies.items() if v is None]
+        if not pending or not self.model.built:
+            return
+        with self.distribute_strategy.scope():
+            for name in pending:
+                self._weight_copies[name] = [
+                    self.add_weight(
+                        name=f"{name}_{i}", shape=v.shape, dtype=v.dtype,
+                        initializer=_value_initializer(v), trainable=False,
+                        aggregation="only_first_replica",
+                    )
+                    for i, v in enumerate(self.model.trainable_variables)
+                ]
+
+    def every_k_steps(self, k, name):
+        """A tracked `EveryKSteps(k)` advanced once per `finish_step` (call in `__init__`)."""
+        schedule = EveryKSteps(k, name=name)
+        self._schedules.append(schedule)
+        return schedule
+
+    # ------------------------------------------------------------------- diagnostics
+
+    def add_diagnostic(self, name, reduction="mean"):
+        """Declare a logged algorithm quantity (call in `__init__`); see the module doc."""
+        if name in self._diagnostics:
+            raise ValueError(f"Diagnostic {name!r} is declared twice.")
+        self._diagnostics[name] = Diagnostic(name, reduction)
+        return self._diagnostics[name]
+
+    def set_active_diagnostics(self, names):
+        """Report only these diagnostics (e.g. once compile() knows which apply)."""
+        unknown = set(names) - set(self._diagnostics)
+        if unknown:
+            raise ValueError(f"Unknown diagnostics {sorted(unknown)}.")
+        self._active_diagnostics = set(names)
 
     # ---------------------------------------------------------------- loss at weights
 
     def _compiled_loss(self):
-        """`loss(y, y_pred, sample_weight)`: the compiled loss (0 if only model losses)."""
-        if self._compile_loss is None and not self.model.losses:
-            raise ValueError(
-                f"{type(self).__name__}: no loss to compute. Pass `loss=` to compile()."
-            )
-        compile_loss = self._compile_loss
-
-        def compiled(y, y_pred, sample_weight):
-            if compile_loss is None:
-                return tf.constant(0.0)
-            return compile_loss(y, y_pred, sample_weight)
-
-        return compiled
+        """The trainer's compiled loss, or None to use the wrapped model's own compile
+        loss (a model compiled by the user and wrapped with `compile(loss=None)`)."""
+        return _compat.compiled_loss(self)
 
     def loss_fn(self, loss_scale=None, training=True):
         """`loss_fn(params, state, batch) -> (loss, (new_state, y_pred))` for `self.model`.
 
-        The loss is the compiled loss plus the model's own losses, both divided by the
-        number of replicas exactly as Keras's `train_step` does, times `loss_scale`.
+        The loss `fit` would compute (compiled loss, loss weights, the model's
+        `compute_loss` and own losses) in Keras's per-replica units, times `loss_scale`.
         """
-        return F.make_loss_fn(
-            self.model, self._compiled_loss(), training=training, loss_scale=loss_scale
-        )
+        return F.make_loss_fn(self.model, self._compiled_loss(), training=training,
+                              loss_scale=loss_scale)
 
     def split_loss_fn(self, n_first, loss_scale=None, training=True):
         """Like `loss_fn`, but `L(b1) + L(b2)` from one pass (`functional.make_split_loss_fn`)."""
-        return F.make_split_loss_fn(
-            self.model, self._compiled_loss(), n_first, training=training, loss_scale=loss_scale
-        )
+        return F.make_split_loss_fn(self.model, self._compiled_loss(), n_first,
+                                    training=training, loss_scale=loss_scale)
 
     def loss_scale(self):
         """The optimizer's loss scale (1 unless it is a `LossScaleOptimizer`)."""
@@ -122,13 +370,22 @@ class MetaTrainer(keras.Model):
         """
         dtypes = {
             layer.dtype_policy.compute_dtype
-            for layer in self.model._flatten_layers(include_self=False)
-            if layer.weights
-            and tf.as_dtype(layer.dtype_policy.compute_dtype).is_floating
+            for layer in _compat.flatten_layers(self.model)
+            if layer.weights and tf.as_dtype(layer.dtype_policy.compute_dtype).is_floating
         }
         if not dtypes:
             return self.model.dtype_policy.compute_dtype
         return max(dtypes, key=F.machine_epsilon)
+
+    # ------------------------------------------------------------------ the step
+
+    def unpack(self, data):
+        """`(x, y, sample_weight)` of a batch; builds an unbuilt model on first use."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if not self.model.built:
+            # A subclassed model without Input shapes: build it by calling it once.
+            self.model(x, training=False)
+        return x, y, sample_weight
 
     def check_finite_loss(self, loss, where="the training loss"):
         """Stop training with a clear error when `loss` is NaN or infinite.
@@ -146,21 +403,94 @@ class MetaTrainer(keras.Model):
             "TerminateOnNaN to stop without an error",
         )
 
-    # ---------------------------------------------------------------------- reporting
+    def finish_step(self, data, y_pred, loss, *, new_state=None, gradients=None,
+                    new_params=None, update=None, diagnostics=None,
+                    where="the training loss"):
+        """The one way to end a `train_step`; returns its logs.
 
-    def update_loss_tracker(self, per_replica_loss, n_examples):
-        """Log a per-replica (replica-scaled) loss as the replica-count-free value."""
-        self._loss_tracker.update_state(
-            F.unscale_loss_for_distribution(per_replica_loss), sample_weight=n_examples
+        Args:
+          data: the batch `train_step` received (for the compiled metrics).
+          y_pred: the model's outputs on the batch (compiled metrics).
+          loss: the step's loss in Keras's per-replica units (as `loss_fn` returns it,
+            divided by any loss scale): checked finite before anything is assigned,
+            then logged as "loss" (independent of the replica count).
+          new_state: the model's new non-trainable state (or None).
+          gradients: apply these with the compiled optimizer (per-replica, as for
+            `optimizer.apply_gradients` in `fit`), OR
+          new_params: commit these weights to the model (identical on every replica;
+            the optimizer is not used), OR
+          update: a function run after the check and the state assignment that
+            performs the algorithm's own update; it may return a dict of diagnostics.
+          diagnostics: name -> value or (value, weight), see `add_diagnostic`.
+        """
+        given = [a is not None for a in (gradients, new_params, update)]
+        if sum(given) > 1:
+            raise ValueError("finish_step: give at most one of gradients, new_params, update.")
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        # Checked before anything is assigned, so a NaN never reaches the weights.
+        loss = self.check_finite_loss(loss, where)
+        diagnostics = dict(diagnostics or {})
+        with tf.control_dependencies([loss]):
+            if new_state is not None:
+                F.assign_state(self.model, new_state)
+            if gradients is not None:
+                self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
+            elif new_params is not None:
+                commit_weights(self.model.trainable_variables, new_params)
+            elif update is not None:
+                diagnostics.update(update() or {})
+            for schedule in self._schedules:
+                schedule.advance()
+            self.epoch_steps.assign_add(1)
+        _compat.loss_tracker(self).update_state(
+            F.unscale_loss_for_distribution(loss), sample_weight=F.batch_size(x)
         )
+        for name, value in diagnostics.items():
+            value, weight = value if isinstance(value, tuple) else (value, 1.0)
+            self._diagnostics[name].update_state(value, weight)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def update_diagnostics(self, **values):
-        """`name=value` or `name=(value, sample_weight)` for each diagnostic."""
-        for name, value in values.items():
-            if isinstance(value, tuple):
-                self._diagnostics[name].update_state(value[0], sample_weight=value[1])
-            else:
-                self._diagnostics[name].update_state(value)
+    # ------------------------------------------------------- fit and mid-epoch resume
+
+    def fit(self, *args, **kwargs):
+        bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
+        callbacks = list(bound.arguments.get("callbacks") or [])
+        if self.built:
+            self._create_weight_copies()
+        # A fresh fit starts its first epoch at its first batch; a BackupAndRestore
+        # restore (in on_train_begin) brings back the count of the interrupted epoch.
+        self.epoch_steps.assign(0)
+        self._skip_batches = None
+        bound.arguments["callbacks"] = [_EpochStepsCallback(self)] + callbacks
+        return super().fit(*bound.args[1:], **bound.kwargs)
+
+    def make_train_function(self, force=False):
+        train_function = super().make_train_function(force) or self.train_function
+        if getattr(train_function, "_skips_restored_batches", False):
+            return train_function
+
+        def function(iterator):
+            if self._skip_batches is None:
+                # First step of this fit: after BackupAndRestore's on_train_begin.
+                self._skip_batches = int(self.epoch_steps.numpy())
+                if self._skip_batches:
+                    logging.info("Resuming mid-epoch: skipping %d batches already trained on.",
+                                 self._skip_batches)
+            if self._skip_batches >= self.steps_per_execution:
+                for _ in range(self.steps_per_execution):
+                    next(iterator)
+                self._skip_batches -= self.steps_per_execution
+                return self.get_metrics_result()
+            while self._skip_batches > 0:  # a partial execution (not with whole saves)
+                next(iterator)
+                self._skip_batches -= 1
+            return train_function(iterator)
+
+        function._skips_restored_batches = True
+        self.train_function = function
+        return function
+
+    # ------------------------------------------------------------------ saving
 
     def compile_from_config(self, config):
         # Keras skips this for classes that override compile(); trainers may (to check
@@ -182,3 +512,53 @@ class MetaTrainer(keras.Model):
             config["model"], custom_objects=custom_objects
         )
         return cls(**config)
+
+
+class _EpochStepsCallback(keras.callbacks.Callback):
+    """Resets the trainer's `epoch_steps` at each epoch's end, before any user callback
+    (so `BackupAndRestore`'s end-of-epoch save records 0)."""
+
+    def __init__(self, trainer):
+        super().__init__()
+        self._trainer = [trainer]  # a list: not tracked as a sublayer
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._trainer[0].epoch_steps.assign(0)
+
+
+def commit_weights(variables, values):
+    """Assign `values` to `variables` on every replica (call in a replica context).
+
+    The values must be identical on every replica (computed from all-reduced
+    quantities); each replica's copy is assigned, nothing is communicated but the
+    merge (`ReplicaContext.merge_call`), which is why this may not sit inside `tf.cond`
+    under MirroredStrategy. Outside any strategy it is a plain assignment.
+    """
+    variables, values = list(variables), list(values)
+    if len(variables) != len(values):
+        raise ValueError(
+            f"commit_weights: {len(values)} values for {len(variables)} variables."
+        )
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or F.num_replicas() == 1:
+        for v, x in zip(variables, values):
+            v.assign(tf.cast(x, v.dtype))
+        return
+
+    def merge_fn(strategy, values):
+        for v, x in zip(variables, values):
+            strategy.extended.update(
+                v.value, lambda var, x: var.assign(tf.cast(x, var.dtype)), args=(x,),
+                group=False,
+            )
+
+    ctx.merge_call(merge_fn, args=(values,))
+
+
+def _value_initializer(variable):
+    """A Keras initializer that returns `variable`'s current value."""
+
+    def initializer(shape, dtype=None):
+        return tf.cast(tf.convert_to_tensor(variable.value), dtype or variable.dtype)
+
+    return initializer

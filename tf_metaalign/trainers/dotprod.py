@@ -63,8 +63,6 @@ class DotProdTrainer(MetaTrainer):
     `grad_cosine`.
     """
 
-    diagnostic_names = ("grad_dot", "grad_cosine")
-
     def __init__(
         self,
         model: keras.Model,
@@ -92,7 +90,14 @@ class DotProdTrainer(MetaTrainer):
         self.accumulation_steps = int(accumulation_steps)
         # Pairs seen since the start of training: drives the `every` schedule and is
         # checkpointed so a resumed run keeps its phase.
-        self.pairs_seen = self.add_state_variable("dotprod_pairs_seen", dtype="int64")
+        self.schedule = self.every_k_steps(self.every, name="dotprod_pairs")
+        self.add_diagnostic("grad_dot", "mean")
+        self.add_diagnostic("grad_cosine", "mean")
+
+    @property
+    def pairs_seen(self):
+        """Pairs (train steps) seen since the start of training (a checkpointed int64)."""
+        return self.schedule.count
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
         super().compile(optimizer, *args, **kwargs)
@@ -113,34 +118,29 @@ class DotProdTrainer(MetaTrainer):
 
     def _pair_sizes(self, x):
         n = F.batch_size(x)
+        message = (
+            "DotProdTrainer splits each batch into halves b1 and b2, so every batch "
+            "(per replica) needs at least 2 examples"
+        )
         if isinstance(n, int):
             if n < 2:
                 raise ValueError(
-                    "DotProdTrainer splits each batch into halves b1 and b2, so every "
-                    f"batch (per replica) needs at least 2 examples; got batch size {n}. "
-                    "Use a larger batch_size (or drop_remainder=True)."
+                    f"{message}; got batch size {n}. Use a larger batch_size (or "
+                    "drop_remainder=True)."
                 )
-            return n // 2, n
-        tf.debugging.assert_greater_equal(
-            n,
-            2,
-            message=(
-                "DotProdTrainer splits each batch into halves b1 and b2, so every batch "
-                "(per replica) needs at least 2 examples (batch size)"
-            ),
-        )
+        else:
+            tf.debugging.assert_greater_equal(n, 2, message=message + " (batch size)")
         return n // 2, n
 
     def train_step(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        self._ensure_model_built(x)
+        x, y, sample_weight = self.unpack(data)
         n_1, n = self._pair_sizes(x)
         batch_1, batch_2 = F.split_batch((x, y, sample_weight), n_1)
 
         loss_scale = self.loss_scale()
         params = F.current_params(self.model)
         state = F.current_state(self.model)
-        acc = tf.float64 if any(p.dtype == tf.float64 for p in params) else tf.float32
+        acc = F.accumulation_dtype(params)
 
         def with_dotprod(apply_regularizer=self.weight > 0):
             # weight == 0: G1 + G2 from two half passes, G21 never computed; the
@@ -161,7 +161,7 @@ class DotProdTrainer(MetaTrainer):
             y_pred = tf.nest.map_structure(
                 lambda a, b: tf.concat([a, b], axis=0), r.aux_1[1], r.aux_2[1]
             )
-            measured = tf.constant(1.0, acc)
+            measured = tf.cast(apply_regularizer, acc) if self.weight > 0 else tf.constant(1.0, acc)
             return (r.gradient, r.loss_1, r.loss_2, y_pred, r.aux_2[0],
                     r.grad_dot, r.grad_cosine, measured)
 
@@ -174,19 +174,15 @@ class DotProdTrainer(MetaTrainer):
             zero = tf.constant(0.0, acc)
             return grads, loss_1, loss_2, y_pred, new_state, zero, zero, zero
 
-        if self.every == 1 or self.weight == 0:
+        if self.weight == 0:
             outputs = with_dotprod()
-        elif F.num_replicas() == 1:
-            regularize_now = tf.equal(self.pairs_seen % self.every, 0)
-            outputs = tf.cond(regularize_now, with_dotprod, skipped)
         else:
-            regularize_now = tf.equal(self.pairs_seen % self.every, 0)
-            # An all-reduce may not sit inside tf.cond under MirroredStrategy (merge_call),
-            # so with several replicas skipped pairs keep the two half passes and the
-            # all-reduces; only the G21 pass is conditional (inside dotprod_gradient).
-            outputs = with_dotprod(apply_regularizer=regularize_now)
-            measured = tf.cast(regularize_now, outputs[-1].dtype)
-            outputs = outputs[:-1] + (measured,)
+            # with_dotprod all-reduces G1 and G2: on several replicas the all-reduces run
+            # on every pair and only the G21 pass is conditional (inside dotprod_gradient).
+            outputs = self.schedule.cond(
+                self.schedule.is_first(), with_dotprod, skipped, communicates=True,
+                merged=lambda due: with_dotprod(apply_regularizer=due),
+            )
         gradient, loss_1, loss_2, y_pred, new_state, grad_dot, grad_cosine, measured = outputs
 
         # The loss of the whole batch: the size-weighted mean of the two halves.
@@ -196,16 +192,12 @@ class DotProdTrainer(MetaTrainer):
             n_1f * tf.cast(loss_1, tf.float32)
             + (n_f - n_1f) * tf.cast(loss_2, tf.float32)
         ) / (n_f * tf.cast(loss_scale, tf.float32))
-        # Checked before anything is assigned, so a NaN never reaches the weights.
-        loss = self.check_finite_loss(loss, "the loss of the pair (b1, b2)")
-        with tf.control_dependencies([loss]):
-            self.pairs_seen.assign_add(1)
-            F.assign_state(self.model, new_state)
-            self.optimizer.apply_gradients(zip(gradient, self.model.trainable_variables))
-        self.update_loss_tracker(loss, n)
         # Skipped pairs (every > 1) do not measure G1.G2: weight 0 keeps them out of the mean.
-        self.update_diagnostics(grad_dot=(grad_dot, measured), grad_cosine=(grad_cosine, measured))
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return self.finish_step(
+            data, y_pred, loss, new_state=new_state, gradients=gradient,
+            diagnostics={"grad_dot": (grad_dot, measured), "grad_cosine": (grad_cosine, measured)},
+            where="the loss of the pair (b1, b2)",
+        )
 
     def get_config(self):
         config = super().get_config()
