@@ -10,6 +10,7 @@ from tf_metaalign import optimizers as O
 from tf_metaalign.trainers.guided import (
     GuidedHyperparameters,
     GuidedTrainer,
+    guided_update,
     split_guidance_batch,
 )
 
@@ -44,9 +45,9 @@ OPTS = {
 }
 
 
-@pytest.mark.parametrize("reuse_lookahead", [False, True])
+@pytest.mark.parametrize("commit_forward_update", [False, True])
 @pytest.mark.parametrize("key", sorted(OPTS))
-def test_meta_learning_rate_zero_equals_plain_training(key, reuse_lookahead):
+def test_meta_learning_rate_zero_equals_plain_training(key, commit_forward_update):
     x, y = _data()
     plain = _model(dropout=0.2)
     plain.compile(OPTS[key](), loss="mse")
@@ -54,13 +55,13 @@ def test_meta_learning_rate_zero_equals_plain_training(key, reuse_lookahead):
 
     model = _model(dropout=0.2)
     trainer = GuidedTrainer(model, _data(16, seed=5), meta_optimizer=O.Adam(0.0),
-                            reuse_lookahead=reuse_lookahead)
+                            commit_forward_update=commit_forward_update)
     trainer.compile(OPTS[key](), loss="mse")
     hist = trainer.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    if not reuse_lookahead:  # the same update path as plain training: bit-identical
+    if not commit_forward_update:  # the same update path as plain training: bit-identical
         for a, b in zip(_weights(plain), _weights(model)):
             np.testing.assert_array_equal(a, b)
-    # reuse_lookahead: the guided step commits its own lookahead update (the same rule on the same inputs,
+    # commit_forward_update: the guided step commits its own lookahead update (the same rule on the same inputs,
     # in another graph): bit-identical for most rules, within an ulp where the compiler
     # fuses LAMB's last multiply-subtract differently. Any real difference is >> 2 ulp.
     for a, b in zip(_weights(plain), _weights(model)):
@@ -145,7 +146,11 @@ def test_custom_loop_matches_trainer():
 
     @tf.function
     def step(batch):
-        return hyper.train_step(model, optimizer, train_loss, guide_loss, batch, guidance)["loss"]
+        params, state = F.current_params(model), F.current_state(model)
+        loss, grads, (new_state, _) = F.value_and_grad(train_loss, params, state, batch)
+        guided_update(hyper, model, optimizer, guide_loss, grads, new_state, guidance)
+        F.assign_state(model, new_state)
+        return loss
 
     for i in range(2):
         step((tf.constant(x[16 * i:16 * (i + 1)]), tf.constant(y[16 * i:16 * (i + 1)])))
@@ -247,7 +252,7 @@ def test_committed_and_recomputed_update_follow_one_trajectory(key):
     algorithm: same learned values, same weights."""
     x, y = _data()
     results = {}
-    for name, kwargs in {"default": {}, "recompute": {"reuse_lookahead": False}}.items():
+    for name, kwargs in {"default": {}, "recompute": {"commit_forward_update": False}}.items():
         model = _model()
         trainer = GuidedTrainer(model, _data(16, seed=5), meta_optimizer=O.Adam(0.05), **kwargs)
         trainer.compile(OPTS[key](), loss="mse")
@@ -266,13 +271,13 @@ def test_committed_and_recomputed_update_follow_one_trajectory(key):
 def test_trainer_saves_and_reloads_with_its_options_and_learned_values(tmp_path):
     x, y = _data()
     trainer = GuidedTrainer(_model(), _data(16, seed=5), meta_optimizer=O.Adam(0.05),
-                            reuse_lookahead=False)
+                            commit_forward_update=False)
     trainer.compile(O.Adam(0.02), loss="mse")
     trainer.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     trainer.save(tmp_path / "guided.keras")
     loaded = keras.models.load_model(tmp_path / "guided.keras")
     assert isinstance(loaded, GuidedTrainer)
-    assert not loaded.guided.reuse_lookahead
+    assert not loaded.guided.commit_forward_update
     for n, v in trainer.learned_values().items():
         np.testing.assert_allclose(loaded.learned_values()[n], v, rtol=1e-12)
     np.testing.assert_allclose(loaded.model.predict(x, verbose=0), trainer.model.predict(x, verbose=0), rtol=1e-6)

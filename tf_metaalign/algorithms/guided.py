@@ -403,6 +403,120 @@ def meta_update(meta_rule, raw, meta_slots, h, meta_hparams, meta_step):
     return out
 
 
+@dataclasses.dataclass
+class GuidedStepResult:
+    """What `guided_step` computes (global values, identical on every replica).
+
+    Attributes:
+      hypergradients: key -> sanitised global d L_guide / d raw (zeros when not applied).
+      guidance_loss: the global guidance loss at theta_{t+1} (0 when not applied).
+      n_nonfinite: int64, non-finite hypergradient entries replaced this step.
+      values: key -> the activated value at raw_t that this step's update uses.
+      new_raw: key -> raw_{t+1} (raw_t where not applied).
+      new_meta_slots: key -> the meta-optimizer's slots after the step.
+      update: the `UpdateWithTangents` of the step when it was computed (theta_{t+1},
+        committed when `commit` was given), else None.
+    """
+
+    hypergradients: dict
+    guidance_loss: tf.Tensor
+    n_nonfinite: tf.Tensor
+    values: dict
+    new_raw: dict
+    new_meta_slots: dict
+    update: Any = None
+
+
+def guided_step(
+    guide_loss_fn: Callable,
+    rule,
+    grads,
+    params,
+    slots,
+    options,
+    base_hparams,
+    raw,
+    step,
+    state,
+    guidance_batch,
+    *,
+    meta_rule,
+    meta_slots,
+    meta_hparams,
+    meta_step,
+    apply=True,
+    guidance_weight=None,
+    hparam_dtype=None,
+    commit=None,
+) -> GuidedStepResult:
+    """One greedy guided-learning step on the learned raw values (pure but for `commit`).
+
+    The hypergradient of the guidance loss at theta_{t+1} (`hypergradients`), summed
+    over replicas and sanitised (`reduce_and_sanitize`), then one `meta_rule` step on
+    every raw value (`meta_update`). Call it in a replica context (or outside any
+    strategy) after the training gradient is known:
+
+        loss, g, (new_state, _) = functional.value_and_grad(train_loss_fn, params, state, batch)
+        grads = functional.all_reduce_sum(g)          # the global gradient g_t
+        r = guided_step(guide_loss_fn, rule, grads, params, slots, options, base, raw, t,
+                        new_state, guidance_batch, meta_rule=..., meta_slots=...,
+                        meta_hparams={"learning_rate": meta_lr}, meta_step=s)
+        # then: update the model with the hyperparameters r.values (the step's
+        # lambda_t), and store r.new_raw / r.new_meta_slots.
+
+    Args (besides those of `hypergradients`, keyed by the rule's hyperparameter names):
+      meta_rule, meta_slots, meta_hparams, meta_step: the meta-optimizer's pure rule,
+        its slots per raw value, its hyperparameters and 1-based step.
+      apply: python True or a bool tensor: take the hypergradient step now (False:
+        the raw values and meta slots are returned unchanged, nothing is computed but
+        under `tf.cond`; the cond holds no cross-replica communication, so it is valid
+        under any strategy). `commit` needs `apply=True`.
+      commit: see `hypergradients` (commits theta_{t+1} as it is computed).
+    """
+    names = list(raw)
+    raw = {n: tf.convert_to_tensor(raw[n]) for n in names}
+    if commit is not None and apply is not True:
+        raise ValueError("guided_step: `commit` needs apply=True (every step takes the update).")
+    holder = {}
+
+    def compute():
+        result = hypergradients(
+            guide_loss_fn, rule, grads, params, slots, options, base_hparams, raw, step,
+            state, guidance_batch, guidance_weight=guidance_weight,
+            hparam_dtype=hparam_dtype, commit=commit,
+        )
+        holder["update"] = UpdateWithTangents(result.new_params, result.new_slots, [])
+        return [result.hypergradients[n] for n in names], tf.cast(result.guidance_loss, tf.float32)
+
+    if apply is True:
+        h_local, loss_local = compute()
+    else:
+        h_local, loss_local = tf.cond(
+            apply, compute,
+            lambda: ([tf.zeros((), raw[n].dtype) for n in names], tf.zeros((), tf.float32)),
+        )
+        holder.pop("update", None)  # built inside the cond: not usable outside it
+    h, guidance_loss, n_bad = reduce_and_sanitize(dict(zip(names, h_local)), loss_local)
+    updated = meta_update(meta_rule, raw, meta_slots, h, meta_hparams, meta_step)
+    keep = apply is True
+
+    def select(new, old):
+        return new if keep else tf.where(apply, new, old)
+
+    return GuidedStepResult(
+        hypergradients=h,
+        guidance_loss=guidance_loss,
+        n_nonfinite=n_bad if keep else tf.where(apply, n_bad, tf.zeros_like(n_bad)),
+        values={n: activate(n, raw[n]) for n in names},
+        new_raw={n: select(updated[n][0], raw[n]) for n in names},
+        new_meta_slots={
+            n: {k: select(v, meta_slots[n][k]) for k, v in updated[n][1].items()}
+            for n in names
+        },
+        update=holder.get("update"),
+    )
+
+
 def guidance_shard_bounds(n: int, replica_id, num_replicas: int):
     """`[start, end)` of a replica's contiguous shard of `n` guidance examples."""
     start = (n * replica_id) // num_replicas
@@ -411,10 +525,12 @@ def guidance_shard_bounds(n: int, replica_id, num_replicas: int):
 
 
 __all__ = [
+    "GuidedStepResult",
     "HypergradientResult",
     "activate",
     "activation_name",
     "greedy_hypergradients",
+    "guided_step",
     "guidance_shard_bounds",
     "hyperparameters_from_raw",
     "hypergradients",

@@ -22,7 +22,7 @@ from tf_metaalign import functional as F
 from tf_metaalign import optimizers as opt_lib
 from tf_metaalign.algorithms import guided as alg
 from tf_metaalign.optimizers import base as opt_base
-from tf_metaalign.trainers.base import MetaTrainer
+from tf_metaalign.trainers.base import EveryKSteps, MetaTrainer
 
 DEFAULT_HYPERPARAMETERS = ("learning_rate", "beta_1")
 DEFAULT_META_LEARNING_RATE = 3e-5
@@ -117,49 +117,35 @@ def resolve_hyperparameters(optimizer, names, explicit=True):
 
 
 def _meta_learning_rate(meta_optimizer):
-    lr = getattr(meta_optimizer, "_learning_rate", None)
-    if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule) or callable(lr):
-        return lr
-    return float(keras.ops.convert_to_numpy(lr))
+    """The meta-optimizer's learning rate: a float, or its schedule (public config)."""
+    lr = meta_optimizer.get_config()["learning_rate"]
+    if isinstance(lr, dict):
+        return keras.optimizers.schedules.deserialize(lr)
+    return float(lr)
 
 
-class LastValue(keras.metrics.Metric):
-    """A metric that reports the last value it was given (identical on every replica).
-
-    It is not reset between epochs, so History holds each epoch's last value and the
-    batch-level logs (TensorBoard `update_freq="batch"`) each step's value.
-    """
-
-    def __init__(self, name, dtype="float32"):
-        super().__init__(name=name, dtype=dtype)
-        self.last = self.add_variable(
-            shape=(), initializer="zeros", dtype=self.dtype, aggregation="mean", name="last"
+def _as_meta_optimizer(optimizer):
+    if not isinstance(optimizer, opt_base.BaseOptimizer):
+        raise ValueError(
+            "`meta_optimizer` must be one of tf_metaalign.optimizers "
+            f"({', '.join(supported_optimizers())}), used for its pure rule and learning "
+            f"rate; got {type(optimizer).__name__}."
         )
-
-    def update_state(self, value, apply=True):
-        value = tf.cast(value, self.dtype)
-        if apply is not True:
-            value = tf.where(apply, value, tf.convert_to_tensor(self.last.value))
-        self.last.assign(value)
-
-    def result(self):
-        return tf.convert_to_tensor(self.last.value)
-
-    def reset_state(self):
-        pass
+    return optimizer
 
 
 @keras.saving.register_keras_serializable(package="tf_metaalign")
 class GuidedHyperparameters(keras.layers.Layer):
-    """Learned raw hyperparameters, their meta-optimizer state, and the greedy step.
+    """The state of guided learning: learned raw values, meta-optimizer slots, counters.
 
     Variables (non-trainable, float64 raw values, "only_first_replica" aggregation, saved
     with whatever model tracks this layer): `raw_<name>`, the meta-optimizer's slots
-    `meta_<name>_<slot>`, `guided_steps` (hypergradient steps taken), `steps` (training
-    steps), `nonfinite_hypergrads` (cumulative count of sanitised hypergradients) and
-    `initialized`.
-
-    For a custom loop::
+    `meta_<name>_<slot>`, the `guidance_every` schedule's step counter
+    (`schedule.count`, training steps seen), `guided_steps` (hypergradient steps taken),
+    `nonfinite_hypergrads` (cumulative count of sanitised hypergradients) and
+    `initialized`. The step itself is `tf_metaalign.algorithms.guided.guided_step`;
+    `guided_update` runs it against a Keras model and optimizer (the trainer and a
+    custom loop call the same function)::
 
         hyper = GuidedHyperparameters(("learning_rate", "beta_1"))   # in strategy scope
         optimizer = tf_metaalign.optimizers.Lamb(1e-3)
@@ -170,34 +156,35 @@ class GuidedHyperparameters(keras.layers.Layer):
 
         @tf.function
         def step(batch, guidance_batch):
-            return hyper.train_step(model, optimizer, train_loss, guide_loss, batch, guidance_batch)
-
-    `train_step` applies the update to `model` (committing the update computed with the
-    tangents, see `reuse_lookahead`, or with `optimizer.apply_gradients`) and updates the
-    raw values; it returns a dict with "loss" (per-replica units), "y_pred",
-    "new_state" and "logs" (see `GuidedTrainer`). Under a strategy call it inside
-    `strategy.run`; each replica passes its own shard of the guidance batch with
-    `guidance_weight = n_shard * replicas / n_guidance` (1 for equal shards).
+            params, state = functional.current_params(model), functional.current_state(model)
+            loss, grads, (new_state, _) = functional.value_and_grad(train_loss, params, state, batch)
+            return guided_update(hyper, model, optimizer, guide_loss, grads, new_state,
+                                 guidance_batch)
 
     Args:
       hyperparameters: names to learn; None = ("learning_rate", "beta_1"), dropping
         beta_1 for an optimizer without one. "beta_1" also names SGD's momentum.
-      meta_optimizer: a tf_metaalign optimizer whose rule and learning rate update the raw
-        values (its variables are not used; the state lives here). Default: Adam(3e-5).
+      meta_optimizer: the optimizer whose rule and learning rate update the raw values
+        (its variables are not used; the state lives here): a tf_metaalign optimizer or
+        Keras's built-in Adam or SGD (same rule). Default: Adam(3e-5).
       guidance_every: take a hypergradient step every this many training steps.
-      reuse_lookahead: commit this step's update as computed with the tangents (pass 1
-        of `algorithms.guided.hypergradients` computes exactly theta_{t+1} and the new
-        slots) instead of recomputing it in `optimizer.apply_gradients`; the guidance
-        pass then reads the updated variables, so no separate copy of theta_{t+1}
-        exists. Used with `guidance_every=1` and no EMA (any number of replicas: each
+      commit_forward_update: commit this step's update as computed in forward mode for
+        the hypergradient (`algorithms.guided.hypergradients` computes exactly
+        theta_{t+1} and the new slots) instead of recomputing it in
+        `optimizer.apply_gradients`; the guidance pass then reads the updated
+        variables, so no separate copy of theta_{t+1} exists. Used with
+        `guidance_every=1`, no EMA and no loss scaling (any number of replicas: each
         assigns its copy, as `apply_gradients` does after its all-reduce); otherwise
         `apply_gradients`. The committed update equals the recomputed one to within an
         ulp (the compiler may fuse a multiply-subtract differently); False makes
-        meta-lr 0 bit-identical to `fit`.
+        meta-lr 0 bit-identical to `fit`. (Configs saved with its former name
+        `reuse_lookahead` still load.)
     """
 
     def __init__(self, hyperparameters=None, meta_optimizer=None, guidance_every=1,
-                 reuse_lookahead=True, **kwargs):
+                 commit_forward_update=True, **kwargs):
+        if "reuse_lookahead" in kwargs:  # its name before 0.2
+            commit_forward_update = kwargs.pop("reuse_lookahead")
         super().__init__(**kwargs)
         self.explicit_names = hyperparameters is not None
         if hyperparameters is None:
@@ -223,17 +210,14 @@ class GuidedHyperparameters(keras.layers.Layer):
             raise ValueError(f"`guidance_every` must be an integer >= 1; got {guidance_every!r}.")
         if meta_optimizer is None:
             meta_optimizer = opt_lib.Adam(DEFAULT_META_LEARNING_RATE)
-        if not isinstance(meta_optimizer, opt_base.BaseOptimizer):
+        meta_optimizer = _as_meta_optimizer(meta_optimizer)
+        if not isinstance(commit_forward_update, bool):
             raise ValueError(
-                "`meta_optimizer` must be one of tf_metaalign.optimizers "
-                f"({', '.join(supported_optimizers())}), used for its pure rule and learning "
-                f"rate; got {type(meta_optimizer).__name__}."
+                f"`commit_forward_update` must be True or False; got {commit_forward_update!r}."
             )
-        if not isinstance(reuse_lookahead, bool):
-            raise ValueError(f"`reuse_lookahead` must be True or False; got {reuse_lookahead!r}.")
         self.names = tuple(hyperparameters)
         self.guidance_every = int(guidance_every)
-        self.reuse_lookahead = reuse_lookahead
+        self.commit_forward_update = commit_forward_update
         self.meta_optimizer = meta_optimizer
         self.meta_rule = meta_optimizer.rule
         self.meta_learning_rate = _meta_learning_rate(meta_optimizer)
@@ -253,11 +237,16 @@ class GuidedHyperparameters(keras.layers.Layer):
             self.meta_slots[n] = {
                 s: state(f"meta_{n}_{s}", "float64", shape) for s, shape in shapes.items()
             }
+        self.schedule = EveryKSteps(self.guidance_every, name="guidance_schedule")
         self.guided_steps = state("guided_steps", "int64")
-        self.steps = state("steps", "int64")
         self.nonfinite_hypergrads = state("nonfinite_hypergrads", "int64")
         self.initialized = state("initialized", "int64")
         self.built = True
+
+    @property
+    def steps(self):
+        """Training steps seen (int64 variable)."""
+        return self.schedule.count
 
     # ------------------------------------------------------------------------ setup
 
@@ -267,18 +256,21 @@ class GuidedHyperparameters(keras.layers.Layer):
         Initial values (only on first bind; a restored checkpoint keeps its values): the
         learning-rate scale 1 (raw 0); a coefficient at the optimizer's configured value,
         clipped to [0.01, 1 - 1e-5] (a configured 0, e.g. Adafactor beta_1=0.0, starts at
-        0.01 since sigmoid(raw) = 0 has no gradient).
+        0.01 since sigmoid(raw) = 0 has no gradient). A `LossScaleOptimizer` is checked
+        by the optimizer it wraps.
         """
-        check_optimizer(optimizer, context)
-        self.active = resolve_hyperparameters(optimizer, self.names, explicit=self.explicit_names)
+        inner = _unscaled(optimizer)
+        check_optimizer(inner, context)
+        self.active = resolve_hyperparameters(inner, self.names, explicit=self.explicit_names)
         self._bound_optimizer = optimizer
         if int(self.initialized.numpy()) == 0:
             for name, key in self.active.items():
-                self.raw[name].assign(alg.initial_raw(key, optimizer.rule.defaults.get(key)))
+                self.raw[name].assign(alg.initial_raw(key, inner.rule.defaults.get(key)))
             self.initialized.assign(1)
         return self.active
 
     def logged_names(self):
+        """The diagnostics `guided_update` reports for the bound optimizer."""
         names = ["learning_rate_scale", "effective_learning_rate"]
         names += [n for n in self.active if n != "learning_rate"]
         names += [f"hypergrad_{n}" for n in self.active]
@@ -289,166 +281,13 @@ class GuidedHyperparameters(keras.layers.Layer):
         """name -> current learned value (learning_rate: the scale), float64 tensors."""
         return {n: alg.activate(k, tf.convert_to_tensor(self.raw[n].value)) for n, k in self.active.items()}
 
-    # --------------------------------------------------------------------- the step
-
-    def _optimizer_variable(self, optimizer, key):
-        if key == "learning_rate":
-            return optimizer.learning_rate_scale
-        variables = optimizer.hyperparameter_variables
-        if key not in variables:
-            raise ValueError(
-                f"{type(optimizer).__name__} keeps no variable for {key!r} (it has "
-                f"{sorted(variables)}), so a learned value cannot be applied."
-            )
-        return variables[key]
-
-    def train_step(
-        self,
-        model,
-        optimizer,
-        train_loss_fn,
-        guide_loss_fn,
-        batch,
-        guidance_batch,
-        guidance_weight=None,
-    ):
-        """One greedy guided step (see the class doc). Call in a replica context."""
-        if optimizer is not self._bound_optimizer:
-            raise ValueError(
-                "GuidedHyperparameters.train_step: call `bind(optimizer)` with this optimizer first."
-            )
-        if not optimizer.built:
-            raise ValueError(
-                "The optimizer must be built before the guided step: call "
-                "`optimizer.build(model.trainable_variables)` first."
-            )
-        variables = list(model.trainable_variables)
-        every = self.guidance_every
-        if every == 1:
-            apply = tf.constant(True)
-        else:
-            apply = tf.equal(tf.math.floormod(tf.convert_to_tensor(self.steps.value), every), 0)
-
-        params = F.current_params(model)
-        state = F.current_state(model)
-        loss, g_local, (new_state, y_pred) = F.value_and_grad(train_loss_fn, params, state, batch)
-        grads = F.all_reduce_sum(g_local)
-        if getattr(optimizer, "aggregated_clipnorm", None) is not None:
-            grads, _ = tf.clip_by_global_norm(grads, optimizer.aggregated_clipnorm)
-
-        names = list(self.active)
-        keys = [self.active[n] for n in names]
-        raw = {n: tf.convert_to_tensor(self.raw[n].value) for n in names}
-        base = optimizer.current_hyperparameters()
-        schedule_lr = optimizer.schedule_learning_rate()
-        base["learning_rate"] = schedule_lr
-        step = tf.cast(optimizer.iterations + 1, tf.float32)
-        slots = [
-            {k: tf.convert_to_tensor(v.value) for k, v in optimizer.slots_for(var).items()}
-            for var in variables
-        ]
-        options = [optimizer.options_for(var) for var in variables]
-        rule_raw = {self.active[n]: raw[n] for n in names}
-        opt_vars = {n: self._optimizer_variable(optimizer, self.active[n]) for n in names}
-        rule_dtypes = {self.active[n]: opt_vars[n].dtype for n in names}
-
-        # With a hypergradient every step, pass 1's values ARE this step's update:
-        # `reuse_lookahead` assigns them (group by group) instead of recomputing the
-        # update in apply_gradients (see the class doc).
-        commit_lookahead = (
-            self.reuse_lookahead
-            and every == 1
-            and not getattr(optimizer, "use_ema", False)
-        )
-        if commit_lookahead:
-
-            def commit(i, new_value, new_slots):
-                return optimizer.assign_variable_update(variables[i], new_value, new_slots)
-        else:
-            commit = None
-
-        def compute():
-            result = alg.hypergradients(
-                guide_loss_fn, optimizer.rule, grads, params, slots, options, base, rule_raw,
-                step, new_state, guidance_batch, guidance_weight=guidance_weight,
-                hparam_dtype=rule_dtypes, commit=commit,
-            )
-            return (
-                [result.hypergradients[k] for k in keys],
-                tf.cast(result.guidance_loss, tf.float32),
-            )
-
-        if every == 1:
-            h_local, loss_local = compute()
-        else:
-            h_local, loss_local = tf.cond(
-                apply,
-                compute,
-                lambda: ([tf.zeros((), tf.float64) for _ in keys], tf.zeros((), tf.float32)),
-            )
-        h, guidance_loss, n_bad = alg.reduce_and_sanitize(dict(zip(names, h_local)), loss_local)
-
-        # Meta-optimizer step on the raw values (identical on every replica).
-        meta_step = tf.cast(self.guided_steps + 1, tf.float64)
-        meta_lr = self.meta_learning_rate
-        if callable(meta_lr):
-            meta_lr = meta_lr(tf.convert_to_tensor(self.guided_steps.value))
-        meta_hparams = {"learning_rate": tf.cast(meta_lr, tf.float64)}
-        meta_slots = {
-            n: {k: tf.convert_to_tensor(v.value) for k, v in self.meta_slots[n].items()}
-            for n in names
-        }
-        updated = alg.meta_update(self.meta_rule, raw, meta_slots, h, meta_hparams, meta_step)
-
-        # The real update, with the hyperparameters of this step (lambda_t).
-        values = {n: alg.activate(self.active[n], raw[n]) for n in names}
-        for n in names:
-            opt_vars[n].assign(tf.cast(values[n], opt_vars[n].dtype))
-        F.assign_state(model, new_state)
-        if commit_lookahead:
-            optimizer.iterations.assign_add(1)  # the variables were assigned in pass 1
-        else:
-            optimizer.apply_gradients(zip(g_local, variables))
-
-        for n in names:
-            new_raw, new_slots = updated[n]
-            self.raw[n].assign(tf.where(apply, new_raw, raw[n]))
-            for k, var in self.meta_slots[n].items():
-                var.assign(tf.where(apply, new_slots[k], meta_slots[n][k]))
-        self.guided_steps.assign_add(tf.cast(apply, tf.int64))
-        self.steps.assign_add(1)
-        self.nonfinite_hypergrads.assign_add(tf.where(apply, n_bad, tf.zeros_like(n_bad)))
-
-        scale = tf.convert_to_tensor(optimizer.learning_rate_scale.value)
-        if "learning_rate" in self.active.values():
-            scale = tf.cast(values[names[keys.index("learning_rate")]], tf.float32)
-        logs = {
-            "learning_rate_scale": (scale, True),
-            "effective_learning_rate": (schedule_lr * scale, True),
-            "guidance_loss": (guidance_loss, apply),
-            "nonfinite_hypergrads": (
-                tf.convert_to_tensor(self.nonfinite_hypergrads.value), True,
-            ),
-        }
-        for n in names:
-            if n != "learning_rate":
-                logs[n] = (tf.cast(values[n], tf.float32), True)
-            logs[f"hypergrad_{n}"] = (h[n], apply)
-        return {
-            "loss": loss,
-            "y_pred": y_pred,
-            "new_state": new_state,
-            "guidance_applied": apply,
-            "logs": logs,
-        }
-
     def get_config(self):
         config = super().get_config()
         config.update(
             hyperparameters=list(self.names) if self.explicit_names else None,
             meta_optimizer=keras.optimizers.serialize(self.meta_optimizer),
             guidance_every=self.guidance_every,
-            reuse_lookahead=self.reuse_lookahead,
+            commit_forward_update=self.commit_forward_update,
         )
         return config
 
@@ -459,6 +298,147 @@ class GuidedHyperparameters(keras.layers.Layer):
         config.pop("memory_efficient", None)
         config["meta_optimizer"] = keras.optimizers.deserialize(config["meta_optimizer"])
         return cls(**config)
+
+
+def _unscaled(optimizer):
+    """The optimizer a `LossScaleOptimizer` wraps (the optimizer itself otherwise)."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.inner_optimizer
+    return optimizer
+
+
+def _optimizer_variable(optimizer, key):
+    if key == "learning_rate":
+        return optimizer.learning_rate_scale
+    variables = optimizer.hyperparameter_variables
+    if key not in variables:
+        raise ValueError(
+            f"{type(optimizer).__name__} keeps no variable for {key!r} (it has "
+            f"{sorted(variables)}), so a learned value cannot be applied."
+        )
+    return variables[key]
+
+
+def guided_update(hyper, model, optimizer, guide_loss_fn, grads, new_state, guidance_batch,
+                  guidance_weight=None):
+    """Run `algorithms.guided.guided_step` against a Keras model and optimizer.
+
+    `grads` is this replica's training gradient of the (loss-scaled, under a
+    `LossScaleOptimizer`) loss at the model's current weights, as `apply_gradients`
+    takes it; `new_state` the model's state after the training forward pass (the
+    guidance loss is evaluated from it). Updates the model with this step's
+    hyperparameters lambda_t (committing the forward-mode update, or
+    `optimizer.apply_gradients`), then stores lambda_{t+1} and the counters. Call in a
+    replica context (inside `train_step` / `strategy.run`); each replica passes its
+    own shard of the guidance batch with `guidance_weight = n_shard * replicas /
+    n_guidance` (None for equal shards). Returns the diagnostics
+    (name -> (value, weight)) listed by `hyper.logged_names()`.
+    """
+    if optimizer is not hyper._bound_optimizer:
+        raise ValueError("guided_update: call `hyper.bind(optimizer)` with this optimizer first.")
+    inner = _unscaled(optimizer)
+    if not inner.built:
+        raise ValueError(
+            "The optimizer must be built before the guided step: call "
+            "`optimizer.build(model.trainable_variables)` first."
+        )
+    variables = list(model.trainable_variables)
+    apply = hyper.schedule.is_first()
+    scaled = inner is not optimizer
+    loss_scale = optimizer.scale_loss(tf.constant(1.0, tf.float32)) if scaled else None
+
+    g_global = F.all_reduce_sum(grads)
+    if scaled:
+        # Gradients of the scaled loss: unscale for the rule; a non-finite gradient
+        # (float16 overflow) skips the hypergradient step as the optimizer skips the update.
+        g_global = [g / tf.cast(loss_scale, g.dtype) for g in g_global]
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in g_global])
+        apply = tf.logical_and(apply, finite)
+    if getattr(inner, "aggregated_clipnorm", None) is not None:
+        g_global, _ = tf.clip_by_global_norm(g_global, inner.aggregated_clipnorm)
+
+    names = list(hyper.active)
+    keys = [hyper.active[n] for n in names]
+    raw = {hyper.active[n]: tf.convert_to_tensor(hyper.raw[n].value) for n in names}
+    meta_slots = {
+        hyper.active[n]: {k: tf.convert_to_tensor(v.value) for k, v in hyper.meta_slots[n].items()}
+        for n in names
+    }
+    base = inner.current_hyperparameters()
+    schedule_lr = inner.schedule_learning_rate()
+    base["learning_rate"] = schedule_lr
+    slots = [
+        {k: tf.convert_to_tensor(v.value) for k, v in inner.slots_for(var).items()}
+        for var in variables
+    ]
+    opt_vars = {k: _optimizer_variable(inner, k) for k in keys}
+    meta_lr = hyper.meta_learning_rate
+    if callable(meta_lr):
+        meta_lr = meta_lr(tf.convert_to_tensor(hyper.guided_steps.value))
+
+    # With a hypergradient every step, the forward-mode update IS this step's update:
+    # commit it (group by group) instead of recomputing it in apply_gradients.
+    commit_now = (
+        hyper.commit_forward_update and hyper.guidance_every == 1 and not scaled
+        and not getattr(inner, "use_ema", False)
+    )
+    commit = None
+    if commit_now:
+        def commit(i, new_value, new_slots):
+            return inner.assign_variable_update(variables[i], new_value, new_slots)
+
+    guide = guide_loss_fn
+    if scaled:
+        def guide(p, s, b):  # scaled like the training loss, against float16 underflow
+            value, aux = guide_loss_fn(p, s, b)
+            return value * tf.cast(loss_scale, value.dtype), aux
+
+    r = alg.guided_step(
+        guide, inner.rule, g_global, F.current_params(model), slots,
+        [inner.options_for(v) for v in variables], base, raw,
+        tf.cast(inner.iterations + 1, tf.float32), new_state, guidance_batch,
+        meta_rule=hyper.meta_rule, meta_slots=meta_slots,
+        meta_hparams={"learning_rate": tf.cast(meta_lr, tf.float64)},
+        meta_step=tf.cast(hyper.guided_steps + 1, tf.float64),
+        apply=apply, guidance_weight=guidance_weight,
+        hparam_dtype={k: opt_vars[k].dtype for k in keys}, commit=commit,
+    )
+    h, guidance_loss = r.hypergradients, r.guidance_loss
+    if scaled:
+        h = {k: v / tf.cast(loss_scale, v.dtype) for k, v in h.items()}
+        guidance_loss = guidance_loss / tf.cast(loss_scale, guidance_loss.dtype)
+
+    # The model update, with this step's hyperparameters (lambda_t).
+    for k in keys:
+        opt_vars[k].assign(tf.cast(r.values[k], opt_vars[k].dtype))
+    if commit_now:
+        inner.iterations.assign_add(1)  # the variables were committed in guided_step
+    else:
+        optimizer.apply_gradients(zip(grads, variables))
+
+    for n, k in zip(names, keys):
+        hyper.raw[n].assign(r.new_raw[k])
+        for slot, var in hyper.meta_slots[n].items():
+            var.assign(r.new_meta_slots[k][slot])
+    hyper.guided_steps.assign_add(tf.cast(apply, tf.int64))
+    hyper.schedule.advance()
+    hyper.nonfinite_hypergrads.assign_add(r.n_nonfinite)
+
+    weight = tf.cast(apply, tf.float32)
+    scale = tf.convert_to_tensor(inner.learning_rate_scale.value)
+    if "learning_rate" in keys:
+        scale = tf.cast(r.values["learning_rate"], tf.float32)
+    logs = {
+        "learning_rate_scale": scale,
+        "effective_learning_rate": schedule_lr * scale,
+        "guidance_loss": (guidance_loss, weight),
+        "nonfinite_hypergrads": tf.convert_to_tensor(hyper.nonfinite_hypergrads.value),
+    }
+    for n, k in zip(names, keys):
+        if n != "learning_rate":
+            logs[n] = tf.cast(r.values[k], tf.float32)
+        logs[f"hypergrad_{n}"] = (h[k], weight)
+    return logs
 
 
 # ----------------------------------------------------------------------------- data
@@ -567,12 +547,6 @@ class GuidanceData:
         weight = tf.cast((end - start) * replicas, tf.float32) / float(self.batch_size)
         return shard, weight
 
-    def batches(self):
-        return [
-            tf.nest.map_structure(lambda t: t[i].numpy(), self.stacked)
-            for i in range(self.num_batches)
-        ]
-
 
 # -------------------------------------------------------------------------- trainer
 
@@ -585,9 +559,9 @@ class GuidedTrainer(MetaTrainer):
     hypergradient h_t = d L_guide(theta_{t+1}) / d raw_lambda_t through one update of the
     compiled optimizer, with L_guide the compiled loss (plus the model's own losses) on a
     held-out guidance batch evaluated with `training=False` (no dropout); the model update
-    theta_{t+1} computed with lambda_t (via `optimizer.apply_gradients`); then
-    raw_lambda_{t+1} = meta_optimizer(raw_lambda_t, h_t). Non-finite h are sanitised as the
-    reference does (NaN -> 0, +-inf -> +-10) and counted.
+    theta_{t+1} computed with lambda_t; then raw_lambda_{t+1} = meta_optimizer(raw_lambda_t,
+    h_t). Non-finite h are sanitised as the reference does (NaN -> 0, +-inf -> +-10) and
+    counted.
 
     Args:
       model: the Keras model to train (`trainer.model`).
@@ -600,20 +574,23 @@ class GuidedTrainer(MetaTrainer):
         1) of the optimizer's schedule; "beta_1" (SGD: its momentum) is sigmoid(raw),
         starting at the configured value. Other names in the optimizer's
         `differentiable_hyperparameters` (beta_2, ...) are learned through a sigmoid too.
-      meta_optimizer: a tf_metaalign optimizer (its rule and learning rate), default
-        `tf_metaalign.optimizers.Adam(3e-5)` as in the paper.
+      meta_optimizer: the meta-optimizer (its rule and learning rate): a tf_metaalign
+        optimizer or Keras's built-in Adam/SGD; default Adam(3e-5) as in the paper.
       guidance_every: take a hypergradient step every this many training steps.
       max_guidance_batches: how many batches of a guidance dataset to keep.
-      reuse_lookahead: see `GuidedHyperparameters` (True, the default: commit the update
-        computed for the hypergradient, one optimizer update fewer per step; False:
-        recompute it in `apply_gradients`, bit-identical to `fit` at meta learning rate 0).
+      commit_forward_update: see `GuidedHyperparameters` (True, the default: commit the
+        update computed for the hypergradient, one optimizer update fewer per step;
+        False: recompute it in `apply_gradients`, bit-identical to `fit` at meta
+        learning rate 0). Formerly `reuse_lookahead` (still accepted).
 
     Compile with one of `tf_metaalign.optimizers` (SGD, Adam, AdamWeightDecay, Lamb,
-    Adafactor). Logs, per step (batch-level logs, TensorBoard `update_freq="batch"`) and
-    per epoch (History: the epoch's last value): `learning_rate_scale`,
-    `effective_learning_rate`, the learned values (e.g. `beta_1`), `hypergrad_<name>`
-    (the sanitised hypergradient w.r.t. the raw value), `guidance_loss` (at theta_{t+1})
-    and `nonfinite_hypergrads` (cumulative count).
+    Adafactor); under `mixed_float16` Keras wraps it in a `LossScaleOptimizer`, which is
+    supported (the update is then recomputed by the optimizer, which skips steps whose
+    gradient overflowed; those steps take no hypergradient step). Logs, per step
+    (batch-level logs, TensorBoard `update_freq="batch"`) and per epoch (History: the
+    epoch's last value): `learning_rate_scale`, `effective_learning_rate`, the learned
+    values (e.g. `beta_1`), `hypergrad_<name>` (the sanitised hypergradient w.r.t. the raw
+    value), `guidance_loss` (at theta_{t+1}) and `nonfinite_hypergrads` (cumulative count).
     """
 
     def __init__(
@@ -624,9 +601,11 @@ class GuidedTrainer(MetaTrainer):
         meta_optimizer=None,
         guidance_every: int = 1,
         max_guidance_batches: int = 64,
-        reuse_lookahead: bool = True,
+        commit_forward_update: bool = True,
         **kwargs,
     ):
+        if "reuse_lookahead" in kwargs:  # its name before 0.2
+            commit_forward_update = kwargs.pop("reuse_lookahead")
         if guidance_data is None:
             raise ValueError("`guidance_data` is required: a held-out batch (x, y) or a dataset.")
         if (
@@ -643,44 +622,35 @@ class GuidedTrainer(MetaTrainer):
         self.max_guidance_batches = max_guidance_batches
         self.guided = GuidedHyperparameters(
             hyperparameters, meta_optimizer, guidance_every,
-            reuse_lookahead=reuse_lookahead, name="guided_hyperparameters",
+            commit_forward_update=commit_forward_update, name="guided_hyperparameters",
         )
-        all_names = (
-            ["learning_rate_scale", "effective_learning_rate", "guidance_loss", "nonfinite_hypergrads"]
-            + [n for n in self.guided.names if n != "learning_rate"]
-            + [f"hypergrad_{n}" for n in self.guided.names]
-        )
-        self._guided_metrics = {n: LastValue(n) for n in all_names}
+        for name in ("learning_rate_scale", "effective_learning_rate", "guidance_loss",
+                     "nonfinite_hypergrads"):
+            self.add_diagnostic(name, "last")
+        for name in self.guided.names:
+            if name != "learning_rate":
+                self.add_diagnostic(name, "last")
+            self.add_diagnostic(f"hypergrad_{name}", "last")
 
     @property
     def guidance(self) -> GuidanceData:
         return self._guidance[0]
-
-    @property
-    def metrics(self):
-        active = set(self.guided.logged_names()) if self.guided.active else set()
-        mine = {id(m) for m in self._guided_metrics.values()}
-        out = [m for m in super().metrics if id(m) not in mine]
-        return out + [m for n, m in self._guided_metrics.items() if n in active]
-
-    def test_step(self, data):
-        logs = super().test_step(data)
-        return {k: v for k, v in logs.items() if k not in self._guided_metrics}
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
         if isinstance(optimizer, str):
             raise _unsupported_optimizer_error(keras.optimizers.get(optimizer))
         super().compile(optimizer, *args, **kwargs)
         self.guided.bind(self.optimizer)
+        self.set_active_diagnostics(self.guided.logged_names())
 
     def learned_values(self):
         """dict name -> current learned value (python floats; learning_rate: the scale)."""
         return {n: float(v) for n, v in self.guided.values().items()}
 
     def train_step(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        self._ensure_model_built(x)
-        if not self.optimizer.built:
+        x, y, sample_weight = self.unpack(data)
+        optimizer = _unscaled(self.optimizer)
+        if not optimizer.built:
             # Keras builds optimizers lazily in apply_gradients; the guided step reads the
             # slots before that (first trace only, like Keras's own lazy build).
             self.optimizer.build(self.model.trainable_variables)
@@ -688,19 +658,21 @@ class GuidedTrainer(MetaTrainer):
             tf.convert_to_tensor(self.guided.guided_steps.value), self.guidance.num_batches
         )
         guidance_batch, weight = self.guidance.shard(index)
-        out = self.guided.train_step(
-            self.model,
-            self.optimizer,
-            self.loss_fn(),
-            self.loss_fn(training=False),
-            (x, y, sample_weight),
-            guidance_batch,
-            guidance_weight=weight,
+        loss_scale = self.loss_scale()
+        loss, grads, (new_state, y_pred) = F.value_and_grad(
+            self.loss_fn(loss_scale=loss_scale), F.current_params(self.model),
+            F.current_state(self.model), (x, y, sample_weight),
         )
-        self.update_loss_tracker(out["loss"], F.batch_size(x))
-        for name, (value, apply) in out["logs"].items():
-            self._guided_metrics[name].update_state(value, apply)
-        return self.compute_metrics(x, y, out["y_pred"], sample_weight=sample_weight)
+
+        def update():
+            return guided_update(
+                self.guided, self.model, self.optimizer, self.loss_fn(training=False),
+                grads, new_state, guidance_batch, guidance_weight=weight,
+            )
+
+        # The state is assigned by finish_step after the guided step has read `new_state`.
+        return self.finish_step(data, y_pred, loss / tf.cast(loss_scale, loss.dtype),
+                                update=update, new_state=new_state)
 
     def get_config(self):
         config = super().get_config()
@@ -718,7 +690,7 @@ class GuidedTrainer(MetaTrainer):
             meta_optimizer=keras.optimizers.serialize(self.guided.meta_optimizer),
             guidance_every=self.guided.guidance_every,
             max_guidance_batches=self.max_guidance_batches,
-            reuse_lookahead=self.guided.reuse_lookahead,
+            commit_forward_update=self.guided.commit_forward_update,
         )
         return config
 
@@ -745,7 +717,7 @@ __all__ = [
     "GuidanceData",
     "GuidedHyperparameters",
     "GuidedTrainer",
-    "LastValue",
+    "guided_update",
     "check_optimizer",
     "resolve_hyperparameters",
     "split_guidance_batch",
