@@ -99,3 +99,34 @@ def set_initial_epoch(model: keras.Model, epoch: int | None):
     writes it on restore.
     """
     model._initial_epoch = epoch
+
+
+@contextlib.contextmanager
+def unlocked_state(layer: keras.layers.Layer):
+    """Allow `layer.add_weight` on a built layer within the block.
+
+    Private: `Layer._tracker` (lock / unlock; Keras itself unlocks it to quantize a
+    built layer). A trainer keeps copies of the wrapped model's weights (slow weights,
+    initial weights) whose shapes exist only once the model is built, which for a
+    subclassed model happens at its first call, after the trainer is built.
+    """
+    tracker = getattr(layer, "_tracker", None)
+    was_locked = bool(tracker is not None and tracker.locked)
+    if was_locked:
+        tracker.unlock()
+    try:
+        yield
+    finally:
+        if was_locked:
+            tracker.lock()
+
+
+def is_seed_state(variable) -> bool:
+    """Whether `variable` is the state of a `keras.random.SeedGenerator` (Dropout's).
+
+    Private: the variable's name, "seed_generator_state" (Keras names it so and does
+    not mark it otherwise). Keras's weights files (`save_weights`, `.keras`,
+    `BackupAndRestore`) leave these states out, so a restored run would draw other
+    dropout masks; the trainers checkpoint them themselves.
+    """
+    return variable.name == "seed_generator_state"

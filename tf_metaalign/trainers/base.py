@@ -29,8 +29,8 @@ Cross-step state
 * `add_state_variable(name, ...)`: a checkpointed scalar or tensor of the trainer
   (counters, learned values), created in the strategy scope.
 * `add_weights_copy(name)`: one variable per trainable weight of the model, initialised
-  from the model's weights when the model is built (now, or at the first `fit` /
-  `build`): slow weights (Sequential Reptile's phi), the initial weights an L2 distance
+  from the model's weights when the model is built (now, or when the trainer is
+  built): slow weights (Sequential Reptile's phi), the initial weights an L2 distance
   is measured from. Checkpointed with the trainer.
 * `EveryKSteps`: an "every k steps" schedule that owns its checkpointed counter and the
   multi-replica rule for conditional work (`cond`).
@@ -82,6 +82,7 @@ from tf_metaalign import _compat
 from tf_metaalign import functional as F
 
 REDUCTIONS = ("mean", "last")
+_SEED_STATES = "seed_states"
 
 
 # --------------------------------------------------------------------- diagnostics
@@ -222,6 +223,7 @@ class MetaTrainer(keras.Model):
         self._diagnostics = {}
         self._active_diagnostics = None  # None: all
         self._weight_copies = {}  # name -> list of variables (None until the model is built)
+        self._seed_states = None  # copies of the model's seed states (see _restore_seed_states)
         # Schedules advanced by finish_step (the trainer's own, in creation order).
         self._schedules = []
         # Batches done in the current epoch: lets a fit restored by BackupAndRestore
@@ -230,17 +232,21 @@ class MetaTrainer(keras.Model):
         self._skip_batches = None  # set when a fit starts; read at its first step
         if model.built:
             # fit() never calls the trainer itself; it is built when its model is.
+            self._create_weight_copies()
             self.built = True
 
     # ------------------------------------------------------------------ Keras plumbing
 
     def call(self, inputs, training=None):
-        return self.model(inputs, training=training)
+        outputs = self.model(inputs, training=training)
+        if tf.executing_eagerly():
+            # An eager first call builds the model: now the weights copies can exist.
+            self._create_weight_copies()
+        return outputs
 
     def build(self, input_shape=None):
-        if not self.model.built and input_shape is not None:
-            self.model.build(input_shape)
-        self._create_weight_copies()
+        # The wrapped model is built by its first call (`call` above): `model.build`
+        # would mark a subclassed model built without creating its variables.
         self.built = True
 
     @property
@@ -280,7 +286,8 @@ class MetaTrainer(keras.Model):
         The variables (one per `model.trainable_variables`, same shapes and dtypes,
         non-trainable, checkpointed) are created in the strategy scope and initialised
         from the model's current weights once the model is built: now if it is, else
-        when the trainer is built (first `fit`). `weights_copy(name)` returns them.
+        when the trainer is built (`trainer(x)` on a batch; `fit` asks for it).
+        `weights_copy(name)` returns them.
         """
         if name in self._weight_copies:
             raise ValueError(f"A weights copy named {name!r} exists already.")
@@ -301,19 +308,46 @@ class MetaTrainer(keras.Model):
         return copies
 
     def _create_weight_copies(self):
-        pending = [n for n, v in self._weight_copies.items() if v is None]
-        if not pending or not self.model.built:
+        if not self.model.built:
             return
-        with self.distribute_strategy.scope():
+        pending = [n for n, v in self._weight_copies.items() if v is None]
+        if self._seed_states is None:
+            pending.append(_SEED_STATES)
+        if not pending:
+            return
+        with self.distribute_strategy.scope(), _compat.unlocked_state(self):
             for name in pending:
-                self._weight_copies[name] = [
+                if name == _SEED_STATES:
+                    sources = [self.model.non_trainable_variables[i] for i in self._seed_indices()]
+                else:
+                    sources = self.model.trainable_variables
+                copies = [
                     self.add_weight(
                         name=f"{name}_{i}", shape=v.shape, dtype=v.dtype,
                         initializer=_value_initializer(v), trainable=False,
                         aggregation="only_first_replica",
                     )
-                    for i, v in enumerate(self.model.trainable_variables)
+                    for i, v in enumerate(sources)
                 ]
+                if name == _SEED_STATES:
+                    self._seed_states = copies
+                else:
+                    self._weight_copies[name] = copies
+
+    def _seed_indices(self):
+        """Positions of the random-seed states among the model's non-trainable variables."""
+        return [i for i, v in enumerate(self.model.non_trainable_variables)
+                if _compat.is_seed_state(v)]
+
+    def _restore_seed_states(self):
+        """Keras's weights files leave out the seed states of Dropout & co.; the trainer
+        checkpoints a copy (updated by finish_step) and puts it back when a fit starts,
+        so a restored run draws the masks the interrupted run would have drawn."""
+        if not self._seed_states:
+            return
+        variables = self.model.non_trainable_variables
+        for i, copy in zip(self._seed_indices(), self._seed_states):
+            variables[i].assign(copy.value)
 
     def every_k_steps(self, k, name):
         """A tracked `EveryKSteps(k)` advanced once per `finish_step` (call in `__init__`)."""
@@ -433,6 +467,8 @@ class MetaTrainer(keras.Model):
         with tf.control_dependencies([loss]):
             if new_state is not None:
                 F.assign_state(self.model, new_state)
+                for i, copy in zip(self._seed_indices(), self._seed_states or []):
+                    copy.assign(new_state[i])
             if gradients is not None:
                 self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
             elif new_params is not None:
@@ -455,8 +491,14 @@ class MetaTrainer(keras.Model):
     def fit(self, *args, **kwargs):
         bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
         callbacks = list(bound.arguments.get("callbacks") or [])
-        if self.built:
+        if self.model.built:
             self._create_weight_copies()
+        elif any(v is None for v in self._weight_copies.values()):
+            raise ValueError(
+                f"{type(self).__name__} keeps a copy of the model's weights, so the model must "
+                "be built before fit(): give it Input shapes, or call the trainer (or the "
+                "model) once on a batch, e.g. `trainer(x[:1])`."
+            )
         # A fresh fit starts its first epoch at its first batch; a BackupAndRestore
         # restore (in on_train_begin) brings back the count of the interrupted epoch.
         self.epoch_steps.assign(0)
@@ -472,6 +514,7 @@ class MetaTrainer(keras.Model):
         def function(iterator):
             if self._skip_batches is None:
                 # First step of this fit: after BackupAndRestore's on_train_begin.
+                self._restore_seed_states()
                 self._skip_batches = int(self.epoch_steps.numpy())
                 if self._skip_batches:
                     logging.info("Resuming mid-epoch: skipping %d batches already trained on.",
