@@ -281,3 +281,61 @@ def test_trainer_saves_and_reloads_with_its_options_and_learned_values(tmp_path)
     for n, v in trainer.learned_values().items():
         np.testing.assert_allclose(loaded.learned_values()[n], v, rtol=1e-12)
     np.testing.assert_allclose(loaded.model.predict(x, verbose=0), trainer.model.predict(x, verbose=0), rtol=1e-6)
+
+
+def test_mixed_float16_trains_finite_and_skips_overflowing_steps():
+    x, y = _data()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        trainer = GuidedTrainer(_model(), _data(16, seed=5), meta_optimizer=O.Adam(0.05))
+        trainer.compile(O.Adam(0.02), loss="mse")
+        assert isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+        hist = trainer.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert all(v.dtype == "float32" for v in trainer.model.trainable_variables)
+    assert all(np.isfinite(w).all() for w in _weights(trainer.model))
+    assert np.isfinite(hist.history["loss"]).all()
+    values = trainer.learned_values()
+    assert values["learning_rate"] != 1.0 and np.isfinite(list(values.values())).all()
+    # A step whose scaled gradient overflowed (the loss scale starts at 2^15) is skipped
+    # by the optimizer and takes no hypergradient step either.
+    applied = int(trainer.optimizer.inner_optimizer.iterations.numpy())
+    assert applied < 8 and int(trainer.guided.guided_steps.numpy()) == applied
+    # Close to the float32 run (the hypergradient is unscaled like the gradient): within
+    # one skipped meta-step of Adam(0.05) on the raw value.
+    ref = _make_trainer_with(O.Adam(0.02))
+    ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert abs(np.log(values["learning_rate"]) - np.log(ref.learned_values()["learning_rate"])) < 0.1
+    assert np.sign(np.log(values["learning_rate"])) == np.sign(np.log(ref.learned_values()["learning_rate"]))
+
+
+def _make_trainer_with(optimizer):
+    trainer = GuidedTrainer(_model(), _data(16, seed=5), meta_optimizer=O.Adam(0.05))
+    trainer.compile(optimizer, loss="mse")
+    return trainer
+
+
+def test_configs_saved_with_reuse_lookahead_still_load():
+    trainer = GuidedTrainer(_model(), _data(16, seed=5), reuse_lookahead=False)
+    assert trainer.guided.commit_forward_update is False
+    config = trainer.get_config()
+    config["reuse_lookahead"] = config.pop("commit_forward_update")
+    assert GuidedTrainer.from_config(config).guided.commit_forward_update is False
+    layer_config = trainer.guided.get_config()
+    layer_config["reuse_lookahead"] = layer_config.pop("commit_forward_update")
+    assert GuidedHyperparameters.from_config(layer_config).commit_forward_update is False
+
+
+def test_nan_loss_stops_before_anything_is_committed():
+    x, y = _data(32)
+    y[2, 0] = np.nan
+    trainer = _make_trainer()
+    trainer.optimizer.build(trainer.model.trainable_variables)
+    before = _weights(trainer.model)
+    with pytest.raises(Exception, match="not finite"):
+        trainer.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    for a, b in zip(before, _weights(trainer.model)):
+        np.testing.assert_array_equal(a, b)
+    assert int(trainer.optimizer.iterations.numpy()) == 0
+    assert int(trainer.guided.steps.numpy()) == 0
