@@ -47,8 +47,8 @@ flags.DEFINE_list("optimizers", ["adam", "lamb"], "adam, lamb, adafactor, sgd_mo
 flags.DEFINE_list("guidance_every", ["1"], "GuidedTrainer guidance_every values to time.")
 flags.DEFINE_list("hyperparameters", ["learning_rate", "beta_1"],
                   "What GuidedTrainer learns (beta_1 is dropped for an optimizer without one).")
-flags.DEFINE_bool("reuse_lookahead", True,
-                  "Also time GuidedTrainer(reuse_lookahead=False) (config 'guided_recompute').")
+flags.DEFINE_bool("recompute", True,
+                  "Also time GuidedTrainer(commit_forward_update=False) (config 'guided_recompute').")
 flags.DEFINE_bool("jit_compile", False, "XLA-compile the train step (all configurations).")
 flags.DEFINE_string("output", str(Path(__file__).resolve().parent / "results" / "guided_overhead.json"),
                     "Where the JSON goes.")
@@ -135,7 +135,7 @@ def main(argv):
     for opt in FLAGS.optimizers:
         configs.append((opt, "plain"))
         configs += [(opt, f"guided_every={e}") for e in FLAGS.guidance_every]
-        if FLAGS.reuse_lookahead:
+        if FLAGS.recompute:
             configs.append((opt, "guided_recompute"))
     per = {c: {"times": [], "memory": [], "first": [], "repeat_medians": []} for c in configs}
     memory_kind = None
@@ -147,7 +147,7 @@ def main(argv):
                 runner = model
             elif kind == "guided_recompute":
                 runner = GuidedTrainer(model, guidance, hyperparameters=tuple(FLAGS.hyperparameters),
-                                       reuse_lookahead=False)
+                                       commit_forward_update=False)
             else:
                 runner = GuidedTrainer(model, guidance, hyperparameters=tuple(FLAGS.hyperparameters),
                                        guidance_every=int(kind.split("=")[1]))
