@@ -26,6 +26,7 @@ VARIABLES = [
     ("attention/kernel", (512, 256)),
     ("einsum/kernel", (4, 256, 192)),
     ("einsum_t/kernel", (256, 4, 192)),  # T5: axes (0, 2); Pegasus: axes (1, 2)
+    ("tied/kernel", (20, 16, 16)),  # a tie: Mesh TF factors axes 0 and 1 (not 0 and 2)
 ]
 STEPS = 5
 
@@ -431,6 +432,11 @@ def test_factoring_rules():
     assert O.factored_dims((256, 4, 192), **peg) == (1, 2)
     assert O.factored_dims((300,), **peg) is None
     assert O.factored_dims((300, 300), factored=False, **t5) is None
+    # Ties as Mesh TensorFlow breaks them (stable sort by decreasing size: earlier axis first).
+    assert set(O.factored_dims((6, 5, 5), min_dim_size_to_factor=2)) == {0, 1}
+    assert O.factored_dims((6, 5, 5), min_dim_size_to_factor=2) == (1, 0)
+    assert set(O.factored_dims((5, 6, 5), min_dim_size_to_factor=2)) == {0, 1}
+    assert set(O.factored_dims((4, 5, 5), min_dim_size_to_factor=2)) == {1, 2}
 
 
 # ---------------------------------------------------------------------------------------------
