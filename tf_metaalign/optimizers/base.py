@@ -29,8 +29,11 @@ import numbers
 import re
 
 import keras
+import numpy as np
 import tensorflow as tf
-from keras.src import backend as keras_backend
+
+from tf_metaalign import _compat
+from tf_metaalign import functional
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,12 +126,6 @@ def compute_dtype_for(var):
     return tf.float64 if tf.as_dtype(var.dtype) == tf.float64 else tf.float32
 
 
-def dense(grad):
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.convert_to_tensor(grad)
-    return grad
-
-
 def _to_float64(value):
     # tf.cast(python_float, float64) would round through float32 first.
     if isinstance(value, numbers.Number):
@@ -202,7 +199,7 @@ class UpdateRule:
         for name in ("learning_rate",) + tuple(self.hyperparameter_names):
             value = hparams.get(name, self.defaults.get(name))
             hp[name] = None if value is None else _to_float64(value)
-        g = tf.cast(dense(grad), dtype)
+        g = tf.cast(functional.densify([grad])[0], dtype)
         w = tf.cast(var, dtype)
         slots = {k: tf.cast(v, dtype) for k, v in slots.items()}
         step = _to_float64(step)
@@ -211,6 +208,11 @@ class UpdateRule:
     @staticmethod
     def _finish(new_w, var, new_slots, dtype):
         return tf.cast(new_w, var.dtype), {k: tf.cast(v, dtype) for k, v in new_slots.items()}
+
+
+def _tf_variable(variable):
+    """The `tf.Variable` of a Keras variable (what tf.distribute's APIs take)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,17 +307,17 @@ class BaseOptimizer(keras.optimizers.Optimizer):
     def schedule_learning_rate(self):
         """The learning rate of the next update before `learning_rate_scale` (the schedule's
         value at `iterations`, or the fixed rate), float32."""
-        return tf.cast(self._get_current_learning_rate(), tf.float32)
+        return tf.cast(self.learning_rate, tf.float32)
 
     def slots_for(self, variable):
         """dict slot name -> slot variable (rule.slot_names order) for a Keras or tf variable."""
         self._check_built("slots_for()")
-        return dict(self._slot_variables[self._get_variable_index(variable)])
+        return dict(self._slot_variables[_compat.variable_index(self, variable)])
 
     def options_for(self, variable):
         """The static per-variable options decided in build()."""
         self._check_built("options_for()")
-        return dict(self._variable_options[self._get_variable_index(variable)])
+        return dict(self._variable_options[_compat.variable_index(self, variable)])
 
     def variable_options(self, variable):
         """Decides the static options of one variable (a Keras variable with `.path`).
@@ -329,54 +331,53 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         if self.built:
             return
         super().build(variables)
-        with keras_backend.name_scope(self.name, caller=self):
-            self._learning_rate_scale = keras.Variable(
-                1.0,
-                name="learning_rate_scale",
-                dtype="float32",
-                trainable=False,
-                aggregation="only_first_replica",
-            )
-        # (assigning a Variable attribute tracks it; no explicit _track_variable)
+        self._learning_rate_scale = self.add_variable(
+            shape=(),
+            initializer="ones",
+            dtype="float32",
+            aggregation="only_first_replica",
+            name="learning_rate_scale",
+        )
         for hp_name, value in self._initial_hyperparameters.items():
             if value is None:
                 continue
-            with keras_backend.name_scope(self.name, caller=self):
-                v = keras.Variable(
-                    float(value),
-                    name=hp_name,
-                    dtype="float64",
-                    trainable=False,
-                    aggregation="only_first_replica",
-                )
-            self._track_variable(v)
-            self._hyperparameter_variables[hp_name] = v
+            # A float64 array as initializer keeps the python float exactly (a Constant
+            # initializer would round it through float32).
+            self._hyperparameter_variables[hp_name] = self.add_variable(
+                shape=(),
+                initializer=np.asarray(float(value), "float64"),
+                dtype="float64",
+                aggregation="only_first_replica",
+                name=hp_name,
+            )
         self._slot_variables = []
         self._variable_options = []
+        strategy = _compat.optimizer_strategy(self)
         for variable in variables:
-            if self._overwrite_variable_with_gradient(variable):
+            if getattr(variable, "overwrite_with_gradient", False):
                 self._slot_variables.append({})
                 self._variable_options.append({})
                 continue
             options = self.variable_options(variable)
             shapes = self.rule.slot_shapes(tuple(variable.shape), options)
-            slot_dtype = "float64" if keras_backend.standardize_dtype(variable.dtype) == "float64" else "float32"
+            float64 = keras.backend.standardize_dtype(variable.dtype) == "float64"
             slots = {}
             prefix = variable_path(variable).replace("/", "_")
-            colocate = variable.value if isinstance(variable, keras_backend.Variable) else variable
             for slot_name, slot_shape in shapes.items():
-                with self._distribution_strategy.extended.colocate_vars_with(colocate):
+                # Next to the variable, as Keras's add_variable_from_reference places
+                # slots (which cannot be used: its slot takes the variable's dtype).
+                with strategy.extended.colocate_vars_with(_tf_variable(variable)):
                     slots[slot_name] = self.add_variable(
                         shape=slot_shape,
                         initializer="zeros",
-                        dtype=slot_dtype,
+                        dtype="float64" if float64 else "float32",
                         name=f"{prefix}_{slot_name}",
                     )
             self._slot_variables.append(slots)
             self._variable_options.append(options)
 
     def update_step(self, gradient, variable, learning_rate):
-        index = self._get_variable_index(variable)
+        index = _compat.variable_index(self, variable)
         slot_vars = self._slot_variables[index]
         options = self._variable_options[index]
         hparams = self._hyperparameters(learning_rate)
@@ -416,8 +417,8 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         replica's copy under a strategy): evaluating the model at it reads the variable's
         buffer instead of keeping `new_value` alive as a separate copy.
         """
-        slot_vars = self._slot_variables[self._get_variable_index(variable)]
-        target = variable.value if isinstance(variable, keras_backend.Variable) else variable
+        slot_vars = self._slot_variables[_compat.variable_index(self, variable)]
+        target = _tf_variable(variable)
 
         def assign_one_copy(var, value, slots):
             # `var` is one device's copy under a mirrored strategy; `self.assign` on the
@@ -434,25 +435,25 @@ class BaseOptimizer(keras.optimizers.Optimizer):
                 target, assign_one_copy, args=(value, slots), group=True
             )
 
-        return tf.__internal__.distribute.interim.maybe_merge_call(
-            assign_all_copies, self._distribution_strategy, new_value, dict(new_slots)
+        return _compat.maybe_merge_call(
+            assign_all_copies, _compat.optimizer_strategy(self), new_value, dict(new_slots)
         )
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        # Keras's private hook (see _compat.BACKEND_UPDATE_STEP_HOOK): Keras's own TF step
+        # (all-reduce, then `update_step` per variable in a merge call) with the clipping of
+        # the aggregate between the all-reduce and the update.
         if self.aggregated_clipnorm is None:
             return super()._backend_update_step(grads, trainable_variables, learning_rate)
-        # All-reduce first, then clip the aggregate (the same on every replica).
-        trainable_variables = [
-            v.value if isinstance(v, keras_backend.Variable) else v for v in trainable_variables
-        ]
-        grads = [dense(g) for g in grads]
-        grads_and_vars = self._all_reduce_sum_gradients(list(zip(grads, trainable_variables)))
+        trainable_variables = [_tf_variable(v) for v in trainable_variables]
+        grads_and_vars = _compat.all_reduce_sum_gradients(
+            self, list(zip(functional.densify(grads), trainable_variables))
+        )
         clipped, _ = tf.clip_by_global_norm([g for g, _ in grads_and_vars], self.aggregated_clipnorm)
-        grads_and_vars = list(zip(clipped, [v for _, v in grads_and_vars]))
-        tf.__internal__.distribute.interim.maybe_merge_call(
-            self._distributed_tf_update_step,
-            self._distribution_strategy,
-            grads_and_vars,
+        _compat.maybe_merge_call(
+            _compat.distributed_update_step(self),
+            _compat.optimizer_strategy(self),
+            list(zip(clipped, [v for _, v in grads_and_vars])),
             learning_rate,
         )
 
