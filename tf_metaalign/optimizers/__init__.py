@@ -5,7 +5,7 @@ from tf_metaalign.optimizers import schedules
 from tf_metaalign.optimizers.adafactor import Adafactor, AdafactorRule, factored_dims
 from tf_metaalign.optimizers.adam import Adam, AdamRule
 from tf_metaalign.optimizers.adam_weight_decay import AdamWeightDecay, AdamWeightDecayRule
-from tf_metaalign.optimizers.base import BaseOptimizer, UpdateRule
+from tf_metaalign.optimizers.base import BaseOptimizer, OptimizerState, UpdateRule, apply_rule
 from tf_metaalign.optimizers.lamb import Lamb, LambRule
 from tf_metaalign.optimizers.schedules import (
     BertSchedule,
@@ -25,11 +25,13 @@ __all__ = [
     "BertSchedule",
     "Lamb",
     "LambRule",
+    "OptimizerState",
     "PegasusSchedule",
     "SGD",
     "SGDRule",
     "T5InverseSquareRootSchedule",
     "UpdateRule",
+    "apply_rule",
     "factored_dims",
     "schedules",
 ]
