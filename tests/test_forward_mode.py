@@ -182,3 +182,60 @@ def test_an_op_without_a_rule_is_a_clear_error():
     with pytest.raises(TypeError, match="truth value"):
         bool(dual)
 
+
+# --------------------------------------------------------------- the support probe
+
+
+class _AtanSGDRule(O.SGDRule):
+    """SGD followed by an op without a forward-mode rule (tf.math.atan)."""
+
+    def update(self, grad, var, slots, hparams, step, options=None):
+        new_var, new_slots = super().update(grad, var, slots, hparams, step, options)
+        return tf.math.atan(new_var), new_slots
+
+
+class _NormClippedAdamRule(O.AdamRule):
+    """Adam whose step is rescaled by a tf.linalg.norm (no forward-mode rule)."""
+
+    def update(self, grad, var, slots, hparams, step, options=None):
+        new_var, new_slots = super().update(grad, var, slots, hparams, step, options)
+        step_taken = new_var - var
+        return var + step_taken / (1.0 + tf.linalg.norm(step_taken)), new_slots
+
+
+class _AtanSGD(O.BaseOptimizer):
+    def __init__(self, learning_rate=0.1, name="AtanSGD", **kwargs):
+        super().__init__(learning_rate, _AtanSGDRule(), name=name, **kwargs)
+
+
+class _NormClippedAdam(O.BaseOptimizer):
+    differentiable_hyperparameters = ("learning_rate", "beta_1")
+
+    def __init__(self, learning_rate=0.1, name="NormClippedAdam", **kwargs):
+        super().__init__(learning_rate, _NormClippedAdamRule(),
+                         variable_hyperparameters={"beta_1": 0.9}, name=name, **kwargs)
+
+
+@pytest.mark.parametrize("key", sorted(REGISTRY))
+def test_every_registry_optimizer_supports_forward_mode(key):
+    assert O.forward_mode_error(REGISTRY[key].factory()) is None
+
+
+@pytest.mark.parametrize("make, op", [(_AtanSGD, "Atan"), (_NormClippedAdam, "norm")])
+def test_a_rule_with_an_op_without_forward_mode_is_reported_unsupported(make, op):
+    optimizer = make()
+    # the optimizer itself trains normally: only its forward mode is missing
+    v = keras.Variable(np.ones((2, 3), "float32"))
+    optimizer.apply_gradients([(np.ones((2, 3), "float32"), v)])
+    assert not O.supports_forward_mode(optimizer)
+    reason = O.forward_mode_error(optimizer)
+    assert type(optimizer).__name__ in reason and "forward_mode" in reason
+    with pytest.raises(ValueError, match="forward mode.*" + type(optimizer).__name__):
+        O.check_optimizer(optimizer, "GuidedTrainer")
+    assert O.supports_forward_mode(O.SGD(0.1)) and O.supports_forward_mode(O.Adam(0.1))
+
+
+def test_supported_optimizers_come_from_the_probe():
+    assert O.supported_optimizers() == ("Adafactor", "Adam", "AdamWeightDecay", "Lamb", "SGD")
+    assert [c.__name__ for c in O.optimizer_classes()] == list(O.supported_optimizers())
+    assert not O.supports_forward_mode(keras.optimizers.Adam(0.1))

@@ -681,6 +681,21 @@ def test_assign_update_under_two_replicas_assigns_every_copy_like_apply_gradient
 
 
 # ---------------------------------------------------------------------------------------------
+# The registry covers every exported optimizer.
+
+
+def test_every_exported_optimizer_has_a_registry_entry():
+    classes = O.optimizer_classes()
+    assert {c.__name__ for c in classes} >= {"Adafactor", "Adam", "AdamWeightDecay", "Lamb", "SGD"}
+    covered = {type(config.factory()) for config in REGISTRY.values()}
+    missing = [c.__name__ for c in classes if c not in covered]
+    assert not missing, (
+        f"tf_metaalign.optimizers exports {missing} but tests/optimizer_registry.py has no "
+        "configuration of it: add one (with its NumPy oracle)."
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # One update on tensors (apply_on_tensors): equals apply_gradients, assigns nothing,
 # differentiable.
 
@@ -971,3 +986,86 @@ def test_tensor_step_bad_input_is_a_clear_error(make, call, match):
         else:
             call(opt, grads, _values(variables), state, variables)
 
+
+# ---------------------------------------------------------------------------------------------
+# Keras's Adam and SGD as tf_metaalign optimizers; guided learning's optimizer checks.
+
+
+@pytest.mark.parametrize(
+    "make_keras, make_ours",
+    [
+        (lambda: keras.optimizers.Adam(0.01, beta_1=0.8, beta_2=0.99, epsilon=1e-6),
+         lambda: O.Adam(0.01, beta_1=0.8, beta_2=0.99, epsilon=1e-6)),
+        (lambda: keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5)),
+         lambda: O.Adam(keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5))),
+        (lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+         lambda: O.SGD(0.05, momentum=0.9, nesterov=True)),
+        (lambda: keras.optimizers.SGD(O.BertSchedule(0.1, num_train_steps=10, num_warmup_steps=2),
+                                      momentum=0.5),
+         lambda: O.SGD(O.BertSchedule(0.1, num_train_steps=10, num_warmup_steps=2), momentum=0.5)),
+        (lambda: keras.optimizers.SGD(0.1), lambda: O.SGD(0.1)),
+    ],
+    ids=["adam", "adam_schedule", "sgd_nesterov", "sgd_momentum_schedule", "sgd"],
+)
+def test_keras_optimizer_as_rule_optimizer_updates_like_keras(make_keras, make_ours):
+    keras_opt = make_keras()
+    converted = O.as_rule_optimizer(make_keras())
+    ours = make_ours()
+    assert type(converted) is type(ours)
+    assert converted.rule.defaults == ours.rule.defaults
+    runs = {}
+    for name, opt in (("keras", keras_opt), ("converted", converted), ("ours", ours)):
+        variables = make_variables()
+        for t in range(1, 4):
+            grads = [np.sign(g) * (1.0 + np.abs(g)) for g in make_gradients(t)]  # see parity test
+            opt.apply_gradients(zip(grads, variables))
+        runs[name] = [v.numpy() for v in variables]
+    for a, b, c in zip(runs["keras"], runs["converted"], runs["ours"]):
+        np.testing.assert_array_equal(b, c)
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(runs["ours"][4], make_variables()[4].numpy())
+
+
+def test_as_rule_optimizer_keeps_ours_and_refuses_others():
+    ours = O.Lamb(0.01)
+    assert O.as_rule_optimizer(ours) is ours
+    keras_opt = keras.optimizers.Adam(0.01, global_clipnorm=2.0, name="meta")
+    converted = O.as_rule_optimizer(keras_opt)
+    assert converted.global_clipnorm == 2.0 and converted.name == "meta"
+    for other in (keras.optimizers.AdamW(0.01), keras.optimizers.RMSprop(0.01), "adam"):
+        with pytest.raises(ValueError, match=r"keras.optimizers.Adam \(amsgrad=False\) and "
+                                             r"keras.optimizers.SGD"):
+            O.as_rule_optimizer(other)
+    with pytest.raises(ValueError, match="amsgrad"):
+        O.as_rule_optimizer(keras.optimizers.Adam(0.01, amsgrad=True))
+
+
+def test_check_optimizer_messages():
+    O.check_optimizer(O.Adam(0.01))  # supported: no error
+    with pytest.raises(ValueError, match="Adafactor, Adam, AdamWeightDecay, Lamb, SGD"):
+        O.check_optimizer(keras.optimizers.Adam(0.01))
+    with pytest.raises(ValueError, match="not differentiable"):
+        O.check_optimizer(keras.optimizers.SGD(0.01), "MyLoop")
+    with pytest.raises(ValueError, match="LossScaleOptimizer"):
+        O.check_optimizer(keras.optimizers.LossScaleOptimizer(O.Adam(0.01)))
+    with pytest.raises(ValueError, match="MyLoop.*`global_clipnorm`.*aggregated_clipnorm"):
+        O.check_optimizer(O.Adam(0.01, global_clipnorm=1.0), "MyLoop")
+    with pytest.raises(ValueError, match="weight_decay"):
+        O.check_optimizer(O.Adam(0.01, weight_decay=0.1))
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        O.check_optimizer(O.Adam(0.01, gradient_accumulation_steps=2))
+
+
+def test_resolve_hyperparameters():
+    assert O.resolve_hyperparameters(O.SGD(0.1, momentum=0.5), ("learning_rate", "beta_1")) == {
+        "learning_rate": "learning_rate", "beta_1": "momentum"}
+    assert O.resolve_hyperparameters(O.SGD(0.1), ("learning_rate", "beta_1"), explicit=False) == {
+        "learning_rate": "learning_rate"}
+    with pytest.raises(ValueError, match=r"'gamma'.*\['learning_rate', 'beta_1', 'beta_2'\]"):
+        O.resolve_hyperparameters(O.Adam(0.1), ("learning_rate", "gamma"))
+    with pytest.raises(ValueError, match="Adafactor learns beta_1 only"):
+        O.resolve_hyperparameters(O.Adafactor(0.1), ("beta_1",))
+    with pytest.raises(ValueError, match="twice"):
+        O.resolve_hyperparameters(O.SGD(0.1, momentum=0.5), ("beta_1", "momentum"))
+    with pytest.raises(ValueError, match="empty"):
+        O.resolve_hyperparameters(O.SGD(0.1), ("beta_1",), explicit=False)
