@@ -4,63 +4,50 @@ The guided-learning hypergradient is <v, tangent>, so every optimizer rule's tan
 respect to every hyperparameter it reads is checked here, together with the promise that
 the primal is exactly `rule.update` (the committed update is the optimizer's update).
 """
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from optimizer_registry import REGISTRY
 from tf_metaalign import forward_mode as fm
-from tf_metaalign.optimizers import adafactor, adam, adam_weight_decay, lamb, sgd
+from tf_metaalign import optimizers as O
 
-RULES = {
-    "sgd": (lambda: sgd.SGDRule(), {}),
-    "sgd_momentum": (lambda: sgd.SGDRule(momentum=0.8), {}),
-    "sgd_nesterov": (lambda: sgd.SGDRule(momentum=0.8, nesterov=True), {}),
-    "adam": (lambda: adam.AdamRule(), {}),
-    "adamw": (lambda: adam_weight_decay.AdamWeightDecayRule(weight_decay_rate=0.1), {}),
-    "adamw_excluded": (
-        lambda: adam_weight_decay.AdamWeightDecayRule(weight_decay_rate=0.1),
-        {"weight_decay": False},
-    ),
-    "lamb": (lambda: lamb.LambRule(weight_decay_rate=0.1), {}),
-    "lamb_bias_correction": (lambda: lamb.LambRule(weight_decay_rate=0.1, bias_correction=True), {}),
-    "lamb_no_adaptation": (
-        lambda: lamb.LambRule(weight_decay_rate=0.1),
-        {"weight_decay": False, "layer_adaptation": False},
-    ),
-    "adafactor_factored_momentum": (
-        lambda: adafactor.AdafactorRule(beta_1=0.6, min_dim_size_to_factor=2, weight_decay_rate=0.01),
-        None,
-    ),
-    "adafactor_unfactored": (
-        lambda: adafactor.AdafactorRule(beta_1=0.6, factored=False, multiply_by_parameter_scale=False),
-        None,
-    ),
-    "adafactor_no_clipping": (
-        lambda: adafactor.AdafactorRule(beta_1=0.3, clipping_threshold=None, min_dim_size_to_factor=2),
-        None,
-    ),
-}
-
-#: rules whose step is learning_rate * (something independent of it); not SGD with momentum
-#: (the buffer holds earlier rates) nor Adafactor with beta_1 or weight decay.
-LINEAR_IN_LEARNING_RATE = {"sgd", "adam", "adamw", "adamw_excluded", "lamb",
-                           "lamb_bias_correction", "lamb_no_adaptation"}
-
-SHAPES = [(6, 4), (2, 3, 5), (7,), ()]
+#: variables of several ranks, with paths that switch the path-dependent options (a bias:
+#: no weight decay or layer adaptation in AdamWeightDecay/Lamb, no parameter scale in
+#: adafactor_t5_momentum).
+VARIABLES = [("dense/kernel", (6, 4)), ("einsum/kernel", (2, 3, 5)), ("dense/bias", (7,)),
+             ("scalar/w", ())]
 
 
-def _inputs(rule, shape, seed):
+def _linear_in_learning_rate(opt):
+    """Whether the step is learning_rate * (something independent of it): not SGD with
+    momentum (the buffer holds earlier rates) nor Adafactor with beta_1 or weight decay."""
+    if isinstance(opt, O.SGD):
+        return opt.momentum == 0
+    if isinstance(opt, O.Adafactor):
+        return opt.beta_1 is None and opt.weight_decay_rate is None
+    return isinstance(opt, (O.Adam, O.AdamWeightDecay, O.Lamb))
+
+
+def _options(opt, path, shape):
+    """The options the optimizer decides for a variable at `path` (as build() does)."""
+    scope, name = path.split("/")
+    with keras.name_scope(scope):
+        return opt.variable_options(keras.Variable(np.zeros(shape, "float32"), name=name))
+
+
+def _inputs(rule, shape, options, seed):
     rng = np.random.default_rng(seed)
     w = tf.constant(rng.normal(size=shape), tf.float64)
     g = tf.constant(rng.normal(size=shape), tf.float64)
-    options = rule.default_options(shape)
     slots = {}
     for name, slot_shape in rule.slot_shapes(shape, options).items():
         value = rng.uniform(0.05, 0.5, size=slot_shape)
         if name == "m" or name == "momentum":
             value = rng.normal(size=slot_shape) * 0.3
         slots[name] = tf.constant(value, tf.float64)
-    return w, g, slots, options
+    return w, g, slots
 
 
 def _hyperparameters(rule):
@@ -72,14 +59,14 @@ def _hyperparameters(rule):
     return values
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("key", sorted(RULES))
-def test_rule_tangent_equals_central_difference_and_primal_is_the_update(key, shape):
-    make, options_override = RULES[key]
-    rule = make()
-    w, g, slots, options = _inputs(rule, shape, seed=len(shape) + 3)
-    if options_override is not None:
-        options = dict(options, **options_override)
+@pytest.mark.parametrize("variable", VARIABLES, ids=lambda v: v[0])
+@pytest.mark.parametrize("key", sorted(REGISTRY))
+def test_rule_tangent_equals_central_difference_and_primal_is_the_update(key, variable):
+    opt = REGISTRY[key].factory()
+    rule = opt.rule
+    path, shape = variable
+    options = _options(opt, path, shape)
+    w, g, slots = _inputs(rule, shape, options, seed=len(shape) + 3)
     values = _hyperparameters(rule)
     names = sorted(values)
     step = 4.0
@@ -105,7 +92,7 @@ def test_rule_tangent_equals_central_difference_and_primal_is_the_update(key, sh
         t = tangents[k].numpy()
         assert t.shape == tuple(shape)
         np.testing.assert_allclose(t, fd, rtol=1e-5, atol=1e-8, err_msg=f"{key}/{name}")
-        if name == "learning_rate" and key in LINEAR_IN_LEARNING_RATE:
+        if name == "learning_rate" and _linear_in_learning_rate(opt):
             # These rules are linear in the learning rate: the tangent is the step itself.
             step_taken = (plain_w - w).numpy() / values["learning_rate"]
             np.testing.assert_allclose(t, step_taken, rtol=1e-9, atol=1e-12)
@@ -113,7 +100,7 @@ def test_rule_tangent_equals_central_difference_and_primal_is_the_update(key, sh
 
 @pytest.mark.parametrize("key", ["adam", "lamb", "adafactor_factored_momentum"])
 def test_primal_is_bitwise_the_float32_update_in_a_graph(key):
-    rule = RULES[key][0]()
+    rule = REGISTRY[key].factory().rule
     shape = (64, 48)
     rng = np.random.default_rng(0)
     w = tf.constant(rng.normal(size=shape), tf.float32)
@@ -194,3 +181,61 @@ def test_an_op_without_a_rule_is_a_clear_error():
         tf.math.tanh(dual)
     with pytest.raises(TypeError, match="truth value"):
         bool(dual)
+
+
+# --------------------------------------------------------------- the support probe
+
+
+class _AtanSGDRule(O.SGDRule):
+    """SGD followed by an op without a forward-mode rule (tf.math.atan)."""
+
+    def update(self, grad, var, slots, hparams, step, options=None):
+        new_var, new_slots = super().update(grad, var, slots, hparams, step, options)
+        return tf.math.atan(new_var), new_slots
+
+
+class _NormClippedAdamRule(O.AdamRule):
+    """Adam whose step is rescaled by a tf.linalg.norm (no forward-mode rule)."""
+
+    def update(self, grad, var, slots, hparams, step, options=None):
+        new_var, new_slots = super().update(grad, var, slots, hparams, step, options)
+        step_taken = new_var - var
+        return var + step_taken / (1.0 + tf.linalg.norm(step_taken)), new_slots
+
+
+class _AtanSGD(O.BaseOptimizer):
+    def __init__(self, learning_rate=0.1, name="AtanSGD", **kwargs):
+        super().__init__(learning_rate, _AtanSGDRule(), name=name, **kwargs)
+
+
+class _NormClippedAdam(O.BaseOptimizer):
+    differentiable_hyperparameters = ("learning_rate", "beta_1")
+
+    def __init__(self, learning_rate=0.1, name="NormClippedAdam", **kwargs):
+        super().__init__(learning_rate, _NormClippedAdamRule(),
+                         variable_hyperparameters={"beta_1": 0.9}, name=name, **kwargs)
+
+
+@pytest.mark.parametrize("key", sorted(REGISTRY))
+def test_every_registry_optimizer_supports_forward_mode(key):
+    assert O.forward_mode_error(REGISTRY[key].factory()) is None
+
+
+@pytest.mark.parametrize("make, op", [(_AtanSGD, "Atan"), (_NormClippedAdam, "norm")])
+def test_a_rule_with_an_op_without_forward_mode_is_reported_unsupported(make, op):
+    optimizer = make()
+    # the optimizer itself trains normally: only its forward mode is missing
+    v = keras.Variable(np.ones((2, 3), "float32"))
+    optimizer.apply_gradients([(np.ones((2, 3), "float32"), v)])
+    assert not O.supports_forward_mode(optimizer)
+    reason = O.forward_mode_error(optimizer)
+    assert type(optimizer).__name__ in reason and "forward_mode" in reason
+    with pytest.raises(ValueError, match="forward mode.*" + type(optimizer).__name__):
+        O.check_optimizer(optimizer, "GuidedTrainer")
+    assert O.supports_forward_mode(O.SGD(0.1)) and O.supports_forward_mode(O.Adam(0.1))
+
+
+def test_supported_optimizers_come_from_the_probe():
+    assert O.supported_optimizers() == ("Adafactor", "Adam", "AdamWeightDecay", "Lamb", "SGD")
+    assert [c.__name__ for c in O.optimizer_classes()] == list(O.supported_optimizers())
+    assert not O.supports_forward_mode(keras.optimizers.Adam(0.1))

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from optimizer_registry import REGISTRY
 from tf_metaalign import functional as F
 from tf_metaalign import optimizers as opt_lib
 from tf_metaalign.algorithms import guided
@@ -34,31 +35,11 @@ def _data(n, seed):
     return tf.constant(x), tf.constant(y)
 
 
+# Every configuration of the shared registry (tests/optimizer_registry.py), learning every
+# hyperparameter it can differentiate.
 OPTIMIZERS = {
-    "sgd": (lambda: opt_lib.SGD(0.3), ("learning_rate",)),
-    "sgd_momentum": (lambda: opt_lib.SGD(0.2, momentum=0.7), ("learning_rate", "momentum")),
-    "sgd_nesterov": (
-        lambda: opt_lib.SGD(0.2, momentum=0.7, nesterov=True),
-        ("learning_rate", "momentum"),
-    ),
-    "adam": (lambda: opt_lib.Adam(0.05), ("learning_rate", "beta_1", "beta_2")),
-    "adamw": (
-        lambda: opt_lib.AdamWeightDecay(0.05, weight_decay_rate=0.05, exclude_from_weight_decay=()),
-        ("learning_rate", "beta_1"),
-    ),
-    "lamb": (lambda: opt_lib.Lamb(0.05, exclude_from_weight_decay=()), ("learning_rate", "beta_1")),
-    "adafactor_b1_0.5": (
-        lambda: opt_lib.Adafactor(0.05, beta_1=0.5, min_dim_size_to_factor=2),
-        ("learning_rate", "beta_1"),
-    ),
-    "adafactor_b1_0": (
-        lambda: opt_lib.Adafactor(0.05, beta_1=0.0, min_dim_size_to_factor=2),
-        ("learning_rate", "beta_1"),
-    ),
-    "adafactor_no_momentum": (
-        lambda: opt_lib.Adafactor(0.05, beta_1=None, min_dim_size_to_factor=2),
-        ("learning_rate",),
-    ),
+    name: (config.factory, config.factory().differentiable_hyperparameters)
+    for name, config in REGISTRY.items()
 }
 
 

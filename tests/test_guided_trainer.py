@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import two_cpu_strategy
+from optimizer_registry import factories
 from tf_metaalign import functional as F
 from tf_metaalign import optimizers as O
 from tf_metaalign.trainers.guided import (
@@ -35,14 +36,10 @@ def _weights(model):
     return [v.numpy() for v in model.trainable_variables]
 
 
-OPTS = {
-    "adam": lambda: O.Adam(0.02),
-    "sgd_momentum": lambda: O.SGD(0.05, momentum=0.9),
-    "lamb": lambda: O.Lamb(0.02),
-    "adafactor_b1": lambda: O.Adafactor(0.02, beta_1=0.5, min_dim_size_to_factor=2),
-    # beta_1=None (T5's default): only the learning rate is learnable.
-    "adafactor_t5": lambda: O.Adafactor(0.02, min_dim_size_to_factor=2),
-}
+# A few configurations of the shared registry (tests/optimizer_registry.py); the Adafactor
+# ones factor this model's kernels (min_dim_size_to_factor <= 2), adafactor_pegasus without
+# momentum (T5's default: only the learning rate is learnable).
+OPTS = factories("adam", "sgd_momentum", "lamb", "adafactor_factored_momentum", "adafactor_pegasus")
 
 
 @pytest.mark.parametrize("commit_forward_update", [False, True])

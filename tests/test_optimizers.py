@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import two_cpu_strategy
+from optimizer_registry import REGISTRY, learning_rate_at
 from tf_metaalign import optimizers as O
 
 # ---------------------------------------------------------------------------------------------
@@ -26,49 +27,12 @@ VARIABLES = [
     ("attention/kernel", (512, 256)),
     ("einsum/kernel", (4, 256, 192)),
     ("einsum_t/kernel", (256, 4, 192)),  # T5: axes (0, 2); Pegasus: axes (1, 2)
+    ("tied/kernel", (20, 16, 16)),  # a tie: Mesh TF factors axes 0 and 1 (not 0 and 2)
 ]
 STEPS = 5
 
-# name -> (factory, oracle config)
-CASES = {
-    "sgd": (lambda: O.SGD(0.1), dict(kind="sgd", lr=0.1, momentum=0.0, nesterov=False)),
-    "sgd_nesterov": (
-        lambda: O.SGD(0.05, momentum=0.9, nesterov=True),
-        dict(kind="sgd", lr=0.05, momentum=0.9, nesterov=True),
-    ),
-    "adam": (lambda: O.Adam(0.01), dict(kind="adam", lr=0.01, b1=0.9, b2=0.999, eps=1e-7)),
-    "adam_weight_decay": (
-        lambda: O.AdamWeightDecay(0.01, weight_decay_rate=0.05),
-        dict(kind="bert_adam", lr=0.01, wd=0.05, b1=0.9, b2=0.999, eps=1e-6,
-             exclude=("LayerNorm", "layer_norm", "bias")),
-    ),
-    "lamb": (
-        lambda: O.Lamb(0.01, weight_decay_rate=0.05),
-        dict(kind="lamb", lr=0.01, wd=0.05, b1=0.9, b2=0.999, eps=1e-6,
-             exclude=("LayerNorm", "layer_norm", "bias"), exclude_la=None, bc=False),
-    ),
-    "lamb_tfa": (
-        lambda: O.Lamb(0.01, weight_decay_rate=0.05, bias_correction=True,
-                       exclude_from_layer_adaptation=("scalar",)),
-        dict(kind="lamb", lr=0.01, wd=0.05, b1=0.9, b2=0.999, eps=1e-6,
-             exclude=("LayerNorm", "layer_norm", "bias"), exclude_la=("scalar",), bc=True),
-    ),
-    "adafactor_t5": (
-        lambda: O.Adafactor.t5(0.01),
-        dict(kind="mesh_adafactor", lr=0.01, b1=None, min_dim=128, wd=None, offset=0,
-             exclude_ps=()),
-    ),
-    "adafactor_t5_momentum": (
-        lambda: O.Adafactor(0.01, beta_1=0.9, decay_offset=2, weight_decay_rate=1e-3,
-                            min_dim_size_to_factor=16, exclude_from_parameter_scale=("bias",)),
-        dict(kind="mesh_adafactor", lr=0.01, b1=0.9, min_dim=16, wd=1e-3, offset=2,
-             exclude_ps=("bias",)),
-    ),
-    "adafactor_pegasus": (
-        lambda: O.Adafactor.pegasus(0.01),
-        dict(kind="t2t_adafactor", lr=0.01),
-    ),
-}
+# name -> (factory, oracle config): the shared registry (tests/optimizer_registry.py).
+CASES = {name: (config.factory, config.oracle) for name, config in REGISTRY.items()}
 
 
 def make_variables(dtype="float32", seed=0):
@@ -103,12 +67,13 @@ def _excluded(path, patterns):
 
 
 def oracle_sgd(c, path, w, g, state, t):
+    lr = learning_rate_at(c, t - 1)
     if c["momentum"] == 0:
-        return w - c["lr"] * g
-    m = c["momentum"] * state.get("m", 0.0) - c["lr"] * g  # keras.optimizers.SGD
+        return w - lr * g
+    m = c["momentum"] * state.get("m", 0.0) - lr * g  # keras.optimizers.SGD
     state["m"] = m
     if c["nesterov"]:
-        return w + c["momentum"] * m - c["lr"] * g
+        return w + c["momentum"] * m - lr * g
     return w + m
 
 
@@ -116,7 +81,7 @@ def oracle_adam(c, path, w, g, state, t):
     m = c["b1"] * state.get("m", 0.0) + (1 - c["b1"]) * g
     v = c["b2"] * state.get("v", 0.0) + (1 - c["b2"]) * g * g
     state.update(m=m, v=v)
-    alpha = c["lr"] * np.sqrt(1 - c["b2"] ** t) / (1 - c["b1"] ** t)
+    alpha = learning_rate_at(c, t - 1) * np.sqrt(1 - c["b2"] ** t) / (1 - c["b1"] ** t)
     return w - alpha * m / (np.sqrt(v) + c["eps"])
 
 
@@ -128,7 +93,7 @@ def oracle_bert_adam(c, path, w, g, state, t):
     if c["wd"] and not _excluded(path, c["exclude"]):
         update += c["wd"] * w
     state.update(m=next_m, v=next_v)
-    return w - c["lr"] * update
+    return w - learning_rate_at(c, t - 1) * update
 
 
 def oracle_lamb(c, path, w, g, state, t):
@@ -148,7 +113,7 @@ def oracle_lamb(c, path, w, g, state, t):
         w_norm, g_norm = np.linalg.norm(w), np.linalg.norm(update)
         if w_norm > 0 and g_norm > 0:
             ratio = w_norm / g_norm
-    return w - ratio * c["lr"] * update
+    return w - ratio * learning_rate_at(c, t - 1) * update
 
 
 def oracle_mesh_adafactor(c, path, w, g, state, t):
@@ -158,13 +123,14 @@ def oracle_mesh_adafactor(c, path, w, g, state, t):
     grad_squared = np.square(g) + 1e-30
     shape = w.shape
     factored = None
-    if len(shape) >= 2:
+    if c["factored"] and len(shape) >= 2:
         sorted_dims = sorted(range(len(shape)), key=lambda d: -shape[d])  # stable, as Mesh
         if shape[sorted_dims[1]] >= c["min_dim"]:
             factored = sorted_dims[:2]
-    update_scale = c["lr"]
-    if not _excluded(path, c["exclude_ps"]):
-        update_scale = max(_rms(w), 1e-3) * c["lr"]
+    lr = learning_rate_at(c, t - 1)
+    update_scale = lr
+    if c["parameter_scale"] and not _excluded(path, c["exclude_ps"]):
+        update_scale = max(_rms(w), 1e-3) * lr
     if factored:
         d0, d1 = factored
         vr = decay_rate * state.get("vr", 0.0) + (1 - decay_rate) * grad_squared.mean(axis=d0)
@@ -178,7 +144,8 @@ def oracle_mesh_adafactor(c, path, w, g, state, t):
         v = decay_rate * state.get("v", 0.0) + (1 - decay_rate) * grad_squared
         state["v"] = v
         x = g / np.sqrt(v)
-    x = x / max(1.0, _rms(x) / 1.0)
+    if c["clipping"] is not None:
+        x = x / max(1.0, _rms(x) / c["clipping"])
     subtrahend = x * update_scale
     if c["b1"] is not None:
         subtrahend = state.get("m", 0.0) * c["b1"] + subtrahend * (1 - c["b1"])
@@ -193,7 +160,7 @@ def oracle_t2t_adafactor(c, path, w, g, state, t):
     decay_rate = 1.0 - t ** -0.8
     mixing_rate = 1.0 - decay_rate
     grad_squared = np.square(g) + 1e-30
-    update_scale = c["lr"] * max(_rms(w), 1e-3)
+    update_scale = learning_rate_at(c, t - 1) * max(_rms(w), 1e-3)
     if w.ndim >= 2:
         vr = decay_rate * state.get("vr", 0.0) + mixing_rate * grad_squared.mean(axis=-1)
         vc = decay_rate * state.get("vc", 0.0) + mixing_rate * grad_squared.mean(axis=-2)
@@ -231,9 +198,13 @@ def test_matches_numpy_reference(case):
     for t in range(1, STEPS + 1):
         grads = make_gradients(t)
         opt.apply_gradients(zip(grads, variables))
+        grads64 = [g.astype(np.float64) for g in grads]
+        if config.get("clipnorm") is not None:  # the aggregated gradient, clipped as a whole
+            norm = np.sqrt(sum(np.sum(np.square(g)) for g in grads64))
+            grads64 = [g * config["clipnorm"] / max(norm, config["clipnorm"]) for g in grads64]
         ws = [
-            oracle(config, path, w, g.astype(np.float64), s, t)
-            for (path, _), w, g, s in zip(VARIABLES, ws, grads, states)
+            oracle(config, path, w, g, s, t)
+            for (path, _), w, g, s in zip(VARIABLES, ws, grads64, states)
         ]
     for (path, _), v, w in zip(VARIABLES, variables, ws):
         np.testing.assert_allclose(v.numpy(), w, rtol=1e-6, atol=1e-6, err_msg=f"{case} {path}")
@@ -254,7 +225,8 @@ def test_rule_equals_apply_gradients(case):
     hp_names = [n for n in opt.differentiable_hyperparameters if n != "learning_rate"]
     for name in hp_names:  # learned values assigned between steps are used
         opt.hyperparameter_variables[name].assign(0.8)
-    grads = make_gradients(2)
+    # the aggregated gradient as the update uses it (clipped when aggregated_clipnorm is set)
+    grads = opt.clip_aggregated(make_gradients(2))
     hparams = opt.current_hyperparameters()
     assert set(opt.differentiable_hyperparameters) <= set(hparams)
     step = opt.iterations + 1
@@ -263,7 +235,7 @@ def test_rule_equals_apply_gradients(case):
         slots = {k: s.value for k, s in opt.slots_for(v).items()}
         assert tuple(slots) == opt.rule.slot_names(v.shape, opt.options_for(v))
         expected.append(opt.rule.update(g, v.value, slots, hparams, step, opt.options_for(v)))
-    opt.apply_gradients(zip(grads, variables))
+    opt.apply_gradients(zip(make_gradients(2), variables))
     for v, (new_var, new_slots) in zip(variables, expected):
         np.testing.assert_allclose(v.numpy(), new_var.numpy(), rtol=0, atol=1e-7)
         for k, s in opt.slots_for(v).items():
@@ -314,7 +286,8 @@ def test_hyperparameter_derivatives_match_finite_differences(case):
         with keras.name_scope(scope):
             options[p] = opt.variable_options(keras.Variable(np.zeros(s, "float32"), name=name))
     opt.build([])  # creates the hyperparameter variables
-    base_hp = {k: float(v.numpy()) for k, v in opt.current_hyperparameters().items()}
+    # update 5's values (after a warmup schedule's first steps, whose rate may be 0)
+    base_hp = {k: float(v.numpy()) for k, v in opt.hyperparameters_at(4).items()}
 
     def objective(hp):
         total = tf.constant(0.0, tf.float64)
@@ -431,6 +404,11 @@ def test_factoring_rules():
     assert O.factored_dims((256, 4, 192), **peg) == (1, 2)
     assert O.factored_dims((300,), **peg) is None
     assert O.factored_dims((300, 300), factored=False, **t5) is None
+    # Ties as Mesh TensorFlow breaks them (stable sort by decreasing size: earlier axis first).
+    assert set(O.factored_dims((6, 5, 5), min_dim_size_to_factor=2)) == {0, 1}
+    assert O.factored_dims((6, 5, 5), min_dim_size_to_factor=2) == (1, 0)
+    assert set(O.factored_dims((5, 6, 5), min_dim_size_to_factor=2)) == {0, 1}
+    assert set(O.factored_dims((4, 5, 5), min_dim_size_to_factor=2)) == {1, 2}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -574,7 +552,8 @@ def test_fit_with_schedule_and_saved_model_round_trip(tmp_path):
     model.save(path)
     loaded = keras.models.load_model(path)
     assert type(loaded.optimizer) is O.Adafactor
-    assert isinstance(loaded.optimizer._learning_rate, O.T5InverseSquareRootSchedule)
+    # the schedule came back: its value at any step (1 / sqrt(max(step, 2)))
+    assert float(loaded.optimizer.learning_rate_at(8)) == pytest.approx(1 / np.sqrt(8))
     assert int(loaded.optimizer.iterations.numpy()) == 2
     for v, lv in zip(opt.variables, loaded.optimizer.variables):
         np.testing.assert_array_equal(v.numpy(), lv.numpy())
@@ -699,3 +678,394 @@ def test_assign_update_under_two_replicas_assigns_every_copy_like_apply_gradient
         for (_, sa), (_, sb) in zip(opt_a.slots_for(va).items(), opt_b.slots_for(vb).items()):
             for ca, cb in zip(sa.value.values, sb.value.values):
                 np.testing.assert_array_max_ulp(ca.numpy(), cb.numpy(), maxulp=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry covers every exported optimizer.
+
+
+def test_every_exported_optimizer_has_a_registry_entry():
+    classes = O.optimizer_classes()
+    assert {c.__name__ for c in classes} >= {"Adafactor", "Adam", "AdamWeightDecay", "Lamb", "SGD"}
+    covered = {type(config.factory()) for config in REGISTRY.values()}
+    missing = [c.__name__ for c in classes if c not in covered]
+    assert not missing, (
+        f"tf_metaalign.optimizers exports {missing} but tests/optimizer_registry.py has no "
+        "configuration of it: add one (with its NumPy oracle)."
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# One update on tensors (apply_on_tensors): equals apply_gradients, assigns nothing,
+# differentiable.
+
+
+def _values(variables):
+    return [tf.convert_to_tensor(v.value) for v in variables]
+
+
+def _assert_state_equals_optimizer(state, opt, variables, tensors, where):
+    for v, t, slots in zip(variables, tensors, state.slots):
+        np.testing.assert_array_equal(t.numpy(), v.numpy(), err_msg=f"{where} {v.path}")
+        slot_vars = opt.slots_for(v)
+        assert set(slots) == set(slot_vars), where
+        for k, s in slot_vars.items():
+            np.testing.assert_array_equal(slots[k].numpy(), s.numpy(), err_msg=f"{where} {v.path}/{k}")
+    assert int(state.iterations) == int(opt.iterations.numpy()), where
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["from_initial_state", "from_current_state"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tensor_steps_equal_apply_gradients(case, built):
+    """k = 3 tensor steps == k apply_gradients calls: params, slots and iterations."""
+    factory = CASES[case][0]
+    reference, reference_vars = factory(), make_variables()
+    tensor_opt, tensor_vars = factory(), make_variables()
+    if built:
+        # Start mid-training, with learned values assigned between steps.
+        for opt, variables in ((reference, reference_vars), (tensor_opt, tensor_vars)):
+            _run(opt, variables, 2)
+            opt.learning_rate_scale.assign(0.5)
+            for name in opt.hyperparameter_variables:
+                opt.hyperparameter_variables[name].assign(0.8)
+        state, start = tensor_opt.current_state(), 3
+        assert int(state.iterations) == 2
+        variables_arg = None  # the options the optimizer decided in build()
+    else:
+        state, start = tensor_opt.initial_state(tensor_vars), 1
+        assert not tensor_opt.built  # the tensor step needs no built optimizer
+        variables_arg = tensor_vars
+    before = [v.numpy() for v in tensor_vars]
+    params = _values(tensor_vars)
+    for t in range(start, start + 3):
+        grads = make_gradients(t)
+        params, state = tensor_opt.apply_on_tensors(grads, params, state, variables=variables_arg)
+        reference.apply_gradients(zip(grads, reference_vars))
+    _assert_state_equals_optimizer(state, reference, reference_vars, params, case)
+    for v, b in zip(tensor_vars, before):  # nothing assigned
+        np.testing.assert_array_equal(v.numpy(), b)
+    assert not np.allclose(params[4].numpy(), before[4])
+
+
+@pytest.mark.parametrize("case", ["adam", "bert_adam_weight_decay_schedule", "lamb",
+                                  "adafactor_t5_momentum", "sgd_nesterov"])
+def test_tensor_step_in_tf_function_and_while_loop_equals_eager(case):
+    """The state is a nest: a tf.function argument/result and a tf.while_loop variable
+    (a Reptile inner loop carrying Adam's state)."""
+    opt = CASES[case][0]()
+    variables = make_variables()
+    targets = [tf.constant(g) for g in make_gradients(7)]
+
+    def inner_step(params, state):
+        grads = [2.0 * (p - t) for p, t in zip(params, targets)]  # depends on the params
+        return opt.apply_on_tensors(grads, params, state, variables=variables)
+
+    params, state = _values(variables), opt.initial_state(variables)
+    for _ in range(3):
+        params, state = inner_step(params, state)
+
+    graph_params, graph_state = tf.function(inner_step)(_values(variables), opt.initial_state(variables))
+    eager_params, eager_state = inner_step(_values(variables), opt.initial_state(variables))
+    for a, b in zip(graph_params, eager_params):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+    assert int(graph_state.iterations) == int(eager_state.iterations) == 1
+
+    @tf.function
+    def inner_loop(params, state):
+        def body(i, params, state):
+            new_params, new_state = inner_step(params, state)
+            return i + 1, new_params, new_state
+
+        _, params, state = tf.while_loop(lambda i, *_: i < 3, body, (tf.constant(0), params, state))
+        return params, state
+
+    loop_params, loop_state = inner_loop(_values(variables), opt.initial_state(variables))
+    assert isinstance(loop_state, O.OptimizerState)
+    assert int(loop_state.iterations) == 3
+    for a, b in zip(loop_params, params):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+    for sa, sb in zip(loop_state.slots, state.slots):
+        for k in sb:
+            np.testing.assert_allclose(sa[k].numpy(), sb[k].numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_tensor_step_gradient_of_sgd_is_the_closed_form():
+    # loss = 0.5 a p^2 -> g = a p -> p' = p - lr a p, so d <c, p'> / d p = c (1 - lr a).
+    lr, a = 0.1, tf.constant([0.5, 2.0, 3.0])
+    c = tf.constant([1.0, -2.0, 0.5])
+    v = keras.Variable(np.array([1.0, -1.0, 2.0], "float32"), name="w")
+    opt = O.SGD(lr, momentum=0.9)
+    p = tf.convert_to_tensor(v.value)
+    with tf.GradientTape() as tape:
+        tape.watch(p)
+        new, state = opt.apply_on_tensors([a * p], [p], opt.initial_state([v]), variables=[v])
+        objective = tf.reduce_sum(c * new[0])
+    np.testing.assert_allclose(tape.gradient(objective, p).numpy(), (c * (1 - lr * a)).numpy(), rtol=1e-6)
+    # the momentum buffer after one step: -lr * g
+    np.testing.assert_allclose(state.slots[0]["momentum"].numpy(), (-lr * a * p).numpy(), rtol=1e-6)
+
+
+def test_tensor_step_of_adam_is_differentiable_in_the_gradients():
+    variables = make_variables()
+    opt = O.Adam(0.01)
+    state = opt.initial_state(variables)
+    params = _values(variables)
+    _, state = opt.apply_on_tensors(make_gradients(1), params, state, variables=variables)
+    grads = [tf.constant(g) for g in make_gradients(2)]
+    with tf.GradientTape() as tape:
+        tape.watch(grads)
+        new, _ = opt.apply_on_tensors(grads, params, state, variables=variables)
+        objective = tf.add_n([tf.reduce_sum(p) for p in new])
+    for g, d in zip(grads, tape.gradient(objective, grads)):
+        assert d is not None and np.any(d.numpy() != 0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tensor_step_derivative_matches_finite_differences(case):
+    """d <probe, theta_2> / d theta_0 along a direction, through two tensor steps whose
+    gradients depend on the params (a MAML inner loop), against central differences in
+    float64."""
+    opt = CASES[case][0]()
+    # Small variables (the same paths, so the same options): Adam's first step is close to
+    # lr * sign(g), whose derivative is huge where |g| ~ epsilon; among few elements none is.
+    small = {"dense/kernel": (3, 4), "attention/kernel": (6, 5), "einsum/kernel": (4, 3, 5),
+             "einsum_t/kernel": (6, 4, 5), "tied/kernel": (6, 5, 5)}
+    rng = np.random.default_rng(11)
+    variables = []
+    for path, shape in VARIABLES:
+        scope, name = path.split("/")
+        shape = small.get(path, shape)
+        value = np.zeros(shape) if scope == "zero_init" else rng.normal(size=shape)
+        with keras.name_scope(scope):
+            variables.append(keras.Variable(value, name=name, dtype="float64"))
+    targets = [tf.constant(rng.normal(size=v.shape)) for v in variables]
+    probes = [tf.constant(rng.normal(size=v.shape)) for v in variables]
+    # No direction on the zero-initialised variable: ||w|| = 0 is a kink of LAMB's trust
+    # ratio and of Adafactor's parameter scale, where a one-sided change is not the derivative.
+    direction = [tf.zeros(v.shape, tf.float64) if "zero_init" in v.path
+                 else tf.constant(rng.normal(size=v.shape)) for v in variables]
+
+    def objective(params):
+        state = opt.initial_state(variables)
+        for _ in range(2):
+            grads = [2.0 * (p - t) for p, t in zip(params, targets)]
+            params, state = opt.apply_on_tensors(grads, params, state, variables=variables)
+        return tf.add_n([tf.reduce_sum(p * c) for p, c in zip(params, probes)])
+
+    theta = _values(variables)
+    with tf.GradientTape() as tape:
+        tape.watch(theta)
+        value = objective(theta)
+    analytic = float(sum(tf.reduce_sum(g * d) for g, d in zip(tape.gradient(value, theta), direction)))
+    eps = 1e-6
+    plus = objective([p + eps * d for p, d in zip(theta, direction)])
+    minus = objective([p - eps * d for p, d in zip(theta, direction)])
+    numeric = float(plus - minus) / (2 * eps)
+    assert abs(analytic) > 1e-3
+    np.testing.assert_allclose(analytic, numeric, rtol=1e-5, err_msg=case)
+
+
+def test_tensor_step_assigns_nothing():
+    opt = CASES["adafactor_t5_momentum"][0]()
+    variables = make_variables()
+    _run(opt, variables, 2)
+    snapshot = [v.numpy() for v in opt.variables + variables]
+    params, state = opt.apply_on_tensors(make_gradients(3), _values(variables), opt.current_state())
+    assert int(state.iterations) == 3 and int(opt.iterations.numpy()) == 2
+    for v, s in zip(opt.variables + variables, snapshot):
+        np.testing.assert_array_equal(v.numpy(), s)
+
+
+def test_tensor_step_follows_apply_gradients_for_keras_special_cases():
+    """A None gradient (skipped), an `overwrite_with_gradient` variable (takes its
+    gradient), a `constraint` (applied after the update) and `loss_scale_factor`."""
+
+    def variables():
+        with keras.name_scope("special"):
+            kept = keras.Variable(np.ones((3,), "float32"), name="kept")
+            overwritten = keras.Variable(np.zeros((2,), "float32"), name="scale")
+            constrained = keras.Variable(np.full((4,), 0.01, "float32"), name="kernel")
+            plain = keras.Variable(np.ones((2, 2), "float32"), name="dense_kernel")
+        overwritten.overwrite_with_gradient = True
+        constrained.constraint = keras.constraints.NonNeg()
+        return [kept, overwritten, constrained, plain]
+
+    grads = [None, np.array([5.0, 6.0], "float32"), np.ones(4, "float32"),
+             np.full((2, 2), 3.0, "float32")]
+    reference, ref_vars = O.Adam(0.1, loss_scale_factor=4.0), variables()
+    opt, tensor_vars = O.Adam(0.1, loss_scale_factor=4.0), variables()
+    with pytest.warns(UserWarning, match="Gradients do not exist"):
+        reference.apply_gradients(zip(grads, ref_vars))
+    state = opt.initial_state(tensor_vars)
+    assert state.slots[1] == {}
+    params, state = opt.apply_on_tensors(grads, _values(tensor_vars), state, variables=tensor_vars)
+    for v, p in zip(ref_vars, params):
+        np.testing.assert_array_equal(p.numpy(), v.numpy(), err_msg=v.path)
+    np.testing.assert_array_equal(params[2].numpy(), np.zeros(4))  # NonNeg clipped it at 0
+    np.testing.assert_array_equal(params[1].numpy(), [5.0, 6.0])
+    np.testing.assert_array_equal(state.slots[0]["m"].numpy(), np.zeros(3))  # untouched
+
+
+def test_tensor_step_with_hyperparameters_given():
+    variables = make_variables()
+    opt = O.Adam(0.01)
+    state = opt.initial_state(variables)
+    beta_1 = tf.constant(0.5, tf.float64)
+    with tf.GradientTape() as tape:
+        tape.watch(beta_1)
+        _, state1 = opt.apply_on_tensors(make_gradients(1), _values(variables), state,
+                                         variables=variables, hyperparameters={"beta_1": beta_1})
+        new, _ = opt.apply_on_tensors(make_gradients(2), _values(variables), state1,
+                                      variables=variables, hyperparameters={"beta_1": beta_1})
+        objective = tf.reduce_sum(new[4])
+    assert float(tape.gradient(objective, beta_1)) != 0.0
+    reference = O.Adam(0.01, beta_1=0.5)
+    ref_state = reference.initial_state(variables)
+    ref_new, _ = reference.apply_on_tensors(make_gradients(1), _values(variables), ref_state,
+                                            variables=variables)
+    new1, _ = opt.apply_on_tensors(make_gradients(1), _values(variables), state,
+                                   variables=variables, hyperparameters={"beta_1": 0.5})
+    for a, b in zip(new1, ref_new):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_clip_aggregated_is_what_apply_gradients_applies():
+    w0 = [np.ones((3, 2), "float32"), np.zeros((2,), "float32")]
+    grads = [np.full((3, 2), 3.0, "float32"), np.full((2,), 4.0, "float32")]
+    variables = [keras.Variable(w, name=f"w{i}") for i, w in enumerate(w0)]
+    opt = O.SGD(1.0, aggregated_clipnorm=0.5)  # w <- w - 1 * clipped(g)
+    clipped = opt.clip_aggregated(grads)
+    opt.apply_gradients(zip(grads, variables))
+    for v, w, c in zip(variables, w0, clipped):
+        np.testing.assert_array_equal(v.numpy(), w - c.numpy())
+    norm = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in grads))
+    assert norm > 0.5
+    np.testing.assert_allclose(
+        np.sqrt(sum(np.sum(c.numpy().astype(np.float64) ** 2) for c in clipped)), 0.5, rtol=1e-6
+    )
+    # IndexedSlices are densified; None entries stay; no clipping without aggregated_clipnorm.
+    sparse = tf.IndexedSlices(tf.constant([[1.0, 2.0]]), tf.constant([1]), tf.constant([3, 2]))
+    out = O.SGD(1.0).clip_aggregated([sparse, None])
+    np.testing.assert_array_equal(out[0].numpy(), [[0, 0], [1, 2], [0, 0]])
+    assert out[1] is None
+
+
+@pytest.mark.parametrize(
+    "make, call, match",
+    [
+        (lambda: O.Adam(0.1, clipnorm=1.0), None, "clipnorm"),
+        (lambda: O.Adam(0.1, global_clipnorm=1.0), None, "global_clipnorm"),
+        (lambda: O.Adam(0.1, clipvalue=1.0), None, "clipvalue"),
+        (lambda: O.Adam(0.1, weight_decay=0.1), None, "weight_decay"),
+        (lambda: O.Adam(0.1, use_ema=True), None, "use_ema"),
+        (lambda: O.Adam(0.1, gradient_accumulation_steps=2), None, "gradient_accumulation_steps"),
+        (O.Adam, lambda o, g, p, s, v: o.apply_on_tensors(g, p, s.slots, variables=v), "`state`"),
+        (O.Adam, lambda o, g, p, s, v: o.apply_on_tensors(g[:1], p, s, variables=v), "`grads`"),
+        (O.Adam, lambda o, g, p, s, v: o.apply_on_tensors(g, p, s), "`variables`"),
+        (O.Adam, lambda o, g, p, s, v: o.apply_on_tensors(g, p, s, variables=v[:1]), "`variables` has 1"),
+        (O.Adam, lambda o, g, p, s, v: o.apply_on_tensors(g[0], p, s, variables=v), "`grads` must be a list"),
+        (O.Adam, lambda o, g, p, s, v: o.apply_on_tensors(g, p, s, variables=v,
+                                                          hyperparameters={"gamma": 1.0}), "gamma"),
+        (O.Adam, lambda o, g, p, s, v: o.apply_on_tensors([None, None], p, s, variables=v), "None"),
+        (O.Adam, lambda o, g, p, s, v: O.SGD(0.1, momentum=0.9).apply_on_tensors(g, p, s, variables=v),
+         r"state.slots\[0\]"),
+        (O.Adam, lambda o, g, p, s, v: O.apply_rule(o.rule, g, p, s.slots[:1], None, {}, 1.0),
+         "apply_rule"),
+        (O.Adam, lambda o, g, p, s, v: o.current_state(), "built"),
+    ],
+)
+def test_tensor_step_bad_input_is_a_clear_error(make, call, match):
+    opt = make()
+    variables = [keras.Variable(np.ones((2, 2), "float32"), name="k"),
+                 keras.Variable(np.ones((2,), "float32"), name="b")]
+    grads = [tf.ones((2, 2)), tf.ones((2,))]
+    state = opt.initial_state(variables)
+    with pytest.raises(ValueError, match=match):
+        if call is None:
+            opt.apply_on_tensors(grads, _values(variables), state, variables=variables)
+        else:
+            call(opt, grads, _values(variables), state, variables)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keras's Adam and SGD as tf_metaalign optimizers; guided learning's optimizer checks.
+
+
+@pytest.mark.parametrize(
+    "make_keras, make_ours",
+    [
+        (lambda: keras.optimizers.Adam(0.01, beta_1=0.8, beta_2=0.99, epsilon=1e-6),
+         lambda: O.Adam(0.01, beta_1=0.8, beta_2=0.99, epsilon=1e-6)),
+        (lambda: keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5)),
+         lambda: O.Adam(keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5))),
+        (lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+         lambda: O.SGD(0.05, momentum=0.9, nesterov=True)),
+        (lambda: keras.optimizers.SGD(O.BertSchedule(0.1, num_train_steps=10, num_warmup_steps=2),
+                                      momentum=0.5),
+         lambda: O.SGD(O.BertSchedule(0.1, num_train_steps=10, num_warmup_steps=2), momentum=0.5)),
+        (lambda: keras.optimizers.SGD(0.1), lambda: O.SGD(0.1)),
+    ],
+    ids=["adam", "adam_schedule", "sgd_nesterov", "sgd_momentum_schedule", "sgd"],
+)
+def test_keras_optimizer_as_rule_optimizer_updates_like_keras(make_keras, make_ours):
+    keras_opt = make_keras()
+    converted = O.as_rule_optimizer(make_keras())
+    ours = make_ours()
+    assert type(converted) is type(ours)
+    assert converted.rule.defaults == ours.rule.defaults
+    runs = {}
+    for name, opt in (("keras", keras_opt), ("converted", converted), ("ours", ours)):
+        variables = make_variables()
+        for t in range(1, 4):
+            grads = [np.sign(g) * (1.0 + np.abs(g)) for g in make_gradients(t)]  # see parity test
+            opt.apply_gradients(zip(grads, variables))
+        runs[name] = [v.numpy() for v in variables]
+    for a, b, c in zip(runs["keras"], runs["converted"], runs["ours"]):
+        np.testing.assert_array_equal(b, c)
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(runs["ours"][4], make_variables()[4].numpy())
+
+
+def test_as_rule_optimizer_keeps_ours_and_refuses_others():
+    ours = O.Lamb(0.01)
+    assert O.as_rule_optimizer(ours) is ours
+    keras_opt = keras.optimizers.Adam(0.01, global_clipnorm=2.0, name="meta")
+    converted = O.as_rule_optimizer(keras_opt)
+    assert converted.global_clipnorm == 2.0 and converted.name == "meta"
+    for other in (keras.optimizers.AdamW(0.01), keras.optimizers.RMSprop(0.01), "adam"):
+        with pytest.raises(ValueError, match=r"keras.optimizers.Adam \(amsgrad=False\) and "
+                                             r"keras.optimizers.SGD"):
+            O.as_rule_optimizer(other)
+    with pytest.raises(ValueError, match="amsgrad"):
+        O.as_rule_optimizer(keras.optimizers.Adam(0.01, amsgrad=True))
+
+
+def test_check_optimizer_messages():
+    O.check_optimizer(O.Adam(0.01))  # supported: no error
+    with pytest.raises(ValueError, match="Adafactor, Adam, AdamWeightDecay, Lamb, SGD"):
+        O.check_optimizer(keras.optimizers.Adam(0.01))
+    with pytest.raises(ValueError, match="not differentiable"):
+        O.check_optimizer(keras.optimizers.SGD(0.01), "MyLoop")
+    with pytest.raises(ValueError, match="LossScaleOptimizer"):
+        O.check_optimizer(keras.optimizers.LossScaleOptimizer(O.Adam(0.01)))
+    with pytest.raises(ValueError, match="MyLoop.*`global_clipnorm`.*aggregated_clipnorm"):
+        O.check_optimizer(O.Adam(0.01, global_clipnorm=1.0), "MyLoop")
+    with pytest.raises(ValueError, match="weight_decay"):
+        O.check_optimizer(O.Adam(0.01, weight_decay=0.1))
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        O.check_optimizer(O.Adam(0.01, gradient_accumulation_steps=2))
+
+
+def test_resolve_hyperparameters():
+    assert O.resolve_hyperparameters(O.SGD(0.1, momentum=0.5), ("learning_rate", "beta_1")) == {
+        "learning_rate": "learning_rate", "beta_1": "momentum"}
+    assert O.resolve_hyperparameters(O.SGD(0.1), ("learning_rate", "beta_1"), explicit=False) == {
+        "learning_rate": "learning_rate"}
+    with pytest.raises(ValueError, match=r"'gamma'.*\['learning_rate', 'beta_1', 'beta_2'\]"):
+        O.resolve_hyperparameters(O.Adam(0.1), ("learning_rate", "gamma"))
+    with pytest.raises(ValueError, match="Adafactor learns beta_1 only"):
+        O.resolve_hyperparameters(O.Adafactor(0.1), ("beta_1",))
+    with pytest.raises(ValueError, match="twice"):
+        O.resolve_hyperparameters(O.SGD(0.1, momentum=0.5), ("beta_1", "momentum"))
+    with pytest.raises(ValueError, match="empty"):
+        O.resolve_hyperparameters(O.SGD(0.1), ("beta_1",), explicit=False)

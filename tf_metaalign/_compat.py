@@ -1,12 +1,15 @@
-"""Every private Keras / TensorFlow API the package uses, in one place.
+"""Every private Keras / TensorFlow API tf_metaalign uses, each behind one function.
 
-Each function wraps one private API, says why no public API serves, and has a test in
-`tests/test_compat.py` that fails with a message naming the API if an upgrade of Keras
-or TensorFlow removes or changes it. Code elsewhere in the package calls these
-functions and never reaches into `keras.src`, `tensorflow.python`, `tf.__internal__`
-or a Keras object's private attributes itself.
+A Keras or TensorFlow upgrade that removes or changes one of these breaks one function
+here, and `tests/test_compat.py` names it and says what to change. Each function says why
+no public API serves. The rest of the package uses public APIs only (`keras.Variable`,
+`keras.name_scope`, `keras.StatelessScope`, `model.stateless_call`, `model.compute_loss`,
+`optimizer.add_variable(..., aggregation=...)`, the public `optimizer.learning_rate`
+property, a variable's `overwrite_with_gradient` attribute, ...).
 
-Pinned: TensorFlow 2.21, Keras 3.15 (setup.py).
+Checked against Keras 3.15 and TensorFlow 2.21 (pinned in setup.py).
+
+This module imports nothing of tf_metaalign.
 """
 from __future__ import annotations
 
@@ -15,7 +18,10 @@ import contextlib
 import keras
 import tensorflow as tf
 
-# ------------------------------------------------------------------------ trainers
+# ================================================================================================
+# trainers and the functional core
+# ================================================================================================
+
 
 
 def compiled_loss(model: keras.Model):
@@ -130,3 +136,101 @@ def is_seed_state(variable) -> bool:
     dropout masks; the trainers checkpoint them themselves.
     """
     return variable.name == "seed_generator_state"
+
+
+# ================================================================================================
+# optimizers and forward mode
+# ================================================================================================
+
+# -- tf_metaalign.forward_mode ---------------------------------------------------------------------
+
+
+def register_dispatchable_type(cls):
+    """Lets `tf.experimental.dispatch_for_api` dispatch on instances of the plain class `cls`.
+
+    Private API: `tensorflow.python.util.dispatch.register_dispatchable_type`.
+    Why no public API serves: type-based dispatch only considers `tf.ExtensionType`s
+    (which register themselves) and registered types. `forward_mode.Dual` is a plain class
+    on purpose: an ExtensionType would need a TypeSpec for a tuple of optional tangents
+    and would be rebuilt by TensorFlow at every op. TensorFlow registers its own
+    `RaggedTensorValue` the same way.
+    """
+    from tensorflow.python.util import dispatch  # the private module, imported only here
+
+    return dispatch.register_dispatchable_type(cls)
+
+
+# -- tf_metaalign.optimizers.base.BaseOptimizer ---------------------------------------------------
+
+#: The private Keras hook `BaseOptimizer` overrides (it must stay a method of the class, so it
+#: cannot live here): `keras.optimizers.Optimizer._backend_update_step(self, grads,
+#: trainable_variables, learning_rate)`, called by `apply_gradients` after Keras's own
+#: clipping and weight decay, with the per-replica gradients and the learning rate. Keras's
+#: TF backend all-reduces the gradients in it and then calls `update_step` per variable in
+#: a cross-replica merge call. Why no public API serves: `update_step` sees one variable's
+#: gradient, so a norm of the whole ALL-REDUCED gradient list (`aggregated_clipnorm`) can
+#: only be taken in this hook; Keras's public `global_clipnorm` clips before the
+#: all-reduce. tests/test_compat.py checks the name, the signature and that
+#: `apply_gradients` calls it.
+BACKEND_UPDATE_STEP_HOOK = "_backend_update_step"
+BACKEND_UPDATE_STEP_ARGS = ("self", "grads", "trainable_variables", "learning_rate")
+
+
+def maybe_merge_call(fn, strategy, *args, **kwargs):
+    """Runs `fn(strategy, *args, **kwargs)` in cross-replica context, as Keras's
+    `apply_gradients` does for its update.
+
+    Private API: `tf.__internal__.distribute.interim.maybe_merge_call`.
+    Why no public API serves: the public `ReplicaContext.merge_call` always synchronises
+    the replicas; `maybe_merge_call` skips the merge where the strategy supports it
+    (MirroredStrategy without merge calls) and is what Keras's own update uses, so our
+    committed updates take the same path as `apply_gradients`.
+    """
+    return tf.__internal__.distribute.interim.maybe_merge_call(fn, strategy, *args, **kwargs)
+
+
+def optimizer_strategy(optimizer):
+    """The `tf.distribute.Strategy` a Keras optimizer was created under.
+
+    Private API: `keras.optimizers.Optimizer._distribution_strategy` (TF backend).
+    Why no public API serves: `tf.distribute.get_strategy()` returns the strategy of the
+    CURRENT scope, which need not be the one the optimizer (and so its variables) belongs
+    to; Keras keeps the optimizer's strategy only in this attribute.
+    """
+    return optimizer._distribution_strategy
+
+
+def variable_index(optimizer, variable):
+    """The position of `variable` in the list a Keras optimizer was built with.
+
+    Accepts the Keras variable, its `tf.Variable` (what Keras hands `update_step`), or one
+    replica's copy of a mirrored variable.
+    Private API: `keras.optimizers.Optimizer._get_variable_index(variable)`.
+    Why no public API serves: mapping a replica's copy back to its mirrored container needs
+    TensorFlow internals (`_distributed_container`) that Keras's `_var_key` already handles.
+    """
+    return optimizer._get_variable_index(variable)
+
+
+def all_reduce_sum_gradients(optimizer, grads_and_vars):
+    """Keras's all-reduce (sum over replicas) of `(gradient, variable)` pairs, as
+    `apply_gradients` does it; unchanged outside a replica context.
+
+    Private API: `keras.optimizers.Optimizer._all_reduce_sum_gradients(grads_and_vars)`
+    (TF backend).
+    Why not the public `ReplicaContext.all_reduce`: the overridden `_backend_update_step`
+    must all-reduce exactly as Keras's own does (None gradients, no replica context), so
+    that with `aggregated_clipnorm=None` it is Keras's step.
+    """
+    return optimizer._all_reduce_sum_gradients(grads_and_vars)
+
+
+def distributed_update_step(optimizer):
+    """Keras's cross-replica update, `fn(distribution, grads_and_vars, learning_rate)`: calls
+    `optimizer.update_step` on every device's copy of every variable.
+
+    Private API: `keras.optimizers.Optimizer._distributed_tf_update_step` (TF backend).
+    Why no public API serves: it is the second half of Keras's `_backend_update_step`; the
+    override calls it so that, besides the clipping, the update is Keras's.
+    """
+    return optimizer._distributed_tf_update_step

@@ -35,12 +35,12 @@ import numbers
 from typing import Sequence
 
 import tensorflow as tf
-# Type-based dispatch only considers registered types; ExtensionTypes register
-# themselves, a plain class must be registered (TensorFlow's own RaggedTensorValue is).
-from tensorflow.python.util import dispatch as _tf_dispatch
+
+from tf_metaalign import _compat
 
 
-@_tf_dispatch.register_dispatchable_type
+# Type-based dispatch only considers registered types (a private TF API, see _compat).
+@_compat.register_dispatchable_type
 class Dual:
     """A primal tensor with tangents (tuple, one entry per direction, None = zero)."""
 

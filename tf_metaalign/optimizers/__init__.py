@@ -1,11 +1,20 @@
 """T5/Pegasus/BERT-faithful optimizers; each rule is a pure function (`UpdateRule.update`) used
 both by the Keras optimizer and by code that differentiates through an update.
 See docs/optimizers.md."""
-from tf_metaalign.optimizers import schedules
+from tf_metaalign.optimizers import differentiable, schedules
 from tf_metaalign.optimizers.adafactor import Adafactor, AdafactorRule, factored_dims
 from tf_metaalign.optimizers.adam import Adam, AdamRule
 from tf_metaalign.optimizers.adam_weight_decay import AdamWeightDecay, AdamWeightDecayRule
-from tf_metaalign.optimizers.base import BaseOptimizer, UpdateRule
+from tf_metaalign.optimizers.base import BaseOptimizer, OptimizerState, UpdateRule, apply_rule
+from tf_metaalign.optimizers.differentiable import (
+    as_rule_optimizer,
+    check_optimizer,
+    forward_mode_error,
+    optimizer_classes,
+    resolve_hyperparameters,
+    supported_optimizers,
+    supports_forward_mode,
+)
 from tf_metaalign.optimizers.lamb import Lamb, LambRule
 from tf_metaalign.optimizers.schedules import (
     BertSchedule,
@@ -25,11 +34,21 @@ __all__ = [
     "BertSchedule",
     "Lamb",
     "LambRule",
+    "OptimizerState",
     "PegasusSchedule",
     "SGD",
     "SGDRule",
     "T5InverseSquareRootSchedule",
     "UpdateRule",
+    "apply_rule",
+    "as_rule_optimizer",
+    "check_optimizer",
+    "differentiable",
     "factored_dims",
+    "forward_mode_error",
+    "optimizer_classes",
+    "resolve_hyperparameters",
     "schedules",
+    "supported_optimizers",
+    "supports_forward_mode",
 ]

@@ -1,6 +1,5 @@
 """Adafactor with Mesh TensorFlow / t5x (T5) semantics; `factoring="last_two"` gives the
 tensor2tensor (Pegasus) rule."""
-import numpy as np
 import keras
 import tensorflow as tf
 
@@ -13,18 +12,22 @@ FACTORINGS = ("two_largest", "last_two")
 def factored_dims(shape, factored=True, factoring="two_largest", min_dim_size_to_factor=128):
     """The two axes (kept_by_row, kept_by_col) a factored second moment uses, or None.
 
-    "two_largest" (Mesh TensorFlow / t5x `_factored_dims`): the two largest axes, only if the
-    second largest is >= min_dim_size_to_factor; ties broken as t5x's `np.argsort`.
+    "two_largest" (Mesh TensorFlow `AdafactorOptimizer._factored_dims`): the two largest
+    axes, only if the second largest is >= min_dim_size_to_factor. Ties are broken as Mesh
+    TensorFlow breaks them, `sorted(dims, key=lambda d: -d.size)` (stable): the earlier axis
+    wins, so a (6, 5, 5) variable factors axes 0 and 1. t5x's `_factored_dims` may break a
+    tie differently: it takes the last two of `np.argsort(shape)` (numpy's default sort,
+    not guaranteed stable), which for (6, 5, 5) gives axes 0 and 2.
     "last_two" (tensor2tensor `_should_use_factored_second_moment_estimate`): the last two axes
     of every rank >= 2 variable whose last two sizes are >= min_dim_size_to_factor (t2t: 0).
-    Returns (a, b): "v_row" = mean of g^2 over axis b (keeps a), "v_col" = mean over axis a.
+    Returns (a, b) = (second largest, largest): "v_row" = mean of g^2 over axis b (keeps a),
+    "v_col" = mean over axis a.
     """
     shape = tuple(int(d) for d in shape)
     if not factored or len(shape) < 2:
         return None
     if factoring == "two_largest":
-        order = np.argsort(shape, kind="stable")
-        largest, second = int(order[-1]), int(order[-2])
+        largest, second = sorted(range(len(shape)), key=lambda d: -shape[d])[:2]
         if shape[second] < min_dim_size_to_factor:
             return None
         return (second, largest)

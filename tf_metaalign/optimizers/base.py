@@ -24,13 +24,22 @@ Conventions of the rule:
 Computation happens in float32, or in float64 when the variable is float64 (so derivatives can
 be checked by finite differences). Slots are float32 whatever the variable dtype (float64 for a
 float64 variable); `new_var` has the variable's dtype.
+
+One optimizer step on tensors (nothing assigned, differentiable, for MAML/Reptile inner loops
+and guided learning): `apply_rule` (the rule on every variable) and, with the optimizer's
+hyperparameters, clipping and per-variable options, `BaseOptimizer.apply_on_tensors` on an
+`OptimizerState`.
 """
 import numbers
 import re
+from typing import NamedTuple
 
 import keras
+import numpy as np
 import tensorflow as tf
-from keras.src import backend as keras_backend
+
+from tf_metaalign import _compat
+from tf_metaalign import functional
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,12 +132,6 @@ def compute_dtype_for(var):
     return tf.float64 if tf.as_dtype(var.dtype) == tf.float64 else tf.float32
 
 
-def dense(grad):
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.convert_to_tensor(grad)
-    return grad
-
-
 def _to_float64(value):
     # tf.cast(python_float, float64) would round through float32 first.
     if isinstance(value, numbers.Number):
@@ -202,7 +205,7 @@ class UpdateRule:
         for name in ("learning_rate",) + tuple(self.hyperparameter_names):
             value = hparams.get(name, self.defaults.get(name))
             hp[name] = None if value is None else _to_float64(value)
-        g = tf.cast(dense(grad), dtype)
+        g = tf.cast(functional.densify([grad])[0], dtype)
         w = tf.cast(var, dtype)
         slots = {k: tf.cast(v, dtype) for k, v in slots.items()}
         step = _to_float64(step)
@@ -211,6 +214,86 @@ class UpdateRule:
     @staticmethod
     def _finish(new_w, var, new_slots, dtype):
         return tf.cast(new_w, var.dtype), {k: tf.cast(v, dtype) for k, v in new_slots.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# One step on tensors.
+
+
+def apply_rule(rule, grads, params, slots, options, hparams, step):
+    """One step of `rule` on every variable, on tensors: `(new_params, new_slots)`.
+
+    `rule.update(grads[i], params[i], slots[i], hparams, step, options[i])` for every i, with
+    the conventions of the module docstring. Nothing is assigned, and the result is
+    differentiable with respect to the grads, params, slots and hparams (tapes, and forward
+    mode for `forward_mode.Dual` hparams).
+
+    Args:
+      rule: an `UpdateRule`.
+      grads: one aggregated gradient per variable (used as given: no clipping here).
+      params: one tensor per variable, the values before the update.
+      slots: one dict slot name -> tensor per variable.
+      options: one options dict (None: the rule's defaults) per variable, or None for the
+        rule's defaults everywhere.
+      hparams: the rule's hyperparameters of this update ("learning_rate" is the effective
+        rate).
+      step: the 1-based count of this update.
+    Returns two lists with one entry per variable: the new params and the new slot dicts.
+    """
+    grads = _as_list(grads, "grads", "apply_rule")
+    params = _as_list(params, "params", "apply_rule")
+    slots = _as_list(slots, "slots", "apply_rule")
+    options = [None] * len(params) if options is None else _as_list(options, "options", "apply_rule")
+    if not (len(grads) == len(params) == len(slots) == len(options)):
+        raise ValueError(
+            "apply_rule: `grads`, `params`, `slots` and `options` must have one entry per "
+            f"variable; got {len(grads)}, {len(params)}, {len(slots)}, {len(options)}."
+        )
+    new_params, new_slots = [], []
+    for g, w, s, o in zip(grads, params, slots, options):
+        new_w, new_s = rule.update(g, w, s, hparams, step, o)
+        new_params.append(new_w)
+        new_slots.append(new_s)
+    return new_params, new_slots
+
+
+class OptimizerState(NamedTuple):
+    """A `BaseOptimizer`'s state as tensors, for `BaseOptimizer.apply_on_tensors`.
+
+    A nest: it goes through `tf.nest`, `tf.function` arguments and results, and
+    `tf.while_loop` loop variables.
+
+    Attributes:
+      slots: tuple with one dict slot name -> tensor per variable (the rule's slots; empty
+        for a variable without any).
+      iterations: int64 scalar, the number of updates done (Keras's `optimizer.iterations`):
+        the next update is update number `iterations + 1`.
+    """
+
+    slots: tuple
+    iterations: tf.Tensor
+
+
+def _as_list(values, name, where):
+    """`values` as a list with one entry per variable. A single tensor is refused, since
+    `list(tensor)` would silently split it along its first axis."""
+    if isinstance(values, (tf.Tensor, tf.Variable, keras.Variable, np.ndarray, dict)) or values is None:
+        raise ValueError(
+            f"{where}: `{name}` must be a list with one entry per variable; got "
+            f"{type(values).__name__}."
+        )
+    return list(values)
+
+
+def _tf_variable(variable):
+    """The `tf.Variable` of a Keras variable (what tf.distribute's APIs take)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _schedule_or_none(learning_rate):
+    if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+        return learning_rate
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,13 +314,17 @@ class BaseOptimizer(keras.optimizers.Optimizer):
     `build()` from the Keras variable path, because the TF backend hands `update_step` the
     underlying `tf.Variable`, which has no `.path`.
 
+    One update on tensors, assigning nothing: `apply_on_tensors(grads, params, state)` with
+    `state = initial_state(variables)` or `current_state()` (see `apply_on_tensors`).
+
     Gradient clipping. Keras's `clipnorm`/`global_clipnorm`/`clipvalue` are applied by Keras in
     *replica* context, i.e. to each replica's local gradient before the all-reduce (with Keras's
     loss scaling by 1/num_replicas, a per-replica gradient is about 1/num_replicas of the global
     mean gradient, so `global_clipnorm=c` acts like a threshold of about c*num_replicas on the
     aggregate). `aggregated_clipnorm=c` instead all-reduces (sums) the gradients first and then
-    rescales the whole aggregated gradient list by `min(1, c / global_norm)`, identically on
-    every replica, so 1 replica and N replicas clip the same gradient.
+    rescales the whole aggregated gradient list by `min(1, c / global_norm)`
+    (`clip_aggregated`), identically on every replica, so 1 replica and N replicas clip the
+    same gradient.
     BERT (`optimization.create_optimizer`) calls `tf.clip_by_global_norm(grads, 1.0)` on each
     TPU shard's gradient of that shard's MEAN loss, before `CrossShardOptimizer` averages the
     shards: per-shard clipping. On one replica BERT, `global_clipnorm` and `aggregated_clipnorm`
@@ -267,18 +354,34 @@ class BaseOptimizer(keras.optimizers.Optimizer):
             raise ValueError("Set at most one of `aggregated_clipnorm` and `global_clipnorm`.")
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.aggregated_clipnorm = aggregated_clipnorm
+        # Kept to evaluate the schedule at any iteration (`learning_rate_at`): Keras's public
+        # `learning_rate` evaluates it only at the optimizer's own `iterations`.
+        self._learning_rate_schedule = _schedule_or_none(learning_rate)
         self._rule = rule
         # name -> initial python float; the variables are created in build().
         self._initial_hyperparameters = dict(variable_hyperparameters or {})
         self._hyperparameter_variables = {}
         self._learning_rate_scale = None
-        self._slot_variables = []  # per trainable variable: dict name -> keras Variable
-        self._variable_options = []  # per trainable variable: static dict
+        # Per trainable variable, decided in build(): dict name -> slot variable, the static
+        # options, whether Keras overwrites it with its gradient, its constraint.
+        self._slot_variables = []
+        self._variable_options = []
+        self._overwrite_with_gradient = []
+        self._constraints = []
 
     # -- public contract ------------------------------------------------------------------------
     @property
     def rule(self):
         return self._rule
+
+    @property
+    def learning_rate(self):
+        return super().learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        keras.optimizers.Optimizer.learning_rate.fset(self, learning_rate)
+        self._learning_rate_schedule = _schedule_or_none(learning_rate)
 
     @property
     def learning_rate_scale(self):
@@ -302,81 +405,252 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         self._check_built("current_hyperparameters()")
         return self._hyperparameters(self.schedule_learning_rate())
 
+    def hyperparameters_at(self, iterations):
+        """The rule's `hparams` for update number `iterations + 1`; works unbuilt.
+
+        "learning_rate" (float32): `learning_rate_at(iterations)` times `learning_rate_scale`
+        (1 before `build`). Each other name of the optimizer's variable hyperparameters
+        (float64): its variable's current value, or before `build` its configured value.
+        """
+        if self.built:
+            return self._hyperparameters(self.learning_rate_at(iterations))
+        hparams = {"learning_rate": self.learning_rate_at(iterations)}
+        for hp_name, value in self._initial_hyperparameters.items():
+            if value is not None:
+                hparams[hp_name] = _to_float64(value)
+        return hparams
+
     def schedule_learning_rate(self):
         """The learning rate of the next update before `learning_rate_scale` (the schedule's
         value at `iterations`, or the fixed rate), float32."""
-        return tf.cast(self._get_current_learning_rate(), tf.float32)
+        return tf.cast(self.learning_rate, tf.float32)
+
+    def learning_rate_at(self, iterations):
+        """The learning rate of update number `iterations + 1` before `learning_rate_scale`,
+        float32: the schedule's value at `iterations` (Keras calls a schedule with the number
+        of updates already applied), else the fixed rate (or a callable rate's value)."""
+        if self._learning_rate_schedule is not None:
+            return tf.cast(self._learning_rate_schedule(iterations), tf.float32)
+        return tf.cast(self.learning_rate, tf.float32)
 
     def slots_for(self, variable):
         """dict slot name -> slot variable (rule.slot_names order) for a Keras or tf variable."""
         self._check_built("slots_for()")
-        return dict(self._slot_variables[self._get_variable_index(variable)])
+        return dict(self._slot_variables[_compat.variable_index(self, variable)])
 
     def options_for(self, variable):
         """The static per-variable options decided in build()."""
         self._check_built("options_for()")
-        return dict(self._variable_options[self._get_variable_index(variable)])
+        return dict(self._variable_options[_compat.variable_index(self, variable)])
 
     def variable_options(self, variable):
         """Decides the static options of one variable (a Keras variable with `.path`).
 
-        Subclasses override; called once per variable in build().
+        Subclasses override; called once per variable in build() (and by `initial_state`).
         """
         return self.rule.default_options(tuple(variable.shape))
+
+    def clip_aggregated(self, grads):
+        """The aggregated gradients as the update uses them (a list, None entries kept).
+
+        Densified; with `aggregated_clipnorm=c`, the whole list rescaled by
+        `min(1, c / global_norm)` (`tf.clip_by_global_norm`). `grads` must be the aggregated
+        (all-reduced) gradient: `apply_gradients` calls this after its all-reduce,
+        `apply_on_tensors` on the gradients it is given.
+        """
+        grads = _as_list(grads, "grads", "clip_aggregated")
+        present = [i for i, g in enumerate(grads) if g is not None]
+        dense = functional.densify([grads[i] for i in present])
+        if self.aggregated_clipnorm is not None and dense:
+            dense, _ = tf.clip_by_global_norm(dense, self.aggregated_clipnorm)
+        out = list(grads)
+        for i, g in zip(present, dense):
+            out[i] = g
+        return out
+
+    # -- one update on tensors ------------------------------------------------------------------
+    def initial_state(self, variables):
+        """The state before the first update, for `apply_on_tensors`: zero slots, 0 iterations.
+
+        Works without building the optimizer. Each variable gets the slots `build` would give
+        it: the rule's slots for the options `variable_options` decides from its Keras path,
+        float32 (float64 for a float64 variable), none for an `overwrite_with_gradient`
+        variable.
+
+        Args:
+          variables: the Keras variables to update (e.g. `model.trainable_variables`).
+        """
+        slots = []
+        for variable in _as_list(variables, "variables", "initial_state"):
+            options, overwrite, _ = self._variable_record(variable)
+            slots.append({} if overwrite else self.rule.init_slots(variable, options))
+        return OptimizerState(tuple(slots), tf.constant(0, tf.int64))
+
+    def current_state(self, variables=None):
+        """A built optimizer's state as tensors: its slot variables' and `iterations`' values.
+
+        Args:
+          variables: the (Keras or tf) variables whose slots to read, all of them the
+            optimizer was built with; default: every built variable, in build order.
+        """
+        self._check_built("current_state()")
+        if variables is None:
+            slot_variables = list(self._slot_variables)
+        else:
+            slot_variables = [
+                self._slot_variables[_compat.variable_index(self, v)]
+                for v in _as_list(variables, "variables", "current_state")
+            ]
+        slots = tuple(
+            {k: tf.convert_to_tensor(v.value) for k, v in s.items()} for s in slot_variables
+        )
+        return OptimizerState(slots, tf.cast(tf.convert_to_tensor(self.iterations), tf.int64))
+
+    def apply_on_tensors(self, grads, params, state, variables=None, hyperparameters=None):
+        """One update on tensors: `(new_params, new_state)`, assigning nothing.
+
+        Exactly the update `apply_gradients` would make from the same values and state, in
+        its order: a variable with `overwrite_with_gradient` takes its gradient; a None
+        gradient leaves its variable and slots unchanged (Keras skips it); the others are
+        divided by `loss_scale_factor` (when set), clipped by `clip_aggregated`
+        (`aggregated_clipnorm`), updated by `rule.update` with step `state.iterations + 1`
+        (see `apply_rule`), and a variable's `constraint` is applied to its new value. The
+        gradients are taken to be the aggregate: this step never all-reduces (under a
+        strategy, pass gradients already summed over replicas) and never calls
+        `apply_gradients`. Differentiable with respect to grads, params, slots and
+        hyperparameters (MAML inner loops); the state carries slots and count from step to
+        step (Reptile inner loops), through `tf.function` and `tf.while_loop`.
+
+        Not supported (a ValueError names the argument): Keras's `clipnorm`,
+        `global_clipnorm`, `clipvalue` (applied to each replica's gradient before the
+        all-reduce; use `aggregated_clipnorm`), Keras's generic `weight_decay` (use the
+        optimizers' own `weight_decay_rate`), `use_ema` (the moving average is state this
+        step does not carry) and `gradient_accumulation_steps`.
+
+        Args:
+          grads: one gradient (tensor, `tf.IndexedSlices` or None) per variable.
+          params: the variables' values before the update, one tensor per variable.
+          state: an `OptimizerState` (from `initial_state`, `current_state` or a previous
+            call) for the same variables.
+          variables: the Keras variables the params are values of, which decide each
+            variable's options (from its path), `overwrite_with_gradient` and `constraint`
+            as `build` does. Default: the variables the optimizer was built with (it must
+            then be built).
+          hyperparameters: dict name -> value replacing the optimizer's values for this
+            update (e.g. {"beta_1": b} to differentiate with respect to b); "learning_rate"
+            is the effective rate. Default: `hyperparameters_at(state.iterations)`.
+        Returns `(new_params, new_state)`: a list with one tensor per variable (in the
+        params' dtypes) and the `OptimizerState` after the update (`iterations + 1`).
+        """
+        self._check_tensor_step_supported()
+        if not isinstance(state, OptimizerState):
+            raise ValueError(
+                "apply_on_tensors: `state` must be an OptimizerState (from `initial_state`, "
+                f"`current_state` or a previous `apply_on_tensors`); got {type(state).__name__}."
+            )
+        grads = _as_list(grads, "grads", "apply_on_tensors")
+        params = [tf.convert_to_tensor(p) for p in _as_list(params, "params", "apply_on_tensors")]
+        if not len(grads) == len(params) == len(state.slots):
+            raise ValueError(
+                "apply_on_tensors: `grads`, `params` and `state.slots` must have one entry per "
+                f"variable; got {len(grads)}, {len(params)}, {len(state.slots)}."
+            )
+        records = self._records_for(params, variables)
+        for i, (p, s, (options, overwrite, _)) in enumerate(zip(params, state.slots, records)):
+            expected = () if overwrite else self.rule.slot_names(tuple(p.shape), options)
+            if set(s) != set(expected):
+                raise ValueError(
+                    f"apply_on_tensors: `state.slots[{i}]` holds {sorted(s)}, but "
+                    f"{type(self).__name__} keeps {sorted(expected)} for this variable (shape "
+                    f"{tuple(p.shape)}): make the state with this optimizer's `initial_state` "
+                    "or `current_state` for these variables."
+                )
+        if all(g is None for g in grads):
+            raise ValueError("apply_on_tensors: every entry of `grads` is None.")
+
+        iterations = tf.cast(state.iterations, tf.int64)
+        hparams = self._hyperparameters_for_update(iterations, hyperparameters)
+        step = tf.cast(iterations + 1, tf.float32)
+        new_params, new_slots = list(params), list(state.slots)
+        updated = []
+        for i, (g, (_, overwrite, _)) in enumerate(zip(grads, records)):
+            if g is None:
+                continue
+            if overwrite:
+                new_params[i] = tf.cast(functional.densify([g])[0], params[i].dtype)
+            else:
+                updated.append(i)
+        update_grads = [grads[i] for i in updated]
+        if self.loss_scale_factor is not None:
+            update_grads = [g / self.loss_scale_factor for g in functional.densify(update_grads)]
+        values, slots = apply_rule(
+            self.rule,
+            self.clip_aggregated(update_grads),
+            [params[i] for i in updated],
+            [state.slots[i] for i in updated],
+            [records[i][0] for i in updated],
+            hparams,
+            step,
+        )
+        for i, value, s in zip(updated, values, slots):
+            constraint = records[i][2]
+            new_params[i] = value if constraint is None else constraint(value)
+            new_slots[i] = s
+        return new_params, OptimizerState(tuple(new_slots), iterations + 1)
 
     # -- Keras hooks ----------------------------------------------------------------------------
     def build(self, variables):
         if self.built:
             return
         super().build(variables)
-        with keras_backend.name_scope(self.name, caller=self):
-            self._learning_rate_scale = keras.Variable(
-                1.0,
-                name="learning_rate_scale",
-                dtype="float32",
-                trainable=False,
-                aggregation="only_first_replica",
-            )
-        # (assigning a Variable attribute tracks it; no explicit _track_variable)
+        self._learning_rate_scale = self.add_variable(
+            shape=(),
+            initializer="ones",
+            dtype="float32",
+            aggregation="only_first_replica",
+            name="learning_rate_scale",
+        )
         for hp_name, value in self._initial_hyperparameters.items():
             if value is None:
                 continue
-            with keras_backend.name_scope(self.name, caller=self):
-                v = keras.Variable(
-                    float(value),
-                    name=hp_name,
-                    dtype="float64",
-                    trainable=False,
-                    aggregation="only_first_replica",
-                )
-            self._track_variable(v)
-            self._hyperparameter_variables[hp_name] = v
+            # A float64 array as initializer keeps the python float exactly (a Constant
+            # initializer would round it through float32).
+            self._hyperparameter_variables[hp_name] = self.add_variable(
+                shape=(),
+                initializer=np.asarray(float(value), "float64"),
+                dtype="float64",
+                aggregation="only_first_replica",
+                name=hp_name,
+            )
         self._slot_variables = []
         self._variable_options = []
+        self._overwrite_with_gradient = []
+        self._constraints = []
+        strategy = _compat.optimizer_strategy(self)
         for variable in variables:
-            if self._overwrite_variable_with_gradient(variable):
-                self._slot_variables.append({})
-                self._variable_options.append({})
-                continue
-            options = self.variable_options(variable)
-            shapes = self.rule.slot_shapes(tuple(variable.shape), options)
-            slot_dtype = "float64" if keras_backend.standardize_dtype(variable.dtype) == "float64" else "float32"
+            options, overwrite, constraint = self._variable_record(variable)
             slots = {}
-            prefix = variable_path(variable).replace("/", "_")
-            colocate = variable.value if isinstance(variable, keras_backend.Variable) else variable
-            for slot_name, slot_shape in shapes.items():
-                with self._distribution_strategy.extended.colocate_vars_with(colocate):
-                    slots[slot_name] = self.add_variable(
-                        shape=slot_shape,
-                        initializer="zeros",
-                        dtype=slot_dtype,
-                        name=f"{prefix}_{slot_name}",
-                    )
+            if not overwrite:
+                shapes = self.rule.slot_shapes(tuple(variable.shape), options)
+                float64 = keras.backend.standardize_dtype(variable.dtype) == "float64"
+                prefix = variable_path(variable).replace("/", "_")
+                for slot_name, slot_shape in shapes.items():
+                    # Next to the variable, as Keras's add_variable_from_reference places
+                    # slots (which cannot be used: its slot takes the variable's dtype).
+                    with strategy.extended.colocate_vars_with(_tf_variable(variable)):
+                        slots[slot_name] = self.add_variable(
+                            shape=slot_shape,
+                            initializer="zeros",
+                            dtype="float64" if float64 else "float32",
+                            name=f"{prefix}_{slot_name}",
+                        )
             self._slot_variables.append(slots)
             self._variable_options.append(options)
+            self._overwrite_with_gradient.append(overwrite)
+            self._constraints.append(constraint)
 
     def update_step(self, gradient, variable, learning_rate):
-        index = self._get_variable_index(variable)
+        index = _compat.variable_index(self, variable)
         slot_vars = self._slot_variables[index]
         options = self._variable_options[index]
         hparams = self._hyperparameters(learning_rate)
@@ -416,8 +690,8 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         replica's copy under a strategy): evaluating the model at it reads the variable's
         buffer instead of keeping `new_value` alive as a separate copy.
         """
-        slot_vars = self._slot_variables[self._get_variable_index(variable)]
-        target = variable.value if isinstance(variable, keras_backend.Variable) else variable
+        slot_vars = self._slot_variables[_compat.variable_index(self, variable)]
+        target = _tf_variable(variable)
 
         def assign_one_copy(var, value, slots):
             # `var` is one device's copy under a mirrored strategy; `self.assign` on the
@@ -434,25 +708,25 @@ class BaseOptimizer(keras.optimizers.Optimizer):
                 target, assign_one_copy, args=(value, slots), group=True
             )
 
-        return tf.__internal__.distribute.interim.maybe_merge_call(
-            assign_all_copies, self._distribution_strategy, new_value, dict(new_slots)
+        return _compat.maybe_merge_call(
+            assign_all_copies, _compat.optimizer_strategy(self), new_value, dict(new_slots)
         )
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        # Keras's private hook (see _compat.BACKEND_UPDATE_STEP_HOOK): Keras's own TF step
+        # (all-reduce, then `update_step` per variable in a merge call) with
+        # `clip_aggregated` between the all-reduce and the update.
         if self.aggregated_clipnorm is None:
             return super()._backend_update_step(grads, trainable_variables, learning_rate)
-        # All-reduce first, then clip the aggregate (the same on every replica).
-        trainable_variables = [
-            v.value if isinstance(v, keras_backend.Variable) else v for v in trainable_variables
-        ]
-        grads = [dense(g) for g in grads]
-        grads_and_vars = self._all_reduce_sum_gradients(list(zip(grads, trainable_variables)))
-        clipped, _ = tf.clip_by_global_norm([g for g, _ in grads_and_vars], self.aggregated_clipnorm)
-        grads_and_vars = list(zip(clipped, [v for _, v in grads_and_vars]))
-        tf.__internal__.distribute.interim.maybe_merge_call(
-            self._distributed_tf_update_step,
-            self._distribution_strategy,
-            grads_and_vars,
+        trainable_variables = [_tf_variable(v) for v in trainable_variables]
+        grads_and_vars = _compat.all_reduce_sum_gradients(
+            self, list(zip(functional.densify(grads), trainable_variables))
+        )
+        clipped = self.clip_aggregated([g for g, _ in grads_and_vars])
+        _compat.maybe_merge_call(
+            _compat.distributed_update_step(self),
+            _compat.optimizer_strategy(self),
+            list(zip(clipped, [v for _, v in grads_and_vars])),
             learning_rate,
         )
 
@@ -470,6 +744,85 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         for hp_name, v in self._hyperparameter_variables.items():
             hparams[hp_name] = tf.convert_to_tensor(v.value)
         return hparams
+
+    def _hyperparameters_for_update(self, iterations, overrides):
+        hparams = self.hyperparameters_at(iterations)
+        if overrides is None:
+            return hparams
+        if not isinstance(overrides, dict):
+            raise ValueError(
+                "apply_on_tensors: `hyperparameters` must be a dict name -> value, got "
+                f"{type(overrides).__name__}."
+            )
+        known = ("learning_rate",) + tuple(self.rule.hyperparameter_names)
+        unknown = sorted(set(overrides) - set(known))
+        if unknown:
+            raise ValueError(
+                f"apply_on_tensors: `hyperparameters` names {unknown}, which "
+                f"{type(self).__name__}'s rule does not read; it reads {list(known)}."
+            )
+        hparams.update(overrides)
+        return hparams
+
+    def _variable_record(self, variable):
+        """(options, overwrite_with_gradient, constraint) of one variable, as build decides."""
+        if getattr(variable, "overwrite_with_gradient", False):
+            return {}, True, None
+        return self.variable_options(variable), False, getattr(variable, "constraint", None)
+
+    def _records_for(self, params, variables):
+        if variables is None:
+            if not self.built:
+                raise ValueError(
+                    "apply_on_tensors: pass `variables` (the Keras variables the params are "
+                    "values of, e.g. model.trainable_variables: their paths decide per-variable "
+                    "options) or build the optimizer first."
+                )
+            records = list(
+                zip(self._variable_options, self._overwrite_with_gradient, self._constraints)
+            )
+            source = "the optimizer was built with"
+        else:
+            records = [
+                self._variable_record(v)
+                for v in _as_list(variables, "variables", "apply_on_tensors")
+            ]
+            source = "`variables` has"
+        if len(records) != len(params):
+            raise ValueError(
+                f"apply_on_tensors: {source} {len(records)} variables but `params` has "
+                f"{len(params)} entries."
+            )
+        return records
+
+    def _check_tensor_step_supported(self):
+        name = type(self).__name__
+        for attr in ("clipnorm", "global_clipnorm", "clipvalue"):
+            value = getattr(self, attr, None)
+            if value:
+                raise ValueError(
+                    f"apply_on_tensors does not support Keras's `{attr}` ({name} has "
+                    f"{attr}={value}): Keras applies it to each replica's gradient before the "
+                    "all-reduce, and the tensor step takes the aggregated gradient; use "
+                    "`aggregated_clipnorm` instead."
+                )
+        if self.weight_decay:
+            raise ValueError(
+                f"apply_on_tensors does not support Keras's generic `weight_decay` ({name} has "
+                f"weight_decay={self.weight_decay}), applied outside the optimizer's rule; use "
+                "AdamWeightDecay/Lamb/Adafactor's `weight_decay_rate`."
+            )
+        if self.use_ema:
+            raise ValueError(
+                f"apply_on_tensors does not support `use_ema=True` ({name}): the moving "
+                "average is optimizer state the tensor step does not carry."
+            )
+        if self.gradient_accumulation_steps:
+            raise ValueError(
+                "apply_on_tensors does not support `gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps}` ({name}): it makes one update from the "
+                "gradients it is given."
+            )
 
     def _check_built(self, what):
         if not self.built:

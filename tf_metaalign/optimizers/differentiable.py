@@ -1,0 +1,300 @@
+"""Which optimizers an algorithm can differentiate through (guided learning's hypergradient).
+
+Guided learning differentiates one update with respect to its hyperparameters in forward
+mode (`tf_metaalign.forward_mode`): the rule runs with the hyperparameters as
+`forward_mode.Dual`s. So an optimizer is supported when its rule runs that way, which
+`forward_mode_error` checks by running it, not by its class:
+
+* `forward_mode_error(optimizer)` / `supports_forward_mode(optimizer)`: the contract, probed;
+* `supported_optimizers()`: the exported optimizer classes whose default configuration
+  passes; `optimizer_classes()`: every exported optimizer class;
+* `check_optimizer(optimizer, context)`: the checks guided learning makes on the optimizer
+  it trains with; `resolve_hyperparameters(optimizer, names)`: learned names -> the
+  optimizer's own;
+* `as_rule_optimizer(optimizer)`: a Keras `Adam`/`SGD` as the tf_metaalign optimizer with the
+  identical rule (e.g. for guided learning's `meta_optimizer`).
+"""
+import functools
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_metaalign import forward_mode
+from tf_metaalign.optimizers.adafactor import Adafactor
+from tf_metaalign.optimizers.adam import Adam
+from tf_metaalign.optimizers.base import BaseOptimizer
+from tf_metaalign.optimizers.sgd import SGD
+
+#: variable shapes the probe runs the rule on: a scalar, a vector, a small matrix, and one
+#: large enough for Adafactor's default `min_dim_size_to_factor=128` to factor.
+PROBE_SHAPES = ((), (3,), (4, 3), (256, 192))
+#: the learning rate `supported_optimizers` constructs each class with (Adafactor has no
+#: default); the probe does not depend on its value.
+PROBE_LEARNING_RATE = 0.01
+#: hyperparameter names accepted as another name for the optimizer's own (SGD's momentum
+#: is its first-moment coefficient, the paper's beta_1).
+ALIASES = {"beta_1": ("momentum",)}
+
+
+# ------------------------------------------------------------------------ forward mode
+
+
+def forward_mode_error(optimizer):
+    """None when `optimizer`'s update has forward-mode derivatives, else the reason.
+
+    Runs `optimizer.rule.update` once per shape of `PROBE_SHAPES` (float32 variable, the
+    rule's default options, positive slots, step 2) with every name of
+    `optimizer.differentiable_hyperparameters` seeded as its own `forward_mode.Dual`
+    direction, at the values `optimizer.hyperparameters_at(0)` gives, and asks for the
+    tangents of the new variable. An op without a forward-mode rule raises a TypeError
+    there (`forward_mode`), whose message is returned. A branch of the rule that only other
+    shapes or options take is not probed. Runs eagerly (`tf.init_scope`), also when called
+    while tracing a `tf.function`.
+    """
+    if not isinstance(optimizer, BaseOptimizer):
+        return (
+            f"{type(optimizer).__module__}.{type(optimizer).__name__} is not a "
+            "tf_metaalign optimizer (it has no pure update rule)"
+        )
+    rule = optimizer.rule
+    names = tuple(optimizer.differentiable_hyperparameters)
+    with tf.init_scope():
+        hparams = dict(optimizer.hyperparameters_at(tf.constant(0, tf.int64)))
+        for k, name in enumerate(names):
+            value = hparams.get(name, rule.defaults.get(name))
+            if value is None:
+                return (
+                    f"{type(optimizer).__name__} lists {name!r} in "
+                    "`differentiable_hyperparameters` but has no value for it"
+                )
+            if not isinstance(value, tf.Tensor):
+                value = tf.constant(float(value), tf.float64)
+            hparams[name] = forward_mode.seed(value, len(names), k)
+        rng = np.random.default_rng(0)
+        for shape in PROBE_SHAPES:
+            options = rule.default_options(shape)
+            var = tf.constant(rng.normal(size=shape), tf.float32)
+            grad = tf.constant(rng.normal(size=shape), tf.float32)
+            slots = {
+                slot: tf.constant(rng.uniform(0.1, 1.0, size=slot_shape), tf.float32)
+                for slot, slot_shape in rule.slot_shapes(shape, options).items()
+            }
+            try:
+                new_var, _ = rule.update(grad, var, slots, hparams, 2.0, options)
+                forward_mode.tangents(new_var, len(names))
+            except TypeError as error:
+                return (
+                    f"{type(optimizer).__name__}'s rule has no forward-mode derivative with "
+                    f"respect to {list(names)} (a variable of shape {shape}): {error}"
+                )
+    return None
+
+
+def supports_forward_mode(optimizer):
+    """Whether `optimizer`'s update has forward-mode derivatives (`forward_mode_error`)."""
+    return forward_mode_error(optimizer) is None
+
+
+def optimizer_classes():
+    """The optimizer classes `tf_metaalign.optimizers` exports (each `BaseOptimizer`
+    subclass in its `__all__`), sorted by name."""
+    from tf_metaalign import optimizers  # the package, which imports this module
+
+    classes = []
+    for name in optimizers.__all__:
+        obj = getattr(optimizers, name)
+        if isinstance(obj, type) and issubclass(obj, BaseOptimizer) and obj is not BaseOptimizer:
+            classes.append(obj)
+    return sorted(classes, key=lambda cls: cls.__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def supported_optimizers():
+    """Names (sorted) of the exported optimizer classes whose default configuration
+    (`cls(learning_rate=PROBE_LEARNING_RATE)`) passes `forward_mode_error`."""
+    names = []
+    for cls in optimizer_classes():
+        with tf.init_scope():
+            optimizer = cls(learning_rate=PROBE_LEARNING_RATE)
+        if forward_mode_error(optimizer) is None:
+            names.append(cls.__name__)
+    return tuple(names)
+
+
+# ----------------------------------------------------------------- guided learning
+
+
+def _unsupported_optimizer_error(optimizer, context="GuidedTrainer"):
+    return ValueError(
+        f"{context} differentiates through the optimizer's update, so the optimizer must be "
+        f"one of tf_metaalign.optimizers: {', '.join(supported_optimizers())} (each has a pure "
+        f"update rule); got {type(optimizer).__module__}.{type(optimizer).__name__}. "
+        "Keras's built-in optimizers are not differentiable here: replace "
+        "keras.optimizers.Adam(...) by tf_metaalign.optimizers.Adam(...) "
+        "(tf_metaalign.optimizers.as_rule_optimizer converts a Keras Adam or SGD)."
+    )
+
+
+def check_optimizer(optimizer, context="GuidedTrainer"):
+    """Raises a ValueError unless guided learning can differentiate `optimizer`'s update.
+
+    It must be a tf_metaalign optimizer whose rule passes `forward_mode_error`, without
+    LossScaleOptimizer, Keras's per-replica clipping (`clipnorm`, `global_clipnorm`,
+    `clipvalue`), Keras's generic `weight_decay` or `gradient_accumulation_steps`.
+    `context` names the caller in the messages.
+    """
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            f"{context} does not support LossScaleOptimizer (mixed_float16): train in float32 "
+            "or bfloat16 (mixed_bfloat16 needs no loss scaling)."
+        )
+    if not isinstance(optimizer, BaseOptimizer):
+        raise _unsupported_optimizer_error(optimizer, context)
+    for attr in ("clipnorm", "global_clipnorm", "clipvalue"):
+        if getattr(optimizer, attr, None) is not None:
+            raise ValueError(
+                f"{context}: the optimizer's `{attr}` clips each replica's gradient before the "
+                "all-reduce, which the differentiated update cannot reproduce; use the "
+                "optimizer's `aggregated_clipnorm` instead."
+            )
+    if getattr(optimizer, "weight_decay", None):
+        raise ValueError(
+            f"{context}: Keras's generic `weight_decay` argument is applied outside the "
+            "optimizer's rule; use AdamWeightDecay/Lamb/Adafactor's `weight_decay_rate`."
+        )
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    if steps not in (None, 1):
+        raise ValueError(
+            f"{context} does not support gradient_accumulation_steps={steps}: the hypergradient "
+            "is taken through every optimizer update."
+        )
+    reason = forward_mode_error(optimizer)
+    if reason is not None:
+        raise ValueError(
+            f"{context} differentiates through the optimizer's update in forward mode "
+            f"(tf_metaalign.forward_mode), which this optimizer does not support: {reason}. "
+            f"Supported: {', '.join(supported_optimizers())}."
+        )
+
+
+def resolve_hyperparameters(optimizer, names, explicit=True):
+    """Maps requested names to the optimizer's hyperparameter names.
+
+    Returns a dict requested name -> optimizer name ("learning_rate" -> "learning_rate",
+    "beta_1" -> "beta_1", or "momentum" for SGD with momentum). An unknown name raises
+    an error listing the optimizer's differentiable hyperparameters; with
+    `explicit=False` (the default names) a name the optimizer lacks is dropped.
+    """
+    available = tuple(getattr(optimizer, "differentiable_hyperparameters", ("learning_rate",)))
+    resolved = {}
+    for name in names:
+        candidates = (name,) + ALIASES.get(name, ())
+        match = next((c for c in candidates if c in available), None)
+        if match is None:
+            if not explicit:
+                continue
+            raise ValueError(
+                f"Unknown hyperparameter {name!r} for {type(optimizer).__name__}: this optimizer "
+                f"can learn {list(available)}"
+                + (
+                    " (Adafactor learns beta_1 only when constructed with beta_1 set, e.g. 0.0)"
+                    if isinstance(optimizer, Adafactor) and name == "beta_1"
+                    else ""
+                )
+                + "."
+            )
+        if match in resolved.values():
+            raise ValueError(f"`hyperparameters` names {match!r} twice ({names}).")
+        resolved[name] = match
+    if not resolved:
+        raise ValueError("`hyperparameters` is empty: name at least one hyperparameter to learn.")
+    return resolved
+
+
+# ------------------------------------------------------------- Keras optimizers
+
+
+#: `keras.optimizers.Optimizer` arguments every tf_metaalign optimizer passes through to Keras.
+_KERAS_BASE_ARGUMENTS = (
+    "name",
+    "weight_decay",
+    "clipnorm",
+    "global_clipnorm",
+    "clipvalue",
+    "use_ema",
+    "ema_momentum",
+    "ema_overwrite_frequency",
+    "loss_scale_factor",
+    "gradient_accumulation_steps",
+)
+
+
+def _learning_rate_from_config(config, optimizer):
+    """The learning rate in a Keras optimizer's config: a float, or the deserialized
+    schedule (a `LearningRateSchedule`) or callable."""
+    value = config["learning_rate"]
+    if not isinstance(value, dict):
+        return value
+    try:
+        return keras.saving.deserialize_keras_object(value)
+    except Exception as error:  # whatever deserialization raises, say which argument failed
+        raise ValueError(
+            f"as_rule_optimizer: cannot rebuild the learning rate of {type(optimizer).__name__} "
+            f"from its config ({value!r}): {error}. Register the schedule with "
+            "keras.saving.register_keras_serializable, or build the tf_metaalign optimizer "
+            "directly."
+        ) from None
+
+
+def as_rule_optimizer(optimizer):
+    """A tf_metaalign optimizer with the same update as `optimizer` (its configuration, not
+    its state: iterations and slots start afresh).
+
+    * a tf_metaalign optimizer (`BaseOptimizer`) is returned unchanged;
+    * `keras.optimizers.Adam` (amsgrad=False) -> `tf_metaalign.optimizers.Adam`;
+    * `keras.optimizers.SGD` (momentum, nesterov) -> `tf_metaalign.optimizers.SGD`;
+    with the learning rate (float, or the schedule rebuilt from the config), the rule's
+    coefficients and Keras's own arguments (name, clipping, weight_decay, EMA, ...) taken
+    from the public `get_config()`. Both rules are Keras's own, rewritten as pure functions,
+    so `apply_gradients` gives the same updates. Anything else (including subclasses such
+    as `keras.optimizers.AdamW`, whose rule differs) raises a ValueError listing what is
+    supported.
+    """
+    if isinstance(optimizer, BaseOptimizer):
+        return optimizer
+    kind = type(optimizer)
+    if kind is keras.optimizers.Adam:
+        config = optimizer.get_config()
+        if config.get("amsgrad"):
+            raise ValueError(
+                "as_rule_optimizer: keras.optimizers.Adam(amsgrad=True) has no tf_metaalign "
+                "rule; use amsgrad=False (tf_metaalign.optimizers.Adam is Keras's Adam without "
+                "amsgrad)."
+            )
+        target, rule_arguments = Adam, ("beta_1", "beta_2", "epsilon")
+    elif kind is keras.optimizers.SGD:
+        config = optimizer.get_config()
+        target, rule_arguments = SGD, ("momentum", "nesterov")
+    else:
+        raise ValueError(
+            "as_rule_optimizer: supported are the tf_metaalign optimizers "
+            f"({', '.join(cls.__name__ for cls in optimizer_classes())}), "
+            "keras.optimizers.Adam (amsgrad=False) and keras.optimizers.SGD; got "
+            f"{kind.__module__}.{kind.__name__}."
+        )
+    arguments = {name: config[name] for name in rule_arguments + _KERAS_BASE_ARGUMENTS if name in config}
+    return target(learning_rate=_learning_rate_from_config(config, optimizer), **arguments)
+
+
+__all__ = [
+    "ALIASES",
+    "PROBE_SHAPES",
+    "as_rule_optimizer",
+    "check_optimizer",
+    "forward_mode_error",
+    "optimizer_classes",
+    "resolve_hyperparameters",
+    "supported_optimizers",
+    "supports_forward_mode",
+]
