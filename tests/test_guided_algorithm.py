@@ -10,6 +10,7 @@ from optimizer_registry import REGISTRY
 from tf_metaalign import functional as F
 from tf_metaalign import optimizers as opt_lib
 from tf_metaalign.algorithms import guided
+from tf_metaalign.optimizers.base import apply_rule
 
 
 def _mse(y, p, sample_weight=None):
@@ -84,7 +85,7 @@ def _raw_point(names, rule):
 
 def _guide_loss_at(s, raw):
     hp = guided.hyperparameters_from_raw(s["base_hparams"], raw)
-    new = guided.lookahead(s["rule"], s["grads"], s["params"], s["slots"], s["options"], hp, s["step"])
+    new, _ = apply_rule(s["rule"], s["grads"], s["params"], s["slots"], s["options"], hp, s["step"])
     return float(s["guide_fn"](new, s["state"], s["guidance_batch"])[0])
 
 

@@ -224,7 +224,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="hyperparameters"):
         GuidedTrainer(_model(), _data(16), hyperparameters=())
     with pytest.raises(ValueError, match="meta_optimizer"):
-        GuidedTrainer(_model(), _data(16), meta_optimizer=keras.optimizers.Adam())
+        GuidedTrainer(_model(), _data(16), meta_optimizer=keras.optimizers.RMSprop())
     trainer = GuidedTrainer(_model(), _data(16))
     with pytest.raises(ValueError, match="aggregated_clipnorm"):
         trainer.compile(O.Adam(0.01, global_clipnorm=1.0), loss="mse")
@@ -336,3 +336,23 @@ def test_nan_loss_stops_before_anything_is_committed():
         np.testing.assert_array_equal(a, b)
     assert int(trainer.optimizer.iterations.numpy()) == 0
     assert int(trainer.guided.steps.numpy()) == 0
+
+
+def test_keras_builtin_meta_optimizer_gives_the_results_of_the_packages_own():
+    """A user passes keras.optimizers.Adam(...) as the meta-optimizer: it updates a few
+    scalars with the same rule as tf_metaalign.optimizers.Adam."""
+    x, y = _data()
+    runs = {}
+    for name, meta in {"keras": keras.optimizers.Adam(0.05), "ours": O.Adam(0.05),
+                       "keras_sgd": keras.optimizers.SGD(0.5, momentum=0.5),
+                       "ours_sgd": O.SGD(0.5, momentum=0.5)}.items():
+        trainer = GuidedTrainer(_model(), _data(16, seed=5), meta_optimizer=meta)
+        trainer.compile(O.Adam(0.02), loss="mse")
+        trainer.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        runs[name] = (trainer.learned_values(), _weights(trainer.model))
+    for a, b in (("keras", "ours"), ("keras_sgd", "ours_sgd")):
+        assert runs[a][0]["learning_rate"] != 1.0
+        assert runs[a][0] == runs[b][0]
+        for u, v in zip(runs[a][1], runs[b][1]):
+            np.testing.assert_array_equal(u, v)
+    assert runs["keras"][0] != runs["keras_sgd"][0]

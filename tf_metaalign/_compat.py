@@ -98,15 +98,6 @@ def unscale_loss_for_distribution(value):
     return keras_loss.unscale_loss_for_distribution(value)
 
 
-def set_initial_epoch(model: keras.Model, epoch: int | None):
-    """The epoch `fit` starts at, as `keras.callbacks.BackupAndRestore` sets it.
-
-    Private: `Trainer._initial_epoch`. Only read here (tests); Keras's own callback
-    writes it on restore.
-    """
-    model._initial_epoch = epoch
-
-
 @contextlib.contextmanager
 def unlocked_state(layer: keras.layers.Layer):
     """Allow `layer.add_weight` on a built layer within the block.

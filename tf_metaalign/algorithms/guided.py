@@ -129,19 +129,6 @@ def hyperparameters_from_raw(
     return hparams
 
 
-def lookahead(rule, grads, params, slots, options, hparams, step):
-    """``theta_{t+1}``: `rule.update` applied to every variable (new params only)."""
-    if not (len(grads) == len(params) == len(slots) == len(options)):
-        raise ValueError(
-            "lookahead: grads, params, slots and options must have one entry per variable; "
-            f"got {len(grads)}, {len(params)}, {len(slots)}, {len(options)}."
-        )
-    return [
-        rule.update(g, w, s, hparams, step, o)[0]
-        for g, w, s, o in zip(grads, params, slots, options)
-    ]
-
-
 # ------------------------------------------------------------------------- the step
 
 
@@ -535,7 +522,6 @@ __all__ = [
     "hyperparameters_from_raw",
     "hypergradients",
     "initial_raw",
-    "lookahead",
     "meta_update",
     "reduce_and_sanitize",
     "sanitize",

@@ -667,7 +667,7 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         """Commit an update already computed with `rule.update`: what `apply_gradients`
         does after the rule (assign variables and slots, count the iteration).
 
-        For code that computed `rule.update` itself (guided learning's lookahead) and
+        For code that computed `rule.update` itself (guided learning's forward-mode update) and
         should not pay for the update a second time. Call it where you would call
         `apply_gradients` (in a replica context under a strategy). The values must be the
         same on every replica, i.e. computed from all-reduced gradients: each replica

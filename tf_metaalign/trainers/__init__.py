@@ -1,18 +1,22 @@
 """Keras trainers: `keras.Model` wrappers whose `train_step` runs an algorithm."""
-from tf_metaalign.trainers.base import MetaTrainer
+from tf_metaalign.trainers.base import Diagnostic, EveryKSteps, MetaTrainer, commit_weights, replica_safe_cond
 from tf_metaalign.trainers.dotprod import DotProdTrainer
 from tf_metaalign.trainers.guided import (
     GuidedHyperparameters,
     GuidedTrainer,
+    guided_update,
     split_guidance_batch,
-    supported_optimizers,
 )
 
 __all__ = [
     "MetaTrainer",
+    "Diagnostic",
+    "EveryKSteps",
+    "commit_weights",
+    "replica_safe_cond",
     "DotProdTrainer",
     "GuidedTrainer",
     "GuidedHyperparameters",
+    "guided_update",
     "split_guidance_batch",
-    "supported_optimizers",
 ]

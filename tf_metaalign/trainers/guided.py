@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import numbers
-from typing import Mapping
 
 import keras
 import numpy as np
@@ -21,119 +20,15 @@ import tensorflow as tf
 from tf_metaalign import functional as F
 from tf_metaalign import optimizers as opt_lib
 from tf_metaalign.algorithms import guided as alg
-from tf_metaalign.optimizers import base as opt_base
+from tf_metaalign.optimizers.differentiable import (
+    as_rule_optimizer,
+    check_optimizer,
+    resolve_hyperparameters,
+)
 from tf_metaalign.trainers.base import EveryKSteps, MetaTrainer
 
 DEFAULT_HYPERPARAMETERS = ("learning_rate", "beta_1")
 DEFAULT_META_LEARNING_RATE = 3e-5
-#: hyperparameter names accepted as another name for the optimizer's own (SGD's momentum
-#: is its first-moment coefficient, the paper's beta_1).
-ALIASES = {"beta_1": ("momentum",)}
-
-
-def supported_optimizers():
-    """Names of the optimizers whose update can be differentiated (tf_metaalign.optimizers)."""
-    names = []
-    for name in opt_lib.__all__:
-        obj = getattr(opt_lib, name)
-        if isinstance(obj, type) and issubclass(obj, opt_base.BaseOptimizer) and (
-            obj is not opt_base.BaseOptimizer
-        ):
-            names.append(name)
-    return sorted(names)
-
-
-def _unsupported_optimizer_error(optimizer, context="GuidedTrainer"):
-    return ValueError(
-        f"{context} differentiates through the optimizer's update, so the optimizer must be "
-        f"one of tf_metaalign.optimizers: {', '.join(supported_optimizers())} (each has a pure "
-        f"update rule); got {type(optimizer).__module__}.{type(optimizer).__name__}. "
-        "Keras's built-in optimizers are not differentiable here: replace "
-        "keras.optimizers.Adam(...) by tf_metaalign.optimizers.Adam(...)."
-    )
-
-
-def check_optimizer(optimizer, context="GuidedTrainer"):
-    """Raises unless `optimizer` is a supported, differentiable tf_metaalign optimizer."""
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        raise ValueError(
-            f"{context} does not support LossScaleOptimizer (mixed_float16): train in float32 "
-            "or bfloat16 (mixed_bfloat16 needs no loss scaling)."
-        )
-    if not isinstance(optimizer, opt_base.BaseOptimizer):
-        raise _unsupported_optimizer_error(optimizer, context)
-    for attr in ("clipnorm", "global_clipnorm", "clipvalue"):
-        if getattr(optimizer, attr, None) is not None:
-            raise ValueError(
-                f"{context}: the optimizer's `{attr}` clips each replica's gradient before the "
-                "all-reduce, which the differentiated update cannot reproduce; use the "
-                "optimizer's `aggregated_clipnorm` instead."
-            )
-    if getattr(optimizer, "weight_decay", None):
-        raise ValueError(
-            f"{context}: Keras's generic `weight_decay` argument is applied outside the "
-            "optimizer's rule; use AdamWeightDecay/Lamb/Adafactor's `weight_decay_rate`."
-        )
-    steps = getattr(optimizer, "gradient_accumulation_steps", None)
-    if steps not in (None, 1):
-        raise ValueError(
-            f"{context} does not support gradient_accumulation_steps={steps}: the hypergradient "
-            "is taken through every optimizer update."
-        )
-
-
-def resolve_hyperparameters(optimizer, names, explicit=True):
-    """Maps requested names to the optimizer's hyperparameter names.
-
-    Returns a dict requested name -> optimizer name ("learning_rate" -> "learning_rate",
-    "beta_1" -> "beta_1", or "momentum" for SGD with momentum). An unknown name raises
-    an error listing the optimizer's differentiable hyperparameters; with
-    `explicit=False` (the default names) a name the optimizer lacks is dropped.
-    """
-    available = tuple(getattr(optimizer, "differentiable_hyperparameters", ("learning_rate",)))
-    resolved = {}
-    for name in names:
-        candidates = (name,) + ALIASES.get(name, ())
-        match = next((c for c in candidates if c in available), None)
-        if match is None:
-            if not explicit:
-                continue
-            raise ValueError(
-                f"Unknown hyperparameter {name!r} for {type(optimizer).__name__}: this optimizer "
-                f"can learn {list(available)}"
-                + (
-                    " (Adafactor learns beta_1 only when constructed with beta_1 set, e.g. 0.0)"
-                    if isinstance(optimizer, opt_lib.Adafactor) and name == "beta_1"
-                    else ""
-                )
-                + "."
-            )
-        if match in resolved.values():
-            raise ValueError(f"`hyperparameters` names {match!r} twice ({names}).")
-        resolved[name] = match
-    if not resolved:
-        raise ValueError("`hyperparameters` is empty: name at least one hyperparameter to learn.")
-    return resolved
-
-
-def _meta_learning_rate(meta_optimizer):
-    """The meta-optimizer's learning rate: a float, or its schedule (public config)."""
-    lr = meta_optimizer.get_config()["learning_rate"]
-    if isinstance(lr, dict):
-        return keras.optimizers.schedules.deserialize(lr)
-    return float(lr)
-
-
-def _as_meta_optimizer(optimizer):
-    if not isinstance(optimizer, opt_base.BaseOptimizer):
-        raise ValueError(
-            "`meta_optimizer` must be one of tf_metaalign.optimizers "
-            f"({', '.join(supported_optimizers())}), used for its pure rule and learning "
-            f"rate; got {type(optimizer).__name__}."
-        )
-    return optimizer
-
-
 @keras.saving.register_keras_serializable(package="tf_metaalign")
 class GuidedHyperparameters(keras.layers.Layer):
     """The state of guided learning: learned raw values, meta-optimizer slots, counters.
@@ -210,7 +105,10 @@ class GuidedHyperparameters(keras.layers.Layer):
             raise ValueError(f"`guidance_every` must be an integer >= 1; got {guidance_every!r}.")
         if meta_optimizer is None:
             meta_optimizer = opt_lib.Adam(DEFAULT_META_LEARNING_RATE)
-        meta_optimizer = _as_meta_optimizer(meta_optimizer)
+        try:
+            meta_optimizer = as_rule_optimizer(meta_optimizer)
+        except ValueError as e:
+            raise ValueError(f"`meta_optimizer`: {e}") from None
         if not isinstance(commit_forward_update, bool):
             raise ValueError(
                 f"`commit_forward_update` must be True or False; got {commit_forward_update!r}."
@@ -220,7 +118,6 @@ class GuidedHyperparameters(keras.layers.Layer):
         self.commit_forward_update = commit_forward_update
         self.meta_optimizer = meta_optimizer
         self.meta_rule = meta_optimizer.rule
-        self.meta_learning_rate = _meta_learning_rate(meta_optimizer)
         self.active = {}  # requested name -> optimizer hyperparameter name (after bind)
         self._bound_optimizer = None
 
@@ -354,8 +251,7 @@ def guided_update(hyper, model, optimizer, guide_loss_fn, grads, new_state, guid
         g_global = [g / tf.cast(loss_scale, g.dtype) for g in g_global]
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in g_global])
         apply = tf.logical_and(apply, finite)
-    if getattr(inner, "aggregated_clipnorm", None) is not None:
-        g_global, _ = tf.clip_by_global_norm(g_global, inner.aggregated_clipnorm)
+    g_global = inner.clip_aggregated(g_global)
 
     names = list(hyper.active)
     keys = [hyper.active[n] for n in names]
@@ -372,9 +268,7 @@ def guided_update(hyper, model, optimizer, guide_loss_fn, grads, new_state, guid
         for var in variables
     ]
     opt_vars = {k: _optimizer_variable(inner, k) for k in keys}
-    meta_lr = hyper.meta_learning_rate
-    if callable(meta_lr):
-        meta_lr = meta_lr(tf.convert_to_tensor(hyper.guided_steps.value))
+    meta_lr = hyper.meta_optimizer.learning_rate_at(tf.convert_to_tensor(hyper.guided_steps.value))
 
     # With a hypergradient every step, the forward-mode update IS this step's update:
     # commit it (group by group) instead of recomputing it in apply_gradients.
@@ -638,7 +532,7 @@ class GuidedTrainer(MetaTrainer):
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
         if isinstance(optimizer, str):
-            raise _unsupported_optimizer_error(keras.optimizers.get(optimizer))
+            check_optimizer(keras.optimizers.get(optimizer))
         super().compile(optimizer, *args, **kwargs)
         self.guided.bind(self.optimizer)
         self.set_active_diagnostics(self.guided.logged_names())
@@ -718,8 +612,5 @@ __all__ = [
     "GuidedHyperparameters",
     "GuidedTrainer",
     "guided_update",
-    "check_optimizer",
-    "resolve_hyperparameters",
     "split_guidance_batch",
-    "supported_optimizers",
 ]
