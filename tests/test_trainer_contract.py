@@ -360,3 +360,132 @@ def test_a_fresh_fit_never_skips_batches():
     assert int(trainer.epoch_steps.numpy()) == 2
     trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     assert int(trainer.pairs_seen.numpy()) == 6
+
+
+# --------------------------- the shapes the next trainers take (toys with closed forms)
+
+
+class StackedReptile(MetaTrainer):
+    """First-order Reptile on one task: k inner SGD steps on a stacked [k, B, ...] batch,
+    computed on tensors (nothing assigned), then the pseudo-gradient phi - theta_k to
+    the compiled (outer) optimizer. With outer SGD(1) it is k plain SGD steps."""
+
+    def __init__(self, model, inner_learning_rate, **kwargs):
+        super().__init__(model, **kwargs)
+        self.inner = O.SGD(inner_learning_rate)
+
+    def example_inputs(self, x):
+        return x[0]
+
+    def train_step(self, data):
+        x, y, _ = self.unpack(data)
+        phi, state = F.current_params(self.model), F.current_state(self.model)
+        theta, inner_state = phi, self.inner.initial_state(self.model.trainable_variables)
+        for i in range(x.shape[0]):
+            loss, g, (state, y_pred) = F.value_and_grad(self.loss_fn(), theta, state, (x[i], y[i]))
+            theta, inner_state = self.inner.apply_on_tensors(
+                F.all_reduce_sum(g), theta, inner_state, self.model.trainable_variables)
+        delta = F.replica_share([p - t for p, t in zip(phi, theta)])
+        return self.finish_step((x[-1], y[-1]), y_pred, loss, new_state=state, gradients=delta)
+
+
+class SlowWeightsReptile(MetaTrainer):
+    """Sequential-Reptile shape: the model's variables hold the fast weights (one
+    compiled-optimizer step per train_step), a weights copy holds phi; after every
+    k-th step phi <- phi + eta * (theta - phi), committed to both."""
+
+    def __init__(self, model, k, eta, **kwargs):
+        super().__init__(model, **kwargs)
+        self.k, self.eta = k, eta
+        self.schedule = self.every_k_steps(k, name="trajectory")
+        self.add_weights_copy("slow")
+
+    def train_step(self, data):
+        x, y, sw = self.unpack(data)
+        loss, grads, (state, y_pred) = F.value_and_grad(
+            self.loss_fn(), F.current_params(self.model), F.current_state(self.model), (x, y, sw))
+
+        def update():
+            self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
+            slow = self.weights_copy("slow")
+            theta = F.current_params(self.model)
+            phi = [tf.convert_to_tensor(v.value) for v in slow]
+            outer = [p + self.eta * (t - p) for p, t in zip(phi, theta)]
+            due = self.schedule.is_last()
+            # A commit communicates: select, then commit unconditionally (replica_safe_cond's rule).
+            fast, new_phi = replica_safe_cond(due, lambda: (outer, outer), lambda: (theta, phi),
+                                              communicates=True)
+            commit_weights(self.model.trainable_variables, fast)
+            for v, value in zip(slow, new_phi):
+                v.assign(value)
+
+        return self.finish_step(data, y_pred, loss, new_state=state, update=update)
+
+
+def _mlp(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, activation="tanh"),
+                             keras.layers.Dense(2)])
+
+
+def _plain_sgd(seed, x, y, lr, batch_size):
+    # lr exactly representable in float32: the package's optimizers keep the learning
+    # rate in float32 (as Keras does under floatx float32), Keras's own under floatx.
+    model = _mlp(seed)
+    model.compile(keras.optimizers.SGD(lr), loss="mse")
+    model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+    return model
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_stacked_inner_loop_with_outer_sgd_1_is_plain_sgd(float64, replicas):
+    x, y = _data(48)
+    plain = _plain_sgd(0, x, y, 0.125, 8)
+    strategy = two_cpu_strategy() if replicas == 2 else tf.distribute.OneDeviceStrategy("/cpu:0")
+    with strategy.scope():
+        trainer = StackedReptile(_mlp(0), inner_learning_rate=0.125)
+        trainer.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
+    stacked = tf.data.Dataset.from_tensor_slices((x, y)).batch(8, True).batch(3, True)  # [3, 8, ...]
+    if replicas == 2:  # each replica gets its half of every inner batch
+        stacked = stacked.map(lambda a, b: (_interleave_halves(a), _interleave_halves(b)))
+    trainer.fit(stacked, verbose=0)
+    for a, b in zip(_weights(plain), _weights(trainer.model)):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def _interleave_halves(t):
+    """[k, B, ...] -> [2k, B/2, ...]: the first k rows are the first halves of the k inner
+    batches, the last k their second halves. MirroredStrategy splits the leading axis, so
+    replica r gets [k, B/2, ...] holding its half of every inner batch."""
+    k, b = tf.shape(t)[0], tf.shape(t)[1]
+    rest = tf.shape(t)[2:]
+    halves = tf.reshape(t, tf.concat([[k, 2, b // 2], rest], 0))
+    halves = tf.transpose(halves, tf.concat([[1, 0, 2], tf.range(3, tf.rank(halves))], 0))
+    return tf.reshape(halves, tf.concat([[2 * k, b // 2], rest], 0))
+
+
+@pytest.mark.parametrize("k, eta", [(1, 1.0), (3, 0.5)])
+def test_slow_weights_trajectory_equals_its_closed_form(float64, k, eta):
+    x, y = _data(48)
+    trainer = SlowWeightsReptile(_mlp(1), k=k, eta=eta)
+    trainer.compile(optimizer=keras.optimizers.SGD(0.125), loss="mse")
+    trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    # Oracle: plain SGD steps; after every k-th, phi + eta (theta - phi) for both.
+    model = _mlp(1)
+    phi = [v.numpy() for v in model.trainable_variables]
+    for step, start in enumerate(range(0, 48, 8)):
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(y[start:start + 8], model(x[start:start + 8]))
+        for v, g in zip(model.trainable_variables, tape.gradient(loss, model.trainable_variables)):
+            v.assign_sub(0.125 * g)
+        if (step + 1) % k == 0:
+            phi = [p + eta * (v.numpy() - p) for p, v in zip(phi, model.trainable_variables)]
+            for v, p in zip(model.trainable_variables, phi):
+                v.assign(p)
+    for a, b in zip(_weights(model), _weights(trainer.model)):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    for a, b in zip(phi, trainer.weights_copy("slow")):
+        np.testing.assert_allclose(a, b.numpy(), rtol=1e-10, atol=1e-12)
+    if k == 1 and eta == 1.0:  # K = 1, eta = 1 is plain training
+        for a, b in zip(_weights(_plain_sgd(1, x, y, 0.125, 8)), _weights(trainer.model)):
+            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)

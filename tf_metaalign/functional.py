@@ -319,6 +319,17 @@ def all_reduce_sum(tensors):
     return ctx.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
 
 
+def replica_share(tensors):
+    """The per-replica part of a global value that is identical on every replica: the
+    value divided by the replica count, so that the optimizer's cross-replica *sum* in
+    `apply_gradients` gives the value back (e.g. a Reptile pseudo-gradient phi - theta
+    computed from all-reduced quantities). Identity with one replica."""
+    n = num_replicas()
+    if n == 1:
+        return tensors
+    return tf.nest.map_structure(lambda t: t / tf.cast(n, t.dtype), tensors)
+
+
 # ----------------------------------------------------------------------------- batches
 
 

@@ -230,6 +230,7 @@ class MetaTrainer(keras.Model):
         # skip the batches the interrupted epoch already trained on.
         self.epoch_steps = self.add_state_variable("epoch_steps", dtype="int64")
         self._skip_batches = None  # set when a fit starts; read at its first step
+        self._building_from_training_batch = False  # see example_inputs
         if model.built:
             # fit() never calls the trainer itself; it is built when its model is.
             self._create_weight_copies()
@@ -237,7 +238,19 @@ class MetaTrainer(keras.Model):
 
     # ------------------------------------------------------------------ Keras plumbing
 
+    def example_inputs(self, x):
+        """The wrapped model's inputs within the `x` of a TRAINING batch.
+
+        Keras builds a model symbolically from the first training batch before `fit`
+        trains (under a strategy); a trainer whose batches are not model batches
+        (stacked `[k, B, ...]` inner batches, episodes) overrides this, e.g. `x[0]`.
+        `evaluate` and `predict` take ordinary model batches and never use it.
+        """
+        return x
+
     def call(self, inputs, training=None):
+        if self._building_from_training_batch:
+            inputs = self.example_inputs(inputs)
         outputs = self.model(inputs, training=training)
         if tf.executing_eagerly():
             # An eager first call builds the model: now the weights copies can exist.
@@ -504,7 +517,11 @@ class MetaTrainer(keras.Model):
         self.epoch_steps.assign(0)
         self._skip_batches = None
         bound.arguments["callbacks"] = [_EpochStepsCallback(self)] + callbacks
-        return super().fit(*bound.args[1:], **bound.kwargs)
+        self._building_from_training_batch = True  # until the first step (example_inputs)
+        try:
+            return super().fit(*bound.args[1:], **bound.kwargs)
+        finally:
+            self._building_from_training_batch = False
 
     def make_train_function(self, force=False):
         train_function = super().make_train_function(force) or self.train_function
@@ -514,6 +531,7 @@ class MetaTrainer(keras.Model):
         def function(iterator):
             if self._skip_batches is None:
                 # First step of this fit: after BackupAndRestore's on_train_begin.
+                self._building_from_training_batch = False
                 self._restore_seed_states()
                 self._skip_batches = int(self.epoch_steps.numpy())
                 if self._skip_batches:
