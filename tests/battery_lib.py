@@ -80,31 +80,54 @@ def fit(entry, trainer, x, y, epochs=EPOCHS, callbacks=(), **fit_kwargs):
     return recorder.logs, history.history
 
 
-def state_variables(entry, trainer):
-    """name -> variable for `entry.state_variables` (each must exist exactly once)."""
-    found = {}
-    for v in trainer.variables:
-        if v.name in entry.state_variables:
-            if v.name in found:
-                raise AssertionError(f"{entry.name}: two trainer variables are named {v.name!r}")
-            found[v.name] = v
-    missing = set(entry.state_variables) - set(found)
-    if missing:
-        names = sorted(v.name for v in trainer.variables)
-        raise AssertionError(f"{entry.name}: no trainer variable named {sorted(missing)}; has {names}")
-    return found
+def trainer_state(trainer):
+    """The trainer's own variables -- neither the model's nor the optimizer's -- keyed by
+    name (`name#k` for the k-th repeat of a name, in the trainer's variable order).
 
-
-def unlisted_state(entry, trainer):
-    """Trainer variables that are neither the model's, the optimizer's nor listed."""
+    This is the algorithm's state (counters, learned values, meta-optimizer slots) plus
+    whatever the MetaTrainer base class keeps, found without being named, so a variable
+    the base class or a trainer adds is compared by every check automatically.
+    """
     known = {id(v) for v in trainer.model.variables}
     known |= {id(v) for v in trainer.optimizer.variables}
-    known |= {id(v) for v in state_variables(entry, trainer).values()}
-    return [v.path for v in trainer.variables if id(v) not in known]
+    out = {}
+    for v in trainer.variables:
+        if id(v) in known:
+            continue
+        key, k = v.name, 1
+        while key in out:
+            key, k = f"{v.name}#{k}", k + 1
+        out[key] = v
+    return out
+
+
+def base_class_state_names():
+    """Names of the variables that MetaTrainer itself gives every trainer."""
+    from tf_metaalign.trainers import MetaTrainer
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    bare = MetaTrainer(model)
+    bare.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return {key.split("#")[0] for key in trainer_state(bare)}
+
+
+def check_entry_state(entry, trainer):
+    """`entry.state_variables` all exist, and every own variable of the trainer is either
+    listed there or one of the base class's: an entry names all its algorithm's state.
+
+    Returns the problems found (empty when the entry is right)."""
+    names = [key.split("#")[0] for key in trainer_state(trainer)]
+    problems = [f"listed but missing: {n!r}" for n in entry.state_variables if n not in names]
+    base = base_class_state_names()
+    problems += [
+        f"not listed in state_variables: {n!r}"
+        for n in names if n not in entry.state_variables and n not in base
+    ]
+    return problems
 
 
 def snapshot(entry, trainer):
-    """Every number of the training state, keyed `kind/index`.
+    """Every number of the training state, keyed `kind/index` or `state/name`.
 
     Optimizer variables are keyed by index only: their names embed layer names, which
     differ between two models built in one process.
@@ -116,8 +139,11 @@ def snapshot(entry, trainer):
         out[f"model_state/{i}"] = np.asarray(v.numpy())  # Dropout seed, BatchNorm stats
     for i, v in enumerate(trainer.optimizer.variables):
         out[f"optimizer/{i}"] = np.asarray(v.numpy())
-    for name, v in state_variables(entry, trainer).items():
+    out["optimizer/iterations"] = np.asarray(trainer.optimizer.iterations.numpy())
+    for name, v in trainer_state(trainer).items():
         out[f"state/{name}"] = np.asarray(v.numpy())
+    missing = [n for n in entry.state_variables if f"state/{n}" not in out]
+    assert not missing, f"{entry.name}: no trainer variable named {missing}; has {sorted(out)}"
     return out
 
 

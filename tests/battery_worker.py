@@ -40,7 +40,8 @@ sys.modules.setdefault("sklearn", None)
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(1, os.path.dirname(HERE))
+if "PYTHONPATH" not in os.environ:  # run by hand: test this checkout's tf_metaalign
+    sys.path.insert(1, os.path.dirname(HERE))
 
 
 def parse_args(argv=None):

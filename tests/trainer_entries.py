@@ -85,8 +85,9 @@ class TrainerEntry:
       compile_kwargs: `() -> dict` for `trainer.compile(**kwargs)`; NEW objects each call
         (the loss reads keras floatx when it is made). Use `optimizer=`, `loss=`, `metrics=`.
       state_variables: `.name`s of the trainer's algorithm-state variables (counters,
-        learned values, meta-optimizer slots). They must be ALL the trainer's variables
-        that are neither the model's nor the optimizer's (a check enforces it).
+        learned values, meta-optimizer slots): every variable of the trainer that is
+        neither the model's, the optimizer's nor the MetaTrainer base class's (a check
+        enforces it). The snapshots compare all such variables whether listed or not.
       diagnostics: logged names (besides "loss") whose per-batch values must agree across
         replica counts / workers.
       replica_order: `(global_batch, replicas) -> permutation of range(global_batch)`: the
