@@ -50,7 +50,10 @@ everything it compares, so a comparison is never vacuous):
    back to DATA for in-memory data), worker w's replica receives rows
    [w*B/W, (w+1)*B/W) of every global batch of B rows -- the same rows replica w gets
    under MirroredStrategy. Keras 3.15 cannot `fit` under MWMS without two workarounds,
-   applied in the worker only (see `battery_worker.patch_keras_for_mwms`).
+   applied in the worker only (see `battery_worker.patch_keras_for_mwms`). TensorFlow's
+   gRPC server listens on all interfaces whatever TF_CONFIG says, so the two workers run
+   in a network namespace of their own holding only loopback (`unshare --net`, where
+   permitted).
 
 The subprocess scenarios run tests/battery_worker.py (one entry, one scenario, bounded by
 `SUBPROCESS_TIMEOUT`).
@@ -153,7 +156,8 @@ def test_entry_names_all_algorithm_state(entry, exact):
         assert not unknown, f"{entry.name}.{field} names no check: {sorted(unknown)}"
     trainer = B.build(entry)
     trainer.optimizer.build(trainer.model.trainable_variables)
-    assert B.check_entry_state(entry, trainer) == []
+    problems = B.check_entry_state(entry, trainer)
+    assert not problems, f"{entry.name}: " + "; ".join(problems)
 
 
 # ---------------------------------------------------------------- 1-3. execution modes
@@ -231,11 +235,12 @@ def test_two_replicas_equal_one(entry, exact):
 
 @pytest.fixture
 def mixed_float16():
+    previous = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         yield
     finally:
-        keras.mixed_precision.set_global_policy("float32")
+        keras.mixed_precision.set_global_policy(previous)
 
 
 @pytest.mark.parametrize("entry", cases("mixed_float16"))
