@@ -53,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--save-freq", type=int, default=2)
     p.add_argument("--kill-epoch", type=int, default=1)
     p.add_argument("--kill-batch", type=int, default=-1)
-    p.add_argument("--marker")
+    p.add_argument("--marker", help="default: OUT.killed")
     p.add_argument("--dropout", type=float, default=0.25)
     p.add_argument("--rows")
     p.add_argument("--workers", type=int, default=2)
@@ -91,6 +91,9 @@ def main(argv=None):
 
 
 def run_backup(entry, args, keras, np, B):
+    if not args.backup_dir:
+        sys.exit("backup: --backup-dir is required")
+    marker = args.marker or args.out + ".killed"
     class Killer(keras.callbacks.Callback):
         epoch = None
 
@@ -100,10 +103,10 @@ def run_backup(entry, args, keras, np, B):
         def on_train_batch_end(self, batch, logs=None):
             if (self.epoch, batch) != (args.kill_epoch, args.kill_batch):
                 return
-            if os.path.exists(args.marker):
+            if os.path.exists(marker):
                 return  # the resumed run: do not kill again
             metadata = os.path.join(args.backup_dir, "training_metadata.json")
-            with open(args.marker, "w") as f:
+            with open(marker, "w") as f:
                 f.write(open(metadata).read() if os.path.exists(metadata) else "no backup")
                 f.flush()
                 os.fsync(f.fileno())
