@@ -1,0 +1,288 @@
+"""Subprocess worker of the trainer battery: runs one named scenario for one named entry.
+
+    python tests/battery_worker.py ENTRY SCENARIO --out RESULT.npz [options]
+
+Scenarios:
+  backup  fit(EPOCHS) with keras.callbacks.BackupAndRestore(--backup-dir,
+          save_freq=--save-freq) and a Dropout layer. Unless the file --marker exists,
+          the process writes it (with the backup's training_metadata.json) and kills
+          itself with SIGKILL at the end of batch --kill-batch of epoch --kill-epoch
+          (--kill-batch -1: never). Run the same command again to resume. On completion
+          writes the snapshot (battery_lib.snapshot) plus meta/batches_trained.
+  mwms    one worker of a tf.distribute.MultiWorkerMirroredStrategy cluster (TF_CONFIG
+          set by the caller; one CPU device per worker). First records which rows of
+          each global batch this worker's replica receives from Keras's fit
+          (--rows, JSON), then trains the entry; the chief (task 0) alone writes the
+          snapshot and the per-batch logs to --out.
+  mwms-cluster
+          starts --workers `mwms` workers on 127.0.0.1 (free ports, TF_CONFIG each) and
+          waits for them (at most --timeout seconds; the first failure stops the rest).
+          --out is a directory: worker<i>.npz (the chief's results), rows<i>.json, and
+          cluster.json (each worker's return code and output tail). Imports no
+          TensorFlow itself. TensorFlow's gRPC server listens on every interface
+          (grpc_server_lib binds "0.0.0.0:<port>" whatever TF_CONFIG says), so the
+          test runs this scenario in a network namespace that has only loopback.
+
+The process uses the default single CPU device (no logical split, unlike conftest.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# TensorFlow imports keras's scikit-learn wrappers, which import scikit-learn (about a
+# second per process); nothing here uses it, and Keras treats it as optional.
+sys.modules.setdefault("sklearn", None)
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+if "PYTHONPATH" not in os.environ:  # run by hand: test this checkout's tf_metaalign
+    sys.path.insert(1, os.path.dirname(HERE))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("entry")
+    p.add_argument("scenario", choices=("backup", "mwms", "mwms-cluster"))
+    p.add_argument("--out", required=True)
+    p.add_argument("--backup-dir")
+    p.add_argument("--save-freq", type=int, default=2)
+    p.add_argument("--kill-epoch", type=int, default=1)
+    p.add_argument("--kill-batch", type=int, default=-1)
+    p.add_argument("--marker", help="default: OUT.killed")
+    p.add_argument("--dropout", type=float, default=0.25)
+    p.add_argument("--rows")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=240)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.scenario == "mwms-cluster":
+        sys.exit(run_cluster(args))
+    import tensorflow as tf
+
+    strategy = None
+    if args.scenario == "mwms":
+        # Must exist before any other TensorFlow op runs in this process.
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        patch_keras_for_mwms(tf)
+
+    import keras
+    import numpy as np
+
+    import battery_lib as B
+    from trainer_entries import BY_NAME
+
+    entry = BY_NAME[args.entry]
+
+    if args.scenario == "backup":
+        run_backup(entry, args, keras, np, B)
+    else:
+        run_mwms(entry, args, strategy, tf, keras, np, B)
+
+
+# ----------------------------------------------------------------------------- backup
+
+
+def run_backup(entry, args, keras, np, B):
+    if not args.backup_dir:
+        sys.exit("backup: --backup-dir is required")
+    marker = args.marker or args.out + ".killed"
+    class Killer(keras.callbacks.Callback):
+        epoch = None
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if (self.epoch, batch) != (args.kill_epoch, args.kill_batch):
+                return
+            if os.path.exists(marker):
+                return  # the resumed run: do not kill again
+            metadata = os.path.join(args.backup_dir, "training_metadata.json")
+            with open(marker, "w") as f:
+                f.write(open(metadata).read() if os.path.exists(metadata) else "no backup")
+                f.flush()
+                os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    class Counter(keras.callbacks.Callback):
+        batches = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.batches += 1
+
+    counter = Counter()
+    with B.floatx(entry.dtype):
+        x, y = B.data(entry)
+        trainer = B.build(entry, dropout=args.dropout)
+        callbacks = [
+            keras.callbacks.BackupAndRestore(args.backup_dir, save_freq=args.save_freq),
+            counter,
+        ]
+        if args.kill_batch >= 0:
+            callbacks.append(Killer())
+        B.fit(entry, trainer, x, y, callbacks=callbacks)
+        result = B.snapshot(entry, trainer)
+    result["meta/batches_trained"] = np.asarray(counter.batches)
+    np.savez(args.out, **result)
+
+
+# ------------------------------------------------------------------------------- mwms
+
+
+def _free_ports(n):
+    import socket
+
+    sockets = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def run_cluster(args):
+    import subprocess
+    import time
+
+    os.makedirs(args.out, exist_ok=True)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in _free_ports(args.workers)]}
+    procs = []
+    for index in range(args.workers):
+        env = dict(os.environ)
+        env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+        cmd = [sys.executable, os.path.abspath(__file__), args.entry, "mwms",
+               "--out", os.path.join(args.out, f"worker{index}.npz"),
+               "--rows", os.path.join(args.out, f"rows{index}.json")]
+        log = open(os.path.join(args.out, f"worker{index}.log"), "w+")
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p, _ in procs]
+        if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+            break
+        time.sleep(0.2)
+    for p, _ in procs:  # timed out, or one failed: the others would wait for it forever
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    outputs = []
+    for _, log in procs:
+        log.seek(0)
+        outputs.append(log.read()[-4000:])
+        log.close()
+    codes = [p.returncode for p, _ in procs]
+    with open(os.path.join(args.out, "cluster.json"), "w") as f:
+        json.dump({"cluster": cluster, "returncodes": codes, "outputs": outputs}, f)
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+def patch_keras_for_mwms(tf):
+    """Work around two Keras 3.15 bugs that make every `fit` under MWMS fail.
+
+    Neither is specific to the trainers: a plain `keras.Sequential` fails the same way
+    (upstream: keras-team/keras#20585, tensorflow/tensorflow#72388).
+
+    1. `TensorFlowTrainer._maybe_symbolic_build` peeks at one distributed batch and
+       calls `strategy.reduce("MEAN", (x, y), axis=None)` on the whole tuple;
+       MultiWorkerMirroredStrategy's eager reduce does not accept a nest ("Attempt to
+       convert a value (PerReplica:...) with an unsupported type"). The batch is only
+       used for its shapes and dtypes: take each tensor's local value instead.
+    2. `reduce_per_replica(logs, reduction="auto")` reduces each log under MWMS with
+       `strategy.reduce("MEAN", v, axis=0)`, which fails on scalar logs ("Invalid
+       reduction dimension (0 for input with 0 dimension(s)"). Reduce them across
+       replicas only (axis=None), which is what the single-host path computes (the
+       mean of the replicas' values).
+    """
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    original_build = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
+    original_reduce = tf_trainer.reduce_per_replica
+
+    def local(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return tf.distribute.get_strategy().experimental_local_results(value)[0]
+        return value
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        if self._distribute_strategy is not None and iterator is not None:
+            for _, _, it in iterator:
+                with self.distribute_strategy.scope():
+                    data_batch = tf.nest.map_structure(local, next(it))
+                break
+            iterator = None
+        return original_build(self, iterator=iterator, data_batch=data_batch)
+
+    def reduce_per_replica(values, strategy, reduction):
+        if reduction in ("auto", "mean") and tf_trainer._collective_all_reduce_multi_worker(
+            strategy
+        ):
+            return tf.nest.map_structure(
+                lambda v: strategy.reduce("MEAN", v, axis=None), values
+            )
+        return original_reduce(values, strategy, reduction)
+
+    tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+    tf_trainer.reduce_per_replica = reduce_per_replica
+
+
+
+def record_rows(strategy, tf, keras, np, global_batch, n_rows):
+    """The row ids each global batch delivers to this worker's replica under fit."""
+    seen = []
+
+    class RowProbe(keras.Model):
+        def call(self, x):
+            return x
+
+        def train_step(self, data):
+            ids, _ = data
+
+            def record(values):
+                seen.append([int(v) for v in values.numpy()])
+                return np.int32(0)
+
+            done = tf.py_function(record, [ids[:, 0]], Tout=tf.int32)
+            return {"recorded": tf.cast(done, tf.float32)}  # Keras needs a non-empty log
+
+    with strategy.scope():
+        probe = RowProbe()
+        probe.built = True
+        probe.compile(optimizer="sgd")
+    ids = np.arange(n_rows, dtype=np.float32)[:, None]
+    probe.fit(
+        tf.data.Dataset.from_tensor_slices((ids, ids)).batch(global_batch),
+        epochs=1, verbose=0,
+    )
+    return seen
+
+
+def run_mwms(entry, args, strategy, tf, keras, np, B):
+    task_id = strategy.cluster_resolver.task_id
+    rows = record_rows(strategy, tf, keras, np, entry.batch_size, B.N_ROWS)
+    with open(args.rows, "w") as f:
+        json.dump({"task_id": task_id, "replicas": strategy.num_replicas_in_sync, "rows": rows}, f)
+    with B.floatx(entry.dtype):
+        x, y = B.data(entry)
+        trainer = B.build(entry, strategy=strategy)
+        logs, _ = B.fit(entry, trainer, x, y)
+        result = B.snapshot(entry, trainer)
+    if task_id == 0:  # only the chief writes results
+        names = ["loss", *entry.diagnostics]
+        for name, values in B.logs_as_arrays(logs, names).items():
+            result[f"logs/{name}"] = values
+        np.savez(args.out, **result)
+
+
+if __name__ == "__main__":
+    main()

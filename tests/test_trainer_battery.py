@@ -1,0 +1,487 @@
+"""The trainer battery: the same checks, parameterised over every trainer in trainer_entries.
+
+HOW A NEW TRAINER JOINS: append ONE `TrainerEntry(...)` to `ENTRIES` in
+tests/trainer_entries.py, e.g.
+
+    TrainerEntry(
+        name="reptile",
+        make_trainer=lambda model, data_dtype: ReptileTrainer(model, inner_steps=2),
+        compile_kwargs=lambda: dict(optimizer=keras.optimizers.Adam(0.01),
+                                    loss=keras.losses.MeanSquaredError(), metrics=["mae"]),
+        state_variables=("reptile_steps", ...),   # ALL its non-model, non-optimizer variables
+        diagnostics=("inner_loss",),              # logged names to compare across replicas
+        replica_order=contiguous_rows,            # how 1 replica must order a global batch
+        xfail={"mixed_float16": "why"},           # only for known, reported failures
+    )
+
+and run `pytest tests/test_trainer_battery.py -k reptile` (add `-m slow` for slow cases).
+Pick options that make every part of the algorithm's state move in 10 steps (e.g. a
+counter-driven schedule, a non-zero meta learning rate), so lost or repeated steps show.
+A check that cannot pass yet gets an `xfail` reason (strict: it must be removed the day the
+check passes); a long one can be listed in `slow` (the default suite keeps one instance of
+every check).
+
+The checks (each compares numbers -- weights, optimizer slots, algorithm state, logs --
+between two ways of running the same training; each also asserts that training moved
+everything it compares, so a comparison is never vacuous):
+
+1. eager (`run_eagerly=True`) == traced (tf.function), with a Dropout layer.
+2. `jit_compile=True` == `False` on one device.
+3. `steps_per_execution=3` == 1 (5 batches per epoch: each epoch ends on a partial
+   execution).
+4. MirroredStrategy over 2 logical CPUs (conftest's `two_cpu_strategy()`) == 1 replica fed
+   the rows in `entry.replica_order`: weights, slots, state and the per-batch logs of
+   "loss" and `entry.diagnostics`.
+5. `mixed_float16`: trains under a LossScaleOptimizer, stays finite, variables float32.
+6. `trainer.save("t.keras")` + `keras.models.load_model`: same class, same config and
+   compile config, same weights / slots / state, and continuing training from the original
+   and the reloaded trainer gives the same weights / slots / state.
+7. `keras.callbacks.BackupAndRestore(save_freq=2)`: a training subprocess (a Dropout
+   layer, 2 epochs of 5 unshuffled batches) is SIGKILLed at the end of batch 3 of epoch 1
+   (after the save at batch 2, before the one at batch 4); the same command run again
+   resumes; the result must equal an uninterrupted run's (weights, optimizer variables,
+   the trainer's state, the Dropout seed). Split into a machinery test (the kill happened:
+   return code -9, a mid-epoch backup existed; the resumed and the reference runs finished)
+   and the exactness test.
+8. `tf.distribute.MultiWorkerMirroredStrategy` with two worker processes on 127.0.0.1
+   (one CPU device each) == one process with one replica fed `entry.replica_order`.
+   Measured (and asserted on every run, by a probe model fitted by each worker): when
+   Keras distributes a batched tf.data.Dataset under MWMS (AUTO shard policy, which falls
+   back to DATA for in-memory data), worker w's replica receives rows
+   [w*B/W, (w+1)*B/W) of every global batch of B rows -- the same rows replica w gets
+   under MirroredStrategy. Keras 3.15 cannot `fit` under MWMS without two workarounds,
+   applied in the worker only (see `battery_worker.patch_keras_for_mwms`). TensorFlow's
+   gRPC server listens on all interfaces whatever TF_CONFIG says, so the two workers run
+   in a network namespace of their own holding only loopback (`unshare --net`, where
+   permitted).
+
+The subprocess scenarios run tests/battery_worker.py (one entry, one scenario, bounded by
+`SUBPROCESS_TIMEOUT`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import tf_metaalign
+import battery_lib as B
+from conftest import two_cpu_strategy
+from trainer_entries import ENTRIES
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "battery_worker.py")
+SUBPROCESS_TIMEOUT = 240  # seconds, per worker process
+
+#: check 7: BackupAndRestore(save_freq=SAVE_FREQ) saves after epoch 0's batches 1 and 3
+#: and epoch 1's batches 0 and 2 (its counter runs across epochs); the kill comes at the
+#: end of epoch 1's batch 3, so batch 3 is trained and lost with the process.
+KILL_EPOCH, KILL_BATCH, SAVE_FREQ = 1, 3, 2
+DROPOUT = 0.25
+
+
+#: the check names that an entry's `xfail`, `slow` and `tolerances` may use.
+CHECKS = (
+    "entry", "eager", "jit_compile", "steps_per_execution", "replicas", "mixed_float16",
+    "keras_round_trip", "backup_machinery", "backup_and_restore", "multi_worker",
+)
+
+
+def cases(check):
+    """One pytest.param per entry, with the entry's xfail / slow marks for `check`."""
+    assert check in CHECKS, check
+    params = []
+    for entry in ENTRIES:
+        marks = []
+        if check in entry.xfail:
+            reason, raises = entry.xfail[check]
+            marks.append(pytest.mark.xfail(strict=True, raises=raises, reason=reason))
+        if check in entry.slow:
+            marks.append(pytest.mark.slow)
+        params.append(pytest.param(entry, id=entry.name, marks=marks))
+    return params
+
+
+@pytest.fixture
+def exact(request):
+    """floatx = the entry's dtype (Keras's compiled loss computes in floatx), restored."""
+    entry = request.getfixturevalue("entry")
+    with B.floatx(entry.dtype):
+        yield
+
+
+def _assert_logs_same(entry, a, b, rtol, atol, names=None, what="logs"):
+    names = names or ["loss", *entry.diagnostics]
+    assert len(a) == len(b), f"{what}: {len(a)} vs {len(b)} batches"
+    B.assert_same(B.logs_as_arrays(a, names), B.logs_as_arrays(b, names), rtol, atol, what)
+
+
+def _assert_history_same(a, b, rtol, atol):
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    B.assert_same({k: np.asarray(v) for k, v in a.items()},
+                  {k: np.asarray(v) for k, v in b.items()}, rtol, atol, "History")
+
+
+def _train_two_ways(entry, way_a, way_b, dropout=0.0):
+    """Build and fit the entry once with each set of compile options.
+
+    Returns the initial snapshot (the same for both) and, per way, (final snapshot,
+    per-batch logs, History.history)."""
+    x, y = B.data(entry)
+    results = []
+    for overrides in (way_a, way_b):
+        trainer = B.build(entry, dropout=dropout, **overrides)
+        initial = B.snapshot(entry, trainer)
+        logs, history = B.fit(entry, trainer, x, y)
+        results.append((B.snapshot(entry, trainer), logs, history))
+    return initial, results[0], results[1]
+
+
+# ----------------------------------------------------------------- 0. the entry itself
+
+
+@pytest.mark.parametrize("entry", cases("entry"))
+def test_entry_names_all_algorithm_state(entry, exact):
+    """`state_variables` lists every trainer variable that is neither the model's, the
+    optimizer's nor the MetaTrainer base class's (the snapshots compare all of them
+    anyway; the list documents the algorithm's state and catches a rename)."""
+    for field in ("xfail", "slow", "tolerances"):
+        unknown = set(getattr(entry, field)) - set(CHECKS)
+        assert not unknown, f"{entry.name}.{field} names no check: {sorted(unknown)}"
+    trainer = B.build(entry)
+    trainer.optimizer.build(trainer.model.trainable_variables)
+    problems = B.check_entry_state(entry, trainer)
+    assert not problems, f"{entry.name}: " + "; ".join(problems)
+
+
+# ---------------------------------------------------------------- 1-3. execution modes
+
+
+@pytest.mark.parametrize("entry", cases("eager"))
+def test_eager_equals_traced(entry, exact):
+    initial, (s_a, logs_a, h_a), (s_b, logs_b, h_b) = _train_two_ways(
+        entry, {"run_eagerly": True}, {"run_eagerly": False}, dropout=DROPOUT
+    )
+    B.assert_trained(entry, initial, s_b)
+    rtol, atol = B.tolerance(entry, "eager")
+    B.assert_same(s_a, s_b, rtol, atol, "eager vs traced")
+    _assert_logs_same(entry, logs_a, logs_b, rtol, atol)
+
+
+@pytest.mark.parametrize("entry", cases("jit_compile"))
+def test_jit_compile_equals_graph(entry, exact):
+    # No Dropout here: under XLA, TensorFlow's stateless RNG draws other masks than
+    # without it (a plain keras.Sequential differs just the same).
+    initial, (s_a, logs_a, _), (s_b, logs_b, _) = _train_two_ways(
+        entry, {"jit_compile": True}, {"jit_compile": False}
+    )
+    B.assert_trained(entry, initial, s_b)
+    rtol, atol = B.tolerance(entry, "jit_compile")
+    B.assert_same(s_a, s_b, rtol, atol, "jit_compile=True vs False")
+    _assert_logs_same(entry, logs_a, logs_b, rtol, atol)
+
+
+@pytest.mark.parametrize("entry", cases("steps_per_execution"))
+def test_steps_per_execution_3_equals_1(entry, exact):
+    initial, (s_a, _, h_a), (s_b, _, h_b) = _train_two_ways(
+        entry, {"steps_per_execution": 3}, {"steps_per_execution": 1}, dropout=DROPOUT
+    )
+    B.assert_trained(entry, initial, s_b)
+    rtol, atol = B.tolerance(entry, "steps_per_execution")
+    B.assert_same(s_a, s_b, rtol, atol, "steps_per_execution=3 vs 1")
+    # Batch-level logs come once per execution with 3 steps; the epoch logs must agree.
+    _assert_history_same(h_a, h_b, rtol, atol)
+
+
+# -------------------------------------------------------------------- 4. two replicas
+
+
+def _one_replica_reference(entry, replicas=2):
+    """One replica fed each global batch in `entry.replica_order`: (initial, snapshot, logs)."""
+    x, y = B.data(entry)
+    size = entry.batch_size
+    order = entry.replica_order(size, replicas)
+    assert sorted(order) == list(range(size)), f"{entry.name}: replica_order is not a permutation"
+    rows = np.concatenate([start + order for start in range(0, len(x), size)])
+    trainer = B.build(entry)
+    initial = B.snapshot(entry, trainer)
+    logs, _ = B.fit(entry, trainer, x[rows], y[rows])
+    return initial, B.snapshot(entry, trainer), logs
+
+
+@pytest.mark.parametrize("entry", cases("replicas"))
+def test_two_replicas_equal_one(entry, exact):
+    initial, single, single_logs = _one_replica_reference(entry)
+    B.assert_trained(entry, initial, single)
+
+    x, y = B.data(entry)
+    trainer = B.build(entry, strategy=two_cpu_strategy())
+    logs, _ = B.fit(entry, trainer, x, y)
+    double = B.snapshot(entry, trainer)
+
+    rtol, atol = B.tolerance(entry, "replicas")
+    B.assert_same(double, single, rtol, atol, "2 replicas vs 1")
+    _assert_logs_same(entry, logs, single_logs, rtol, atol, what="per-batch logs, 2 replicas vs 1")
+
+
+# ------------------------------------------------------------------ 5. mixed precision
+
+
+@pytest.fixture
+def mixed_float16():
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+
+
+@pytest.mark.parametrize("entry", cases("mixed_float16"))
+def test_mixed_float16_trains_and_stays_finite(entry, mixed_float16):
+    x, y = B.data(entry, dtype="float32")
+    trainer = B.build(entry, dtype=None)  # layers in the global policy
+    assert isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+    initial = B.snapshot(entry, trainer)
+    logs, history = B.fit(entry, trainer, x, y)
+    final = B.snapshot(entry, trainer)
+
+    B.assert_trained(entry, initial, final)
+    assert all(v.dtype == "float32" for v in trainer.model.trainable_variables)
+    assert all(v.dtype == "float32" for v in trainer.optimizer.inner_optimizer.variables
+               if v.dtype not in ("int64", "int32"))
+    bad = [k for k, v in final.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
+    assert not bad, f"non-finite after mixed_float16 training: {bad}"
+    for name in ["loss", *entry.diagnostics]:
+        values = np.asarray([step[name] for step in logs])
+        assert np.isfinite(values).all(), (name, values)
+    # The loss went down over training (it is training, not just finite).
+    assert history["loss"][-1] < history["loss"][0], history["loss"]
+
+
+# ------------------------------------------------------------- 6. .keras round trip
+
+
+def _as_json(config):
+    """A config as its JSON text (a reloaded Keras config has lists where the original
+    has tuples, e.g. batch_shape; the .keras file stores the JSON)."""
+    return json.dumps(config, sort_keys=True)
+
+
+@pytest.mark.parametrize("entry", cases("keras_round_trip"))
+def test_keras_file_round_trip_and_continue(entry, exact, tmp_path):
+    x, y = B.data(entry)
+    cut = 3 * entry.batch_size  # 3 steps first: an odd step count (phase of schedules)
+    trainer = B.build(entry)
+    initial = B.snapshot(entry, trainer)
+    B.fit(entry, trainer, x[:cut], y[:cut], epochs=1)
+    path = str(tmp_path / f"{entry.name}.keras")
+    trainer.save(path)
+    loaded = keras.models.load_model(path)
+
+    assert type(loaded) is type(trainer)
+    assert _as_json(loaded.get_config()) == _as_json(trainer.get_config())
+    assert _as_json(loaded.get_compile_config()) == _as_json(trainer.get_compile_config())
+    saved = B.snapshot(entry, trainer)
+    B.assert_trained(entry, initial, saved)
+    B.assert_same(B.snapshot(entry, loaded), saved, 0.0, 0.0, "reloaded vs saved")
+
+    B.fit(entry, trainer, x[cut:], y[cut:], epochs=2)
+    B.fit(entry, loaded, x[cut:], y[cut:], epochs=2)
+    rtol, atol = B.tolerance(entry, "keras_round_trip")
+    B.assert_same(B.snapshot(entry, loaded), B.snapshot(entry, trainer), rtol, atol,
+                  "continued from the reloaded vs the original trainer")
+
+
+# ------------------------------------------------------------- subprocess scenarios
+
+
+def _worker_env(**extra):
+    """The workers import the very tf_metaalign this process tests (PYTHONPATH first)."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(tf_metaalign.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [package_root, HERE, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(extra)
+    return env
+
+
+def _start(entry, scenario, *args, env=None):
+    cmd = [sys.executable, WORKER, entry.name, scenario, *map(str, args)]
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env or _worker_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def _wait(proc, what):
+    """(returncode, output tail); kills the process past SUBPROCESS_TIMEOUT."""
+    try:
+        out, _ = proc.communicate(timeout=SUBPROCESS_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"{what}: no result within {SUBPROCESS_TIMEOUT}s\n{out[-4000:]}")
+    return proc.returncode, out[-4000:]
+
+
+def _load(path):
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+# ------------------------------------------------------------ 7. BackupAndRestore
+
+
+_BACKUP_RUNS = {}
+
+
+def _last_backup_before_kill(batches_per_epoch):
+    """BackupAndRestore's training_metadata.json at the kill: Keras counts batches since
+    the last save across epoch boundaries and saves when the count reaches save_freq."""
+    since_save, last = 0, None
+    for epoch in range(KILL_EPOCH + 1):
+        for batch in range(batches_per_epoch):
+            since_save += 1
+            if since_save >= SAVE_FREQ:
+                since_save, last = 0, {"epoch": epoch, "batch": batch}
+            if (epoch, batch) == (KILL_EPOCH, KILL_BATCH):
+                return last
+    raise AssertionError("the kill point is past the end of training")
+
+
+def _backup_runs(entry, tmp_path_factory):
+    """Run once per entry: the uninterrupted reference and the killed run side by side,
+    then the same command as the killed run again (the resume)."""
+    if entry.name in _BACKUP_RUNS:
+        return _BACKUP_RUNS[entry.name]
+    root = tmp_path_factory.mktemp(f"backup_{entry.name}")
+
+    def args(name, kill_batch):
+        return ["backup", "--out", root / f"{name}.npz", "--backup-dir", root / f"{name}_backup",
+                "--marker", root / f"{name}.killed", "--save-freq", SAVE_FREQ,
+                "--kill-epoch", KILL_EPOCH, "--kill-batch", kill_batch, "--dropout", DROPOUT]
+
+    reference = _start(entry, *args("reference", -1))
+    killed = _start(entry, *args("interrupted", KILL_BATCH))
+    runs = {"killed": _wait(killed, "killed run")}
+    runs["resumed"] = _wait(_start(entry, *args("interrupted", KILL_BATCH)), "resumed run")
+    runs["reference"] = _wait(reference, "reference run")
+    marker = root / "interrupted.killed"
+    runs["marker"] = marker.read_text() if marker.exists() else None
+    runs["paths"] = {"reference": root / "reference.npz", "resumed": root / "interrupted.npz"}
+    _BACKUP_RUNS[entry.name] = runs
+    return runs
+
+
+@pytest.mark.parametrize("entry", cases("backup_machinery"))
+def test_backup_and_restore_kill_and_resume_machinery(entry, tmp_path_factory):
+    """The scenario of check 7 really ran: killed by SIGKILL mid-epoch with a mid-epoch
+    backup on disk; the resumed and the uninterrupted runs finished and wrote results."""
+    runs = _backup_runs(entry, tmp_path_factory)
+    rc, out = runs["killed"]
+    assert rc == -9, f"the killed run ended with {rc}, not SIGKILL:\n{out}"
+    assert runs["marker"] is not None, "the kill callback never ran"
+    expected = _last_backup_before_kill(B.N_ROWS // entry.batch_size)
+    assert expected["epoch"] == KILL_EPOCH and 0 <= expected["batch"] < KILL_BATCH, expected
+    assert json.loads(runs["marker"]) == expected, (
+        f"the backup on disk at the kill is not the expected mid-epoch one: {runs['marker']}"
+    )
+    for name in ("resumed", "reference"):
+        rc, out = runs[name]
+        assert rc == 0, f"{name} run failed ({rc}):\n{out}"
+    reference = _load(runs["paths"]["reference"])
+    resumed = _load(runs["paths"]["resumed"])
+    steps = B.EPOCHS * B.N_ROWS // entry.batch_size
+    assert int(reference["optimizer/iterations"]) == steps
+    assert int(reference["meta/batches_trained"]) == steps
+    # The resumed run started from the backup, not from scratch: the optimizer counts
+    # more steps than the resumed process trained.
+    assert int(resumed["optimizer/iterations"]) > int(resumed["meta/batches_trained"])
+
+
+@pytest.mark.parametrize("entry", cases("backup_and_restore"))
+def test_backup_and_restore_resumes_exactly(entry, tmp_path_factory):
+    runs = _backup_runs(entry, tmp_path_factory)
+    for name in ("killed", "resumed", "reference"):
+        assert runs[name][0] == (-9 if name == "killed" else 0), runs[name][1]
+    reference = _load(runs["paths"]["reference"])
+    resumed = _load(runs["paths"]["resumed"])
+    rtol, atol = B.tolerance(entry, "backup_and_restore")
+    keys = [k for k in reference if not k.startswith("meta/")]
+    B.assert_same(resumed, reference, rtol, atol,
+                  "resumed after SIGKILL vs uninterrupted (weights, optimizer, state, Dropout seed)",
+                  keys=keys)
+
+
+# ---------------------------------------------------------- 8. MultiWorkerMirrored
+
+
+def mwms_rows(global_batch, workers, worker):
+    """Rows (within a global batch) that worker `worker`'s replica receives under MWMS
+    (measured: contiguous blocks, as MirroredStrategy's replicas get)."""
+    per = global_batch // workers
+    return list(range(worker * per, (worker + 1) * per))
+
+
+_LOOPBACK_ONLY = []
+
+
+def _loopback_only_prefix():
+    """A command prefix that runs a command in a new network namespace holding only a
+    (raised) loopback interface, or [] where that is not permitted (then TensorFlow's
+    gRPC servers listen on all interfaces for the few seconds of the test)."""
+    if not _LOOPBACK_ONLY:
+        prefix = ["unshare", "--net", "--", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
+        try:
+            ok = subprocess.run(prefix + ["true"], capture_output=True, timeout=30).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            ok = False
+        _LOOPBACK_ONLY.append(prefix if ok else [])
+    return _LOOPBACK_ONLY[0]
+
+
+@pytest.mark.parametrize("entry", cases("multi_worker"))
+def test_multi_worker_mirrored_equals_one_process(entry, exact, tmp_path):
+    workers = 2
+    cmd = [sys.executable, WORKER, entry.name, "mwms-cluster", "--out", tmp_path,
+           "--workers", workers, "--timeout", SUBPROCESS_TIMEOUT]
+    proc = subprocess.Popen(
+        _loopback_only_prefix() + [str(c) for c in cmd], cwd=REPO, env=_worker_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    # The reference runs here meanwhile: one replica, each global batch in replica order.
+    initial, single, single_logs = _one_replica_reference(entry, replicas=workers)
+    rc, out = _wait(proc, "MWMS cluster")
+    report = tmp_path / "cluster.json"
+    assert report.exists(), f"the cluster launcher failed ({rc}):\n{out}"
+    report = json.loads(report.read_text())
+    for index, code in enumerate(report["returncodes"]):
+        assert code == 0, f"worker {index} failed ({code}):\n{report['outputs'][index]}"
+    assert rc == 0, out
+
+    size = entry.batch_size
+    for index in range(workers):
+        rows = json.loads((tmp_path / f"rows{index}.json").read_text())
+        assert rows["replicas"] == workers
+        expected = [[start + r for r in mwms_rows(size, workers, index)]
+                    for start in range(0, B.N_ROWS, size)]
+        assert rows["rows"] == expected, f"worker {index} received other rows than documented"
+    assert not (tmp_path / "worker1.npz").exists(), "only the chief writes results"
+
+    chief = _load(tmp_path / "worker0.npz")
+    B.assert_trained(entry, initial, single)
+    rtol, atol = B.tolerance(entry, "multi_worker")
+    keys = [k for k in chief if not k.startswith("logs/")]
+    B.assert_same(chief, single, rtol, atol, "2 MWMS workers vs 1 replica", keys=keys)
+    names = ["loss", *entry.diagnostics]
+    B.assert_same({n: chief[f"logs/{n}"] for n in names},
+                  B.logs_as_arrays(single_logs, names), rtol, atol,
+                  "per-batch logs, 2 MWMS workers vs 1 replica")
