@@ -105,7 +105,8 @@ def base_class_state_names():
     """Names of the variables that MetaTrainer itself gives every trainer."""
     from tf_metaalign.trainers import MetaTrainer
 
-    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    # With a Dropout layer: the base class checkpoints the model's seed states too.
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1), keras.layers.Dropout(0.1)])
     bare = MetaTrainer(model)
     bare.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     return {key.split("#")[0] for key in trainer_state(bare)}

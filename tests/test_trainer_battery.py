@@ -254,8 +254,10 @@ def test_mixed_float16_trains_and_stays_finite(entry, mixed_float16):
 
     B.assert_trained(entry, initial, final)
     assert all(v.dtype == "float32" for v in trainer.model.trainable_variables)
+    # Slots stay float32 (scalar hyperparameters may be float64: the package's optimizers
+    # keep beta_1 & co. in float64 on purpose, see optimizers/base.py).
     assert all(v.dtype == "float32" for v in trainer.optimizer.inner_optimizer.variables
-               if v.dtype not in ("int64", "int32"))
+               if v.dtype not in ("int64", "int32") and len(v.shape) > 0)
     bad = [k for k, v in final.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
     assert not bad, f"non-finite after mixed_float16 training: {bad}"
     for name in ["loss", *entry.diagnostics]:

@@ -122,18 +122,6 @@ class TrainerEntry:
     slow: frozenset = frozenset()
 
 
-# Expected failures shared by several entries.
-BACKUP_RESTARTS_EPOCH = (
-    "Keras 3.15 BackupAndRestore saves mid-epoch but restores only the epoch "
-    "(model._initial_epoch): the interrupted epoch restarts at batch 0 and re-trains the "
-    "batches done before the save (optimizer iterations 13 vs 10); also save_weights "
-    "does not store Dropout's SeedGenerator state, so the resumed masks differ. Fix "
-    "pending in MetaTrainer (checkpointed batches-done-in-epoch count, skipped on "
-    "restart; the seed state must be checkpointed too).",
-    AssertionError,
-)
-
-
 def _mse():
     return keras.losses.MeanSquaredError()
 
@@ -172,23 +160,12 @@ ENTRIES = [
         name="dotprod",
         make_trainer=_dotprod_trainer,
         compile_kwargs=_dotprod_compile,
-        state_variables=("dotprod_pairs_seen",),
+        state_variables=("count",),  # the `every` schedule's pair counter
         diagnostics=("grad_dot", "grad_cosine"),
         replica_order=halves_of_each_replica_shard,
         # The finite difference divides rounding noise by alpha ~ sqrt(eps): two exact
         # ways of running differ by up to ~1e-9 (measured), one lost step by ~1e-2.
         tolerance=(1e-6, 1e-8),
-        xfail={
-            "jit_compile": (
-                "BUG: DotProdTrainer.train_step calls optimizer.apply_gradients inside "
-                "`with tf.control_dependencies([loss])` (dotprod.py:201-204); an optimizer "
-                "with slots (Adam) that is not built yet creates them there, and "
-                "tf.function cannot lift control-dependent variable creations out of an "
-                "XLA function: UnimplementedError 'We failed to lift variable creations'.",
-                tf.errors.UnimplementedError,
-            ),
-            "backup_and_restore": BACKUP_RESTARTS_EPOCH,
-        },
     ),
     TrainerEntry(
         name="guided",
@@ -197,20 +174,12 @@ ENTRIES = [
         state_variables=(
             "raw_learning_rate", "raw_beta_1",
             "meta_learning_rate_m", "meta_learning_rate_v", "meta_beta_1_m", "meta_beta_1_v",
-            "guided_steps", "steps", "nonfinite_hypergrads", "initialized",
+            "count", "guided_steps", "nonfinite_hypergrads", "initialized",
         ),
         diagnostics=(
             "guidance_loss", "hypergrad_learning_rate", "hypergrad_beta_1",
             "learning_rate_scale", "beta_1",
         ),
-        xfail={
-            "mixed_float16": (
-                "GuidedTrainer rejects LossScaleOptimizer (check_optimizer raises ValueError "
-                "at compile); mixed_float16 support is being added.",
-                ValueError,
-            ),
-            "backup_and_restore": BACKUP_RESTARTS_EPOCH,
-        },
     ),
 ]
 

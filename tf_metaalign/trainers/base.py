@@ -474,6 +474,10 @@ class MetaTrainer(keras.Model):
         if sum(given) > 1:
             raise ValueError("finish_step: give at most one of gradients, new_params, update.")
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if gradients is not None and not self.optimizer.built:
+            # Build (create the slots) before the control-dependent block below: an XLA
+            # function cannot lift variable creations that depend on a tensor.
+            self.optimizer.build(self.model.trainable_variables)
         # Checked before anything is assigned, so a NaN never reaches the weights.
         loss = self.check_finite_loss(loss, where)
         diagnostics = dict(diagnostics or {})
@@ -541,7 +545,9 @@ class MetaTrainer(keras.Model):
                 for _ in range(self.steps_per_execution):
                     next(iterator)
                 self._skip_batches -= self.steps_per_execution
-                return self.get_metrics_result()
+                # The compiled metrics are built by the first trained step.
+                built = all(getattr(m, "built", True) for m in self.metrics)
+                return self.get_metrics_result() if built else {}
             while self._skip_batches > 0:  # a partial execution (not with whole saves)
                 next(iterator)
                 self._skip_batches -= 1
