@@ -15,9 +15,10 @@ import keras
 import tensorflow as tf
 
 from tf_metaalign import functional as F
+from tf_metaalign.trainers.pipeline import PipelineDataMixin
 
 
-class MetaTrainer(keras.Model):
+class MetaTrainer(PipelineDataMixin, keras.Model):
     """Owns the wrapped model, the loss at given weights, metrics and diagnostics."""
 
     #: names of the per-step diagnostics a subclass logs (each a `keras.metrics.Mean`).
