@@ -33,6 +33,19 @@ def test_finetune_digits_end_to_end(tmp_path):
         assert col in lines[header]
     assert lines[header + 2].startswith("baseline") and lines[header + 3].startswith("dotprod")
     assert "baseline = DotProdTrainer(weight=0" in out
+    # Progress while it runs: the phases, and each run's step 1 and every --log_every
+    # steps, before the table; and no warnings (the job passes shuffle=False with its
+    # dataset, and TensorFlow's start-up chatter is filtered).
+    progress = lines[:header]
+    for phase in ("loading scikit-learn digits", "built digits_mlp", "done in"):
+        assert any(phase in l for l in progress), (phase, progress)
+    for name in ("baseline", "dotprod"):
+        for step in ("1/6", "3/6", "6/6"):
+            assert any(l.startswith("[") and f"] {name}: step {step}  loss " in l
+                       for l in progress), (name, step, progress)
+        assert any(f"] {name}: test acc " in l for l in progress)
+    assert "UserWarning" not in out + proc.stderr, proc.stderr[-3000:]
+    assert "WARNING" not in proc.stderr, proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert [r["run"] for r in results["runs"]] == ["baseline", "dotprod"]
     assert results["flags"]["steps"] == 6 and results["flags"]["dataset"] == "digits"
@@ -107,6 +120,35 @@ def test_common_helpers(tmp_path):
     assert len(timer.warm_times) == 2 and timer.mean() >= 0.009
     common.write_summary(tmp_path / "tb", {"acc": 0.5, "bad": float("nan")}, step=3)
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_startup_log_filter_and_progress_callback():
+    from trainers import common, startup
+
+    log = (
+        "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
+        "I0000 00:00:1795398117.552194    6243 port.cc:153] oneDNN custom operations are on.\n"
+        "W0000 00:00:1795398117.6    6243 some_file.cc:12] a warning\n"
+        "E0000 00:00:1795398119.141297    6243 cuda_platform.cc:52] failed call to cuInit: INTERNAL\n"
+        "E0000 00:00:1795398119.2    6243 other.cc:1] a real error\n"
+        "a Python line\n"
+    )
+    assert startup.filter_startup_log(log, 2, have_gpu=False) == (
+        "E0000 00:00:1795398119.2    6243 other.cc:1] a real error\na Python line\n")
+    kept = startup.filter_startup_log(log, 0, have_gpu=True).splitlines()
+    assert len(kept) == 5 and not any("absl::InitializeLog" in l for l in kept)
+    assert any("cuInit" in l for l in kept)  # with a GPU, a failed cuInit matters
+
+    lines = []
+    callback = common.ProgressCallback(lines.append, "run", total_steps=5, every=2,
+                                       metrics=("loss", "grad_dot"))
+    callback.on_train_begin()
+    for step in range(5):
+        callback.on_train_batch_end(step, {"loss": 1.0 + step, "grad_dot": 0.5, "accuracy": 0.1})
+    assert [l.split("  ")[0] for l in lines] == ["run: step 1/5", "run: step 2/5",
+                                                  "run: step 4/5", "run: step 5/5"]
+    assert "loss 1.0000  grad_dot 0.5000  first step" in lines[0] and "accuracy" not in lines[0]
+    assert "ms/step" in lines[1]
 
 
 def test_colab_quickstart_notebook_runs_offline():

@@ -1,6 +1,7 @@
-"""Helpers shared by the absl programs in `trainers/`: timing, tables, JSON, TensorBoard.
+"""Helpers shared by the absl programs in `trainers/`: progress, timing, tables, JSON, TensorBoard.
 
-Nothing here knows an algorithm: a program builds its runs, then uses
+Nothing here knows an algorithm: a program builds its runs, then uses `Progress` /
+`ProgressCallback` (timestamped progress lines while it loads, trains and evaluates),
 `StepTimer` (time per step, compilation excluded), `format_table` (a readable result
 table), `write_json` (results.json) and `tensorboard_callback` / `write_summary`
 (TensorBoard logs).
@@ -9,13 +10,72 @@ from __future__ import annotations
 
 import json
 import math
-import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import keras
 import numpy as np
+
+
+class Progress:
+    """Prints progress lines, `[  12.3 s] message`, timed from its creation (flushed)."""
+
+    def __init__(self, stream=None):
+        self.start = time.perf_counter()
+        self.stream = stream
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def __call__(self, message: str) -> None:
+        print(f"[{self.elapsed():7.1f} s] {message}", file=self.stream or sys.stdout, flush=True)
+
+
+class ProgressCallback(keras.callbacks.Callback):
+    """A progress line after the first training step and every `every` steps after it.
+
+    Each line: the run's name, step/total, the batch logs' values of `metrics` (Keras's
+    running mean since the start of the current epoch), the mean time per step since the
+    previous line and the time since training began. The first step's line notes that it
+    includes tracing and compilation. Counts calls of `on_train_batch_end` (one per step
+    with `steps_per_execution=1`), across epochs.
+    """
+
+    def __init__(self, log, name: str, total_steps: int, every: int,
+                 metrics: Sequence[str] = ("loss",)):
+        super().__init__()
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"`every` must be an integer >= 1; got {every!r}.")
+        self.log = log
+        self.name = name
+        self.total_steps = total_steps
+        self.every = every
+        self.metrics = tuple(metrics)
+        self.step = 0
+        self._start = self._last = None
+        self._last_step = 0
+
+    def on_train_begin(self, logs=None):
+        self.step, self._last_step = 0, 0
+        self._start = self._last = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
+        if self.step != 1 and self.step % self.every and self.step != self.total_steps:
+            return
+        now = time.perf_counter()
+        logs = logs or {}
+        values = "  ".join(f"{k} {float(logs[k]):.4f}" for k in self.metrics if k in logs)
+        width = len(str(self.total_steps))
+        if self.step == 1:
+            timing = f"first step {now - self._start:.1f} s (incl. tracing and compilation)"
+        else:
+            per_step = 1000 * (now - self._last) / max(self.step - self._last_step, 1)
+            timing = f"{per_step:.0f} ms/step  {now - self._start:.1f} s"
+        self.log(f"{self.name}: step {self.step:>{width}}/{self.total_steps}  {values}  {timing}")
+        self._last, self._last_step = now, self.step
 
 
 class StepTimer(keras.callbacks.Callback):
@@ -156,17 +216,3 @@ def write_summary(log_dir, scalars: Mapping[str, float], step: int = 0) -> None:
 def flag_values(flags_module, names: Iterable[str]) -> dict:
     """The values of the named absl flags, as a dict (for results.json)."""
     return {name: getattr(flags_module.FLAGS, name) for name in names}
-
-
-def set_cpu_threads(threads: int | None) -> None:
-    """Limit TensorFlow's intra/inter-op threads (call before any op runs); None/0: leave."""
-    if threads:
-        import tensorflow as tf
-
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
-        tf.config.threading.set_inter_op_parallelism_threads(threads)
-
-
-def quiet_tensorflow() -> None:
-    """Hide TensorFlow's C++ info logs (call before importing TensorFlow)."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -12,8 +12,9 @@ Runs (same initial weights, same optimizer, same data order, fixed `--seed`):
   cost, so its `grad_dot` is measured on the same half-batch pairs as DotProd's.
 * dotprod: `DotProdTrainer(weight, alpha, every, method)`.
 
-Prints a table (held-out accuracy and loss, mean G1.G2 and cos(G1, G2) over training,
-warm time per step) and writes `results.json` and TensorBoard logs (one folder per run)
+Prints progress lines while it loads, trains (every `--log_every` steps) and evaluates,
+then a table (held-out accuracy and loss, mean G1.G2 and cos(G1, G2) over training,
+warm time per step), and writes `results.json` and TensorBoard logs (one folder per run)
 to `--output_dir`.
 
 Datasets (`--dataset`):
@@ -30,7 +31,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from absl import app, flags, logging  # noqa: E402
+from absl import app, flags  # noqa: E402
 
 DATASETS = ("wordnet", "digits")
 ALGORITHMS = ("baseline", "dotprod", "both")
@@ -55,7 +56,7 @@ flags.DEFINE_float("learning_rate", None, "Learning rate (default: 1e-4 wordnet,
 flags.DEFINE_enum("optimizer", None, ["adam", "sgd"], "Optimizer (default: adam wordnet, sgd digits).")
 flags.DEFINE_integer("seed", 0, "Seed of the initial head weights, data split and order, dropout.")
 flags.DEFINE_string("output_dir", "/tmp/tf_metaalign_finetune", "Where results.json and TensorBoard logs go.")
-flags.DEFINE_integer("log_every", 8, "Steps per logged interval (grad_dot curve, TensorBoard).")
+flags.DEFINE_integer("log_every", 8, "Steps per logged interval (grad_dot curve, TensorBoard, progress lines).")
 flags.DEFINE_integer("eval_examples", 384, "Held-out examples evaluated (0: the whole test split).")
 flags.DEFINE_integer("sequence_length", 24, "wordnet: tokens per gloss.")
 flags.DEFINE_integer("max_examples", 6000, "wordnet: synsets sampled (stratified) before the split.")
@@ -64,6 +65,11 @@ flags.DEFINE_integer("hidden_units", 64, "digits: hidden units of the MLP.")
 flags.DEFINE_integer("timing_warmup", 2, "Steps left out of the time per step (compilation).")
 
 FLAGS = flags.FLAGS
+
+LOADING = {
+    "wordnet": "WordNet supersenses (glosses) and the MiniLM tokenizer; tokenizing",
+    "digits": "scikit-learn digits",
+}
 
 RECORDED_FLAGS = (
     "algorithm", "dataset", "weight", "alpha", "every", "method", "steps", "batch_size",
@@ -172,12 +178,17 @@ def make_optimizer(name: str, learning_rate: float):
 
 
 def run_one(name, model, initial_weights, splits, weight, every, alpha, method,
-            optimizer_name, learning_rate, output_dir):
-    """Train from `initial_weights`; return the result row and the per-interval history."""
+            optimizer_name, learning_rate, output_dir, progress=None):
+    """Train from `initial_weights`; return the result row and the per-interval history.
+
+    `progress(message)` prints the run's progress lines (default: a `common.Progress`).
+    """
     import keras
 
     from trainers import common
     from tf_metaalign.trainers import DotProdTrainer
+
+    progress = progress or common.Progress()
 
     model.set_weights(initial_weights)
     keras.utils.set_random_seed(FLAGS.seed)
@@ -192,18 +203,28 @@ def run_one(name, model, initial_weights, splits, weight, every, alpha, method,
     timer = common.StepTimer(warmup=FLAGS.timing_warmup)
     log_dir = output_dir / "tensorboard" / name
     interval = interval_length(FLAGS.steps, FLAGS.log_every)
+    progress(f"{name}: training {FLAGS.steps} steps of batch {FLAGS.batch_size} (weight={weight:g}); "
+             "the first step traces and compiles the model")
+    reporter = common.ProgressCallback(progress, name, FLAGS.steps, interval,
+                                       metrics=("loss", "accuracy", "grad_dot"))
     start = time.perf_counter()
     # One "epoch" per logged interval over an endless dataset: Keras keeps the iterator
     # across epochs when steps_per_epoch is set, so every run sees the same batch order.
+    # shuffle=False: the dataset is already shuffled (by --seed); Keras ignores `shuffle`
+    # for a tf.data.Dataset and warns when it is left at its default True.
     h = trainer.fit(train_ds, steps_per_epoch=interval, epochs=FLAGS.steps // interval,
-                    verbose=0, callbacks=[timer, common.tensorboard_callback(log_dir)])
+                    shuffle=False, verbose=0,
+                    callbacks=[timer, reporter, common.tensorboard_callback(log_dir)])
     history = {k: [float(v) for v in h.history[k]]
                for k in ("loss", "accuracy", "grad_dot", "grad_cosine")}
     history["steps"] = [interval * (i + 1) for i in range(len(history["loss"]))]
     train_seconds = time.perf_counter() - start
+    progress(f"{name}: trained in {train_seconds:.1f} s; evaluating on {len(splits.y_test)} "
+             "held-out examples")
     ev = trainer.evaluate(splits.test_dataset(max(FLAGS.batch_size, 64)), verbose=0, return_dict=True)
     common.write_summary(log_dir / "test", {"test_accuracy": ev["accuracy"], "test_loss": ev["loss"]},
                          step=FLAGS.steps)
+    progress(f"{name}: test acc {ev['accuracy']:.4f}  test loss {ev['loss']:.4f}")
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731 (equal-length intervals)
     row = {
         "run": name,
@@ -226,9 +247,14 @@ def run_one(name, model, initial_weights, splits, weight, every, alpha, method,
 
 def main(argv):
     del argv
-    from trainers import common
+    from trainers import startup
 
     check_flags()
+    devices = startup.start_tensorflow()  # before anything imports TensorFlow
+
+    from trainers import common
+
+    progress = common.Progress()
     output_dir = common.prepare_output_dir(FLAGS.output_dir)
     defaults = DATASET_DEFAULTS[FLAGS.dataset]
     optimizer_name = FLAGS.optimizer or defaults["optimizer"]
@@ -237,11 +263,17 @@ def main(argv):
     weight = FLAGS.weight if FLAGS.weight is not None else defaults["weight"]
 
     t0 = time.perf_counter()
+    progress(f"finetune: dataset={FLAGS.dataset}, runs={FLAGS.algorithm}, {FLAGS.steps} steps of "
+             f"batch {FLAGS.batch_size}; devices: {', '.join(devices)}; results to {output_dir}")
+    progress(f"loading {LOADING[FLAGS.dataset]}")
     splits, build_model = load_task(FLAGS.dataset, FLAGS.seed)
+    progress(f"loaded {splits.name}: {len(splits.y_train)} train / {len(splits.y_test)} test "
+             f"examples, {splits.num_classes} classes; building the model")
     model = build_model()
     initial_weights = model.get_weights()
     load_seconds = time.perf_counter() - t0
-    logging.info("Loaded %s and the model in %.1f s", splits, load_seconds)
+    progress(f"built {model.name} ({model.count_params():,} parameters); data and "
+             f"model ready in {load_seconds:.1f} s")
 
     runs = []
     if FLAGS.algorithm in ("baseline", "both"):
@@ -251,7 +283,7 @@ def main(argv):
     rows, histories = [], {}
     for name, weight, every in runs:
         row, history = run_one(name, model, initial_weights, splits, weight, every, alpha,
-                               FLAGS.method, optimizer_name, learning_rate, output_dir)
+                               FLAGS.method, optimizer_name, learning_rate, output_dir, progress)
         rows.append(row)
         histories[name] = history
 
@@ -269,6 +301,7 @@ def main(argv):
         "mean G1.G2 / cos: mean over all training steps; ms/step: median warm step time "
         f"(first {FLAGS.timing_warmup} steps, incl. compilation, left out)."
     )
+    progress(f"done in {progress.elapsed():.1f} s")
     print(header)
     print(table)
     results = {

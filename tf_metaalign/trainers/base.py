@@ -80,6 +80,7 @@ import tensorflow as tf
 
 from tf_metaalign import _compat
 from tf_metaalign import functional as F
+from tf_metaalign.trainers.pipeline import PipelineDataMixin
 
 REDUCTIONS = ("mean", "last")
 _SEED_STATES = "seed_states"
@@ -208,7 +209,7 @@ class EveryKSteps(keras.layers.Layer):
 # ------------------------------------------------------------------------ trainer
 
 
-class MetaTrainer(keras.Model):
+class MetaTrainer(PipelineDataMixin, keras.Model):
     """Owns the wrapped model, the loss at given weights, state, diagnostics, the end
     of a step and mid-epoch resumption (see the module doc)."""
 

@@ -26,6 +26,7 @@ from tf_metaalign.optimizers.differentiable import (
     resolve_hyperparameters,
 )
 from tf_metaalign.trainers.base import EveryKSteps, MetaTrainer
+from tf_metaalign.trainers.pipeline import Preprocessed, preprocess_data
 
 DEFAULT_HYPERPARAMETERS = ("learning_rate", "beta_1")
 DEFAULT_META_LEARNING_RATE = 3e-5
@@ -462,7 +463,9 @@ class GuidedTrainer(MetaTrainer):
       guidance_data: a held-out batch `(x, y)` / `(x, y, sample_weight)` (numpy or
         tensors), or a finite `tf.data.Dataset` of such batches (read once, at most
         `max_guidance_batches`, cycled one batch per hypergradient step). See
-        `split_guidance_batch` to hold out the first batch of a training dataset.
+        `split_guidance_batch` to hold out the first batch of a training dataset. For a
+        keras-hub task with a preprocessor, raw data (e.g. strings) is preprocessed by the
+        task, as `fit`'s is (`tf_metaalign.trainers.pipeline`).
       hyperparameters: what to learn; default ("learning_rate", "beta_1") (beta_1 dropped
         when the optimizer has none). "learning_rate" learns a scale exp(raw) (starting at
         1) of the optimizer's schedule; "beta_1" (SGD: its momentum) is sigmoid(raw),
@@ -510,7 +513,8 @@ class GuidedTrainer(MetaTrainer):
             raise ValueError(
                 f"`max_guidance_batches` must be an integer >= 1; got {max_guidance_batches!r}."
             )
-        guidance = GuidanceData(guidance_data, max_guidance_batches)
+        # Raw guidance data for a keras-hub task goes through the task's preprocessor, as fit's does.
+        guidance = GuidanceData(preprocess_data(model, guidance_data), max_guidance_batches)
         super().__init__(model, **kwargs)
         self._guidance = [guidance]  # a list hides the holder from Keras's tracking
         self.max_guidance_batches = max_guidance_batches
@@ -598,7 +602,7 @@ class GuidedTrainer(MetaTrainer):
                 else _decode_array(e)
                 for e in data["stacked"]
             )
-            config["guidance_data"] = (
+            config["guidance_data"] = Preprocessed(  # stored after preprocessing
                 tf.nest.map_structure(lambda a: a[0], stacked) if data["num_batches"] == 1
                 else tf.data.Dataset.from_tensor_slices(stacked)
             )
