@@ -71,7 +71,11 @@ def main(argv=None):
     if args.scenario == "mwms":
         # Must exist before any other TensorFlow op runs in this process.
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        patch_keras_for_mwms(tf)
+        # Keras 3.15's fit fails under MWMS for any model (the probe below is a plain
+        # Keras model): the package's workaround, which trainers apply themselves.
+        from tf_metaalign import _compat
+
+        _compat.patch_keras_multi_worker_fit()
 
     import keras
     import numpy as np
@@ -185,56 +189,6 @@ def run_cluster(args):
     with open(os.path.join(args.out, "cluster.json"), "w") as f:
         json.dump({"cluster": cluster, "returncodes": codes, "outputs": outputs}, f)
     return 0 if all(c == 0 for c in codes) else 1
-
-
-def patch_keras_for_mwms(tf):
-    """Work around two Keras 3.15 bugs that make every `fit` under MWMS fail.
-
-    Neither is specific to the trainers: a plain `keras.Sequential` fails the same way
-    (upstream: keras-team/keras#20585, tensorflow/tensorflow#72388).
-
-    1. `TensorFlowTrainer._maybe_symbolic_build` peeks at one distributed batch and
-       calls `strategy.reduce("MEAN", (x, y), axis=None)` on the whole tuple;
-       MultiWorkerMirroredStrategy's eager reduce does not accept a nest ("Attempt to
-       convert a value (PerReplica:...) with an unsupported type"). The batch is only
-       used for its shapes and dtypes: take each tensor's local value instead.
-    2. `reduce_per_replica(logs, reduction="auto")` reduces each log under MWMS with
-       `strategy.reduce("MEAN", v, axis=0)`, which fails on scalar logs ("Invalid
-       reduction dimension (0 for input with 0 dimension(s)"). Reduce them across
-       replicas only (axis=None), which is what the single-host path computes (the
-       mean of the replicas' values).
-    """
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-
-    original_build = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
-    original_reduce = tf_trainer.reduce_per_replica
-
-    def local(value):
-        if isinstance(value, tf.distribute.DistributedValues):
-            return tf.distribute.get_strategy().experimental_local_results(value)[0]
-        return value
-
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        if self._distribute_strategy is not None and iterator is not None:
-            for _, _, it in iterator:
-                with self.distribute_strategy.scope():
-                    data_batch = tf.nest.map_structure(local, next(it))
-                break
-            iterator = None
-        return original_build(self, iterator=iterator, data_batch=data_batch)
-
-    def reduce_per_replica(values, strategy, reduction):
-        if reduction in ("auto", "mean") and tf_trainer._collective_all_reduce_multi_worker(
-            strategy
-        ):
-            return tf.nest.map_structure(
-                lambda v: strategy.reduce("MEAN", v, axis=None), values
-            )
-        return original_reduce(values, strategy, reduction)
-
-    tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
-    tf_trainer.reduce_per_replica = reduce_per_replica
-
 
 
 def record_rows(strategy, tf, keras, np, global_batch, n_rows):

@@ -298,3 +298,17 @@ def test_seed_generator_states_are_recognised_and_still_not_saved(tmp_path):
     # If Keras starts saving seed states, the trainers' own copy (trainers/base.py
     # _restore_seed_states) is redundant but harmless: this says so.
     assert lost, "Keras now saves SeedGenerator states: the trainers' seed-state copy can go."
+
+
+def test_keras_multi_worker_fit_internals_are_still_there():
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    for name in ("reduce_per_replica", "_collective_all_reduce_multi_worker"):
+        assert callable(getattr(tf_trainer, name, None)), _broken(
+            f"keras.src.backend.tensorflow.trainer.{name}",
+            "fit under MultiWorkerMirroredStrategy (patch_keras_multi_worker_fit)",
+            "check whether Keras fixed keras-team/keras#20585 and drop the patch, or adapt it.")
+    assert _parameters(tf_trainer.TensorFlowTrainer._maybe_symbolic_build) == (
+        "self", "iterator", "data_batch"), _broken(
+        "TensorFlowTrainer._maybe_symbolic_build", "fit under MultiWorkerMirroredStrategy",
+        "adapt patch_keras_multi_worker_fit to the new signature.")

@@ -225,18 +225,23 @@ def test_preprocessor_detection_by_duck_typing():
     assert pipeline.preprocess_samples_fn(bare) is None
 
 
+def _first_batch(guidance):
+    """The first guidance batch as numpy (GuidanceData stacks them on a leading axis)."""
+    return tf.nest.map_structure(lambda t: t[0].numpy(), guidance.stacked)
+
+
 @needs_minilm
 def test_guidance_data_is_preprocessed_like_fit_data(setup):
     from tf_metaalign.trainers import GuidedTrainer
 
     task = setup.task
     px, py = hand_preprocessed(setup.preprocessor, BATCH)
-    raw = GuidedTrainer(task, (TEXTS[:BATCH], LABELS[:BATCH])).guidance.batches()[0]
-    hand = GuidedTrainer(task, (px, py)).guidance.batches()[0]  # already preprocessed: as is
+    raw = _first_batch(GuidedTrainer(task, (TEXTS[:BATCH], LABELS[:BATCH])).guidance)
+    hand = _first_batch(GuidedTrainer(task, (px, py)).guidance)  # already preprocessed: as is
     ds = tf.data.Dataset.from_tensor_slices((TEXTS[:2 * BATCH], LABELS[:2 * BATCH])).batch(BATCH)
     from_ds = GuidedTrainer(task, ds).guidance
     assert from_ds.num_batches == 2
-    for got in (raw, hand, from_ds.batches()[0]):
+    for got in (raw, hand, _first_batch(from_ds)):
         assert set(got[0]) == {"token_ids", "segment_ids", "padding_mask"}
         for k in got[0]:
             np.testing.assert_array_equal(got[0][k], px[k])

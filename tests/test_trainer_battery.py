@@ -49,9 +49,10 @@ everything it compares, so a comparison is never vacuous):
    Keras distributes a batched tf.data.Dataset under MWMS (AUTO shard policy, which falls
    back to DATA for in-memory data), worker w's replica receives rows
    [w*B/W, (w+1)*B/W) of every global batch of B rows -- the same rows replica w gets
-   under MirroredStrategy. Keras 3.15 cannot `fit` under MWMS without two workarounds,
-   applied in the worker only (see `battery_worker.patch_keras_for_mwms`). TensorFlow's
-   gRPC server listens on all interfaces whatever TF_CONFIG says, so the two workers run
+   under MirroredStrategy. Keras 3.15 cannot `fit` under MWMS without two workarounds
+   (`tf_metaalign._compat.patch_keras_multi_worker_fit`, which every trainer created
+   under MWMS applies itself; the worker applies it first for its plain-Keras row
+   probe). TensorFlow's gRPC server listens on all interfaces whatever TF_CONFIG says, so the two workers run
    in a network namespace of their own holding only loopback (`unshare --net`, where
    permitted).
 

@@ -22,8 +22,12 @@ from tf_metaalign.trainers.base import (
 
 @pytest.fixture
 def float64():
+    """Layers built without a dtype compute in float64 (floatx alone is not enough once
+    another test has set the global dtype policy explicitly, e.g. back to "float32")."""
     keras.backend.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
     yield
+    keras.config.set_dtype_policy("float32")
     keras.backend.set_floatx("float32")
 
 

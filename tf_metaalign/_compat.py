@@ -225,3 +225,62 @@ def distributed_update_step(optimizer):
     override calls it so that, besides the clipping, the update is Keras's.
     """
     return optimizer._distributed_tf_update_step
+
+
+# ================================================================================================
+# Keras's fit under MultiWorkerMirroredStrategy
+# ================================================================================================
+
+_MULTI_WORKER_FIT_PATCHED = []
+
+
+def patch_keras_multi_worker_fit():
+    """Work around two Keras 3.15 bugs that make every `fit` under
+    `MultiWorkerMirroredStrategy` fail (a plain `keras.Sequential` too; upstream
+    keras-team/keras#20585, tensorflow/tensorflow#72388). Idempotent; the trainers call
+    it when they are created under that strategy.
+
+    Private: `keras.src.backend.tensorflow.trainer` (`TensorFlowTrainer._maybe_symbolic_build`,
+    `reduce_per_replica`, `_collective_all_reduce_multi_worker`). No public API reaches
+    the code that fails:
+
+    1. `_maybe_symbolic_build` peeks at one distributed batch and calls
+       `strategy.reduce("MEAN", (x, y), axis=None)` on the whole nest, which the
+       multi-worker eager reduce refuses. The batch is only used for its shapes and
+       dtypes: each tensor's local value serves.
+    2. `reduce_per_replica(logs, reduction="auto")` reduces each log with
+       `strategy.reduce("MEAN", v, axis=0)`, which fails on scalar logs. They are reduced
+       across replicas only (axis=None): the mean of the replicas' values, what the
+       single-host path computes.
+    """
+    if _MULTI_WORKER_FIT_PATCHED:
+        return
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    original_build = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
+    original_reduce = tf_trainer.reduce_per_replica
+
+    def local(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return tf.distribute.get_strategy().experimental_local_results(value)[0]
+        return value
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        if self._distribute_strategy is not None and iterator is not None:
+            for _, _, it in iterator:
+                with self.distribute_strategy.scope():
+                    data_batch = tf.nest.map_structure(local, next(it))
+                break
+            iterator = None
+        return original_build(self, iterator=iterator, data_batch=data_batch)
+
+    def reduce_per_replica(values, strategy, reduction):
+        if reduction in ("auto", "mean") and tf_trainer._collective_all_reduce_multi_worker(
+            strategy
+        ):
+            return tf.nest.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), values)
+        return original_reduce(values, strategy, reduction)
+
+    tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+    tf_trainer.reduce_per_replica = reduce_per_replica
+    _MULTI_WORKER_FIT_PATCHED.append(True)

@@ -220,6 +220,8 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
                 "tf.keras 2 / tf_keras models are not supported."
             )
         super().__init__(**kwargs)
+        if isinstance(tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
+            _compat.patch_keras_multi_worker_fit()  # Keras 3.15's fit fails there otherwise
         self.model = model
         self._diagnostics = {}
         self._active_diagnostics = None  # None: all
@@ -353,10 +355,16 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
         return [i for i, v in enumerate(self.model.non_trainable_variables)
                 if _compat.is_seed_state(v)]
 
+    def load_own_variables(self, store):
+        # Called for the trainer by load_weights (BackupAndRestore) and load_model.
+        super().load_own_variables(store)
+        self._restore_seed_states()
+
     def _restore_seed_states(self):
         """Keras's weights files leave out the seed states of Dropout & co.; the trainer
-        checkpoints a copy (updated by finish_step) and puts it back when a fit starts,
-        so a restored run draws the masks the interrupted run would have drawn."""
+        checkpoints a copy (updated by finish_step) and puts it back into the model when
+        its weights are loaded, so a restored run draws the masks the interrupted run
+        would have drawn."""
         if not self._seed_states:
             return
         variables = self.model.non_trainable_variables
@@ -537,7 +545,6 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
             if self._skip_batches is None:
                 # First step of this fit: after BackupAndRestore's on_train_begin.
                 self._building_from_training_batch = False
-                self._restore_seed_states()
                 self._skip_batches = int(self.epoch_steps.numpy())
                 if self._skip_batches:
                     logging.info("Resuming mid-epoch: skipping %d batches already trained on.",
