@@ -16,8 +16,8 @@ from tf_metaalign.trainers.base import (
     EveryKSteps,
     MetaTrainer,
     commit_weights,
-    replica_safe_cond,
 )
+from tf_metaalign.functional import replica_safe_cond
 
 
 @pytest.fixture

@@ -319,6 +319,28 @@ def all_reduce_sum(tensors):
     return ctx.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
 
 
+def replica_safe_cond(pred, true_fn, false_fn, communicates=False, merged=None):
+    """`tf.cond(pred, true_fn, false_fn)` that is valid under any strategy.
+
+    Under MirroredStrategy a cross-replica communication (all-reduce,
+    `optimizer.apply_gradients`, a commit of mirrored variables) may not sit inside
+    `tf.cond`. Branches that do not communicate (`communicates=False`) are always run
+    with `tf.cond`. Communicating branches are run with `tf.cond` on one replica; on
+    several replicas `merged(pred)` is called instead, which must do the
+    communication unconditionally and the rest under `pred` (default: run both
+    branches and select their outputs with `tf.where`; their side effects then both
+    happen, so only use the default for side-effect-free branches).
+    """
+    if isinstance(pred, bool):
+        return true_fn() if pred else false_fn()
+    if not communicates or num_replicas() == 1:
+        return tf.cond(pred, true_fn, false_fn)
+    if merged is not None:
+        return merged(pred)
+    on, off = true_fn(), false_fn()
+    return tf.nest.map_structure(lambda a, b: tf.where(pred, a, b), on, off)
+
+
 def replica_share(tensors):
     """The per-replica part of a global value that is identical on every replica: the
     value divided by the replica count, so that the optimizer's cross-replica *sum* in

@@ -475,13 +475,14 @@ def guided_step(
         holder["update"] = UpdateWithTangents(result.new_params, result.new_slots, [])
         return [result.hypergradients[n] for n in names], tf.cast(result.guidance_loss, tf.float32)
 
-    if apply is True:
-        h_local, loss_local = compute()
-    else:
-        h_local, loss_local = tf.cond(
-            apply, compute,
-            lambda: ([tf.zeros((), raw[n].dtype) for n in names], tf.zeros((), tf.float32)),
-        )
+    # No cross-replica communication inside (reduce_and_sanitize comes after): a plain
+    # conditional under any strategy.
+    h_local, loss_local = F.replica_safe_cond(
+        apply, compute,
+        lambda: ([tf.zeros((), raw[n].dtype) for n in names], tf.zeros((), tf.float32)),
+        communicates=False,
+    )
+    if apply is not True:
         holder.pop("update", None)  # built inside the cond: not usable outside it
     h, guidance_loss, n_bad = reduce_and_sanitize(dict(zip(names, h_local)), loss_local)
     updated = meta_update(meta_rule, raw, meta_slots, h, meta_hparams, meta_step)

@@ -1,5 +1,5 @@
 """Keras trainers: `keras.Model` wrappers whose `train_step` runs an algorithm."""
-from tf_metaalign.trainers.base import Diagnostic, EveryKSteps, MetaTrainer, commit_weights, replica_safe_cond
+from tf_metaalign.trainers.base import Diagnostic, EveryKSteps, MetaTrainer, commit_weights
 from tf_metaalign.trainers.dotprod import DotProdTrainer
 from tf_metaalign.trainers.guided import (
     GuidedHyperparameters,
@@ -13,7 +13,6 @@ __all__ = [
     "Diagnostic",
     "EveryKSteps",
     "commit_weights",
-    "replica_safe_cond",
     "DotProdTrainer",
     "GuidedTrainer",
     "GuidedHyperparameters",

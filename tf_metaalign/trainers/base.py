@@ -33,7 +33,7 @@ Cross-step state
   built): slow weights (Sequential Reptile's phi), the initial weights an L2 distance
   is measured from. Checkpointed with the trainer.
 * `EveryKSteps`: an "every k steps" schedule that owns its checkpointed counter and the
-  multi-replica rule for conditional work (`cond`).
+  multi-replica rule for conditional work (`cond`, i.e. `functional.replica_safe_cond`).
 All are saved by `trainer.save_weights` / `BackupAndRestore` / `trainer.save`.
 
 Where the weights live. Inner loops inside one `train_step` (MAML, Reptile over one
@@ -141,28 +141,6 @@ class Diagnostic(keras.metrics.Metric):
 # ---------------------------------------------------------------- every k steps
 
 
-def replica_safe_cond(pred, true_fn, false_fn, communicates=False, merged=None):
-    """`tf.cond(pred, true_fn, false_fn)` that is valid under any strategy.
-
-    Under MirroredStrategy a cross-replica communication (all-reduce,
-    `optimizer.apply_gradients`, a commit of mirrored variables) may not sit inside
-    `tf.cond`. Branches that do not communicate (`communicates=False`) are always run
-    with `tf.cond`. Communicating branches are run with `tf.cond` on one replica; on
-    several replicas `merged(pred)` is called instead, which must do the
-    communication unconditionally and the rest under `pred` (default: run both
-    branches and select their outputs with `tf.where`; their side effects then both
-    happen, so only use the default for side-effect-free branches).
-    """
-    if isinstance(pred, bool):
-        return true_fn() if pred else false_fn()
-    if not communicates or F.num_replicas() == 1:
-        return tf.cond(pred, true_fn, false_fn)
-    if merged is not None:
-        return merged(pred)
-    on, off = true_fn(), false_fn()
-    return tf.nest.map_structure(lambda a, b: tf.where(pred, a, b), on, off)
-
-
 class EveryKSteps(keras.layers.Layer):
     """An "every k steps" schedule with its own checkpointed counter.
 
@@ -171,7 +149,7 @@ class EveryKSteps(keras.layers.Layer):
     `is_first()` is true on steps 0, k, 2k, ... (the first step of each period),
     `is_last()` on steps k-1, 2k-1, ... (the last: an outer update after k inner steps);
     with k = 1 both are the python constant True (no `tf.cond` at all). `cond(...)`
-    runs work conditionally under the multi-replica rule of `replica_safe_cond`;
+    runs work conditionally under the multi-replica rule of `functional.replica_safe_cond`;
     `advance()` counts the step (call it once per step, e.g. via `finish_step`).
     """
 
@@ -196,8 +174,8 @@ class EveryKSteps(keras.layers.Layer):
         return True if self.k == 1 else tf.equal(self.phase(), self.k - 1)
 
     def cond(self, pred, true_fn, false_fn, communicates=False, merged=None):
-        """`replica_safe_cond` (see there)."""
-        return replica_safe_cond(pred, true_fn, false_fn, communicates, merged)
+        """`functional.replica_safe_cond` (see there)."""
+        return F.replica_safe_cond(pred, true_fn, false_fn, communicates, merged)
 
     def advance(self):
         return self.count.assign_add(1)
