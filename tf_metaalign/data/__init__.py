@@ -6,6 +6,7 @@
   text_encoder              the pretrained all-MiniLM-L6-v2 encoder through keras-hub, offline
   load_tfds                 a TFDS dataset already on disk (never downloads)
   translation               Django's gettext catalogs as English -> X translation pairs
+  multitask                 multi-task batches (p_t ∝ N_t^q), deterministic and resumable
 """
 from tf_metaalign.data.digits import load_digits
 from tf_metaalign.data.splits import Splits, make_dataset
@@ -15,9 +16,16 @@ from tf_metaalign.data.wordnet import (
     load_wordnet_supersenses,
     wordnet_tasks,
 )
-from tf_metaalign.data import text_encoder, translation
+from tf_metaalign.data import multitask, text_encoder, translation
+from tf_metaalign.data.multitask import (
+    MultiTaskStream,
+    model_inputs,
+    task_ids,
+    task_probabilities,
+)
 
 __all__ = [
     "Splits", "make_dataset", "load_digits", "load_wordnet_supersenses", "wordnet_tasks",
     "SUPERSENSES", "text_encoder", "load_tfds", "translation",
+    "multitask", "MultiTaskStream", "task_probabilities", "model_inputs", "task_ids",
 ]

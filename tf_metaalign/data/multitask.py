@@ -1,0 +1,404 @@
+"""Multi-task batches: task sampling p_t ∝ N_t^q, deterministic and resumable streams.
+
+Used by multi-task trainers: Sequential Reptile (one inner trajectory over batches drawn
+from ALL tasks, each batch from ONE task t drawn with probability p_t ∝ N_t^q, q = 1/5 in
+the paper) and the MTL baselines (PCGrad, GradVac, GradNorm) that take a mixed batch
+holding examples of several tasks and need per-task losses.
+
+The batch format
+----------------
+Every element of `MultiTaskStream.single_task_batches()` and `.mixed_batches()` is
+`(x, y)` or `(x, y, sample_weight)` (the latter when the tasks were given with sample
+weights), where::
+
+    x = {"inputs": <the model inputs of the batch: a tensor or a nest>,
+         "task_id": <int32 tensor [B]: the task index of each example, in the order of
+                     `stream.task_names`>}
+
+`model_inputs(x)` gives what a shared model (one head for all tasks) is called on, and
+`task_ids(x)` the task index of each example (for per-task losses, e.g.
+`tf.math.unsorted_segment_sum(per_example_loss, task_ids(x), num_tasks)`).
+
+A model with one head per task takes the whole dict (`model_inputs(x,
+model_takes_task_id=True)`): its call reads `x["inputs"]` for the shared backbone and
+`x["task_id"]` to pick, for each example, the output of the head of its task.
+`one_head_per_task_model(backbone, num_outputs_per_task)` builds such a Keras functional
+model: all heads are one `Dense(num_tasks * max_outputs)` layer, and example i gets the
+`max_outputs` columns of task `task_id[i]` (columns past a task's own number of outputs
+are set to a large negative logit so that a softmax cross-entropy ignores them).
+
+Determinism and resuming
+------------------------
+Batch k of a stream is a pure function of `(seed, k)` (and of the data): the task(s) of step
+k come from `tf.random.stateless_categorical` (Gumbel top-k for several tasks without
+replacement) seeded by `(seed, k)`, and the examples from stateless sampling without
+replacement inside the task (within one batch; examples may repeat across batches). So
+`single_task_batches(start=k)` (and `mixed_batches(..., start=k)`) yields exactly batches
+k, k+1, ... of an uninterrupted run. To resume a run, pass the number of batches the
+trainer has consumed, i.e. its checkpointed step count (`trainer.optimizer.iterations`
+when every batch is one optimizer step, or a schedule's `count`), as `start`. Keras's
+`BackupAndRestore` mid-epoch resume skips the consumed batches of the restarted epoch
+itself: with an infinite stream and `steps_per_epoch`, pass
+`start=epoch * steps_per_epoch` (the epoch's first batch) and let Keras skip the rest.
+
+Batches have static shapes (every batch has exactly `batch_size` examples; a mixed batch
+exactly `tasks_per_batch * per_task_batch_size`), so they work under `tf.function`, XLA
+and `MirroredStrategy` (the global batch is split along axis 0 across replicas: see
+`interleave` of `mixed_batches` to give every replica examples of every task).
+
+The data is held in memory: `tasks` given as `tf.data.Dataset`s are materialised once
+(iterated to the end) when the stream is built. All tasks must have the same structure,
+dtypes and per-example shapes (pad text to one sequence length), since they share batches.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tf_metaalign.data.splits import check_positive_int
+
+#: Sequential Reptile's (and the multilingual-BERT) default temperature: p_t ∝ N_t^(1/5).
+DEFAULT_Q = 0.2
+
+__all__ = [
+    "DEFAULT_Q", "task_probabilities", "MultiTaskStream", "model_inputs", "task_ids",
+]
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def _check_q(q) -> float:
+    if isinstance(q, bool) or not isinstance(q, (int, float, np.integer, np.floating)) or (
+        not math.isfinite(float(q))
+    ):
+        raise ValueError(f"`q` must be a finite number (e.g. 0.2, 0 or 1); got {q!r}.")
+    return float(q)
+
+
+def task_probabilities(sizes: Mapping[str, int], q: float | None = None,
+                       weights: Mapping[str, float] | Sequence[float] | None = None
+                       ) -> dict[str, float]:
+    """The probability of drawing each task: p_t ∝ N_t^q, or p_t ∝ weights[t].
+
+    Args:
+      sizes: task name -> number of examples N_t (an integer >= 1), in task order.
+      q: the temperature exponent: 0 gives uniform, 1 proportional to size, 1/5 (the
+        default when neither `q` nor `weights` is given) Sequential Reptile's choice.
+      weights: task name -> positive weight (every task of `sizes`, no other), or a sequence
+        in the order of `sizes`; replaces `q` (giving both is an error).
+
+    Returns:
+      task name -> probability, in the order of `sizes`, summing to 1.
+    """
+    if not isinstance(sizes, Mapping):
+        raise ValueError(f"`sizes` must be a mapping task name -> number of examples; "
+                         f"got {type(sizes).__name__}.")
+    if len(sizes) == 0:
+        raise ValueError("`sizes` is empty: give at least one task.")
+    names = list(sizes)
+    n = []
+    for name in names:
+        size = sizes[name]
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
+            raise ValueError(f"`sizes`[{name!r}] must be a non-negative integer number of "
+                             f"examples; got {size!r}.")
+        if size == 0:
+            raise ValueError(f"`sizes`[{name!r}]: task {name!r} has 0 examples; remove it "
+                             "or give it data.")
+        n.append(float(size))
+    n = np.asarray(n, np.float64)
+    if weights is not None:
+        if q is not None:
+            raise ValueError("Give `q` or `weights`, not both: `weights` sets p_t directly.")
+        if isinstance(weights, Mapping):
+            unknown = [k for k in weights if k not in sizes]
+            if unknown:
+                raise ValueError(f"`weights` names unknown tasks {unknown}; the tasks are "
+                                 f"{names}.")
+            missing = [k for k in names if k not in weights]
+            if missing:
+                raise ValueError(f"`weights` has no weight for tasks {missing}; give one for "
+                                 f"every task of {names}.")
+            w = [weights[k] for k in names]
+        else:
+            w = list(weights)
+            if len(w) != len(names):
+                raise ValueError(f"`weights` has {len(w)} entries for {len(names)} tasks "
+                                 f"{names}.")
+        for name, value in zip(names, w):
+            if isinstance(value, bool) or not isinstance(
+                value, (int, float, np.integer, np.floating)
+            ) or not math.isfinite(float(value)) or value <= 0:
+                raise ValueError(f"`weights`[{name!r}] must be a finite number > 0; "
+                                 f"got {value!r}.")
+        p = np.asarray(w, np.float64)
+    else:
+        q = DEFAULT_Q if q is None else _check_q(q)
+        # In log space: N^q of large N and q overflows no float64 before normalising.
+        logp = q * np.log(n)
+        p = np.exp(logp - logp.max())
+    p = p / p.sum()
+    return dict(zip(names, (float(v) for v in p)))
+
+
+# ----------------------------------------------------------------------------- batch format
+
+
+def model_inputs(x, model_takes_task_id: bool = False):
+    """What the model is called on: `x["inputs"]` for a shared model, or the whole dict
+    `{"inputs", "task_id"}` for a model with one head per task (`model_takes_task_id`)."""
+    _check_batch_x(x)
+    return x if model_takes_task_id else x["inputs"]
+
+
+def task_ids(x):
+    """The int32 `[B]` task index of each example of a batch's `x`."""
+    _check_batch_x(x)
+    return x["task_id"]
+
+
+def _check_batch_x(x):
+    if not isinstance(x, Mapping) or "inputs" not in x or "task_id" not in x:
+        raise ValueError(
+            "A multi-task batch's `x` must be a dict {'inputs': ..., 'task_id': int32 [B]} "
+            f"(see tf_metaalign.data.multitask); got {type(x).__name__}"
+            + (f" with keys {sorted(x)}" if isinstance(x, Mapping) else "") + "."
+        )
+
+
+# ----------------------------------------------------------------------------- the stream
+
+
+def _materialise(name, dataset: tf.data.Dataset):
+    card = int(dataset.cardinality())
+    if card == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(f"`tasks`[{name!r}] is an infinite tf.data.Dataset; give a finite "
+                         "dataset of unbatched examples (it is read once into memory).")
+    parts = [b for b in dataset.batch(4096).as_numpy_iterator()]
+    if not parts:
+        raise ValueError(f"`tasks`[{name!r}]: task {name!r} has 0 examples (its dataset is "
+                         "empty).")
+    return tf.nest.map_structure(lambda *a: np.concatenate(a, axis=0), *parts)
+
+
+def _as_examples(name, value):
+    """(x, y) or (x, y, sample_weight) as numpy nests with one leading example axis."""
+    if isinstance(value, tf.data.Dataset):
+        value = _materialise(name, value)
+    if not isinstance(value, (tuple, list)) or len(value) not in (2, 3):
+        raise ValueError(f"`tasks`[{name!r}] must be (x, y), (x, y, sample_weight) or a "
+                         f"tf.data.Dataset of such unbatched examples; got "
+                         f"{type(value).__name__}"
+                         + (f" of length {len(value)}" if isinstance(value, (tuple, list))
+                            else "") + ".")
+    value = tuple(tf.nest.map_structure(np.asarray, tuple(value)))
+    leaves = tf.nest.flatten(value)
+    lengths = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
+    if None in lengths or len(lengths) != 1:
+        raise ValueError(f"`tasks`[{name!r}]: every array must have the same leading "
+                         f"(example) dimension; got lengths "
+                         f"{[leaf.shape[0] if leaf.ndim else 'scalar' for leaf in leaves]}.")
+    (n,) = lengths
+    if n == 0:
+        raise ValueError(f"`tasks`[{name!r}]: task {name!r} has 0 examples.")
+    return value, int(n)
+
+
+class MultiTaskStream:
+    """Infinite, deterministic, resumable streams of multi-task batches.
+
+    Args:
+      tasks: task name -> `(x, y)` or `(x, y, sample_weight)` (numpy arrays or nests of
+        them, one row per example), or a finite `tf.data.Dataset` of such unbatched
+        examples (materialised once, into memory, here). The task index of a task is its
+        position in `tasks` (`self.task_names`).
+      batch_size: examples per batch of `single_task_batches` (each task must have at
+        least this many).
+      q: p_t ∝ N_t^q (1/5 in Sequential Reptile; 0 uniform, 1 proportional). Ignored when
+        `weights` is given.
+      weights: task name -> positive weight: p_t ∝ weights[t] instead.
+      seed: integer; batch k depends only on `(seed, k)`.
+
+    Attributes:
+      task_names, sizes (task name -> N_t), probabilities (task name -> p_t),
+      num_tasks, batch_size, seed.
+    """
+
+    def __init__(self, tasks: Mapping[str, Any], batch_size: int, q: float = DEFAULT_Q,
+                 weights: Mapping[str, float] | None = None, seed: int = 0):
+        if not isinstance(tasks, Mapping):
+            raise ValueError("`tasks` must be a mapping task name -> (x, y) or dataset; got "
+                             f"{type(tasks).__name__}.")
+        if len(tasks) == 0:
+            raise ValueError("`tasks` is empty: give at least one task.")
+        self.batch_size = check_positive_int(batch_size, "batch_size")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise ValueError(f"`seed` must be an integer; got {seed!r}.")
+        self.seed = int(seed)
+        self.task_names = list(tasks)
+        self.num_tasks = len(self.task_names)
+
+        examples, sizes = [], {}
+        for name in self.task_names:
+            value, n = _as_examples(name, tasks[name])
+            examples.append(value)
+            sizes[name] = n
+        self.sizes = sizes
+        self.probabilities = task_probabilities(
+            sizes, q=None if weights is not None else _check_q(q), weights=weights)
+        self._check_fits(self.batch_size, "batch_size")
+
+        first = self.task_names[0]
+        for name, value in zip(self.task_names[1:], examples[1:]):
+            try:
+                tf.nest.assert_same_structure(examples[0], value)
+            except (ValueError, TypeError) as e:
+                raise ValueError(
+                    f"`tasks`[{name!r}] has another structure than `tasks`[{first!r}] (both "
+                    "must be (x, y) or both (x, y, sample_weight), with the same nest of x): "
+                    f"{e}") from None
+            for a, b in zip(tf.nest.flatten(examples[0]), tf.nest.flatten(value)):
+                if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
+                    raise ValueError(
+                        f"`tasks`[{name!r}] has an array of per-example shape {b.shape[1:]} "
+                        f"and dtype {b.dtype} where `tasks`[{first!r}] has {a.shape[1:]} "
+                        f"and {a.dtype}; tasks share batches, so these must match (pad "
+                        "sequences to one length).")
+        # All tasks in one array per leaf; task t is rows offsets[t] : offsets[t] + N_t.
+        self._data = tf.nest.map_structure(
+            lambda *a: tf.constant(np.concatenate(a, axis=0)), *examples)
+        n = np.asarray([sizes[k] for k in self.task_names], np.int64)
+        self._sizes = tf.constant(n)
+        self._offsets = tf.constant(np.concatenate([[0], np.cumsum(n)[:-1]]).astype(np.int64))
+        self._max_size = int(n.max())
+        p = np.asarray([self.probabilities[k] for k in self.task_names], np.float64)
+        self._logits = tf.constant(np.log(p), tf.float32)[tf.newaxis]
+
+    def __repr__(self):
+        return (f"MultiTaskStream(tasks={self.sizes}, batch_size={self.batch_size}, "
+                f"seed={self.seed})")
+
+    def _check_fits(self, batch_size, arg_name, names=None):
+        for name in names or self.task_names:
+            if self.sizes[name] < batch_size:
+                raise ValueError(
+                    f"`{arg_name}`={batch_size} is larger than task {name!r}, which has "
+                    f"{self.sizes[name]} examples (a batch samples without replacement).")
+
+    # ------------------------------------------------------------------ stateless sampling
+
+    def _step_seeds(self, k, salt: int, num: int):
+        """`num` independent stateless seeds for step `k` (an int64 scalar tensor)."""
+        base = tf.stack([tf.constant(self.seed, tf.int64) * 2 + salt, k])
+        return tf.random.experimental.stateless_split(base, num=num)
+
+    def _sample_examples(self, seed, tasks, per_task):
+        """Row indices `[len(tasks), per_task]` of the concatenated data: for each task,
+        `per_task` distinct examples uniformly at random (Gumbel top-k over its rows)."""
+        num = tasks.shape[0]
+        sizes = tf.gather(self._sizes, tasks)  # [num]
+        u = tf.random.stateless_uniform([num, self._max_size], seed=seed)
+        valid = tf.range(self._max_size, dtype=tf.int64)[tf.newaxis] < sizes[:, tf.newaxis]
+        u = tf.where(valid, u, -1.0)  # rows past a task's size are never chosen
+        _, within = tf.math.top_k(u, k=per_task)
+        return tf.cast(within, tf.int64) + tf.gather(self._offsets, tasks)[:, tf.newaxis]
+
+    def _element(self, rows, tids):
+        rows = tf.reshape(rows, [-1])
+        batch = tf.nest.map_structure(lambda a: tf.gather(a, rows), self._data)
+        x, y, *rest = batch
+        x = {"inputs": x, "task_id": tf.cast(tf.reshape(tids, [-1]), tf.int32)}
+        return (x, y, *rest)
+
+    def single_task_batch(self, k):
+        """Batch `k` of `single_task_batches()` (a pure function of `(seed, k)`)."""
+        k = tf.cast(k, tf.int64)
+        task_seed, example_seed = tf.unstack(self._step_seeds(k, salt=0, num=2))
+        task = tf.random.stateless_categorical(self._logits, 1, seed=task_seed,
+                                               dtype=tf.int32)[0]  # [1]
+        rows = self._sample_examples(example_seed, task, self.batch_size)
+        tids = tf.fill([self.batch_size], task[0])
+        return self._element(rows, tids)
+
+    def single_task_batches(self, start: int = 0) -> tf.data.Dataset:
+        """Infinite dataset of batches of `batch_size` examples, each from ONE task drawn
+        with probability p_t (Sequential Reptile's sampling); begins at batch `start` (to
+        resume: the trainer's checkpointed step count)."""
+        start = _check_start(start)
+        return (tf.data.Dataset.counter(start, dtype=tf.int64)
+                .map(self.single_task_batch, num_parallel_calls=tf.data.AUTOTUNE,
+                     deterministic=True)
+                .prefetch(tf.data.AUTOTUNE))
+
+    def _check_mixed(self, tasks_per_batch, per_task_batch_size):
+        per_task_batch_size = check_positive_int(per_task_batch_size, "per_task_batch_size")
+        if tasks_per_batch is None:
+            tasks_per_batch = self.num_tasks
+        tasks_per_batch = check_positive_int(tasks_per_batch, "tasks_per_batch")
+        if tasks_per_batch > self.num_tasks:
+            raise ValueError(f"`tasks_per_batch`={tasks_per_batch} is larger than the number "
+                             f"of tasks ({self.num_tasks}).")
+        # Any task may be drawn; with every task, every task is.
+        self._check_fits(per_task_batch_size, "per_task_batch_size")
+        return tasks_per_batch, per_task_batch_size
+
+    def mixed_batch(self, k, tasks_per_batch: int | None = None,
+                    per_task_batch_size: int | None = None, interleave: bool = False):
+        """Batch `k` of `mixed_batches(...)` (a pure function of `(seed, k)`)."""
+        if per_task_batch_size is None:
+            per_task_batch_size = self.batch_size
+        tasks_per_batch, per_task_batch_size = self._check_mixed(tasks_per_batch,
+                                                                 per_task_batch_size)
+        k = tf.cast(k, tf.int64)
+        task_seed, example_seed = tf.unstack(self._step_seeds(k, salt=1, num=2))
+        if tasks_per_batch == self.num_tasks:
+            tasks = tf.range(self.num_tasks, dtype=tf.int32)
+        else:
+            # Gumbel top-k: tasks_per_batch tasks drawn with p_t without replacement.
+            u = tf.random.stateless_uniform([self.num_tasks], seed=task_seed,
+                                            minval=1e-20, maxval=1.0)
+            gumbel = -tf.math.log(-tf.math.log(u))
+            _, tasks = tf.math.top_k(self._logits[0] + gumbel, k=tasks_per_batch)
+            tasks = tf.sort(tasks)
+        rows = self._sample_examples(example_seed, tasks, per_task_batch_size)
+        tids = tf.broadcast_to(tasks[:, tf.newaxis], [tasks_per_batch, per_task_batch_size])
+        if interleave:
+            rows, tids = tf.transpose(rows), tf.transpose(tids)
+        return self._element(rows, tids)
+
+    def mixed_batches(self, tasks_per_batch: int | None = None,
+                      per_task_batch_size: int | None = None, interleave: bool = False,
+                      start: int = 0) -> tf.data.Dataset:
+        """Infinite dataset of mixed batches: `per_task_batch_size` (default `batch_size`)
+        examples of each of `tasks_per_batch` tasks (default all; fewer are drawn with p_t
+        without replacement), `tasks_per_batch * per_task_batch_size` examples in all.
+
+        Layout: task-major (all examples of the lowest chosen task index first), or with
+        `interleave=True` example-major (`[e0 of t_a, e0 of t_b, ..., e1 of t_a, ...]`), so
+        that a split of the batch into R equal replica shards gives every replica
+        `per_task_batch_size / R` examples of every task when R divides it. `task_id` is
+        authoritative either way. Begins at batch `start` (the trainer's step count).
+        """
+        if per_task_batch_size is None:
+            per_task_batch_size = self.batch_size
+        tasks_per_batch, per_task_batch_size = self._check_mixed(tasks_per_batch,
+                                                                 per_task_batch_size)
+        start = _check_start(start)
+
+        def fn(k):
+            return self.mixed_batch(k, tasks_per_batch, per_task_batch_size, interleave)
+
+        return (tf.data.Dataset.counter(start, dtype=tf.int64)
+                .map(fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+                .prefetch(tf.data.AUTOTUNE))
+
+
+def _check_start(start) -> int:
+    if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
+        raise ValueError(f"`start` must be an integer >= 0 (the number of batches already "
+                         f"consumed); got {start!r}.")
+    return int(start)
