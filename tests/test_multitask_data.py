@@ -264,3 +264,37 @@ def test_dataset_tasks_materialised_and_model_inputs():
 def test_stream_errors(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+# ----------------------------------------------------------------------------- per-task heads
+
+
+def test_one_head_per_task_model(tmp_path):
+    import keras
+
+    sizes, classes = {"a": 20, "b": 30, "c": 25}, [2, 5, 3]
+    rng = np.random.default_rng(0)
+    tasks = {n: (rng.random((s, 3), dtype=np.float32),
+                 rng.integers(0, c, s).astype(np.int32))
+             for (n, s), c in zip(sizes.items(), classes)}
+    stream = mt.MultiTaskStream(tasks, 4, seed=0)
+    backbone = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, activation="relu")])
+    model = mt.one_head_per_task_model(backbone, dict(zip(sizes, classes)))
+    x, y = next(iter(stream.mixed_batches(per_task_batch_size=3, interleave=True)))
+    out = model(x).numpy()
+    assert out.shape == (9, 5)
+    features = backbone(x["inputs"]).numpy()
+    head = model.get_layer("per_task_head")
+    kernel = head.kernel.numpy().reshape(8, 3, 5)
+    bias = head.bias.numpy().reshape(3, 5)
+    for i, t in enumerate(x["task_id"].numpy()):
+        c = classes[t]
+        np.testing.assert_allclose(out[i, :c], features[i] @ kernel[:, t, :c] + bias[t, :c],
+                                   rtol=1e-5, atol=1e-6)
+        assert np.all(out[i, c:] <= -1e8)  # ignored by a softmax cross-entropy
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    hist = model.fit(stream.mixed_batches(per_task_batch_size=3), steps_per_epoch=3, verbose=0)
+    assert np.isfinite(hist.history["loss"][-1])
+    model.save(tmp_path / "m.keras")
+    again = keras.saving.load_model(tmp_path / "m.keras")
+    np.testing.assert_allclose(again(x).numpy(), model(x).numpy(), rtol=1e-6)

@@ -20,6 +20,7 @@ from tf_metaalign.data import multitask, text_encoder, translation
 from tf_metaalign.data.multitask import (
     MultiTaskStream,
     model_inputs,
+    one_head_per_task_model,
     task_ids,
     task_probabilities,
 )
@@ -28,4 +29,5 @@ __all__ = [
     "Splits", "make_dataset", "load_digits", "load_wordnet_supersenses", "wordnet_tasks",
     "SUPERSENSES", "text_encoder", "load_tfds", "translation",
     "multitask", "MultiTaskStream", "task_probabilities", "model_inputs", "task_ids",
+    "one_head_per_task_model",
 ]

@@ -65,6 +65,7 @@ DEFAULT_Q = 0.2
 
 __all__ = [
     "DEFAULT_Q", "task_probabilities", "MultiTaskStream", "model_inputs", "task_ids",
+    "PerTaskHead", "one_head_per_task_model",
 ]
 
 
@@ -402,3 +403,92 @@ def _check_start(start) -> int:
         raise ValueError(f"`start` must be an integer >= 0 (the number of batches already "
                          f"consumed); got {start!r}.")
     return int(start)
+
+
+# ----------------------------------------------------------------------------- per-task heads
+
+import keras  # noqa: E402
+
+
+@keras.saving.register_keras_serializable(package="tf_metaalign")
+class PerTaskHead(keras.layers.Layer):
+    """One dense head per task; example i gets the output of the head of `task_id[i]`.
+
+    Called on `(features [B, D], task_id int [B])`, returns `[B, max(num_outputs)]`: all
+    heads are one `Dense(num_tasks * max_outputs)` (cheap for small heads), and the row of
+    each example's task is gathered. Columns past a task's own number of outputs hold
+    `masked_logit` (a large negative logit), so that a softmax cross-entropy over the
+    columns ignores them (labels of task t must lie in `[0, num_outputs[t])`).
+    """
+
+    def __init__(self, num_outputs_per_task: Sequence[int], masked_logit: float | None = None,
+                 **kwargs):
+        super().__init__(**kwargs)
+        self.num_outputs_per_task = [check_positive_int(n, "num_outputs_per_task")
+                                     for n in num_outputs_per_task]
+        if not self.num_outputs_per_task:
+            raise ValueError("`num_outputs_per_task` is empty: give one number per task.")
+        self.masked_logit = masked_logit
+        self.num_tasks = len(self.num_outputs_per_task)
+        self.max_outputs = max(self.num_outputs_per_task)
+
+    def build(self, input_shape):
+        features_shape = input_shape[0]
+        dim = features_shape[-1]
+        self.kernel = self.add_weight(name="kernel", shape=(dim, self.num_tasks * self.max_outputs),
+                                      initializer="glorot_uniform")
+        self.bias = self.add_weight(name="bias", shape=(self.num_tasks * self.max_outputs,),
+                                    initializer="zeros")
+
+    def call(self, inputs):
+        features, task_id = inputs
+        ops = keras.ops
+        task_id = ops.cast(ops.reshape(task_id, (-1,)), "int32")
+        out = ops.matmul(features, ops.cast(self.kernel, features.dtype)) + ops.cast(
+            self.bias, features.dtype)
+        out = ops.reshape(out, (-1, self.num_tasks, self.max_outputs))
+        out = ops.take_along_axis(out, task_id[:, None, None], axis=1)[:, 0]  # [B, M]
+        if min(self.num_outputs_per_task) < self.max_outputs:
+            n = ops.take(ops.convert_to_tensor(self.num_outputs_per_task, "int32"), task_id)
+            valid = ops.arange(self.max_outputs, dtype="int32")[None, :] < n[:, None]
+            masked = self.masked_logit
+            if masked is None:
+                masked = -3.0e4 if keras.backend.standardize_dtype(out.dtype) == "float16" \
+                    else -1.0e9
+            out = ops.where(valid, out, ops.cast(masked, out.dtype))
+        return out
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0][0], self.max_outputs)
+
+    def get_config(self):
+        return {**super().get_config(), "num_outputs_per_task": self.num_outputs_per_task,
+                "masked_logit": self.masked_logit}
+
+
+def one_head_per_task_model(backbone: keras.Model, num_outputs_per_task, name=None
+                            ) -> keras.Model:
+    """A functional model called on the batch's whole `x` dict `{"inputs", "task_id"}`.
+
+    Args:
+      backbone: a built Keras model `inputs -> features [B, D]` (its `inputs` define the
+        model's `x["inputs"]`).
+      num_outputs_per_task: one number of outputs per task, in task order (a sequence, or a
+        mapping task name -> number, e.g. ordered like `stream.task_names`).
+
+    Returns:
+      `keras.Model` mapping `{"inputs": ..., "task_id": int32 [B]}` to `[B, max outputs]`
+      (see `PerTaskHead`). Train it on batches with `model_takes_task_id=True`, i.e. on the
+      dict as the stream yields it.
+    """
+    if isinstance(num_outputs_per_task, Mapping):
+        num_outputs_per_task = list(num_outputs_per_task.values())
+    if len(backbone.inputs) == 1:  # a fresh Input named like its key in the dict
+        spec = backbone.inputs[0]
+        inputs = keras.Input(batch_shape=spec.shape, dtype=spec.dtype, name="inputs")
+    else:
+        inputs = backbone.input
+    x = {"inputs": inputs, "task_id": keras.Input(shape=(), dtype="int32", name="task_id")}
+    features = backbone(x["inputs"])
+    out = PerTaskHead(num_outputs_per_task, name="per_task_head")([features, x["task_id"]])
+    return keras.Model(x, out, name=name or "one_head_per_task")
