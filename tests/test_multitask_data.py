@@ -298,3 +298,28 @@ def test_one_head_per_task_model(tmp_path):
     model.save(tmp_path / "m.keras")
     again = keras.saving.load_model(tmp_path / "m.keras")
     np.testing.assert_allclose(again(x).numpy(), model(x).numpy(), rtol=1e-6)
+
+
+def test_static_shapes_under_mirrored_strategy_and_xla():
+    from conftest import two_cpu_strategy
+
+    stream = mt.MultiTaskStream(make_tasks(), 4, seed=0)
+    for ds in (stream.single_task_batches(),
+               stream.mixed_batches(per_task_batch_size=4, interleave=True)):
+        assert all(s.shape.is_fully_defined() for s in tf.nest.flatten(ds.element_spec))
+    strategy = two_cpu_strategy()
+    dist = strategy.experimental_distribute_dataset(
+        stream.mixed_batches(per_task_batch_size=4, interleave=True))
+    x, y = next(iter(dist))
+    shards = strategy.experimental_local_results(x["task_id"])
+    assert len(shards) == 2
+    for shard in shards:  # interleaved: every replica gets 2 examples of every task
+        assert np.bincount(shard.numpy(), minlength=3).tolist() == [2, 2, 2]
+
+    @tf.function(jit_compile=True)
+    def per_task_sum(x):
+        return tf.math.unsorted_segment_sum(tf.reduce_sum(mt.model_inputs(x), axis=1),
+                                            mt.task_ids(x), 3)
+
+    x, _ = next(iter(stream.single_task_batches()))
+    assert per_task_sum(x).shape == (3,)

@@ -34,12 +34,13 @@ k come from `tf.random.stateless_categorical` (Gumbel top-k for several tasks wi
 replacement) seeded by `(seed, k)`, and the examples from stateless sampling without
 replacement inside the task (within one batch; examples may repeat across batches). So
 `single_task_batches(start=k)` (and `mixed_batches(..., start=k)`) yields exactly batches
-k, k+1, ... of an uninterrupted run. To resume a run, pass the number of batches the
-trainer has consumed, i.e. its checkpointed step count (`trainer.optimizer.iterations`
-when every batch is one optimizer step, or a schedule's `count`), as `start`. Keras's
-`BackupAndRestore` mid-epoch resume skips the consumed batches of the restarted epoch
-itself: with an infinite stream and `steps_per_epoch`, pass
-`start=epoch * steps_per_epoch` (the epoch's first batch) and let Keras skip the rest.
+k, k+1, ... of an uninterrupted run, whatever object or process builds the stream. To
+resume a run, pass as `start` the number of batches it had consumed: a trainer's
+checkpointed step count (`optimizer.iterations` when every batch is one optimizer step, or
+a schedule's `count` for Sequential Reptile's inner steps) is the position to resume from.
+Do not skip batches twice: if the resume mechanism itself skips the consumed batches of
+the restarted epoch (Keras `BackupAndRestore` with the trainers' mid-epoch resume), give
+`start` = the position of that epoch's first batch (`epoch * steps_per_epoch`) instead.
 
 Batches have static shapes (every batch has exactly `batch_size` examples; a mixed batch
 exactly `tasks_per_batch * per_task_batch_size`), so they work under `tf.function`, XLA
@@ -49,6 +50,8 @@ and `MirroredStrategy` (the global batch is split along axis 0 across replicas: 
 The data is held in memory: `tasks` given as `tf.data.Dataset`s are materialised once
 (iterated to the end) when the stream is built. All tasks must have the same structure,
 dtypes and per-example shapes (pad text to one sequence length), since they share batches.
+The examples are captured as constants of the input pipeline's graph, so their total size
+must stay under protobuf's 2 GB (fine for text token ids and small images).
 """
 from __future__ import annotations
 
