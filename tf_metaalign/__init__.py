@@ -6,6 +6,7 @@ Layers (each a subpackage or module):
   algorithms   -- the algorithms as pure functions usable from a custom training loop.
   optimizers   -- T5/Pegasus/BERT-faithful optimizers, each rule a pure function.
   trainers     -- keras.Model wrappers whose train_step runs an algorithm (compile + fit).
+  callbacks    -- Keras callbacks (multi-task diagnostics).
   data         -- offline dataset loaders.
   plotting     -- learned-hyperparameter schedule plots (matplotlib, imported lazily).
 """
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 
 from tf_metaalign import (  # noqa: E402
     algorithms,
+    callbacks,
     data,
     forward_mode,
     functional,
@@ -21,5 +23,5 @@ from tf_metaalign import (  # noqa: E402
 )
 
 __all__ = [
-    "algorithms", "data", "forward_mode", "functional", "optimizers", "trainers", "__version__",
+    "algorithms", "callbacks", "data", "forward_mode", "functional", "optimizers", "trainers", "__version__",
 ]

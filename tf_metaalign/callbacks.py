@@ -1,0 +1,153 @@
+"""Keras callbacks of the package.
+
+`MultiTaskDiagnostics`: the quantities the Sequential Reptile paper reports during
+multi-task training, measured periodically on fixed per-task batches:
+
+* `task_gradient_cosine`: the average pairwise cosine similarity between the task
+  gradients (Lee et al., Fig. 3 and Table 4: higher means better aligned tasks);
+* `distance_from_initial`: the L2 distance of the trainable weights from their values when
+  training began (less forgetting of the pretrained weights is a smaller distance).
+
+Both go into the epoch logs (so `History` holds them) and, with `log_dir`, into TensorBoard
+as scalars at the measured step.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Mapping
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_metaalign import functional as F
+
+
+class MultiTaskDiagnostics(keras.callbacks.Callback):
+    """Measure the mean pairwise task-gradient cosine and the distance from the initial
+    weights every `every_n_batches` training batches and at the end of every epoch.
+
+    Args:
+      task_batches: task name -> one fixed batch `(x, y)` or `(x, y, sample_weight)` of
+        that task (at least two tasks). `x` may be the multi-task dict
+        `{"inputs": ..., "task_id": ...}` of `tf_metaalign.data.multitask`; the model then
+        receives `x["inputs"]`, or the whole dict with `model_takes_task_id=True`.
+      every_n_batches: also measure every this many batches (None: at epoch ends only).
+      log_dir: write the values to TensorBoard there (a `diagnostics` subfolder).
+      model_takes_task_id: see `task_batches`.
+
+    The gradients are those of the loss `fit` trains on (a tf_metaalign trainer's
+    `loss_fn`, or the compiled loss of a plain Keras model) at the current weights, with
+    `training=False` (no dropout), on each task's batch. The initial weights are taken at
+    the start of the first `fit` (kept across later `fit` calls of the same callback);
+    call `reset_initial_weights()` to measure from now.
+    """
+
+    def __init__(self, task_batches: Mapping, every_n_batches: int | None = None,
+                 log_dir=None, model_takes_task_id: bool = False):
+        super().__init__()
+        if not isinstance(task_batches, Mapping) or len(task_batches) < 2:
+            raise ValueError(
+                "`task_batches` must map at least two task names to a batch (x, y); got "
+                f"{type(task_batches).__name__}"
+                + (f" with {len(task_batches)} task(s)" if isinstance(task_batches, Mapping) else "")
+                + "."
+            )
+        if every_n_batches is not None and (
+            isinstance(every_n_batches, bool) or not isinstance(every_n_batches, int)
+            or every_n_batches < 1
+        ):
+            raise ValueError(f"`every_n_batches` must be None or an integer >= 1; got {every_n_batches!r}.")
+        self.task_names = list(task_batches)
+        self._batches = [_model_batch(task_batches[n], model_takes_task_id, n)
+                         for n in self.task_names]
+        self.every_n_batches = every_n_batches
+        self.log_dir = log_dir
+        self._writer = None
+        self._initial = None
+        self._gradients = None
+        self._seen = 0
+        self.history = []  # (step, {name: value}) of every measurement
+
+    # ----------------------------------------------------------------- measurement
+
+    def _network(self):
+        # A tf_metaalign trainer wraps the network whose weights are measured.
+        return self.model.model if hasattr(self.model, "loss_fn") else self.model
+
+    def _loss_fn(self):
+        if hasattr(self.model, "loss_fn"):  # a tf_metaalign trainer: the loss it trains on
+            return self.model.loss_fn(training=False)
+        return F.make_loss_fn(self.model, training=False)
+
+    def reset_initial_weights(self):
+        self._initial = [tf.identity(v.value) for v in self._network().trainable_variables]
+
+    def measure(self):
+        """{"task_gradient_cosine": ..., "distance_from_initial": ...} at the current weights."""
+        network = self._network()
+        if self._initial is None:
+            self.reset_initial_weights()
+        if self._gradients is None:
+            loss_fn = self._loss_fn()
+
+            @tf.function
+            def gradients(params, state, batch):
+                return F.value_and_grad(loss_fn, params, state, batch)[1]
+
+            self._gradients = gradients
+        params, state = F.current_params(network), F.current_state(network)
+        grads = [self._gradients(params, state, b) for b in self._batches]
+        cosines = [float(F.cosine(a, b)) for a, b in itertools.combinations(grads, 2)]
+        distance = float(F.global_norm(F.sub(params, self._initial)))
+        return {"task_gradient_cosine": float(np.mean(cosines)), "distance_from_initial": distance}
+
+    def _record(self, values):
+        step = self._seen
+        self.history.append((step, values))
+        if self.log_dir is not None:
+            if self._writer is None:
+                self._writer = tf.summary.create_file_writer(str(self.log_dir) + "/diagnostics")
+            with self._writer.as_default():
+                for name, value in values.items():
+                    tf.summary.scalar(name, value, step=step)
+            self._writer.flush()
+
+    # ------------------------------------------------------------------ Keras hooks
+
+    def on_train_begin(self, logs=None):
+        if self._initial is None:
+            self.reset_initial_weights()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._seen += 1
+        if self.every_n_batches and self._seen % self.every_n_batches == 0:
+            self._record(self.measure())
+
+    def on_epoch_end(self, epoch, logs=None):
+        values = self.measure()
+        self._record(values)
+        if logs is not None:  # History (and a TensorBoard callback after this one) see them
+            logs.update(values)
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _model_batch(batch, model_takes_task_id, name):
+    if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
+        raise ValueError(
+            f"`task_batches[{name!r}]` must be a batch (x, y) or (x, y, sample_weight); got "
+            f"{type(batch).__name__}."
+        )
+    x, *rest = batch
+    if isinstance(x, Mapping) and "task_id" in x:
+        from tf_metaalign.data.multitask import model_inputs
+
+        x = model_inputs(x, model_takes_task_id)
+    return tuple(tf.nest.map_structure(tf.convert_to_tensor, (x, *rest)))
+
+
+__all__ = ["MultiTaskDiagnostics"]
