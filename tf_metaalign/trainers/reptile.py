@@ -237,6 +237,13 @@ class _StackedInnerLoopTrainer(MetaTrainer):
         self._inner_config = inner_optimizer
         self.inner_optimizer = (O.SGD(inner_optimizer) if isinstance(inner_optimizer, float)
                                 else inner_optimizer)
+        # Outer steps (tasks) seen: `trainer.outer_steps`, checkpointed.
+        self.schedule = self.every_k_steps(1, name="outer_steps")
+
+    @property
+    def outer_steps(self):
+        """Outer steps taken since the start of training (a checkpointed int64)."""
+        return self.schedule.count
 
     @property
     def num_stacked(self):
@@ -253,6 +260,23 @@ class _StackedInnerLoopTrainer(MetaTrainer):
 
     def example_inputs(self, x):
         return self._pick(x, 0)
+
+    def _example_batch(self, x, y, sample_weight):
+        """Keras's symbolic build (`_symbolic_build`: under a strategy, XLA, or on
+        reload) calls `compute_loss` / `compute_metrics` with the TRAINING batch; the base
+        maps only x (`example_inputs`) to model inputs, so y and sample_weight are mapped
+        here the same way (the first stacked batch)."""
+        if not self._building_from_training_batch:
+            return x, y, sample_weight
+        return self._pick((x, y, sample_weight), 0)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        x, y, sample_weight = self._example_batch(x, y, sample_weight)
+        return super().compute_loss(x, y, y_pred, sample_weight, training=training)
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        x, y, sample_weight = self._example_batch(x, y, sample_weight)
+        return super().compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def unpack(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
