@@ -7,7 +7,12 @@ import tensorflow as tf
 
 from tf_metaalign import algorithms as A
 from tf_metaalign import optimizers as O
-from tf_metaalign.trainers import FOMAMLTrainer, ReptileTrainer, SequentialReptileTrainer
+from tf_metaalign.trainers import (
+    FOMAMLTrainer,
+    MultiTaskReptileTrainer,
+    ReptileTrainer,
+    SequentialReptileTrainer,
+)
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 
@@ -340,3 +345,87 @@ def test_wrongly_stacked_batches_name_the_layout(float64):
     trainer.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     with pytest.raises(ValueError, match=r"stack 4 batches along axis 0"):
         trainer.fit(_stacked(x, y, 3, 8, 0), verbose=0, shuffle=False)
+
+
+# ------------------------------------------------------------------ multi-task Reptile
+
+
+def _task_stacked(x, y, tasks, k, b, axis, task_ids=False):
+    """Rows -> elements of T tasks of k batches of b: [T, k, b, ...] or [b, T, k, ...]."""
+    n = len(x) // (tasks * k * b)
+    xs = x[: n * tasks * k * b].reshape(n, tasks, k, b, -1)
+    ys = y[: n * tasks * k * b].reshape(n, tasks, k, b, -1)
+    if axis == 1:
+        xs, ys = xs.transpose(0, 3, 1, 2, 4), ys.transpose(0, 3, 1, 2, 4)
+    if task_ids:
+        ids = np.broadcast_to(np.arange(tasks, dtype="int32")[None, :, None, None],
+                              (n, tasks, k, b)).copy()
+        if axis == 1:
+            ids = ids.transpose(0, 3, 1, 2)
+        xs = {"inputs": xs, "task_id": ids}
+    return tf.data.Dataset.from_tensor_slices((xs, ys)).batch(1).map(
+        lambda a, c: (tf.nest.map_structure(lambda t: t[0], a), c[0]))
+
+
+@pytest.mark.parametrize("axis, task_ids", [(0, False), (1, True)])
+def test_multi_task_reptile_equals_its_closed_form(float64, axis, task_ids):
+    x, y = _data(64)
+    tasks, k, eps = 2, 2, 0.5
+    trainer = MultiTaskReptileTrainer(_linear(9), inner_steps=k, inner_optimizer=0.125,
+                                      stack_axis=axis)
+    trainer.compile(optimizer=keras.optimizers.SGD(eps), loss="mse")
+    phi = _weights(trainer.model)
+    history = trainer.fit(_task_stacked(x, y, tasks, k, 8, axis, task_ids), verbose=0,
+                          shuffle=False)
+    losses = []
+    for element in range(2):
+        ends = []
+        for t in range(tasks):
+            theta = [p.copy() for p in phi]
+            for i in range(k):
+                s = 8 * (k * (tasks * element + t) + i)
+                losses.append(_loss(theta, x[s:s + 8], y[s:s + 8]))
+                theta = [w - 0.125 * g for w, g in zip(theta, _grad(theta, x[s:s + 8], y[s:s + 8]))]
+            ends.append(theta)
+        mean = [np.mean([e[j] for e in ends], axis=0) for j in range(2)]
+        phi = [p + eps * (m - p) for p, m in zip(phi, mean)]
+    _assert_close(_weights(trainer.model), phi)
+    np.testing.assert_allclose(history.history["loss"][0], np.mean(losses), **TOL)
+    assert int(trainer.outer_steps.numpy()) == 2
+
+
+def test_multi_task_reptile_with_one_task_is_reptile(float64):
+    x, y = _data(48)
+    single = ReptileTrainer(_mlp(3), inner_steps=3, inner_optimizer=O.Adam(0.05))
+    single.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    single.fit(_stacked(x, y, 3, 8, 0), verbose=0, shuffle=False)
+    multi = MultiTaskReptileTrainer(_mlp(3), inner_steps=3, inner_optimizer=O.Adam(0.05))
+    multi.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    multi.fit(_task_stacked(x, y, 1, 3, 8, 0), verbose=0, shuffle=False)
+    _assert_close(_weights(multi.model), _weights(single.model))
+
+
+def test_multi_task_reptile_names_the_layout(float64):
+    x, y = _data(48)
+    trainer = MultiTaskReptileTrainer(_linear(), inner_steps=2)
+    trainer.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with pytest.raises(ValueError, match=r"\[T, k, B, \.\.\.\] with a static T and k = 2"):
+        trainer.fit(_task_stacked(x, y, 2, 3, 8, 0), verbose=0, shuffle=False)
+
+
+def test_sequential_reptile_takes_multi_task_batches(float64):
+    x, y = _data(48)
+    ids = np.repeat(np.arange(6, dtype="int32") % 2, 8)
+    results = []
+    for as_dict in (False, True):
+        trainer = SequentialReptileTrainer(_mlp(2), inner_steps=2, outer_learning_rate=0.5)
+        trainer.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+        inputs = {"inputs": x, "task_id": ids} if as_dict else x
+        history = trainer.fit(inputs, y, batch_size=8, shuffle=False, verbose=0,
+                              validation_data=(inputs, y))
+        results.append((_weights(trainer.model), history.history,
+                        trainer.evaluate(inputs, y, verbose=0)))
+    _assert_close(results[0][0], results[1][0])
+    for key in results[0][1]:
+        np.testing.assert_allclose(results[0][1][key], results[1][1][key], **TOL)
+    np.testing.assert_allclose(results[0][2], results[1][2], **TOL)

@@ -194,6 +194,21 @@ def _fomaml_trainer(model, data_dtype):
     return FOMAMLTrainer(model, inner_steps=STACKED_K - 1, inner_optimizer=0.1, stack_axis=1)
 
 
+def task_stacked_regression_data(n, dtype="float64", seed=0, tasks=2, k=STACKED_K):
+    """n elements `[T, k, ...]` (stack_axis=1: a global batch is [B, T, k, ...]). Plain
+    arrays: the battery indexes x by rows (the {"inputs", "task_id"} format is tested in
+    tests/test_reptile.py)."""
+    x, y = regression_data(n * tasks * k, dtype=dtype, seed=seed)
+    return x.reshape(n, tasks, k, -1), y.reshape(n, tasks, k, -1)
+
+
+def _multi_task_reptile_trainer(model, data_dtype):
+    from tf_metaalign.trainers import MultiTaskReptileTrainer
+
+    return MultiTaskReptileTrainer(model, inner_steps=STACKED_K, inner_optimizer=0.1,
+                                   stack_axis=1)
+
+
 def _outer_compile():
     return dict(optimizer=keras.optimizers.Adam(0.02), loss=_mse(), metrics=["mae"])
 
@@ -248,6 +263,13 @@ ENTRIES += [
         compile_kwargs=_outer_compile,
         state_variables=("count",),
         make_data=stacked_regression_data,  # k = 1 inner batch + 1 query batch
+    ),
+    TrainerEntry(
+        name="multi_task_reptile",
+        make_trainer=_multi_task_reptile_trainer,
+        compile_kwargs=_outer_compile,
+        state_variables=("count",),
+        make_data=task_stacked_regression_data,
     ),
 ]
 

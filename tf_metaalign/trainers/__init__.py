@@ -7,7 +7,12 @@ from tf_metaalign.trainers.guided import (
     guided_update,
     split_guidance_batch,
 )
-from tf_metaalign.trainers.reptile import FOMAMLTrainer, ReptileTrainer, SequentialReptileTrainer
+from tf_metaalign.trainers.reptile import (
+    FOMAMLTrainer,
+    MultiTaskReptileTrainer,
+    ReptileTrainer,
+    SequentialReptileTrainer,
+)
 
 __all__ = [
     "MetaTrainer",
@@ -22,4 +27,5 @@ __all__ = [
     "SequentialReptileTrainer",
     "ReptileTrainer",
     "FOMAMLTrainer",
+    "MultiTaskReptileTrainer",
 ]

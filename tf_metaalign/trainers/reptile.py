@@ -50,11 +50,32 @@ def _slot_variables(optimizer, variables):
     return [v for v in optimizer.variables if id(v) not in skip]
 
 
+class _TaskIdInputs:
+    """Multi-task batches: `x = {"inputs": model inputs, "task_id": int32 [B]}`. The model
+    is given `x["inputs"]` unless `model_takes_task_id` (then the whole dict). Any other
+    `x` goes to the model as it is."""
+
+    def _model_inputs(self, x):
+        if (not self.model_takes_task_id and isinstance(x, dict)
+                and set(x) == {"inputs", "task_id"}):
+            return x["inputs"]
+        return x
+
+    def call(self, inputs, training=None):
+        return super().call(self._model_inputs(inputs), training=training)
+
+
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False; got {value!r}.")
+    return value
+
+
 # ------------------------------------------------------------------ Sequential Reptile
 
 
 @keras.saving.register_keras_serializable(package="tf_metaalign")
-class SequentialReptileTrainer(MetaTrainer):
+class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
     """Sequential Reptile (Lee et al., ICLR 2022) inside `model.fit`.
 
     Per outer step: theta_0 = phi; for k = 1..K (K = `inner_steps`), one train step on
@@ -102,16 +123,16 @@ class SequentialReptileTrainer(MetaTrainer):
         its `iterations` (so learning-rate schedules and `optimizer.iterations` keep
         counting train steps), hence Adam's bias correction 1 - beta^t keeps using the
         global step t, and the loss scale. Default False (state kept across outer steps).
+      model_takes_task_id: with multi-task batches `x = {"inputs": ..., "task_id": ...}`,
+        give the model the whole dict (True) or `x["inputs"]` (False, the default).
     """
 
     def __init__(self, model, inner_steps, outer_learning_rate, reset_inner_optimizer=False,
-                 **kwargs):
+                 model_takes_task_id=False, **kwargs):
         inner_steps = R.validate_steps("inner_steps", inner_steps)
         outer_learning_rate = R.validate_rate("outer_learning_rate", outer_learning_rate)
-        if not isinstance(reset_inner_optimizer, bool):
-            raise ValueError(
-                f"`reset_inner_optimizer` must be True or False; got {reset_inner_optimizer!r}."
-            )
+        _check_bool("reset_inner_optimizer", reset_inner_optimizer)
+        self.model_takes_task_id = _check_bool("model_takes_task_id", model_takes_task_id)
         super().__init__(model, **kwargs)
         self.inner_steps = inner_steps
         self.outer_learning_rate = outer_learning_rate
@@ -125,8 +146,13 @@ class SequentialReptileTrainer(MetaTrainer):
         """phi: the slow weights (variables of the weights copy "slow")."""
         return self.weights_copy("slow")
 
+    def unpack(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        return super().unpack((self._model_inputs(x), y, sample_weight))
+
     def train_step(self, data):
         x, y, sample_weight = self.unpack(data)
+        data = (x, y, sample_weight)
         if not self.optimizer.built:  # before the control-dependent block (XLA)
             self.optimizer.build(self.model.trainable_variables)
         loss_scale = self.loss_scale()
@@ -165,6 +191,7 @@ class SequentialReptileTrainer(MetaTrainer):
             return super().test_step(data)
         # During fit: evaluate the model at phi (the slow weights), assigning nothing.
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x = self._model_inputs(x)
         phi = [tf.convert_to_tensor(v.value) for v in self.weights_copy("slow")]
         loss, (_, y_pred) = self.loss_fn(training=False)(
             phi, F.current_state(self.model), (x, y, sample_weight))
@@ -204,20 +231,23 @@ class SequentialReptileTrainer(MetaTrainer):
             "inner_steps": self.inner_steps,
             "outer_learning_rate": self.outer_learning_rate,
             "reset_inner_optimizer": self.reset_inner_optimizer,
+            "model_takes_task_id": self.model_takes_task_id,
         }
 
 
 # ------------------------------------------------------------- stacked inner loops
 
 
-class _StackedInnerLoopTrainer(MetaTrainer):
+class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
     """Shared by ReptileTrainer and FOMAMLTrainer: a stacked batch, an inner optimizer
     on tensors, the compiled optimizer as the outer optimizer."""
 
     _extra_batches = 0  # FOMAML: + 1 query batch
 
-    def __init__(self, model, inner_steps, inner_optimizer=0.1, stack_axis=0, **kwargs):
+    def __init__(self, model, inner_steps, inner_optimizer=0.1, stack_axis=0,
+                 model_takes_task_id=False, **kwargs):
         inner_steps = R.validate_steps("inner_steps", inner_steps)
+        self.model_takes_task_id = _check_bool("model_takes_task_id", model_takes_task_id)
         if isinstance(inner_optimizer, dict):  # from get_config
             inner_optimizer = keras.optimizers.deserialize(inner_optimizer)
         if isinstance(inner_optimizer, (int, float)) and not isinstance(inner_optimizer, bool):
@@ -250,11 +280,12 @@ class _StackedInnerLoopTrainer(MetaTrainer):
         """Batches stacked in one training element: k (Reptile) or k + 1 (FOMAML)."""
         return self.inner_steps + self._extra_batches
 
-    def _pick(self, nest, i):
+    def _pick(self, nest, *index):
+        """The batch at `index` of the stacked axes (after the batch axis for stack_axis=1)."""
         def one(t):
             if t is None:
                 return None
-            return t[i] if self.stack_axis == 0 else t[:, i]
+            return t[index] if self.stack_axis == 0 else t[(slice(None),) + index]
 
         return tf.nest.map_structure(one, nest)
 
@@ -280,6 +311,7 @@ class _StackedInnerLoopTrainer(MetaTrainer):
 
     def unpack(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x = self._model_inputs(x)
         if not self.model.built:
             self.model(self.example_inputs(x), training=False)
         return x, y, sample_weight
@@ -316,6 +348,7 @@ class _StackedInnerLoopTrainer(MetaTrainer):
             "inner_optimizer": inner if isinstance(inner, float)
             else keras.optimizers.serialize(inner),
             "stack_axis": self.stack_axis,
+            "model_takes_task_id": self.model_takes_task_id,
         }
 
 
@@ -344,6 +377,8 @@ class ReptileTrainer(_StackedInnerLoopTrainer):
       inner_optimizer: a learning rate (SGD) or a tf_metaalign optimizer (stepped with
         `apply_on_tensors`; never built, holds no variables).
       stack_axis: 0 ([k, B, ...]) or 1 ([B, k, ...]).
+      model_takes_task_id: with multi-task batches `x = {"inputs": ..., "task_id": ...}`
+        (stacked like the rest), give the model the whole dict (True) or `x["inputs"]`.
     """
 
     def train_step(self, data):
@@ -387,3 +422,69 @@ class FOMAMLTrainer(_StackedInnerLoopTrainer):
             self.loss_fn(loss_scale=loss_scale), r.params, r.state, batches[-1])
         loss = scaled / tf.cast(loss_scale, scaled.dtype)
         return self.finish_step(batches[-1], y_pred, loss, new_state=state, gradients=grads)
+
+
+@keras.saving.register_keras_serializable(package="tf_metaalign")
+class MultiTaskReptileTrainer(_StackedInnerLoopTrainer):
+    """Reptile over T tasks per train step (Nichol et al.'s batched Reptile; the baseline
+    Sequential Reptile is compared with).
+
+    Each training element stacks T tasks of k = `inner_steps` batches: `[T, k, B, ...]`
+    (stack_axis=0) or `[B, T, k, ...]` (stack_axis=1, for several replicas). From the
+    same phi, one k-step trajectory per task on tensors (each inner gradient all-reduced)
+    gives theta_t; the compiled (OUTER) optimizer applies phi - mean_t theta_t, handed
+    over as `replica_share` (times the loss scale) exactly like `ReptileTrainer`: outer
+    SGD(eps) is phi + eps (mean_t theta_t - phi). T = 1 is `ReptileTrainer`. T is read
+    from the batch's static shape. The inner optimizer starts fresh for every task.
+
+    Logs "loss": the mean of the T*k inner losses; compiled metrics on the last task's
+    last batch. Arguments as `ReptileTrainer`.
+    """
+
+    def _tasks(self, x, y, sample_weight):
+        first = next(t for t in tf.nest.flatten(x) if t is not None)
+        layout = "[T, k, B, ...]" if self.stack_axis == 0 else "[B, T, k, ...]"
+        rank_needed = 2 + self.stack_axis
+        if first.shape.rank is None or first.shape.rank < rank_needed + 1:
+            raise ValueError(
+                f"MultiTaskReptileTrainer needs training elements {layout} (stack_axis="
+                f"{self.stack_axis}); got x of shape {first.shape}."
+            )
+        tasks = first.shape[self.stack_axis]
+        steps = first.shape[self.stack_axis + 1]
+        if tasks is None or steps != self.inner_steps:
+            raise ValueError(
+                f"MultiTaskReptileTrainer(inner_steps={self.inner_steps}) needs training "
+                f"elements {layout} with a static T and k = {self.inner_steps}; got x of "
+                f"shape {first.shape}."
+            )
+        return [[self._pick((x, y, sample_weight), t, i) for i in range(self.inner_steps)]
+                for t in range(tasks)]
+
+    def example_inputs(self, x):
+        return self._pick(x, 0, 0)
+
+    def _example_batch(self, x, y, sample_weight):
+        if not self._building_from_training_batch:
+            return x, y, sample_weight
+        return self._pick((x, y, sample_weight), 0, 0)
+
+    def train_step(self, data):
+        x, y, sample_weight = self.unpack(data)
+        tasks = self._tasks(x, y, sample_weight)
+        loss_scale = self.loss_scale()
+        phi = F.current_params(self.model)
+        state = F.current_state(self.model)
+        variables = self.model.trainable_variables
+        ends, losses, y_pred = [], [], None
+        for batches in tasks:
+            r = R.inner_loop(self.loss_fn(loss_scale=loss_scale), phi, state, batches,
+                             self.inner_optimizer, variables, loss_scale=loss_scale)
+            ends.append(r.params)
+            losses += r.losses
+            state, y_pred = r.state, r.y_pred
+        delta = R.mean_reptile_gradient(phi, ends)
+        gradients = F.replica_share([d * tf.cast(loss_scale, d.dtype) for d in delta])
+        loss = tf.add_n(losses) / (len(losses) * tf.cast(loss_scale, losses[0].dtype))
+        return self.finish_step(tasks[-1][-1], y_pred, loss, new_state=state,
+                                gradients=gradients)
