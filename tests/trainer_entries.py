@@ -155,6 +155,64 @@ def _guided_compile():
     return dict(optimizer=O.Adam(0.02), loss=_mse(), metrics=["mae"])
 
 
+def _sequential_reptile_trainer(model, data_dtype):
+    from tf_metaalign.trainers import SequentialReptileTrainer
+
+    # inner_steps=3: 10 steps per run end mid-trajectory (fit discards it), the kill of
+    # the backup check comes mid-trajectory; the reset commits the slots every outer step.
+    return SequentialReptileTrainer(model, inner_steps=3, outer_learning_rate=0.5,
+                                    reset_inner_optimizer=True)
+
+
+def _sequential_reptile_compile():
+    return dict(optimizer=keras.optimizers.Adam(0.01), loss=_mse(), metrics=["mae"])
+
+
+#: k of the stacked trainers' entries.
+STACKED_K = 2
+
+
+def stacked_regression_data(n, dtype="float64", seed=0, k=STACKED_K):
+    """`regression_data` of n*k rows as n elements `[k, ...]` (stack_axis=1: a global batch
+    is [B, k, ...], so Keras's split of axis 0 gives each replica its share of every
+    inner batch, and the rows of a batch keep `contiguous_rows` order)."""
+    x, y = regression_data(n * k, dtype=dtype, seed=seed)
+    return x.reshape(n, k, -1), y.reshape(n, k, -1)
+
+
+def _reptile_trainer(model, data_dtype):
+    from tf_metaalign import optimizers as O
+    from tf_metaalign.trainers import ReptileTrainer
+
+    return ReptileTrainer(model, inner_steps=STACKED_K, inner_optimizer=O.Adam(0.05),
+                          stack_axis=1)
+
+
+def _fomaml_trainer(model, data_dtype):
+    from tf_metaalign.trainers import FOMAMLTrainer
+
+    return FOMAMLTrainer(model, inner_steps=STACKED_K - 1, inner_optimizer=0.1, stack_axis=1)
+
+
+def task_stacked_regression_data(n, dtype="float64", seed=0, tasks=2, k=STACKED_K):
+    """n elements `[T, k, ...]` (stack_axis=1: a global batch is [B, T, k, ...]). Plain
+    arrays: the battery indexes x by rows (the {"inputs", "task_id"} format is tested in
+    tests/test_reptile.py)."""
+    x, y = regression_data(n * tasks * k, dtype=dtype, seed=seed)
+    return x.reshape(n, tasks, k, -1), y.reshape(n, tasks, k, -1)
+
+
+def _multi_task_reptile_trainer(model, data_dtype):
+    from tf_metaalign.trainers import MultiTaskReptileTrainer
+
+    return MultiTaskReptileTrainer(model, inner_steps=STACKED_K, inner_optimizer=0.1,
+                                   stack_axis=1)
+
+
+def _outer_compile():
+    return dict(optimizer=keras.optimizers.Adam(0.02), loss=_mse(), metrics=["mae"])
+
+
 ENTRIES = [
     TrainerEntry(
         name="dotprod",
@@ -180,6 +238,38 @@ ENTRIES = [
             "guidance_loss", "hypergrad_learning_rate", "hypergrad_beta_1",
             "learning_rate_scale", "beta_1",
         ),
+    ),
+]
+
+ENTRIES += [
+    TrainerEntry(
+        name="sequential_reptile",
+        make_trainer=_sequential_reptile_trainer,
+        compile_kwargs=_sequential_reptile_compile,
+        # the trajectory counter and phi (the weights copy "slow", one per weight)
+        state_variables=("count", "slow_0", "slow_1", "slow_2", "slow_3"),
+    ),
+    TrainerEntry(
+        name="reptile",
+        make_trainer=_reptile_trainer,
+        compile_kwargs=_outer_compile,
+        # the outer-step counter; the inner optimizer steps on tensors (no state kept)
+        state_variables=("count",),
+        make_data=stacked_regression_data,
+    ),
+    TrainerEntry(
+        name="fomaml",
+        make_trainer=_fomaml_trainer,
+        compile_kwargs=_outer_compile,
+        state_variables=("count",),
+        make_data=stacked_regression_data,  # k = 1 inner batch + 1 query batch
+    ),
+    TrainerEntry(
+        name="multi_task_reptile",
+        make_trainer=_multi_task_reptile_trainer,
+        compile_kwargs=_outer_compile,
+        state_variables=("count",),
+        make_data=task_stacked_regression_data,
     ),
 ]
 

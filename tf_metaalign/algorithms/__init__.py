@@ -1,10 +1,18 @@
 """Algorithms as pure functions on (loss_fn, params, state, batches), for custom loops."""
-from tf_metaalign.algorithms import dotprod, guided
+from tf_metaalign.algorithms import dotprod, guided, reptile
 from tf_metaalign.algorithms.dotprod import DotProdResult, auto_alpha, dotprod_gradient
 from tf_metaalign.algorithms.guided import (
     HypergradientResult,
     greedy_hypergradients,
     hypergradients,
+)
+from tf_metaalign.algorithms.reptile import (
+    InnerLoopResult,
+    fomaml_gradient,
+    inner_loop,
+    mean_reptile_gradient,
+    outer_update,
+    reptile_gradient,
 )
 
 __all__ = [
@@ -16,4 +24,11 @@ __all__ = [
     "HypergradientResult",
     "greedy_hypergradients",
     "hypergradients",
+    "reptile",
+    "InnerLoopResult",
+    "inner_loop",
+    "reptile_gradient",
+    "mean_reptile_gradient",
+    "fomaml_gradient",
+    "outer_update",
 ]

@@ -7,6 +7,12 @@ from tf_metaalign.trainers.guided import (
     guided_update,
     split_guidance_batch,
 )
+from tf_metaalign.trainers.reptile import (
+    FOMAMLTrainer,
+    MultiTaskReptileTrainer,
+    ReptileTrainer,
+    SequentialReptileTrainer,
+)
 
 __all__ = [
     "MetaTrainer",
@@ -18,4 +24,8 @@ __all__ = [
     "GuidedHyperparameters",
     "guided_update",
     "split_guidance_batch",
+    "SequentialReptileTrainer",
+    "ReptileTrainer",
+    "FOMAMLTrainer",
+    "MultiTaskReptileTrainer",
 ]

@@ -1,0 +1,141 @@
+"""Reptile, FOMAML and Sequential Reptile as pure pieces on tensors.
+
+Every function takes weights as lists of tensors (one per trainable variable, the order
+of `model.trainable_variables`), a `loss_fn(params, state, batch) -> (loss, (new_state,
+y_pred))` (e.g. `MetaTrainer.loss_fn()` or `functional.make_loss_fn`) and batches
+`(x, y)` / `(x, y, sample_weight)`; nothing is assigned.
+
+* `inner_loop`: k steps of an inner optimizer's pure rule (`optimizer.apply_on_tensors`)
+  from `params`, one batch per step. First order: each step's gradient is taken at the
+  current tensors and nothing is kept on an outer tape (the trajectory is a constant for
+  whoever differentiates the result, as in Reptile and FOMAML).
+* `reptile_gradient(phi, theta_k)`: the Reptile pseudo-gradient phi - theta_k; an outer
+  SGD step with rate eps on it is phi <- phi + eps (theta_k - phi).
+* `fomaml_gradient`: the gradient of the loss on the query batch at theta_k.
+* `outer_update(phi, theta, eta)`: phi + eta (theta - phi) (Sequential Reptile's outer step).
+
+Units under a distribution strategy: `inner_loop` all-reduces (sums) each step's
+per-replica gradients with `reduce` (default `functional.all_reduce_sum`), so the inner
+optimizer sees the global-batch gradient (Keras's per-replica loss units sum to the
+global mean) and theta_k is identical on every replica.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Sequence
+
+import tensorflow as tf
+
+from tf_metaalign import functional as F
+
+
+class InnerLoopResult(NamedTuple):
+    """What `inner_loop` returns.
+
+    params: theta_k (a list of tensors). state: the model's non-trainable state after the
+    k forward passes (Dropout seeds, BatchNorm statistics). optimizer_state: the inner
+    optimizer's `OptimizerState` after k steps. losses: the k inner losses, each at the
+    weights BEFORE its step, as `loss_fn` returns them (scaled by `loss_scale`, per-replica
+    units). y_pred: the outputs of the last inner forward pass.
+    """
+
+    params: list
+    state: list
+    optimizer_state: object
+    losses: list
+    y_pred: object
+
+
+def inner_loop(
+    loss_fn: Callable,
+    params: Sequence[tf.Tensor],
+    state: Sequence[tf.Tensor],
+    batches: Sequence,
+    optimizer,
+    variables,
+    optimizer_state=None,
+    loss_scale=None,
+    reduce: Callable = F.all_reduce_sum,
+) -> InnerLoopResult:
+    """k = len(batches) inner steps on tensors, first order.
+
+    Args:
+      loss_fn: `loss_fn(params, state, batch) -> (loss, (new_state, y_pred))`.
+      params: the starting weights (phi).
+      state: the model's non-trainable state, threaded through the k passes.
+      batches: k batches, one per inner step.
+      optimizer: a `tf_metaalign.optimizers.BaseOptimizer` (its `apply_on_tensors`).
+      variables: the Keras variables the params are values of (options, constraints).
+      optimizer_state: the inner optimizer's state to start from; default
+        `optimizer.initial_state(variables)` (a fresh inner optimizer: zero slots, step 1
+        first).
+      loss_scale: when `loss_fn` multiplies its loss by a loss scale (mixed precision),
+        that scale: the gradients are divided by it before the inner step.
+      reduce: sums per-replica gradients over replicas (identity for one replica).
+    """
+    if not batches:
+        raise ValueError("inner_loop: `batches` is empty (at least one inner step is needed).")
+    theta = [tf.convert_to_tensor(p) for p in params]
+    state = list(state)
+    if optimizer_state is None:
+        optimizer_state = optimizer.initial_state(variables)
+    losses, y_pred = [], None
+    for batch in batches:
+        loss, grads, (state, y_pred) = F.value_and_grad(loss_fn, theta, state, batch)
+        grads = reduce(grads)
+        if loss_scale is not None:
+            grads = [g / tf.cast(loss_scale, g.dtype) for g in grads]
+        # First order: the trajectory is a constant for any outer tape.
+        grads = [tf.stop_gradient(g) for g in grads]
+        theta, optimizer_state = optimizer.apply_on_tensors(grads, theta, optimizer_state, variables)
+        theta = [tf.stop_gradient(t) for t in theta]
+        losses.append(loss)
+    return InnerLoopResult(theta, state, optimizer_state, losses, y_pred)
+
+
+def reptile_gradient(phi: Sequence[tf.Tensor], theta: Sequence[tf.Tensor]) -> list:
+    """phi - theta_k: an outer SGD(eps) step on it is phi + eps (theta_k - phi)."""
+    return [tf.convert_to_tensor(p) - tf.cast(t, p.dtype) for p, t in zip(phi, theta)]
+
+
+def mean_reptile_gradient(phi: Sequence[tf.Tensor], thetas: Sequence[Sequence[tf.Tensor]]) -> list:
+    """Multi-task Reptile: phi - mean_t theta_t (the mean of the T per-task pseudo-gradients)."""
+    if not thetas:
+        raise ValueError("mean_reptile_gradient: no task end points given.")
+    n = len(thetas)
+    return [tf.add_n([reptile_gradient([p], [th[i]])[0] for th in thetas]) / tf.cast(n, p.dtype)
+            for i, p in enumerate(phi)]
+
+
+def fomaml_gradient(loss_fn: Callable, theta: Sequence[tf.Tensor], state, query_batch):
+    """First-order MAML: `(loss, grads, (new_state, y_pred))` of the query loss at theta_k.
+
+    Per-replica gradients in `loss_fn`'s units (not all-reduced): what
+    `optimizer.apply_gradients` takes.
+    """
+    return F.value_and_grad(loss_fn, theta, state, query_batch)
+
+
+def outer_update(phi: Sequence[tf.Tensor], theta: Sequence[tf.Tensor], eta) -> list:
+    """Sequential Reptile's outer step phi + eta (theta - phi) (eta = 1: phi <- theta)."""
+    out = []
+    for p, t in zip(phi, theta):
+        p = tf.convert_to_tensor(p)
+        out.append(p + tf.cast(eta, p.dtype) * (tf.cast(t, p.dtype) - p))
+    return out
+
+
+def validate_steps(name, value):
+    """An integer >= 1, or a ValueError naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be an integer >= 1; got {value!r}.")
+    return int(value)
+
+
+def validate_rate(name, value):
+    """A finite number > 0, or a ValueError naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"`{name}` must be a number > 0; got {value!r}.")
+    value = float(value)
+    if not (value > 0 and value < float("inf")):
+        raise ValueError(f"`{name}` must be a finite number > 0; got {value!r}.")
+    return value

@@ -1,0 +1,490 @@
+"""Reptile-family trainers: `SequentialReptileTrainer` (Lee et al., ICLR 2022), and the
+single-task first-order `ReptileTrainer` and `FOMAMLTrainer` (the Meta DotProd paper's
+baselines).
+
+Two shapes (docs/trainers.md, "Where the weights live"):
+
+* `SequentialReptileTrainer`: a trajectory spans `inner_steps` train steps. The model's
+  variables hold the FAST weights theta (each train step is one ordinary, data-parallel
+  step of the COMPILED optimizer, the inner optimizer); a weights copy "slow" holds phi.
+  After every `inner_steps`-th step, phi <- phi + eta (theta - phi) is committed to both.
+* `ReptileTrainer` / `FOMAMLTrainer`: the whole inner loop runs inside one train step on
+  a stacked batch, on tensors (`optimizer.apply_on_tensors`), first order; the compiled
+  optimizer is the OUTER optimizer.
+"""
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tf_metaalign import _compat
+from tf_metaalign import functional as F
+from tf_metaalign import optimizers as O
+from tf_metaalign.algorithms import reptile as R
+from tf_metaalign.trainers.base import MetaTrainer, commit_weights
+
+
+def _select(pred, a, b):
+    """`a` where `pred` else `b`, element-wise over two lists (python bool: no op)."""
+    if isinstance(pred, bool):
+        return list(a) if pred else list(b)
+    return [tf.where(pred, x, y) for x, y in zip(a, b)]
+
+
+def _slot_variables(optimizer, variables):
+    """The per-variable state of `optimizer` (the slots: Adam's m and v, momentum...).
+
+    Not its iteration count, learning rate, hyperparameter variables or a
+    LossScaleOptimizer's loss scale. tf_metaalign optimizers: `slots_for`; Keras
+    optimizers: every variable except `iterations` and the learning rate (this includes
+    gradient-accumulation buffers).
+    """
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    if isinstance(optimizer, O.BaseOptimizer):
+        return [s for v in variables for s in optimizer.slots_for(v).values()]
+    skip = {id(optimizer.iterations)}
+    lr = getattr(optimizer, "_learning_rate", None)
+    if isinstance(lr, keras.Variable):
+        skip.add(id(lr))
+    return [v for v in optimizer.variables if id(v) not in skip]
+
+
+class _TaskIdInputs:
+    """Multi-task batches: `x = {"inputs": model inputs, "task_id": int32 [B]}`. The model
+    is given `x["inputs"]` unless `model_takes_task_id` (then the whole dict). Any other
+    `x` goes to the model as it is."""
+
+    def _model_inputs(self, x):
+        if (not self.model_takes_task_id and isinstance(x, dict)
+                and set(x) == {"inputs", "task_id"}):
+            return x["inputs"]
+        return x
+
+    def call(self, inputs, training=None):
+        return super().call(self._model_inputs(inputs), training=training)
+
+
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False; got {value!r}.")
+    return value
+
+
+# ------------------------------------------------------------------ Sequential Reptile
+
+
+@keras.saving.register_keras_serializable(package="tf_metaalign")
+class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
+    """Sequential Reptile (Lee et al., ICLR 2022) inside `model.fit`.
+
+    Per outer step: theta_0 = phi; for k = 1..K (K = `inner_steps`), one train step on
+    the batch `fit` gives (each batch from one task, as sampled upstream by the data):
+    theta_k = InnerOptimizer(theta_{k-1}, grad L(theta_{k-1}; B_k)); then
+    phi <- phi + eta (theta_K - phi) and theta restarts from the new phi.
+
+    The COMPILED optimizer is the inner optimizer: each train step is an ordinary
+    `apply_gradients` on the model's variables (the fast weights theta; all-reduce,
+    clipping, loss scaling as in `fit`). Its state (slots, iteration count) is kept
+    across outer steps, as in the public implementations. phi lives in the weights copy
+    "slow" (`trainer.weights_copy("slow")`, variables `slow_0`, `slow_1`, ...); the
+    trajectory position is the schedule counter `trainer.schedule.count`. Both are
+    checkpointed with the trainer (`save_weights`, `BackupAndRestore`, `.keras`), so a
+    run stopped mid-trajectory resumes exactly.
+
+    With K = 1 and eta = 1 it is plain training.
+
+    What the user gets is phi:
+    * at the end of `fit`, if the last trajectory is incomplete (the step count is not a
+      multiple of K), it is DISCARDED: phi is committed into the model, the counter is
+      moved to the start of the next trajectory and (with `reset_inner_optimizer`) the
+      slots are zeroed. No partial outer step is applied: a partial trajectory is not
+      what the method's outer update averages over, and discarding keeps the result of a
+      fit independent of how its steps are split into further fits only up to whole
+      trajectories (choose `steps_per_epoch * epochs` as a multiple of K to lose nothing).
+      A `fit` that ends with an exception (interrupted) leaves theta in the model
+      (`BackupAndRestore` then resumes the trajectory exactly).
+    * `trainer.evaluate` (and the validation of `fit`, `validation_data`) evaluates the
+      model at phi while `fit` runs (a `test_step` at the slow weights, no assignment);
+      outside `fit` the model's variables are evaluated, which hold phi after `fit`.
+    * During `fit` the wrapped model's variables hold theta: `trainer.model.save` /
+      `model.evaluate` in a callback mid-trajectory see theta (swapping weights around
+      every save would race with training); `trainer.save` / `save_weights` checkpoint
+      both (phi as `slow_*`).
+
+    Args:
+      model: the Keras model to train (`trainer.model`).
+      inner_steps: K, the train steps (batches) per outer step, >= 1.
+      outer_learning_rate: eta > 0 (1 = phi <- theta_K).
+      reset_inner_optimizer: when True, at every outer step (and when `fit` discards a
+        partial trajectory) the compiled optimizer's SLOTS are zeroed (Adam's m and v,
+        momentum buffers, Keras optimizers' gradient-accumulation buffers: every
+        per-variable state; for a LossScaleOptimizer, its inner optimizer's). NOT reset:
+        its `iterations` (so learning-rate schedules and `optimizer.iterations` keep
+        counting train steps), hence Adam's bias correction 1 - beta^t keeps using the
+        global step t, and the loss scale. Default False (state kept across outer steps).
+      model_takes_task_id: with multi-task batches `x = {"inputs": ..., "task_id": ...}`,
+        give the model the whole dict (True) or `x["inputs"]` (False, the default).
+    """
+
+    def __init__(self, model, inner_steps, outer_learning_rate, reset_inner_optimizer=False,
+                 model_takes_task_id=False, **kwargs):
+        inner_steps = R.validate_steps("inner_steps", inner_steps)
+        outer_learning_rate = R.validate_rate("outer_learning_rate", outer_learning_rate)
+        _check_bool("reset_inner_optimizer", reset_inner_optimizer)
+        self.model_takes_task_id = _check_bool("model_takes_task_id", model_takes_task_id)
+        super().__init__(model, **kwargs)
+        self.inner_steps = inner_steps
+        self.outer_learning_rate = outer_learning_rate
+        self.reset_inner_optimizer = reset_inner_optimizer
+        self.schedule = self.every_k_steps(inner_steps, name="trajectory")
+        self.add_weights_copy("slow")
+        self._evaluate_at_slow = False
+
+    @property
+    def slow_weights(self):
+        """phi: the slow weights (variables of the weights copy "slow")."""
+        return self.weights_copy("slow")
+
+    def unpack(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        return super().unpack((self._model_inputs(x), y, sample_weight))
+
+    def train_step(self, data):
+        x, y, sample_weight = self.unpack(data)
+        data = (x, y, sample_weight)
+        if not self.optimizer.built:  # before the control-dependent block (XLA)
+            self.optimizer.build(self.model.trainable_variables)
+        loss_scale = self.loss_scale()
+        scaled_loss, grads, (new_state, y_pred) = F.value_and_grad(
+            self.loss_fn(loss_scale=loss_scale), F.current_params(self.model),
+            F.current_state(self.model), (x, y, sample_weight))
+        loss = scaled_loss / tf.cast(loss_scale, scaled_loss.dtype)
+
+        def update():
+            variables = self.model.trainable_variables
+            self.optimizer.apply_gradients(zip(grads, variables))  # one inner step
+            slow = self.weights_copy("slow")
+            theta = F.current_params(self.model)
+            phi = [tf.convert_to_tensor(v.value) for v in slow]
+            due = self.schedule.is_last()
+            outer = R.outer_update(phi, theta, self.outer_learning_rate)
+            # A commit communicates: select, then commit unconditionally on every step.
+            commit_weights(variables, _select(due, outer, theta))
+            new_phi = _select(due, outer, phi)
+            for v, value in zip(slow, new_phi):
+                v.assign(value)
+            if self.reset_inner_optimizer:
+                self._zero_slots(due)
+
+        return self.finish_step(data, y_pred, loss, new_state=new_state, update=update)
+
+    def _zero_slots(self, due):
+        slots = _slot_variables(self.optimizer, self.model.trainable_variables)
+        if not slots:
+            return
+        values = [tf.convert_to_tensor(s.value) for s in slots]
+        commit_weights(slots, _select(due, [tf.zeros_like(v) for v in values], values))
+
+    def test_step(self, data):
+        if not self._evaluate_at_slow:
+            return super().test_step(data)
+        # During fit: evaluate the model at phi (the slow weights), assigning nothing.
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x = self._model_inputs(x)
+        phi = [tf.convert_to_tensor(v.value) for v in self.weights_copy("slow")]
+        loss, (_, y_pred) = self.loss_fn(training=False)(
+            phi, F.current_state(self.model), (x, y, sample_weight))
+        _compat.loss_tracker(self).update_state(
+            F.unscale_loss_for_distribution(loss), sample_weight=F.batch_size(x))
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return {k: v for k, v in logs.items() if k not in self._diagnostics}
+
+    def fit(self, *args, **kwargs):
+        self._evaluate_at_slow = True
+        self.test_function = None  # traced for phi during this fit
+        try:
+            history = super().fit(*args, **kwargs)
+        finally:
+            self._evaluate_at_slow = False
+            self.test_function = None  # evaluate() outside fit: the model's variables
+        self.end_trajectory()
+        return history
+
+    def end_trajectory(self):
+        """Discard an incomplete trajectory: commit phi into the model and move the
+        counter to the next trajectory's start (zeroing the slots with
+        `reset_inner_optimizer`). A no-op at a trajectory boundary. `fit` calls it."""
+        count = int(self.schedule.count.numpy())
+        if count % self.inner_steps == 0:
+            return
+        for v, s in zip(self.model.trainable_variables, self.weights_copy("slow")):
+            v.assign(s.value)
+        self.schedule.count.assign(count + self.inner_steps - count % self.inner_steps)
+        if self.reset_inner_optimizer:
+            for s in _slot_variables(self.optimizer, self.model.trainable_variables):
+                s.assign(tf.zeros_like(s.value))
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "inner_steps": self.inner_steps,
+            "outer_learning_rate": self.outer_learning_rate,
+            "reset_inner_optimizer": self.reset_inner_optimizer,
+            "model_takes_task_id": self.model_takes_task_id,
+        }
+
+
+# ------------------------------------------------------------- stacked inner loops
+
+
+class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
+    """Shared by ReptileTrainer and FOMAMLTrainer: a stacked batch, an inner optimizer
+    on tensors, the compiled optimizer as the outer optimizer."""
+
+    _extra_batches = 0  # FOMAML: + 1 query batch
+
+    def __init__(self, model, inner_steps, inner_optimizer=0.1, stack_axis=0,
+                 model_takes_task_id=False, **kwargs):
+        inner_steps = R.validate_steps("inner_steps", inner_steps)
+        self.model_takes_task_id = _check_bool("model_takes_task_id", model_takes_task_id)
+        if isinstance(inner_optimizer, dict):  # from get_config
+            inner_optimizer = keras.optimizers.deserialize(inner_optimizer)
+        if isinstance(inner_optimizer, (int, float)) and not isinstance(inner_optimizer, bool):
+            R.validate_rate("inner_optimizer (a learning rate)", inner_optimizer)
+            inner_optimizer = float(inner_optimizer)
+        elif not isinstance(inner_optimizer, O.BaseOptimizer):
+            raise ValueError(
+                "`inner_optimizer` must be a learning rate (a number > 0, for SGD) or a "
+                "tf_metaalign optimizer (which can step on tensors: apply_on_tensors); got "
+                f"{inner_optimizer!r}."
+            )
+        if stack_axis not in (0, 1) or isinstance(stack_axis, bool):
+            raise ValueError(f"`stack_axis` must be 0 or 1; got {stack_axis!r}.")
+        super().__init__(model, **kwargs)
+        self.inner_steps = inner_steps
+        self.stack_axis = stack_axis
+        self._inner_config = inner_optimizer
+        self.inner_optimizer = (O.SGD(inner_optimizer) if isinstance(inner_optimizer, float)
+                                else inner_optimizer)
+        # Outer steps (tasks) seen: `trainer.outer_steps`, checkpointed.
+        self.schedule = self.every_k_steps(1, name="outer_steps")
+
+    @property
+    def outer_steps(self):
+        """Outer steps taken since the start of training (a checkpointed int64)."""
+        return self.schedule.count
+
+    @property
+    def num_stacked(self):
+        """Batches stacked in one training element: k (Reptile) or k + 1 (FOMAML)."""
+        return self.inner_steps + self._extra_batches
+
+    def _pick(self, nest, *index):
+        """The batch at `index` of the stacked axes (after the batch axis for stack_axis=1)."""
+        def one(t):
+            if t is None:
+                return None
+            return t[index] if self.stack_axis == 0 else t[(slice(None),) + index]
+
+        return tf.nest.map_structure(one, nest)
+
+    def example_inputs(self, x):
+        return self._pick(x, 0)
+
+    def _example_batch(self, x, y, sample_weight):
+        """Keras's symbolic build (`_symbolic_build`: under a strategy, XLA, or on
+        reload) calls `compute_loss` / `compute_metrics` with the TRAINING batch; the base
+        maps only x (`example_inputs`) to model inputs, so y and sample_weight are mapped
+        here the same way (the first stacked batch)."""
+        if not self._building_from_training_batch:
+            return x, y, sample_weight
+        return self._pick((x, y, sample_weight), 0)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        x, y, sample_weight = self._example_batch(x, y, sample_weight)
+        return super().compute_loss(x, y, y_pred, sample_weight, training=training)
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        x, y, sample_weight = self._example_batch(x, y, sample_weight)
+        return super().compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def unpack(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x = self._model_inputs(x)
+        if not self.model.built:
+            self.model(self.example_inputs(x), training=False)
+        return x, y, sample_weight
+
+    def _batches(self, x, y, sample_weight):
+        first = next(t for t in tf.nest.flatten(x) if t is not None)
+        n = first.shape[self.stack_axis] if first.shape.rank else None
+        layout = "[k, B, ...]" if self.stack_axis == 0 else "[B, k, ...]"
+        if n is not None and n != self.num_stacked:
+            raise ValueError(
+                f"{type(self).__name__}(inner_steps={self.inner_steps}) needs training "
+                f"elements that stack {self.num_stacked} batches along axis {self.stack_axis} "
+                f"({layout}, per replica); got {n} (x shape {first.shape}). Under several "
+                "replicas, Keras splits axis 0: use stack_axis=1 ([B, k, ...]) so that each "
+                "replica gets its share of every inner batch."
+            )
+        return [self._pick((x, y, sample_weight), i) for i in range(self.num_stacked)]
+
+    def _inner(self, batches, loss_scale):
+        phi = F.current_params(self.model)
+        variables = self.model.trainable_variables
+        result = R.inner_loop(
+            self.loss_fn(loss_scale=loss_scale), phi, F.current_state(self.model),
+            batches[: self.inner_steps], self.inner_optimizer, variables,
+            loss_scale=loss_scale,
+        )
+        return phi, result
+
+    def get_config(self):
+        inner = self._inner_config
+        return {
+            **super().get_config(),
+            "inner_steps": self.inner_steps,
+            "inner_optimizer": inner if isinstance(inner, float)
+            else keras.optimizers.serialize(inner),
+            "stack_axis": self.stack_axis,
+            "model_takes_task_id": self.model_takes_task_id,
+        }
+
+
+@keras.saving.register_keras_serializable(package="tf_metaalign")
+class ReptileTrainer(_StackedInnerLoopTrainer):
+    """First-order Reptile on one task per train step.
+
+    Each training element stacks k = `inner_steps` batches: `[k, B, ...]` (stack_axis=0)
+    or `[B, k, ...]` (stack_axis=1, the layout for several replicas: Keras splits axis 0,
+    so each replica gets its share of every inner batch). From phi (the model's
+    variables), k steps of the inner optimizer run on tensors (each step's gradient
+    all-reduced: the global inner batch), giving theta_k; the compiled (OUTER) optimizer
+    then applies the pseudo-gradient phi - theta_k. Units: the value handed to
+    `apply_gradients` per replica is (phi - theta_k) / replicas (`replica_share`, times
+    the loss scale under mixed precision), so the optimizer's cross-replica sum is exactly
+    phi - theta_k: outer SGD(eps) is phi + eps (theta_k - phi), and outer SGD(1) is k
+    plain inner-optimizer steps. The inner optimizer starts fresh (zero slots, step 1) at
+    every train step.
+
+    Logs "loss": the mean of the k inner losses (each at the weights before its step);
+    compiled metrics: on the last inner batch.
+
+    Args:
+      model: the Keras model to train.
+      inner_steps: k >= 1.
+      inner_optimizer: a learning rate (SGD) or a tf_metaalign optimizer (stepped with
+        `apply_on_tensors`; never built, holds no variables).
+      stack_axis: 0 ([k, B, ...]) or 1 ([B, k, ...]).
+      model_takes_task_id: with multi-task batches `x = {"inputs": ..., "task_id": ...}`
+        (stacked like the rest), give the model the whole dict (True) or `x["inputs"]`.
+    """
+
+    def train_step(self, data):
+        x, y, sample_weight = self.unpack(data)
+        batches = self._batches(x, y, sample_weight)
+        loss_scale = self.loss_scale()
+        phi, r = self._inner(batches, loss_scale)
+        delta = R.reptile_gradient(phi, r.params)
+        scale = tf.cast(loss_scale, phi[0].dtype) if phi else 1.0
+        gradients = F.replica_share([d * tf.cast(scale, d.dtype) for d in delta])
+        loss = tf.add_n(r.losses) / (len(r.losses) * tf.cast(loss_scale, r.losses[0].dtype))
+        return self.finish_step(batches[-1], r.y_pred, loss, new_state=r.state,
+                                gradients=gradients)
+
+
+@keras.saving.register_keras_serializable(package="tf_metaalign")
+class FOMAMLTrainer(_StackedInnerLoopTrainer):
+    """First-order MAML on one task per train step.
+
+    Each training element stacks k + 1 batches (k = `inner_steps`): `[k+1, B, ...]`
+    (stack_axis=0) or `[B, k+1, ...]` (stack_axis=1); batches 0..k-1 are the inner
+    (support) batches, batch k the query. From phi (the model's variables), k inner steps
+    on tensors give theta_k (first order: the trajectory is not differentiated); the
+    compiled (OUTER) optimizer applies the query-loss gradient at theta_k, as plain
+    per-replica gradients (Keras's per-replica loss units, of the scaled loss under
+    mixed precision): exactly what `fit` hands `apply_gradients`, so outer SGD(lr) is
+    phi - lr * grad L(theta_k; query) on the global query batch.
+
+    Logs "loss": the query loss at theta_k (the meta-objective); compiled metrics on the
+    query batch. Arguments as `ReptileTrainer`.
+    """
+
+    _extra_batches = 1
+
+    def train_step(self, data):
+        x, y, sample_weight = self.unpack(data)
+        batches = self._batches(x, y, sample_weight)
+        loss_scale = self.loss_scale()
+        _, r = self._inner(batches, loss_scale)
+        scaled, grads, (state, y_pred) = R.fomaml_gradient(
+            self.loss_fn(loss_scale=loss_scale), r.params, r.state, batches[-1])
+        loss = scaled / tf.cast(loss_scale, scaled.dtype)
+        return self.finish_step(batches[-1], y_pred, loss, new_state=state, gradients=grads)
+
+
+@keras.saving.register_keras_serializable(package="tf_metaalign")
+class MultiTaskReptileTrainer(_StackedInnerLoopTrainer):
+    """Reptile over T tasks per train step (Nichol et al.'s batched Reptile; the baseline
+    Sequential Reptile is compared with).
+
+    Each training element stacks T tasks of k = `inner_steps` batches: `[T, k, B, ...]`
+    (stack_axis=0) or `[B, T, k, ...]` (stack_axis=1, for several replicas). From the
+    same phi, one k-step trajectory per task on tensors (each inner gradient all-reduced)
+    gives theta_t; the compiled (OUTER) optimizer applies phi - mean_t theta_t, handed
+    over as `replica_share` (times the loss scale) exactly like `ReptileTrainer`: outer
+    SGD(eps) is phi + eps (mean_t theta_t - phi). T = 1 is `ReptileTrainer`. T is read
+    from the batch's static shape. The inner optimizer starts fresh for every task.
+
+    Logs "loss": the mean of the T*k inner losses; compiled metrics on the last task's
+    last batch. Arguments as `ReptileTrainer`.
+    """
+
+    def _tasks(self, x, y, sample_weight):
+        first = next(t for t in tf.nest.flatten(x) if t is not None)
+        layout = "[T, k, B, ...]" if self.stack_axis == 0 else "[B, T, k, ...]"
+        rank_needed = 2 + self.stack_axis
+        if first.shape.rank is None or first.shape.rank < rank_needed + 1:
+            raise ValueError(
+                f"MultiTaskReptileTrainer needs training elements {layout} (stack_axis="
+                f"{self.stack_axis}); got x of shape {first.shape}."
+            )
+        tasks = first.shape[self.stack_axis]
+        steps = first.shape[self.stack_axis + 1]
+        if tasks is None or steps != self.inner_steps:
+            raise ValueError(
+                f"MultiTaskReptileTrainer(inner_steps={self.inner_steps}) needs training "
+                f"elements {layout} with a static T and k = {self.inner_steps}; got x of "
+                f"shape {first.shape}."
+            )
+        return [[self._pick((x, y, sample_weight), t, i) for i in range(self.inner_steps)]
+                for t in range(tasks)]
+
+    def example_inputs(self, x):
+        return self._pick(x, 0, 0)
+
+    def _example_batch(self, x, y, sample_weight):
+        if not self._building_from_training_batch:
+            return x, y, sample_weight
+        return self._pick((x, y, sample_weight), 0, 0)
+
+    def train_step(self, data):
+        x, y, sample_weight = self.unpack(data)
+        tasks = self._tasks(x, y, sample_weight)
+        loss_scale = self.loss_scale()
+        phi = F.current_params(self.model)
+        state = F.current_state(self.model)
+        variables = self.model.trainable_variables
+        ends, losses, y_pred = [], [], None
+        for batches in tasks:
+            r = R.inner_loop(self.loss_fn(loss_scale=loss_scale), phi, state, batches,
+                             self.inner_optimizer, variables, loss_scale=loss_scale)
+            ends.append(r.params)
+            losses += r.losses
+            state, y_pred = r.state, r.y_pred
+        delta = R.mean_reptile_gradient(phi, ends)
+        gradients = F.replica_share([d * tf.cast(loss_scale, d.dtype) for d in delta])
+        loss = tf.add_n(losses) / (len(losses) * tf.cast(loss_scale, losses[0].dtype))
+        return self.finish_step(tasks[-1][-1], y_pred, loss, new_state=state,
+                                gradients=gradients)
