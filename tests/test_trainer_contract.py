@@ -378,8 +378,8 @@ class StackedReptile(MetaTrainer):
         super().__init__(model, **kwargs)
         self.inner = O.SGD(inner_learning_rate)
 
-    def example_inputs(self, x):
-        return x[0]
+    def example_batch(self, x, y=None, sample_weight=None):
+        return x[0], None if y is None else y[0], sample_weight
 
     def train_step(self, data):
         x, y, _ = self.unpack(data)

@@ -211,7 +211,7 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
         # skip the batches the interrupted epoch already trained on.
         self.epoch_steps = self.add_state_variable("epoch_steps", dtype="int64")
         self._skip_batches = None  # set when a fit starts; read at its first step
-        self._building_from_training_batch = False  # see example_inputs
+        self._building_from_training_batch = False  # see example_batch
         if model.built:
             # fit() never calls the trainer itself; it is built when its model is.
             self._create_weight_copies()
@@ -219,19 +219,21 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
 
     # ------------------------------------------------------------------ Keras plumbing
 
-    def example_inputs(self, x):
-        """The wrapped model's inputs within the `x` of a TRAINING batch.
+    def example_batch(self, x, y=None, sample_weight=None):
+        """One model batch `(x, y, sample_weight)` within a TRAINING batch.
 
-        Keras builds a model symbolically from the first training batch before `fit`
-        trains (under a strategy); a trainer whose batches are not model batches
-        (stacked `[k, B, ...]` inner batches, episodes) overrides this, e.g. `x[0]`.
-        `evaluate` and `predict` take ordinary model batches and never use it.
+        Keras builds a model, its compiled loss and metrics from the first training
+        batch before `fit` trains (`call`, `compute_loss`, `compute_metrics` on it; under
+        a strategy, XLA, or on reload); a trainer whose batches are not model batches
+        (stacked `[k, B, ...]` inner batches, episodes) overrides this, e.g. to return
+        the first stacked batch. `evaluate` and `predict` take ordinary model batches and
+        never use it. Identity by default.
         """
-        return x
+        return x, y, sample_weight
 
     def call(self, inputs, training=None):
         if self._building_from_training_batch:
-            inputs = self.example_inputs(inputs)
+            inputs = self.example_batch(inputs)[0]
         outputs = self.model(inputs, training=training)
         if tf.executing_eagerly():
             # An eager first call builds the model: now the weights copies can exist.
@@ -258,8 +260,15 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         """The wrapped model's `compute_loss` with this trainer's compiled loss (what
         `evaluate` reports; training steps use `loss_fn`, the same loss at given weights)."""
+        if self._building_from_training_batch:
+            x, y, sample_weight = self.example_batch(x, y, sample_weight)
         return F.compute_loss(self.model, x, y, y_pred, sample_weight, self.model.losses,
                               training=training, loss=self._compiled_loss())
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        if self._building_from_training_batch:
+            x, y, sample_weight = self.example_batch(x, y, sample_weight)
+        return super().compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     # ------------------------------------------------------------------------- state
 
@@ -508,7 +517,7 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
         self.epoch_steps.assign(0)
         self._skip_batches = None
         bound.arguments["callbacks"] = [_EpochStepsCallback(self)] + callbacks
-        self._building_from_training_batch = True  # until the first step (example_inputs)
+        self._building_from_training_batch = True  # until the first step (example_batch)
         try:
             return super().fit(*bound.args[1:], **bound.kwargs)
         finally:

@@ -289,31 +289,16 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
 
         return tf.nest.map_structure(one, nest)
 
-    def example_inputs(self, x):
-        return self._pick(x, 0)
-
-    def _example_batch(self, x, y, sample_weight):
-        """Keras's symbolic build (`_symbolic_build`: under a strategy, XLA, or on
-        reload) calls `compute_loss` / `compute_metrics` with the TRAINING batch; the base
-        maps only x (`example_inputs`) to model inputs, so y and sample_weight are mapped
-        here the same way (the first stacked batch)."""
-        if not self._building_from_training_batch:
-            return x, y, sample_weight
+    def example_batch(self, x, y=None, sample_weight=None):
+        # Keras builds the model, loss and metrics from a training batch: its first
+        # stacked batch is a model batch.
         return self._pick((x, y, sample_weight), 0)
-
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        x, y, sample_weight = self._example_batch(x, y, sample_weight)
-        return super().compute_loss(x, y, y_pred, sample_weight, training=training)
-
-    def compute_metrics(self, x, y, y_pred, sample_weight=None):
-        x, y, sample_weight = self._example_batch(x, y, sample_weight)
-        return super().compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def unpack(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x = self._model_inputs(x)
         if not self.model.built:
-            self.model(self.example_inputs(x), training=False)
+            self.model(self.example_batch(x)[0], training=False)
         return x, y, sample_weight
 
     def _batches(self, x, y, sample_weight):
@@ -461,12 +446,7 @@ class MultiTaskReptileTrainer(_StackedInnerLoopTrainer):
         return [[self._pick((x, y, sample_weight), t, i) for i in range(self.inner_steps)]
                 for t in range(tasks)]
 
-    def example_inputs(self, x):
-        return self._pick(x, 0, 0)
-
-    def _example_batch(self, x, y, sample_weight):
-        if not self._building_from_training_batch:
-            return x, y, sample_weight
+    def example_batch(self, x, y=None, sample_weight=None):
         return self._pick((x, y, sample_weight), 0, 0)
 
     def train_step(self, data):
