@@ -1,5 +1,5 @@
 """Algorithms as pure functions on (loss_fn, params, state, batches), for custom loops."""
-from tf_metaalign.algorithms import dotprod, guided
+from tf_metaalign.algorithms import dotprod, gradient_surgery, guided
 from tf_metaalign.algorithms.dotprod import DotProdResult, auto_alpha, dotprod_gradient
 from tf_metaalign.algorithms.guided import (
     HypergradientResult,
@@ -10,6 +10,7 @@ from tf_metaalign.algorithms.guided import (
 __all__ = [
     "dotprod",
     "guided",
+    "gradient_surgery",
     "DotProdResult",
     "auto_alpha",
     "dotprod_gradient",
