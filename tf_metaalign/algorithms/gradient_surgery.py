@@ -133,12 +133,20 @@ def random_order(num_tasks, seed, step) -> tf.Tensor:
     return tf.cast(tf.argsort(tf.cast(keys, tf.int64), stable=True), tf.int32)
 
 
+def _scalar(value, dtype):
+    """A python number as an exact `dtype` constant (`tf.cast` of a python float would
+    round it through float32 first); tensors are cast."""
+    if isinstance(value, (int, float)):
+        return tf.constant(float(value), dtype)
+    return tf.cast(value, dtype)
+
+
 def _one_hot(j, T, dtype):
     return tf.one_hot(j, T, dtype=dtype)
 
 
 def _check_order(order, T, where):
-    order = tf.convert_to_tensor(order, tf.int32)
+    order = tf.cast(tf.convert_to_tensor(order), tf.int32)
     if order.shape.rank != 1 or order.shape[0] != T:
         raise ValueError(f"{where}: `order` must be a permutation of range({T}); got shape "
                          f"{order.shape}.")
@@ -212,7 +220,7 @@ def gradvac_coefficients(gram, targets, order, beta=1e-2) -> GradVacResult:
     if targets.shape != (T, T):
         raise ValueError(f"gradvac_coefficients: `targets` must have shape [{T}, {T}]; got "
                          f"{targets.shape}.")
-    beta = tf.cast(beta, dtype)
+    beta = _scalar(beta, dtype)
     norms = tf.sqrt(tf.maximum(tf.linalg.diag_part(gram), 0.0))
     rows, new_targets = [], []
     for i in range(T):
@@ -264,7 +272,11 @@ def gradnorm_update(weights, layer_norms, losses, initial_losses, present=None,
     weights = tf.convert_to_tensor(weights)
     dtype = weights.dtype
     T = int(weights.shape[0])
-    cast = lambda v: tf.cast(tf.convert_to_tensor(v), dtype)  # noqa: E731
+
+    def cast(v):
+        return _scalar(v, dtype) if isinstance(v, (int, float)) else tf.cast(
+            tf.convert_to_tensor(v), dtype)
+
     layer_norms, losses, initial_losses = cast(layer_norms), cast(losses), cast(initial_losses)
     present = tf.ones([T], dtype) if present is None else cast(present)
     n_present = tf.reduce_sum(present)
