@@ -1071,7 +1071,7 @@ def test_as_rule_optimizer_keeps_ours_and_refuses_others():
 
 def test_check_optimizer_messages():
     O.check_optimizer(O.Adam(0.01))  # supported: no error
-    with pytest.raises(ValueError, match="Adafactor, Adam, AdamWeightDecay, Lamb, SGD"):
+    with pytest.raises(ValueError, match="Adafactor, Adam, AdamWeightDecay, Lamb, RecAdam, SGD"):
         O.check_optimizer(keras.optimizers.Adam(0.01))
     with pytest.raises(ValueError, match="not differentiable"):
         O.check_optimizer(keras.optimizers.SGD(0.01), "MyLoop")
