@@ -216,6 +216,14 @@ ENTRIES += [
         make_data=multitask_data,
     ),
     TrainerEntry(
+        name="multitask_gradvac",
+        make_trainer=_multitask_trainer("gradvac", gradvac_beta=0.2),
+        compile_kwargs=_multitask_compile,
+        state_variables=("count", "gradvac_targets"),
+        diagnostics=("task_cosine",),
+        make_data=multitask_data,
+    ),
+    TrainerEntry(
         name="multitask_gradnorm",
         make_trainer=_multitask_trainer("gradnorm", gradnorm_learning_rate=0.05),
         compile_kwargs=_multitask_compile,
