@@ -35,6 +35,16 @@ def data(entry, dtype=None, n=N_ROWS):
     return entry.make_data(n, dtype=dtype or entry.dtype, seed=0)
 
 
+def take_rows(x, rows):
+    """`x[rows]` for an array or a nest of arrays (dict batches: multi-task data)."""
+    return tf.nest.map_structure(lambda a: a[rows], x)
+
+
+def num_rows(x):
+    """The number of rows of an array or of a nest of arrays."""
+    return len(tf.nest.flatten(x)[0])
+
+
 def dataset(x, y, batch_size):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
 

@@ -115,6 +115,22 @@ _CONFIGS = [
         lambda: O.Adafactor(0.01, beta_1=0.6, factored=False, multiply_by_parameter_scale=False),
         _mesh_adafactor(0.01, b1=0.6, factored=False, parameter_scale=False),
     ),
+    # RecAdam (Sanyuan-Chen/RecAdam): a sigmoid annealing that moves over the 5 oracle
+    # steps, a pull lr * pretrain_cof small enough to stay stable, decoupled decay.
+    OptimizerConfig(
+        "recadam",
+        lambda: O.RecAdam(0.01, anneal_k=0.8, anneal_t0=3, pretrain_cof=4.0,
+                          weight_decay_rate=0.02),
+        dict(kind="recadam", lr=0.01, b1=0.9, b2=0.999, eps=1e-6, wd=0.02, bias=True,
+             fun="sigmoid", k=0.8, t0=3.0, w=1.0, cof=4.0),
+    ),
+    OptimizerConfig(
+        "recadam_linear_uncorrected",
+        lambda: O.RecAdam(0.01, correct_bias=False, anneal_fun="linear", anneal_t0=4,
+                          anneal_w=0.8, pretrain_cof=10.0),
+        dict(kind="recadam", lr=0.01, b1=0.9, b2=0.999, eps=1e-6, wd=0.0, bias=False,
+             fun="linear", k=0.0, t0=4.0, w=0.8, cof=10.0),
+    ),
     OptimizerConfig(
         "adafactor_pegasus", lambda: O.Adafactor.pegasus(0.01), dict(kind="t2t_adafactor", lr=0.01)
     ),

@@ -197,7 +197,7 @@ def test_learns_momentum_of_sgd_as_beta_1():
 
 def test_keras_builtin_optimizer_is_rejected_with_the_supported_list():
     trainer = GuidedTrainer(_model(), _data(16))
-    with pytest.raises(ValueError, match="Adafactor, Adam, AdamWeightDecay, Lamb, SGD"):
+    with pytest.raises(ValueError, match="Adafactor, Adam, AdamWeightDecay, Lamb, RecAdam, SGD"):
         trainer.compile(keras.optimizers.Adam(0.01), loss="mse")
     with pytest.raises(ValueError, match="not differentiable"):
         trainer.compile("adam", loss="mse")

@@ -177,7 +177,36 @@ def oracle_t2t_adafactor(c, path, w, g, state, t):
     return w - x * update_scale
 
 
+def oracle_recadam(c, path, w, g, state, t):
+    # Sanyuan-Chen/RecAdam RecAdam.py RecAdam.step (torch in-place ops, re-derived in NumPy)
+    pp = state.setdefault("pp", w.copy())  # the pretrained weights: the initial values
+    exp_avg = c["b1"] * state.get("m", 0.0) + (1.0 - c["b1"]) * g
+    exp_avg_sq = c["b2"] * state.get("v", 0.0) + (1.0 - c["b2"]) * g * g
+    state.update(m=exp_avg, v=exp_avg_sq)
+    denom = np.sqrt(exp_avg_sq) + c["eps"]
+    lr = learning_rate_at(c, t - 1)
+    step_size = lr
+    if c["bias"]:
+        step_size = step_size * np.sqrt(1.0 - c["b2"] ** t) / (1.0 - c["b1"] ** t)
+    p = w.copy()
+    if c["w"] > 0.0:
+        if c["fun"] == "sigmoid":
+            lam = float(1 / (1 + np.exp(-c["k"] * (t - c["t0"])))) * c["w"]
+        elif c["fun"] == "linear":
+            lam = min(1, t / c["t0"]) * c["w"]
+        else:
+            lam = c["w"]
+        p = p + (-step_size * lam) * exp_avg / denom
+        p = p + (-lr * (c["w"] - lam) * c["cof"]) * (p - pp)
+    else:
+        p = p + (-step_size) * exp_avg / denom
+    if c["wd"] > 0.0:
+        p = p + (-lr * c["wd"]) * p
+    return p
+
+
 ORACLES = {
+    "recadam": oracle_recadam,
     "sgd": oracle_sgd,
     "adam": oracle_adam,
     "bert_adam": oracle_bert_adam,
@@ -1042,7 +1071,7 @@ def test_as_rule_optimizer_keeps_ours_and_refuses_others():
 
 def test_check_optimizer_messages():
     O.check_optimizer(O.Adam(0.01))  # supported: no error
-    with pytest.raises(ValueError, match="Adafactor, Adam, AdamWeightDecay, Lamb, SGD"):
+    with pytest.raises(ValueError, match="Adafactor, Adam, AdamWeightDecay, Lamb, RecAdam, SGD"):
         O.check_optimizer(keras.optimizers.Adam(0.01))
     with pytest.raises(ValueError, match="not differentiable"):
         O.check_optimizer(keras.optimizers.SGD(0.01), "MyLoop")

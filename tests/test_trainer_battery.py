@@ -209,10 +209,10 @@ def _one_replica_reference(entry, replicas=2):
     size = entry.batch_size
     order = entry.replica_order(size, replicas)
     assert sorted(order) == list(range(size)), f"{entry.name}: replica_order is not a permutation"
-    rows = np.concatenate([start + order for start in range(0, len(x), size)])
+    rows = np.concatenate([start + order for start in range(0, B.num_rows(x), size)])
     trainer = B.build(entry)
     initial = B.snapshot(entry, trainer)
-    logs, _ = B.fit(entry, trainer, x[rows], y[rows])
+    logs, _ = B.fit(entry, trainer, B.take_rows(x, rows), y[rows])
     return initial, B.snapshot(entry, trainer), logs
 
 
@@ -283,7 +283,7 @@ def test_keras_file_round_trip_and_continue(entry, exact, tmp_path):
     cut = 3 * entry.batch_size  # 3 steps first: an odd step count (phase of schedules)
     trainer = B.build(entry)
     initial = B.snapshot(entry, trainer)
-    B.fit(entry, trainer, x[:cut], y[:cut], epochs=1)
+    B.fit(entry, trainer, B.take_rows(x, slice(None, cut)), y[:cut], epochs=1)
     path = str(tmp_path / f"{entry.name}.keras")
     trainer.save(path)
     loaded = keras.models.load_model(path)
@@ -295,8 +295,8 @@ def test_keras_file_round_trip_and_continue(entry, exact, tmp_path):
     B.assert_trained(entry, initial, saved)
     B.assert_same(B.snapshot(entry, loaded), saved, 0.0, 0.0, "reloaded vs saved")
 
-    B.fit(entry, trainer, x[cut:], y[cut:], epochs=2)
-    B.fit(entry, loaded, x[cut:], y[cut:], epochs=2)
+    B.fit(entry, trainer, B.take_rows(x, slice(cut, None)), y[cut:], epochs=2)
+    B.fit(entry, loaded, B.take_rows(x, slice(cut, None)), y[cut:], epochs=2)
     rtol, atol = B.tolerance(entry, "keras_round_trip")
     B.assert_same(B.snapshot(entry, loaded), B.snapshot(entry, trainer), rtol, atol,
                   "continued from the reloaded vs the original trainer")

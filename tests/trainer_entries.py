@@ -213,6 +213,29 @@ def _outer_compile():
     return dict(optimizer=keras.optimizers.Adam(0.02), loss=_mse(), metrics=["mae"])
 
 
+def multitask_data(n, dtype="float64", seed=0, num_tasks=3):
+    """Mixed multi-task batches: x = {"inputs": (n, 4), "task_id": int32 (n,)}, the tasks
+    interleaved (row i is task i % num_tasks); task 1's targets are negated, so its
+    gradient conflicts with the others' (PCGrad projects, GradNorm's weights move)."""
+    x, y = regression_data(n, dtype=dtype, seed=seed)
+    task_id = (np.arange(n) % num_tasks).astype("int32")
+    y = np.where((task_id == 1)[:, None], -y, y).astype(dtype)
+    return {"inputs": x, "task_id": task_id}, y
+
+
+def _multitask_trainer(method, **options):
+    def make(model, data_dtype):
+        from tf_metaalign.trainers import MultiTaskTrainer
+
+        return MultiTaskTrainer(model, num_tasks=3, method=method, **options)
+
+    return make
+
+
+def _multitask_compile():
+    return dict(optimizer=keras.optimizers.Adam(0.01), loss=_mse(), metrics=["mae"])
+
+
 ENTRIES = [
     TrainerEntry(
         name="dotprod",
@@ -270,6 +293,31 @@ ENTRIES += [
         compile_kwargs=_outer_compile,
         state_variables=("count",),
         make_data=task_stacked_regression_data,
+    ),
+    TrainerEntry(
+        name="multitask_pcgrad",
+        make_trainer=_multitask_trainer("pcgrad", seed=3),
+        compile_kwargs=_multitask_compile,
+        state_variables=("count",),  # the step counter the task order is drawn from
+        diagnostics=("task_cosine",),
+        make_data=multitask_data,
+    ),
+    TrainerEntry(
+        name="multitask_gradvac",
+        make_trainer=_multitask_trainer("gradvac", gradvac_beta=0.2),
+        compile_kwargs=_multitask_compile,
+        state_variables=("count", "gradvac_targets"),
+        diagnostics=("task_cosine",),
+        make_data=multitask_data,
+    ),
+    TrainerEntry(
+        name="multitask_gradnorm",
+        make_trainer=_multitask_trainer("gradnorm", gradnorm_learning_rate=0.05),
+        compile_kwargs=_multitask_compile,
+        state_variables=("count", "gradnorm_weights", "gradnorm_initial_losses",
+                         "gradnorm_seen"),
+        diagnostics=("task_cosine",),
+        make_data=multitask_data,
     ),
 ]
 

@@ -1,5 +1,5 @@
 """Algorithms as pure functions on (loss_fn, params, state, batches), for custom loops."""
-from tf_metaalign.algorithms import dotprod, guided, reptile
+from tf_metaalign.algorithms import dotprod, gradient_surgery, guided, reptile
 from tf_metaalign.algorithms.dotprod import DotProdResult, auto_alpha, dotprod_gradient
 from tf_metaalign.algorithms.guided import (
     HypergradientResult,
@@ -18,6 +18,7 @@ from tf_metaalign.algorithms.reptile import (
 __all__ = [
     "dotprod",
     "guided",
+    "gradient_surgery",
     "DotProdResult",
     "auto_alpha",
     "dotprod_gradient",

@@ -16,6 +16,7 @@ from tf_metaalign.optimizers.differentiable import (
     supports_forward_mode,
 )
 from tf_metaalign.optimizers.lamb import Lamb, LambRule
+from tf_metaalign.optimizers.recadam import RecAdam, RecAdamRule, anneal_lambda
 from tf_metaalign.optimizers.schedules import (
     BertSchedule,
     PegasusSchedule,
@@ -36,10 +37,13 @@ __all__ = [
     "LambRule",
     "OptimizerState",
     "PegasusSchedule",
+    "RecAdam",
+    "RecAdamRule",
     "SGD",
     "SGDRule",
     "T5InverseSquareRootSchedule",
     "UpdateRule",
+    "anneal_lambda",
     "apply_rule",
     "as_rule_optimizer",
     "check_optimizer",

@@ -15,6 +15,7 @@ mode (`tf_metaalign.forward_mode`): the rule runs with the hyperparameters as
   identical rule (e.g. for guided learning's `meta_optimizer`).
 """
 import functools
+import warnings
 
 import keras
 import numpy as np
@@ -115,7 +116,9 @@ def supported_optimizers():
     (`cls(learning_rate=PROBE_LEARNING_RATE)`) passes `forward_mode_error`."""
     names = []
     for cls in optimizer_classes():
-        with tf.init_scope():
+        # A probe, not the user's optimizer: no constructor warnings (RecAdam's defaults warn).
+        with tf.init_scope(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             optimizer = cls(learning_rate=PROBE_LEARNING_RATE)
         if forward_mode_error(optimizer) is None:
             names.append(cls.__name__)

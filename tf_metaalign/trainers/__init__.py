@@ -1,6 +1,7 @@
 """Keras trainers: `keras.Model` wrappers whose `train_step` runs an algorithm."""
 from tf_metaalign.trainers.base import Diagnostic, EveryKSteps, MetaTrainer, commit_weights
 from tf_metaalign.trainers.dotprod import DotProdTrainer
+from tf_metaalign.trainers.multitask import MultiTaskTrainer
 from tf_metaalign.trainers.guided import (
     GuidedHyperparameters,
     GuidedTrainer,
@@ -21,6 +22,7 @@ __all__ = [
     "commit_weights",
     "DotProdTrainer",
     "GuidedTrainer",
+    "MultiTaskTrainer",
     "GuidedHyperparameters",
     "guided_update",
     "split_guidance_batch",

@@ -1,0 +1,389 @@
+"""Gradient surgery (PCGrad, GradVac, GradNorm) and MultiTaskTrainer against hand
+computations and NumPy re-derivations of the references (tianheyu927/PCGrad, LibMTL's
+GradVac and GradNorm), written here on flat vectors without the package's TF code."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import two_cpu_strategy
+from tf_metaalign.algorithms import gradient_surgery as GS
+from tf_metaalign.trainers import MultiTaskTrainer
+
+
+@pytest.fixture
+def float64():
+    keras.backend.set_floatx("float64")
+    yield
+    keras.backend.set_floatx("float32")
+
+
+def _as_lists(vectors, shapes=((2,),)):
+    """Flat task vectors -> per-task gradient lists split into `shapes`."""
+    out = []
+    for v in vectors:
+        parts, start = [], 0
+        for s in shapes:
+            n = int(np.prod(s))
+            parts.append(tf.constant(np.reshape(v[start:start + n], s), tf.float64))
+            start += n
+        out.append(parts)
+    return out
+
+
+def _flat(grads):
+    return np.concatenate([np.ravel(g.numpy()) for g in grads])
+
+
+# ------------------------------------------------------------------ NumPy references
+
+
+def np_pcgrad(gs, order):
+    """Yu et al. Algorithm 1: each g_i projected against the ORIGINAL g_j, j in order."""
+    out = []
+    for i in range(len(gs)):
+        g = gs[i].copy()
+        for j in order:
+            if j == i:
+                continue
+            d = g @ gs[j]
+            if d < 0 and gs[j] @ gs[j] > 0:
+                g = g - d / (gs[j] @ gs[j]) * gs[j]
+        out.append(g)
+    return np.sum(out, axis=0)
+
+
+def np_gradvac(gs, targets, order, beta):
+    """LibMTL GradVac (global): the EMA target of (i, j) updated after its use."""
+    targets = targets.copy()
+    out = []
+    for i in range(len(gs)):
+        g = gs[i].copy()
+        for j in order:
+            ni, nj = np.linalg.norm(g), np.linalg.norm(gs[j])
+            if j == i or ni == 0 or nj == 0:
+                continue
+            rho = g @ gs[j] / (ni * nj)
+            t = targets[i, j]
+            if rho < t:
+                w = ni * (t * np.sqrt(1 - rho**2) - rho * np.sqrt(1 - t**2)) / (
+                    nj * np.sqrt(1 - t**2))
+                g = g + w * gs[j]
+            targets[i, j] = (1 - beta) * t + beta * rho
+        out.append(g)
+    return np.sum(out, axis=0), targets
+
+
+def np_gradnorm(weights, layer_norms, losses, initial, present, alpha, lr):
+    """Chen et al. 2018, Algorithm 1, one step on the weights (target a constant)."""
+    p = present.astype(bool)
+    G = weights * layer_norms
+    G_bar = G[p].mean()
+    ratio = losses / np.where(initial == 0, 1, initial)
+    r = ratio / ratio[p].mean()
+    target = G_bar * r**alpha
+    grad = np.where(p, np.sign(G - target) * layer_norms, 0.0)
+    new = weights - lr * grad
+    return new * len(weights) / new.sum()
+
+
+# --------------------------------------------------------------------- pure functions
+
+
+def test_pcgrad_anti_parallel_cancels():
+    # g2 = -g1/2: each is projected onto the normal plane of the other -> both vanish.
+    grads = _as_lists([np.array([2.0, 0.0]), np.array([-1.0, 0.0])])
+    out = GS.pcgrad(grads, tf.constant([0, 1]))
+    np.testing.assert_allclose(_flat(out), [0.0, 0.0], atol=1e-15)
+
+
+def test_pcgrad_orthogonal_is_the_plain_sum():
+    grads = _as_lists([np.array([3.0, 0.0]), np.array([0.0, -2.0])])
+    np.testing.assert_allclose(_flat(GS.pcgrad(grads, tf.constant([1, 0]))), [3.0, -2.0])
+
+
+def test_pcgrad_conflicting_by_hand():
+    # g1 = (1, 0), g2 = (-1, 1), <g1, g2> = -1:
+    # g1' = g1 + 1/2 g2 = (0.5, 0.5), g2' = g2 + 1 g1 = (0, 1); sum (0.5, 1.5).
+    grads = _as_lists([np.array([1.0, 0.0]), np.array([-1.0, 1.0])])
+    np.testing.assert_allclose(_flat(GS.pcgrad(grads, tf.constant([0, 1]))), [0.5, 1.5])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_pcgrad_random_three_tasks_equals_numpy_reference(seed):
+    rng = np.random.default_rng(seed)
+    shapes = ((3, 2), (4,), ())
+    base = rng.normal(size=11)
+    # correlated tasks with conflicts, so several projections happen
+    vectors = [base * s + rng.normal(size=11) for s in (1.0, -0.8, 0.3)]
+    order = rng.permutation(3)
+    out = GS.pcgrad(_as_lists(vectors, shapes), tf.constant(order))
+    np.testing.assert_allclose(_flat(out), np_pcgrad(vectors, order), rtol=1e-12, atol=1e-12)
+    assert not np.allclose(np_pcgrad(vectors, order), np.sum(vectors, axis=0))
+
+
+def test_gradvac_three_steps_equal_numpy_reference():
+    rng = np.random.default_rng(5)
+    targets_tf = tf.zeros([3, 3], tf.float64)
+    targets_np = np.zeros((3, 3))
+    moved = False
+    for step in range(3):
+        base = rng.normal(size=7)
+        vectors = [base * s + rng.normal(size=7) for s in (1.0, -0.6, 0.5)]
+        if step == 2:
+            vectors[1] = np.zeros(7)  # an absent task: its pairs are skipped
+        order = rng.permutation(3)
+        grads = _as_lists(vectors, ((7,),))
+        result = GS.gradvac_coefficients(GS.gram_matrix(grads), targets_tf, tf.constant(order),
+                                         beta=0.1)
+        expected, targets_np = np_gradvac(vectors, targets_np, order, beta=0.1)
+        targets_tf = result.targets
+        np.testing.assert_allclose(_flat(GS.combine(grads, result.coefficients)), expected,
+                                   rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(targets_tf.numpy(), targets_np, rtol=1e-12, atol=1e-14)
+        moved |= not np.allclose(expected, np.sum(vectors, axis=0))
+    assert moved
+    assert np.all(np.diag(targets_np) == 0)  # no self pairs
+
+
+def test_gradnorm_update_equals_numpy_reference():
+    rng = np.random.default_rng(2)
+    w = np.ones(3)
+    for _ in range(3):
+        norms, losses, initial = rng.uniform(0.5, 2, 3), rng.uniform(0.5, 2, 3), rng.uniform(1, 2, 3)
+        present = np.array([1.0, 1.0, 0.0])
+        new = GS.gradnorm_update(tf.constant(w), norms, losses, initial, present,
+                                 alpha=1.5, learning_rate=0.1).numpy()
+        expected = np_gradnorm(w, norms, losses, initial, present, 1.5, 0.1)
+        np.testing.assert_allclose(new, expected, rtol=1e-13)
+        assert new.sum() == pytest.approx(3.0)
+        w = new
+    assert not np.allclose(w, 1.0)
+
+
+def test_random_order_is_a_deterministic_permutation_of_seed_and_step():
+    orders = [tuple(GS.random_order(4, 7, s).numpy()) for s in range(20)]
+    assert all(sorted(o) == [0, 1, 2, 3] for o in orders)
+    assert len(set(orders)) > 5
+    assert orders == [tuple(GS.random_order(4, 7, s).numpy()) for s in range(20)]
+    assert orders != [tuple(GS.random_order(4, 8, s).numpy()) for s in range(20)]
+    jit = tf.function(lambda s: GS.random_order(4, 7, s), jit_compile=True)
+    assert orders == [tuple(jit(tf.constant(s, tf.int64)).numpy()) for s in range(20)]
+
+
+def test_mean_pairwise_cosine():
+    grads = _as_lists([np.array([1.0, 0.0]), np.array([0.0, 1.0]), np.array([1.0, 1.0]),
+                       np.array([0.0, 0.0])])
+    c = float(GS.mean_pairwise_cosine(GS.gram_matrix(grads), [1, 1, 1, 0]))
+    assert c == pytest.approx((0 + 2 * np.sqrt(0.5)) / 3)
+
+
+# ----------------------------------------------------- the trainer against NumPy
+
+
+def _linear_model(l2=0.0):
+    keras.utils.set_random_seed(1)
+    regularizer = keras.regularizers.L2(l2) if l2 else None
+    return keras.Sequential([keras.Input((4,), dtype="float64"),
+                             keras.layers.Dense(2, dtype="float64",
+                                                kernel_regularizer=regularizer)])
+
+
+def _batches():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(27, 4))
+    y = rng.normal(size=(27, 2))
+    task = rng.integers(0, 3, size=27).astype("int32")
+    task[18:] = np.where(task[18:] == 2, 0, task[18:])  # task 2 absent from batch 3
+    y[task == 1] *= -3.0  # conflicting task
+    return x, y, task
+
+
+def _np_task_grads(W, b, x, y, task, T):
+    """Per-task mean-MSE losses and flat gradients [W, b] of the linear model."""
+    losses, grads, present = np.zeros(T), [], np.zeros(T)
+    for t in range(T):
+        m = task == t
+        if not m.any():
+            grads.append(np.zeros(W.size + b.size))
+            continue
+        present[t] = 1
+        err = x[m] @ W + b - y[m]
+        losses[t] = np.mean(np.mean(err**2, axis=1))
+        d = 2 * err / (err.shape[1] * m.sum())
+        grads.append(np.concatenate([(x[m].T @ d).ravel(), d.sum(0)]))
+    return losses, grads, present
+
+
+def _np_trainer(method, steps, lr, batch, options):
+    x, y, task = _batches()
+    model = _linear_model()
+    W, b = (v.numpy().astype(np.float64) for v in model.trainable_variables)
+    T = 3
+    targets, gn_w, initial, seen = np.zeros((T, T)), np.ones(T), np.zeros(T), np.zeros(T)
+    for s in range(steps):
+        sl = slice(s * batch, (s + 1) * batch)
+        losses, gs, present = _np_task_grads(W, b, x[sl], y[sl], task[sl], T)
+        order = GS.random_order(T, options.get("seed", 0), s).numpy()
+        if method == "sum":
+            g = np.sum(gs, axis=0)
+        elif method == "pcgrad":
+            g = np_pcgrad(gs, order)
+        elif method == "gradvac":
+            g, targets = np_gradvac(gs, targets, order, options.get("gradvac_beta", 1e-2))
+        else:
+            initial = np.where((present == 1) & (seen == 0), losses, initial)
+            seen = np.maximum(seen, present)
+            g = np.sum([w * gi for w, gi in zip(gn_w, gs)], axis=0)
+            norms = np.array([np.linalg.norm(gi[:W.size]) for gi in gs])
+            gn_w = np_gradnorm(gn_w, norms, losses, initial, present,
+                               options.get("gradnorm_alpha", 1.5),
+                               options.get("gradnorm_learning_rate", 0.025))
+        # the model's own losses (L2 on W) are added once, after the surgery
+        g = g + np.concatenate([2 * options.get("l2", 0.0) * W.ravel(), np.zeros(b.size)])
+        W = W - lr * g[:W.size].reshape(W.shape)
+        b = b - lr * g[W.size:]
+    return W, b, dict(targets=targets, weights=gn_w, initial=initial)
+
+
+@pytest.mark.parametrize("method, options", [
+    ("sum", {}),
+    ("pcgrad", {"seed": 4}),
+    ("gradvac", {"gradvac_beta": 0.2}),
+    ("gradnorm", {"gradnorm_learning_rate": 0.3}),
+    # the model's own loss (L2 on the kernel; 1/16 is exact in float32, through which
+    # Keras rounds a regulariser's factor: 0.05 would differ by 4e-9 relative)
+    ("pcgrad", {"seed": 1, "l2": 0.0625}),
+])
+def test_trainer_three_steps_equal_numpy_rederivation(float64, method, options):
+    lr, batch = 0.1, 9
+    x, y, task = _batches()
+    kwargs = {k: v for k, v in options.items() if k != "l2"}
+    trainer = MultiTaskTrainer(_linear_model(options.get("l2", 0.0)), num_tasks=3,
+                               method=method, **kwargs)
+    trainer.compile(optimizer=keras.optimizers.SGD(lr), loss=keras.losses.MeanSquaredError())
+    trainer.fit({"inputs": x, "task_id": task}, y, batch_size=batch, epochs=1, shuffle=False,
+                verbose=0)
+    W, b, state = _np_trainer(method, 3, lr, batch, options)
+    np.testing.assert_allclose(trainer.model.trainable_variables[0].numpy(), W, rtol=1e-10,
+                               atol=1e-12)
+    np.testing.assert_allclose(trainer.model.trainable_variables[1].numpy(), b, rtol=1e-10,
+                               atol=1e-12)
+    if method == "gradvac":
+        np.testing.assert_allclose(trainer.gradvac_targets.numpy(), state["targets"],
+                                   rtol=1e-10, atol=1e-12)
+        assert np.abs(state["targets"]).max() > 0.01
+    if method == "gradnorm":
+        np.testing.assert_allclose(trainer.gradnorm_weights.numpy(), state["weights"], rtol=1e-10)
+        np.testing.assert_allclose(trainer.gradnorm_initial_losses.numpy(), state["initial"],
+                                   rtol=1e-10)
+        assert not np.allclose(state["weights"], 1.0)
+    assert int(trainer.steps.count.numpy()) == 3
+
+
+def test_sum_is_T_times_plain_fit_on_balanced_batches(float64):
+    """Each batch holds B/T examples of every task and MSE is a mean: fit's loss on the
+    union is (1/T) sum_t L_t, so "sum" with SGD(lr) == plain fit with SGD(T * lr)."""
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(24, 4)), rng.normal(size=(24, 2))
+    task = (np.arange(24) % 3).astype("int32")
+    trainer = MultiTaskTrainer(_linear_model(), num_tasks=3, method="sum")
+    trainer.compile(optimizer=keras.optimizers.SGD(0.05), loss=keras.losses.MeanSquaredError())
+    h = trainer.fit({"inputs": x, "task_id": task}, y, batch_size=6, epochs=2, shuffle=False,
+                    verbose=0)
+    plain = _linear_model()
+    plain.compile(optimizer=keras.optimizers.SGD(0.15), loss=keras.losses.MeanSquaredError())
+    h_plain = plain.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(trainer.model.trainable_variables, plain.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12, atol=1e-14)
+    # the logged loss is the sum of the task losses: T times fit's
+    # (Keras's loss tracker averages in float32)
+    np.testing.assert_allclose(h.history["loss"], 3 * np.asarray(h_plain.history["loss"]),
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["gradvac", "sum"])
+def test_two_replicas_equal_one(float64, method):
+    """The per-task losses and gradients are all-reduced before the surgery: 2 replicas
+    (each seeing other task counts) take the step 1 replica takes on the global batch."""
+    x, y, task = _batches()
+    data = {"inputs": x[:24], "task_id": task[:24]}
+
+    def run(strategy):
+        with strategy.scope():
+            trainer = MultiTaskTrainer(_linear_model(), num_tasks=3, method=method,
+                                       gradvac_beta=0.3)
+            trainer.compile(optimizer=keras.optimizers.Adam(0.05),
+                            loss=keras.losses.MeanSquaredError())
+        h = trainer.fit(data, y[:24], batch_size=8, epochs=2, shuffle=False, verbose=0)
+        state = [v.numpy() for v in trainer.weights if v.name == "gradvac_targets"]
+        return [v.numpy() for v in trainer.model.trainable_variables] + state, h.history
+
+    one, h1 = run(tf.distribute.get_strategy())
+    two, h2 = run(two_cpu_strategy())
+    for a, b in zip(one, two):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    for k in ("loss", "task_cosine"):
+        np.testing.assert_allclose(h1[k], h2[k], rtol=1e-6)  # float32 metrics
+
+
+def test_model_takes_task_id_with_per_task_heads(float64):
+    inputs = keras.Input((4,), name="inputs", dtype="float64")
+    task_id = keras.Input((), name="task_id", dtype="int32")
+    heads = keras.layers.Dense(3 * 2, dtype="float64")(
+        keras.layers.Dense(5, activation="tanh", dtype="float64")(inputs))
+    heads = keras.layers.Reshape((3, 2), dtype="float64")(heads)
+    one_hot = keras.ops.one_hot(task_id, 3, dtype="float64")
+    out = keras.ops.einsum("bt,btk->bk", one_hot, heads)
+    model = keras.Model({"inputs": inputs, "task_id": task_id}, out)
+    x, y, task = _batches()
+    trainer = MultiTaskTrainer(model, num_tasks=3, method="gradnorm", model_takes_task_id=True,
+                               gradnorm_variable=0)
+    trainer.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.MeanSquaredError())
+    data = {"inputs": x, "task_id": task}
+    h = trainer.fit(data, y, batch_size=9, epochs=3, shuffle=False, verbose=0)
+    assert h.history["loss"][-1] < h.history["loss"][0]
+    assert np.isfinite(trainer.evaluate(data, y, verbose=0))
+
+
+# ------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("kwargs, argument", [
+    (dict(num_tasks=0), "num_tasks"),
+    (dict(num_tasks=2.0), "num_tasks"),
+    (dict(num_tasks=2, method="mgda"), "method"),
+    (dict(num_tasks=2, model_takes_task_id="yes"), "model_takes_task_id"),
+    (dict(num_tasks=2, seed=None), "seed"),
+    (dict(num_tasks=2, gradvac_beta=1.5), "gradvac_beta"),
+    (dict(num_tasks=2, gradnorm_alpha=-1), "gradnorm_alpha"),
+    (dict(num_tasks=2, gradnorm_learning_rate="fast"), "gradnorm_learning_rate"),
+    (dict(num_tasks=2, method="gradnorm", gradnorm_variable=9), "gradnorm_variable"),
+    (dict(num_tasks=2, method="gradnorm", gradnorm_variable="dense/nope"), "gradnorm_variable"),
+])
+def test_bad_arguments_name_the_argument(kwargs, argument):
+    with pytest.raises(ValueError, match=argument):
+        MultiTaskTrainer(_linear_model(), **kwargs)
+
+
+def test_bad_batches_are_clear_errors():
+    x, y, task = _batches()
+    trainer = MultiTaskTrainer(_linear_model(), num_tasks=3)
+    trainer.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="task_id"):
+        trainer.fit(x.astype("float32"), y, batch_size=9, verbose=0)
+    with pytest.raises(ValueError, match=r"x\['task_id'\] must be an integer"):
+        trainer.fit({"inputs": x, "task_id": task.astype("float32")}, y, batch_size=9,
+                    verbose=0)
+
+
+def test_pure_functions_reject_bad_shapes():
+    grads = _as_lists([np.ones(2), np.ones(2)])
+    with pytest.raises(ValueError, match="coefficients"):
+        GS.combine(grads, tf.ones([3]))
+    with pytest.raises(ValueError, match="task_grads"):
+        GS.gram_matrix([grads[0], grads[1][:0]])
+    with pytest.raises(ValueError, match="targets"):
+        GS.gradvac_coefficients(GS.gram_matrix(grads), tf.zeros([3, 3]), [0, 1])
+    with pytest.raises(ValueError, match="order"):
+        GS.pcgrad_coefficients(GS.gram_matrix(grads), [0, 1, 2])
