@@ -137,16 +137,16 @@ class MultiTaskTrainer(MetaTrainer):
 
     # ----------------------------------------------------------------- batches
 
-    def example_inputs(self, x):
+    def model_inputs(self, x):
         if _is_multitask_x(x) and not self.model_takes_task_id:
             return x["inputs"]
         return x
 
     def call(self, inputs, training=None):
-        return super().call(self.example_inputs(inputs), training=training)
+        return super().call(self.model_inputs(inputs), training=training)
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        return super().compute_loss(self.example_inputs(x), y, y_pred, sample_weight, training)
+        return super().compute_loss(self.model_inputs(x), y, y_pred, sample_weight, training)
 
     def unpack(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -162,7 +162,7 @@ class MultiTaskTrainer(MetaTrainer):
                 "MultiTaskTrainer: x['task_id'] must be an integer vector [B] (the task of "
                 f"each example); got dtype {task_id.dtype.name}, shape {task_id.shape}.")
         if not self.model.built:
-            self.model(self.example_inputs(x), training=False)
+            self.model(self.model_inputs(x), training=False)
         return x, y, sample_weight
 
     def _gradnorm_index(self):
