@@ -35,13 +35,17 @@ from absl import app, flags  # noqa: E402
 
 METHODS = ("mtl", "pcgrad", "gradvac", "gradnorm", "recadam", "reptile", "sequential_reptile")
 
-flags.DEFINE_list("methods", list(METHODS), f"Which methods ({', '.join(METHODS)}).")
-flags.DEFINE_integer("steps", 1800, "Task gradients per method (MTL: steps/3 steps of 3 tasks).")
-flags.DEFINE_integer("inner_steps", 3, "K of Reptile and Sequential Reptile.")
-flags.DEFINE_float("learning_rate", 0.1, "SGD learning rate (MTL & co.; the inner rate of Reptile).")
-flags.DEFINE_float("outer_learning_rate", 0.5, "eta of Reptile and Sequential Reptile.")
-flags.DEFINE_integer("seed", 0, "Seed of the task stream (and PCGrad's order).")
-flags.DEFINE_string("output_dir", "/tmp/tf_metaalign_multitask_synthetic", "Where results go.")
+def define_flags():
+    """The program's flags. Defined only when it runs as a program (`__main__`), so that
+    importing its functions (tests) registers no flag that another program defines too."""
+    flags.DEFINE_list("methods", list(METHODS), f"Which methods ({', '.join(METHODS)}).")
+    flags.DEFINE_integer("steps", 1800, "Task gradients per method (MTL: steps/3 steps of 3 tasks).")
+    flags.DEFINE_integer("inner_steps", 3, "K of Reptile and Sequential Reptile.")
+    flags.DEFINE_float("learning_rate", 0.1, "SGD learning rate (MTL & co.; the inner rate of Reptile).")
+    flags.DEFINE_float("outer_learning_rate", 0.5, "eta of Reptile and Sequential Reptile.")
+    flags.DEFINE_integer("seed", 0, "Seed of the task stream (and PCGrad's order).")
+    flags.DEFINE_string("output_dir", "/tmp/tf_metaalign_multitask_synthetic", "Where results go.")
+
 
 FLAGS = flags.FLAGS
 
@@ -249,4 +253,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
