@@ -165,8 +165,19 @@ def task_ids(x):
     return x["task_id"]
 
 
+def is_task_batch_x(x) -> bool:
+    """Whether a batch's `x` is in the multi-task format `{"inputs", "task_id"}`."""
+    return isinstance(x, Mapping) and "inputs" in x and "task_id" in x
+
+
+def model_inputs_of(x, model_takes_task_id: bool = False):
+    """`model_inputs` for a multi-task `x`; any other `x` (e.g. plain inputs given to
+    `evaluate` / `predict`) as it is. What the multi-task trainers call the model on."""
+    return model_inputs(x, model_takes_task_id) if is_task_batch_x(x) else x
+
+
 def _check_batch_x(x):
-    if not isinstance(x, Mapping) or "inputs" not in x or "task_id" not in x:
+    if not is_task_batch_x(x):
         raise ValueError(
             "A multi-task batch's `x` must be a dict {'inputs': ..., 'task_id': int32 [B]} "
             f"(see tf_metaalign.data.multitask); got {type(x).__name__}"

@@ -4,13 +4,12 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tf_metaalign.data import multitask as multitask_data
 from tf_metaalign import functional as F
 from tf_metaalign.algorithms import gradient_surgery as GS
 from tf_metaalign.trainers.base import MetaTrainer
 
 
-def _is_multitask_x(x):
-    return isinstance(x, dict) and "inputs" in x and "task_id" in x
 
 
 @keras.saving.register_keras_serializable(package="tf_metaalign")
@@ -138,9 +137,7 @@ class MultiTaskTrainer(MetaTrainer):
     # ----------------------------------------------------------------- batches
 
     def model_inputs(self, x):
-        if _is_multitask_x(x) and not self.model_takes_task_id:
-            return x["inputs"]
-        return x
+        return multitask_data.model_inputs_of(x, self.model_takes_task_id)
 
     def call(self, inputs, training=None):
         return super().call(self.model_inputs(inputs), training=training)
@@ -150,7 +147,7 @@ class MultiTaskTrainer(MetaTrainer):
 
     def unpack(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if not _is_multitask_x(x):
+        if not multitask_data.is_task_batch_x(x):
             raise ValueError(
                 "MultiTaskTrainer: a training batch's x must be a dict {'inputs': <model "
                 "inputs>, 'task_id': int [B]}; got "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tf_metaalign.data import multitask as multitask_data
 from tf_metaalign import _compat
 from tf_metaalign import functional as F
 from tf_metaalign import optimizers as O
@@ -56,10 +57,7 @@ class _TaskIdInputs:
     `x` goes to the model as it is."""
 
     def _model_inputs(self, x):
-        if (not self.model_takes_task_id and isinstance(x, dict)
-                and set(x) == {"inputs", "task_id"}):
-            return x["inputs"]
-        return x
+        return multitask_data.model_inputs_of(x, self.model_takes_task_id)
 
     def call(self, inputs, training=None):
         return super().call(self._model_inputs(inputs), training=training)
