@@ -31,3 +31,20 @@ __all__ = [
     "multitask", "MultiTaskStream", "task_probabilities", "model_inputs", "task_ids",
     "one_head_per_task_model",
 ]
+# Few-shot episodes (N-way K-shot, deterministic and resumable) and Omniglot.
+from tf_metaalign.data import episodes, omniglot  # noqa: E402
+from tf_metaalign.data.episodes import EpisodeSampler, mean_confidence_interval  # noqa: E402
+from tf_metaalign.data.omniglot import (  # noqa: E402
+    augment_rotations,
+    evaluate_official_runs,
+    load_official_runs,
+    load_omniglot,
+    official_runs_dataset,
+    split_classes,
+)
+
+__all__ += [
+    "episodes", "omniglot", "EpisodeSampler", "mean_confidence_interval", "load_omniglot",
+    "split_classes", "augment_rotations", "load_official_runs", "evaluate_official_runs",
+    "official_runs_dataset",
+]
