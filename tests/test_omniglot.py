@@ -4,8 +4,6 @@ Two kinds of tests: on tiny fake zips built here in the official layout (layout,
 error handling), and on the real files in ../shared/data/omniglot (skipped, with the
 reason, when they are absent). The real files are never copied into the repository.
 """
-import io
-import os
 import zipfile
 from pathlib import Path
 
@@ -333,7 +331,10 @@ def real_runs():
 
 
 @needs_data
-def test_default_root_is_the_shared_folder():
+def test_default_root_is_the_shared_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("TF_METAALIGN_OMNIGLOT_DIR", str(tmp_path))
+    assert default_omniglot_root() == tmp_path
+    monkeypatch.delenv("TF_METAALIGN_OMNIGLOT_DIR")
     assert default_omniglot_root().resolve() == DATA.resolve()
 
 

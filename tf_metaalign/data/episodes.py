@@ -57,7 +57,7 @@ Confidence intervals
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import Mapping
 
 import numpy as np
 import tensorflow as tf

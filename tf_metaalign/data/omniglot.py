@@ -44,14 +44,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import os
 import re
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Callable, Mapping, NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -168,29 +167,31 @@ class _Source:
                          .encode())
         return f"{self.name}:{'zip' if self.is_zip else 'dir'}:{h.hexdigest()}"
 
-    def characters(self) -> dict[tuple[str, str], list[tuple[str, Callable[[], bytes]]]]:
-        """(alphabet, character) -> [(file name, reader)], files sorted by name."""
+    def characters(self) -> dict[tuple[str, str], list[bytes]]:
+        """(alphabet, character) -> the PNG bytes of its drawings, sorted by file name."""
         chars: dict[tuple[str, str], list] = {}
         if self.is_zip:
-            zf = zipfile.ZipFile(self.path)
-            for info in zf.infolist():
-                parts = info.filename.split("/")
-                if (info.is_dir() or len(parts) != 4 or parts[0].startswith("__MACOSX")
-                        or not parts[3].lower().endswith(".png") or parts[3].startswith(".")):
-                    continue
-                chars.setdefault((parts[1], parts[2]), []).append(
-                    (parts[3], lambda n=info.filename: zf.read(n)))
+            with zipfile.ZipFile(self.path) as zf:
+                for info in zf.infolist():
+                    parts = info.filename.split("/")
+                    if (info.is_dir() or len(parts) != 4 or parts[0].startswith("__MACOSX")
+                            or not parts[3].lower().endswith(".png")
+                            or parts[3].startswith(".")):
+                        continue
+                    chars.setdefault((parts[1], parts[2]), []).append(
+                        (parts[3], zf.read(info)))
         else:
             for p in self.path.glob("*/*/*.png"):
                 if p.name.startswith("."):
                     continue
                 chars.setdefault((p.parent.parent.name, p.parent.name), []).append(
-                    (p.name, p.read_bytes))
+                    (p.name, p.read_bytes()))
         if not chars:
             raise ValueError(
                 f"{self.path} holds no images in the Omniglot layout "
                 f"'{self.name}/<Alphabet>/<character>/<file>.png'.")
-        return {k: sorted(v, key=lambda e: e[0]) for k, v in sorted(chars.items())}
+        return {k: [b for _, b in sorted(v, key=lambda e: e[0])]
+                for k, v in sorted(chars.items())}
 
 
 def load_omniglot(root: str | os.PathLike | None = None, sets: Sequence[str] = SMALL_SETS,
@@ -253,7 +254,7 @@ def load_omniglot(root: str | os.PathLike | None = None, sets: Sequence[str] = S
             seen.add(key_)
             names.append(f"{key_[0]}/{key_[1]}")
             counts.append(len(files))
-            pngs.extend(read() for _, read in files)
+            pngs.extend(files)
     images = _decode_images(pngs, image_size, resize_method, what=f"Omniglot sets {sets}")
     if cache_path is not None:
         _write_cache(cache_path, names, counts, images)
@@ -480,19 +481,19 @@ def load_official_runs(path: str | os.PathLike | None = None, image_size: int | 
     """
     path = Path(path) if path is not None else default_omniglot_root() / "all_runs.zip"
     image_size = _check_image_size(image_size)
-    files: dict[str, Callable[[], bytes]] = {}
+    files: dict[str, bytes] = {}  # all_runs.zip is small (~350 kB): read it whole
     if path.is_file():
         try:
-            zf = zipfile.ZipFile(path)
+            with zipfile.ZipFile(path) as zf:
+                for info in zf.infolist():
+                    if not info.is_dir() and not info.filename.startswith("__MACOSX"):
+                        files[info.filename] = zf.read(info)
         except zipfile.BadZipFile:
             raise ValueError(f"`path` {str(path)!r} is not a zip file.") from None
-        for info in zf.infolist():
-            if not info.is_dir() and not info.filename.startswith("__MACOSX"):
-                files[info.filename] = (lambda n=info.filename: zf.read(n))
     elif path.is_dir():
         for p in path.rglob("*"):
             if p.is_file():
-                files[p.relative_to(path).as_posix()] = p.read_bytes
+                files[p.relative_to(path).as_posix()] = p.read_bytes()
     else:
         raise FileNotFoundError(
             f"Official runs not found: `path` {str(path)!r} is neither all_runs.zip nor a "
@@ -530,7 +531,7 @@ def load_official_runs(path: str | os.PathLike | None = None, image_size: int | 
             raise ValueError(f"{path}: {run}/test/ must hold item01.png ... "
                              f"item{len(test_idx):02d}.png; got numbers {test_idx}.")
         labels = {}
-        text = files[entry["labels"]]().decode("utf-8")
+        text = files[entry["labels"]].decode("utf-8")
         for line_no, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
@@ -549,8 +550,8 @@ def load_official_runs(path: str | os.PathLike | None = None, image_size: int | 
         if sorted(labels) != test_idx:
             raise ValueError(f"{path}: {run}/class_labels.txt labels items "
                              f"{sorted(labels)}, not every test item {test_idx}.")
-        pngs = [files[entry["training"][i]]() for i in train_idx]
-        pngs += [files[entry["test"][i]]() for i in test_idx]
+        pngs = [files[entry["training"][i]] for i in train_idx]
+        pngs += [files[entry["test"][i]] for i in test_idx]
         images = _decode_images(pngs, image_size, resize_method, what=f"{path}: {run}")
         n = len(train_idx)
         out.append(OfficialRun(
