@@ -282,3 +282,17 @@ def test_mean_confidence_interval_errors():
         mean_confidence_interval([[1, 2]])
     with pytest.raises(ValueError, match="non-finite"):
         mean_confidence_interval([1, float("nan")])
+
+
+def test_batches_split_along_the_task_axis_under_mirrored_strategy():
+    from conftest import two_cpu_strategy
+
+    strategy = two_cpu_strategy()
+    sampler = EpisodeSampler(make_classes(), 3, 1, 2, tasks_per_batch=4, seed=0)
+    dist = strategy.experimental_distribute_dataset(sampler.dataset(num_batches=1))
+    (sx, sy, qx), qy = next(iter(dist))
+    parts = strategy.experimental_local_results(sx)
+    assert [tuple(p.shape) for p in parts] == [(2, 3, 2), (2, 3, 2)]
+    qparts = strategy.experimental_local_results(qy)
+    np.testing.assert_array_equal(np.concatenate([p.numpy() for p in qparts]),
+                                  flat(sampler.batch(0))[3])
