@@ -72,6 +72,42 @@ def test_anneal_w_zero_is_keras_adam():
     np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
 
 
+def test_excluded_variables_are_keras_adam_and_the_others_are_pulled():
+    """The reference's new-weights group (anneal_w = 0): a head excluded by path takes
+    plain Adam steps while the pretrained body is still pulled toward its start."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="body"),
+                              keras.layers.Dense(1, name="head")])
+    ours = O.RecAdam(0.01, epsilon=1e-7, anneal_k=0.5, anneal_t0=3, pretrain_cof=5.0,
+                     exclude_from_recall=["head"])
+    theirs = keras.optimizers.Adam(0.01, epsilon=1e-7)
+    twin = [keras.Variable(v.numpy()) for v in model.trainable_variables]
+    start = [v.numpy() for v in model.trainable_variables]
+    assert [ours_opt["recall"] for ours_opt in map(
+        lambda v: ours.variable_options(v), model.trainable_variables)] == [True, True, False, False]
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        grads = [rng.normal(size=v.shape).astype("float32") for v in model.trainable_variables]
+        ours.apply_gradients(zip(grads, model.trainable_variables))
+        theirs.apply_gradients(zip(grads[2:], twin[2:]))
+    head, twin_head = model.trainable_variables[2:], twin[2:]
+    for a, b in zip(head, twin_head):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+    # The body gets exactly what RecAdam without exclusions gives it, which is not Adam's.
+    body_twin = [keras.Variable(v) for v in start[:2]]
+    adam_twin = [keras.Variable(v) for v in start[:2]]
+    reference = O.RecAdam(0.01, epsilon=1e-7, anneal_k=0.5, anneal_t0=3, pretrain_cof=5.0)
+    adam = keras.optimizers.Adam(0.01, epsilon=1e-7)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        grads = [rng.normal(size=v.shape).astype("float32") for v in model.trainable_variables]
+        reference.apply_gradients(zip(grads[:2], body_twin))
+        adam.apply_gradients(zip(grads[:2], adam_twin))
+    for a, b, c in zip(model.trainable_variables[:2], body_twin, adam_twin):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+        assert np.max(np.abs(a.numpy() - c.numpy())) > 1e-3
+    assert O.RecAdam.from_config(ours.get_config()).exclude_from_recall_patterns == ("head",)
+
+
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_fit_keeps_the_initial_weights_as_pretrained(jit_compile):
     """The slot is assigned once at build, also when the optimizer is built while a

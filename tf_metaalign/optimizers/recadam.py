@@ -39,6 +39,10 @@ class RecAdamRule(base.UpdateRule):
             w <- w - a m / (sqrt(v) + epsilon)
         w <- w - lr weight_decay_rate w                  (the NEW w; no-op at rate 0)
 
+    A variable with the option `{"recall": False}` (`RecAdam(exclude_from_recall=...)`:
+    the reference's parameter group of NEW weights, e.g. a task head, which it gives
+    anneal_w = 0) takes the `else` branch: plain Adam.
+
     Slots: "m", "v" and "pretrained", the weights the quadratic penalty pulls toward:
     `init_slots` (and the optimizer's `build`) initialise it from the variable's value,
     and the update returns it unchanged. The annealing configuration is static (python
@@ -59,6 +63,9 @@ class RecAdamRule(base.UpdateRule):
         self.anneal_t0 = float(anneal_t0)
         self.anneal_w = float(anneal_w)
         self.pretrain_cof = float(pretrain_cof)
+
+    def default_options(self, shape):
+        return {"recall": True}
 
     def slot_shapes(self, shape, options):
         return {"m": tuple(shape), "v": tuple(shape), "pretrained": tuple(shape)}
@@ -81,7 +88,7 @@ class RecAdamRule(base.UpdateRule):
         if self.correct_bias:
             step_size = lr * tf.sqrt(1.0 - tf.pow(b2, t)) / (1.0 - tf.pow(b1, t))
         pretrained = slots["pretrained"]
-        if self.anneal_w > 0.0:
+        if self.anneal_w > 0.0 and options.get("recall", True):
             lam = anneal_lambda(self.anneal_fun, t, self.anneal_k, self.anneal_t0, self.anneal_w)
             w = w - c(step_size * lam) * direction
             pull = lr * (tf.constant(self.anneal_w, tf.float64) - lam) * self.pretrain_cof
@@ -143,6 +150,10 @@ class RecAdam(base.BaseOptimizer):
         `anneal_w > 0` test).
       pretrain_cof: gamma, the coefficient of the quadratic penalty (reference 5000,
         meant for learning rates ~1e-5: lr * pretrain_cof must stay well below 1).
+      exclude_from_recall: regex patterns searched in the variable path; matching
+        variables are new weights with no pretrained value (a task head): they take plain
+        Adam steps, no annealing and no pull (the reference puts them in a parameter group
+        with anneal_w = 0).
     """
 
     differentiable_hyperparameters = ("learning_rate", "beta_1", "beta_2")
@@ -160,6 +171,7 @@ class RecAdam(base.BaseOptimizer):
         anneal_t0=0.0,
         anneal_w=1.0,
         pretrain_cof=5000.0,
+        exclude_from_recall=None,
         aggregated_clipnorm=None,
         name="RecAdam",
         **kwargs,
@@ -172,6 +184,7 @@ class RecAdam(base.BaseOptimizer):
             raise ValueError(f"`correct_bias` must be a bool; got correct_bias={correct_bias!r}.")
         anneal_k, anneal_t0, anneal_w, pretrain_cof = _check_anneal(
             anneal_fun, anneal_k, anneal_t0, anneal_w, pretrain_cof)
+        exclude = base.check_name_patterns("exclude_from_recall", exclude_from_recall or ())
         super().__init__(
             learning_rate,
             RecAdamRule(beta_1, beta_2, epsilon, weight_decay_rate, correct_bias, anneal_fun,
@@ -187,6 +200,11 @@ class RecAdam(base.BaseOptimizer):
         self.anneal_fun = anneal_fun
         self.anneal_k, self.anneal_t0 = anneal_k, anneal_t0
         self.anneal_w, self.pretrain_cof = anneal_w, pretrain_cof
+        self.exclude_from_recall_patterns = exclude
+
+    def variable_options(self, variable):
+        return {"recall": not base.matches_any(base.variable_path(variable),
+                                               self.exclude_from_recall_patterns)}
 
     def build(self, variables):
         if self.built:
@@ -214,5 +232,6 @@ class RecAdam(base.BaseOptimizer):
             anneal_t0=self.anneal_t0,
             anneal_w=self.anneal_w,
             pretrain_cof=self.pretrain_cof,
+            exclude_from_recall=list(self.exclude_from_recall_patterns),
         )
         return config
