@@ -30,7 +30,8 @@ and sees the same number of examples, `--steps * num_tasks * --per_task_batch_si
   pcgrad, gradvac,    MultiTaskTrainer on the same mixed batches
   gradnorm
   recadam             "sum" with RecAdam instead of Adam (pull toward the pretrained weights,
-                      sigmoid annealing k = `--recadam_k`, t0 = steps / 4)
+                      sigmoid annealing k = `--recadam_k`, t0 = steps / 4; the new head is
+                      excluded from the pull, as the reference's new-weights group)
   reptile             MultiTaskReptileTrainer: per outer step one `--reptile_inner_steps`-step
                       Adam trajectory per language from the same phi, averaged; outer SGD
                       with rate `--outer_learning_rate`
@@ -355,7 +356,7 @@ def run_method(method: str, data: Data, seed: int, config: Config, log=print) ->
                                      seed=seed * 1000 + index)
             batches = stream.single_task_batches().map(
                 lambda x, y: (x["inputs"], y)).take(config.steps)
-            model.fit(batches, verbose=0)
+            model.fit(batches, verbose=0, shuffle=False)
             scores[lang] = accuracy(model, {lang: data.test[lang]})[lang]
             distances.append(distance(encoder, pretrained))
             log(f"{name}: {lang} ({index + 1}/{num_tasks}) held-out accuracy "
@@ -373,7 +374,8 @@ def run_method(method: str, data: Data, seed: int, config: Config, log=print) ->
                                    seed=seed)
         optimizer = (O.RecAdam(config.learning_rate, anneal_k=config.recadam_k,
                                anneal_t0=config.steps // 4,
-                               pretrain_cof=config.recadam_pretrain_cof)
+                               pretrain_cof=config.recadam_pretrain_cof,
+                               exclude_from_recall=["head"])
                      if method == "recadam" else O.Adam(config.learning_rate))
         batches = stream.mixed_batches(per_task_batch_size=b).take(config.steps)
         steps = config.steps
@@ -402,7 +404,7 @@ def run_method(method: str, data: Data, seed: int, config: Config, log=print) ->
     trainer.compile(optimizer=optimizer, loss=_loss())
     progress = common.ProgressCallback(log, name, steps, max(1, config.log_every * steps
                                                               // config.steps))
-    trainer.fit(batches, verbose=0, callbacks=[progress])
+    trainer.fit(batches, verbose=0, shuffle=False, callbacks=[progress])
     diagnostics = MultiTaskDiagnostics(_probe_batches(data, config))
     diagnostics.set_model(trainer)
     cosine = diagnostics.measure()["task_gradient_cosine"]

@@ -150,7 +150,7 @@ def run_method(method, steps, inner_steps=3, learning_rate=0.1, outer_learning_r
 
     trainer.compile(optimizer=optimizer, loss=S.SyntheticTaskLoss())
     trajectory = _Trajectory(read)
-    trainer.fit(data, verbose=0, callbacks=[trajectory.callback])
+    trainer.fit(data, verbose=0, shuffle=False, callbacks=[trajectory.callback])
     final = phi_now()
     return final, np.asarray(trajectory.points)
 
