@@ -255,10 +255,20 @@ def _np_trainer(method, steps, lr, batch, options):
     # Keras rounds a regulariser's factor: 0.05 would differ by 4e-9 relative)
     ("pcgrad", {"seed": 1, "l2": 0.0625}),
 ])
-def test_trainer_three_steps_equal_numpy_rederivation(float64, method, options):
+@pytest.mark.parametrize("task_passes", ["gathered", "masked"])
+def test_trainer_three_steps_equal_numpy_rederivation(float64, method, options, task_passes):
     lr, batch = 0.1, 9
     x, y, task = _batches()
     kwargs = {k: v for k, v in options.items() if k != "l2"}
+    if options.get("l2"):  # the model's own losses: "gathered" refuses them, "auto" masks
+        with pytest.raises(ValueError, match="task_passes='masked'"):
+            trainer = MultiTaskTrainer(_linear_model(options["l2"]), num_tasks=3,
+                                       method=method, task_passes="gathered", **kwargs)
+            trainer.compile(optimizer=keras.optimizers.SGD(lr),
+                            loss=keras.losses.MeanSquaredError())
+            trainer.fit({"inputs": x, "task_id": task}, y, batch_size=batch, verbose=0)
+        task_passes = "auto" if task_passes == "gathered" else task_passes
+    kwargs["task_passes"] = task_passes
     trainer = MultiTaskTrainer(_linear_model(options.get("l2", 0.0)), num_tasks=3,
                                method=method, **kwargs)
     trainer.compile(optimizer=keras.optimizers.SGD(lr), loss=keras.losses.MeanSquaredError())
@@ -302,8 +312,9 @@ def test_sum_is_T_times_plain_fit_on_balanced_batches(float64):
                                rtol=1e-6)
 
 
-@pytest.mark.parametrize("method", ["gradvac", "sum"])
-def test_two_replicas_equal_one(float64, method):
+@pytest.mark.parametrize("method, task_passes", [("gradvac", "masked"), ("sum", "masked"),
+                                                 ("gradvac", "gathered"), ("pcgrad", "gathered")])
+def test_two_replicas_equal_one(float64, method, task_passes):
     """The per-task losses and gradients are all-reduced before the surgery: 2 replicas
     (each seeing other task counts) take the step 1 replica takes on the global batch."""
     x, y, task = _batches()
@@ -312,7 +323,7 @@ def test_two_replicas_equal_one(float64, method):
     def run(strategy):
         with strategy.scope():
             trainer = MultiTaskTrainer(_linear_model(), num_tasks=3, method=method,
-                                       gradvac_beta=0.3)
+                                       gradvac_beta=0.3, task_passes=task_passes)
             trainer.compile(optimizer=keras.optimizers.Adam(0.05),
                             loss=keras.losses.MeanSquaredError())
         h = trainer.fit(data, y[:24], batch_size=8, epochs=2, shuffle=False, verbose=0)
@@ -360,6 +371,7 @@ def test_model_takes_task_id_with_per_task_heads(float64):
     (dict(num_tasks=2, gradnorm_learning_rate="fast"), "gradnorm_learning_rate"),
     (dict(num_tasks=2, method="gradnorm", gradnorm_variable=9), "gradnorm_variable"),
     (dict(num_tasks=2, method="gradnorm", gradnorm_variable="dense/nope"), "gradnorm_variable"),
+    (dict(num_tasks=2, task_passes="vectorized"), "task_passes"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, argument):
     with pytest.raises(ValueError, match=argument):
@@ -387,3 +399,22 @@ def test_pure_functions_reject_bad_shapes():
         GS.gradvac_coefficients(GS.gram_matrix(grads), tf.zeros([3, 3]), [0, 1])
     with pytest.raises(ValueError, match="order"):
         GS.pcgrad_coefficients(GS.gram_matrix(grads), [0, 1, 2])
+
+
+def test_gathered_and_masked_passes_give_the_same_training_and_metrics(float64):
+    """The two ways of computing per-task gradients are the same computation for a
+    stateless model; the compiled metrics see the predictions in batch order."""
+    x, y, task = _batches()
+    runs = {}
+    for passes in ("gathered", "masked"):
+        trainer = MultiTaskTrainer(_linear_model(), num_tasks=3, method="pcgrad",
+                                   task_passes=passes)
+        trainer.compile(optimizer=keras.optimizers.Adam(0.05),
+                        loss=keras.losses.MeanSquaredError(), metrics=["mae"])
+        h = trainer.fit({"inputs": x, "task_id": task}, y, batch_size=9, epochs=2,
+                        shuffle=False, verbose=0)
+        runs[passes] = ([v.numpy() for v in trainer.model.trainable_variables], h.history)
+    for a, b in zip(runs["gathered"][0], runs["masked"][0]):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    for key in ("loss", "mae", "task_cosine"):
+        np.testing.assert_allclose(runs["gathered"][1][key], runs["masked"][1][key], rtol=1e-6)

@@ -9,6 +9,9 @@ from tf_metaalign import functional as F
 from tf_metaalign.algorithms import gradient_surgery as GS
 from tf_metaalign.trainers.base import MetaTrainer
 
+#: How the per-task losses and gradients are computed (see `MultiTaskTrainer`).
+TASK_PASSES = ("auto", "gathered", "masked")
+
 
 
 
@@ -35,8 +38,21 @@ class MultiTaskTrainer(MetaTrainer):
     reductions ("sum", a `compute_loss` override) are scaled the same way: the task loss
     is then B/n_t times that reduction of the task's examples.
 
-    Per-task gradients: T backward passes through the one forward pass (a persistent
-    tape). Under a strategy the per-task losses and gradients are all-reduced BEFORE the
+    Per-task passes (`task_passes`):
+      "gathered": each task's loss and gradient come from a forward and a backward pass
+        over that task's own rows of the batch (gathered by `task_id`): T passes over
+        sub-batches cost about one pass over the whole batch. The shapes are dynamic,
+        so it does not run under XLA. The model's state (BatchNorm moving statistics,
+        dropout seeds) is threaded through the T forward passes in task order, so
+        BatchNorm normalises each task's examples with that task's batch statistics.
+      "masked": one forward pass over the whole batch and T backward passes through it
+        (a persistent tape), each masked to a task: T times the backward cost of plain
+        `fit`, static shapes (XLA).
+      "auto" (default): "masked" under `jit_compile=True` or when the model has its own
+        losses (regularisers, `add_loss`: the masked path adds their gradient exactly as
+        `fit` does), else "gathered". Both give the same task losses and gradients for
+        a model without state (tested).
+    Under a strategy the per-task losses and gradients are all-reduced BEFORE the
     combination (PCGrad, GradVac and GradNorm are non-linear in the gradients: combining
     per-replica gradients would not give the global batch's update), so the combination
     sees the global per-task gradients on every replica and 1 replica == N replicas; the
@@ -86,6 +102,7 @@ class MultiTaskTrainer(MetaTrainer):
         gradnorm_alpha: float = 1.5,
         gradnorm_learning_rate: float = 0.025,
         gradnorm_variable=None,
+        task_passes: str = "auto",
         **kwargs,
     ):
         if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1:
@@ -111,7 +128,10 @@ class MultiTaskTrainer(MetaTrainer):
             raise ValueError(
                 "`gradnorm_variable` must be None, an index into model.trainable_variables "
                 f"or a variable path; got {gradnorm_variable!r}.")
+        if task_passes not in TASK_PASSES:
+            raise ValueError(f"`task_passes` must be one of {TASK_PASSES}; got {task_passes!r}.")
         super().__init__(model, **kwargs)
+        self.task_passes = task_passes
         self.num_tasks = num_tasks
         self.method = method
         self.model_takes_task_id = model_takes_task_id
@@ -205,36 +225,15 @@ class MultiTaskTrainer(MetaTrainer):
         factors = tf.math.divide_no_nan(local_batch * replicas, counts)
         present = tf.cast(counts > 0, acc)
 
-        with tf.GradientTape(persistent=True) as tape:
-            tape.watch(params)
-            y_pred, new_state, model_losses = F.stateless_forward(
-                self.model, params, state, model_x, training=True)
-            task_losses = []
-            for t in range(T):
-                weight = masks[t] if sample_weight is None else (
-                    masks[t] * tf.cast(tf.reshape(sample_weight, [-1]), acc))
-                value = F.compute_loss(self.model, model_x, y, y_pred,
-                                       tf.cast(weight, _loss_weight_dtype(y)), [],
-                                       training=True, loss=compiled)
-                task_losses.append(tf.cast(value, acc) * factors[t])
-            scaled = [v * tf.cast(loss_scale, acc) for v in task_losses]
-            regularizer = None
-            if model_losses:
-                zero = tf.zeros_like(masks[0], dtype=_loss_weight_dtype(y))
-                regularizer = F.compute_loss(self.model, model_x, y, y_pred, zero,
-                                             model_losses, training=True, loss=compiled)
-                regularizer_scaled = regularizer * tf.cast(loss_scale, regularizer.dtype)
-        inv_scale = 1.0 / tf.cast(loss_scale, acc)
-        task_grads = []
-        for t in range(T):
-            g = F.densify(tape.gradient(scaled[t], params,
-                                        unconnected_gradients=tf.UnconnectedGradients.ZERO))
-            task_grads.append([gi * tf.cast(inv_scale, gi.dtype) for gi in g])
-        reg_grads = None
-        if regularizer is not None:
-            reg_grads = F.densify(tape.gradient(regularizer_scaled, params,
-                                                unconnected_gradients=tf.UnconnectedGradients.ZERO))
-        del tape
+        if self._gathered_passes():
+            task_losses, task_grads, new_state, y_pred = self._gathered_task_passes(
+                params, state, model_x, y, sample_weight, task_id, counts, replicas,
+                loss_scale, compiled, acc)
+            regularizer = reg_grads = None
+        else:
+            task_losses, task_grads, new_state, y_pred, regularizer, reg_grads = (
+                self._masked_task_passes(params, state, model_x, y, sample_weight, masks,
+                                         factors, loss_scale, compiled, acc))
 
         # Global per-task losses and gradients, identical on every replica.
         losses, task_grads = F.all_reduce_sum((tf.stack(task_losses), task_grads))
@@ -294,6 +293,102 @@ class MultiTaskTrainer(MetaTrainer):
             where="the multi-task loss",
         )
 
+    def _masked_task_passes(self, params, state, model_x, y, sample_weight, masks, factors,
+                            loss_scale, compiled, acc):
+        """One forward pass over the batch, T masked backward passes (static shapes)."""
+        T = self.num_tasks
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(params)
+            y_pred, new_state, model_losses = F.stateless_forward(
+                self.model, params, state, model_x, training=True)
+            task_losses = []
+            for t in range(T):
+                weight = masks[t] if sample_weight is None else (
+                    masks[t] * tf.cast(tf.reshape(sample_weight, [-1]), acc))
+                value = F.compute_loss(self.model, model_x, y, y_pred,
+                                       tf.cast(weight, _loss_weight_dtype(y)), [],
+                                       training=True, loss=compiled)
+                task_losses.append(tf.cast(value, acc) * factors[t])
+            scaled = [v * tf.cast(loss_scale, acc) for v in task_losses]
+            regularizer = None
+            if model_losses:
+                zero = tf.zeros_like(masks[0], dtype=_loss_weight_dtype(y))
+                regularizer = F.compute_loss(self.model, model_x, y, y_pred, zero,
+                                             model_losses, training=True, loss=compiled)
+                regularizer_scaled = regularizer * tf.cast(loss_scale, regularizer.dtype)
+        inv_scale = 1.0 / tf.cast(loss_scale, acc)
+        task_grads = []
+        for t in range(T):
+            g = F.densify(tape.gradient(scaled[t], params,
+                                        unconnected_gradients=tf.UnconnectedGradients.ZERO))
+            task_grads.append([gi * tf.cast(inv_scale, gi.dtype) for gi in g])
+        reg_grads = None
+        if regularizer is not None:
+            reg_grads = F.densify(tape.gradient(regularizer_scaled, params,
+                                                unconnected_gradients=tf.UnconnectedGradients.ZERO))
+        del tape
+        return task_losses, task_grads, new_state, y_pred, regularizer, reg_grads
+
+    def _gathered_passes(self):
+        if self.task_passes != "auto":
+            return self.task_passes == "gathered"
+        return not (getattr(self, "jit_compile", False) is True or self.model.losses
+                    or any(getattr(layer, "activity_regularizer", None) is not None
+                           for layer in _all_layers(self.model)))
+
+    def _gathered_task_passes(self, params, state, model_x, y, sample_weight, task_id,
+                              counts, replicas, loss_scale, compiled, acc):
+        """Task t's loss and gradient from a forward and backward pass over its own rows.
+
+        The per-replica task loss is (Keras's mean over the m gathered rows) * m * R /
+        n_t = sum_{i in t, this replica} w_i l_i * R / n_t, the masked path's value. A
+        task with no row on this replica runs on one dummy row with weight 0 (a Keras
+        mean over zero rows is 0/0), and its state update is discarded.
+        """
+        T = self.num_tasks
+        tf.debugging.assert_less(task_id, T, message="MultiTaskTrainer: a task_id is >= num_tasks")
+        inv_scale = 1.0 / tf.cast(loss_scale, acc)
+        weight_dtype = _loss_weight_dtype(y)
+        task_losses, task_grads, rows_list, preds = [], [], [], []
+        for t in range(T):
+            rows = tf.reshape(tf.where(tf.equal(task_id, t)), [-1])
+            n_local = tf.shape(rows)[0]
+            present_here = n_local > 0
+            safe_rows = tf.cond(present_here, lambda: rows,
+                                lambda: tf.zeros([1], rows.dtype))
+            m = tf.shape(safe_rows)[0]
+            gather = lambda a: None if a is None else tf.gather(a, safe_rows)  # noqa: E731
+            x_t, y_t = tf.nest.map_structure(gather, model_x), tf.nest.map_structure(gather, y)
+            weight = tf.cast(tf.fill([m], tf.cast(present_here, tf.float32)), weight_dtype)
+            if sample_weight is not None:
+                weight = weight * tf.cast(tf.reshape(tf.gather(sample_weight, safe_rows), [-1]),
+                                          weight_dtype)
+            with tf.GradientTape() as tape:
+                tape.watch(params)
+                y_pred_t, state_t, model_losses = F.stateless_forward(
+                    self.model, params, state, x_t, training=True)
+                if model_losses:
+                    raise ValueError(
+                        "MultiTaskTrainer(task_passes='gathered'): the model has its own "
+                        "losses (regularisers, add_loss), which are not task losses; use "
+                        "task_passes='masked' (or 'auto', which picks it for such models).")
+                value = F.compute_loss(self.model, x_t, y_t, y_pred_t, weight, [],
+                                       training=True, loss=compiled)
+                value = tf.cast(value, acc) * tf.math.divide_no_nan(
+                    tf.cast(m, acc) * replicas, counts[t])
+                scaled = value * tf.cast(loss_scale, acc)
+            g = F.densify(tape.gradient(scaled, params,
+                                        unconnected_gradients=tf.UnconnectedGradients.ZERO))
+            task_grads.append([gi * tf.cast(inv_scale, gi.dtype) for gi in g])
+            task_losses.append(value)
+            state = [tf.where(present_here, new, old) for new, old in zip(state_t, state)]
+            rows_list.append(tf.cast(rows, tf.int32))
+            preds.append(tf.nest.map_structure(lambda p: p[:n_local], y_pred_t))
+        # Predictions back in batch order (for the compiled metrics).
+        y_pred = tf.nest.map_structure(
+            lambda *parts: tf.dynamic_stitch(rows_list, list(parts)), *preds)
+        return task_losses, task_grads, state, y_pred
+
     def get_config(self):
         config = super().get_config()
         config.update(
@@ -305,8 +400,18 @@ class MultiTaskTrainer(MetaTrainer):
             gradnorm_alpha=self.gradnorm_alpha,
             gradnorm_learning_rate=self.gradnorm_learning_rate,
             gradnorm_variable=self.gradnorm_variable,
+            task_passes=self.task_passes,
         )
         return config
+
+
+def _all_layers(layer):
+    """The layer and every layer nested in it (through the public `.layers`)."""
+    out = [layer]
+    for child in getattr(layer, "layers", None) or []:
+        if child is not layer:
+            out += _all_layers(child)
+    return out
 
 
 def _loss_weight_dtype(y):
