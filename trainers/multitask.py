@@ -74,9 +74,9 @@ class Config:
     train_languages: tuple = TRAIN_LANGUAGES
     zero_shot_languages: tuple = ZERO_SHOT_LANGUAGES
     seeds: tuple = (0, 1, 2)
-    steps: int = 80
+    steps: int = 120
     per_task_batch_size: int = 4
-    learning_rate: float = 5e-4
+    learning_rate: float = 1e-3
     trainable_layers: int = 1
     sequence_length: int = 16
     q: float = 0.2
@@ -160,7 +160,7 @@ def define_flags():
 
 FLAGS = flags.FLAGS
 
-FULL_RUN = {"trainable_layers": 6, "sequence_length": 32, "steps": 320,
+FULL_RUN = {"trainable_layers": 6, "sequence_length": 32, "steps": 480,
             "seeds": (0, 1, 2, 3, 4), "learning_rate": 1e-4,
             "train_languages": TRAIN_LANGUAGES + ("pt", "sv", "tr", "ast")}
 
