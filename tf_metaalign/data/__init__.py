@@ -6,7 +6,11 @@
   text_encoder              the pretrained all-MiniLM-L6-v2 encoder through keras-hub, offline
   load_tfds                 a TFDS dataset already on disk (never downloads)
   translation               Django's gettext catalogs as English -> X translation pairs
+  django_catalogs           Django's catalogs as multilingual tasks (UI string -> part of Django)
   multitask                 multi-task batches (p_t ∝ N_t^q), deterministic and resumable
+  episodes                  N-way K-shot episodes with a task dimension, deterministic and resumable
+  omniglot                  Omniglot from the official zips (cached), class splits, rotations,
+                            Lake's 20 runs of 20-way 1-shot
 """
 from tf_metaalign.data.digits import load_digits
 from tf_metaalign.data.splits import Splits, make_dataset
@@ -16,7 +20,7 @@ from tf_metaalign.data.wordnet import (
     load_wordnet_supersenses,
     wordnet_tasks,
 )
-from tf_metaalign.data import multitask, text_encoder, translation
+from tf_metaalign.data import django_catalogs, multitask, text_encoder, translation
 from tf_metaalign.data.multitask import (
     MultiTaskStream,
     model_inputs,
@@ -28,7 +32,7 @@ from tf_metaalign.data.multitask import (
 __all__ = [
     "Splits", "make_dataset", "load_digits", "load_wordnet_supersenses", "wordnet_tasks",
     "SUPERSENSES", "text_encoder", "load_tfds", "translation",
-    "multitask", "MultiTaskStream", "task_probabilities", "model_inputs", "task_ids",
+    "django_catalogs", "multitask", "MultiTaskStream", "task_probabilities", "model_inputs", "task_ids",
     "one_head_per_task_model",
 ]
 # Few-shot episodes (N-way K-shot, deterministic and resumable) and Omniglot.
