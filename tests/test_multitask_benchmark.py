@@ -23,7 +23,7 @@ def test_multitask_overhead_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "wrote" in proc.stdout
     data = json.loads(out.read_text())
-    for key in ("description", "targets_ratio_to_mtl", "model", "num_tasks", "global_batch",
+    for key in ("description", "targets_ratio_to_mtl", "notes", "model", "num_tasks", "global_batch",
                 "environment", "results", "table", "jit_compile"):
         assert key in data, key
     assert data["num_tasks"] == 3 and data["global_batch"] == 12
@@ -37,7 +37,10 @@ def test_multitask_overhead_smoke(tmp_path):
         for key in ("median_step_ms", "mean_step_ms", "ratio_to_mtl", "ratio_to_plain",
                     "ratio_to_mtl_mean", "ratio_to_plain_mean"):
             assert math.isfinite(r[key]) and r[key] > 0, (name, key, r[key])
-        assert len(r["ratio_to_mtl_per_round"]) == 2
+        for ref in ("mtl", "plain"):
+            assert len(r[f"ratio_to_{ref}_per_round"]) == 2
+            value = r[f"ratio_to_{ref}_median_of_rounds"]
+            assert math.isfinite(value) and value > 0, (name, ref, value)
     assert results["mtl"]["ratio_to_mtl"] == 1.0
     assert results["plain"]["ratio_to_plain"] == 1.0
     for name in ("pcgrad", "gradvac", "sequential_reptile_k=2", "sequential_reptile_k=1"):
