@@ -44,6 +44,21 @@ the per-task backward passes is the T^2 projections); GradNorm reported without 
 backward passes through one forward pass (one per task loss, each masked to its task's
 examples but running over the whole batch), so plain MTL is not plain `fit`.
 
+What the measurements say (2 shared CPU cores; see the JSON for the numbers):
+* PCGrad and GradVac are within 1.5x of `mtl`: the Gram matrix of the task gradients,
+  their main extra cost over a sum, is computed by every method (the task_cosine
+  diagnostic), and the T^2 projections run on the [T, T] Gram matrix (scalar work,
+  milliseconds), not on the gradients.
+* `mtl` costs several times plain `fit` (about 4-6x at T=8): T full-batch backward
+  passes. Per-task sub-batch passes (`ref_per_task_sum`) cost about 2x plain here
+  (eight b=32 passes use the CPU less well than one pass of 256), so a trainer that
+  took them would be about twice as fast as today's `mtl`.
+* Sequential Reptile with K > 1 pays, on EVERY step, the outer axpy plus a select and
+  an assignment of the model's and the slow weights (the trainer commits
+  unconditionally so as to be valid under MirroredStrategy), not one axpy per K steps:
+  its ratio to plain is the cost of those full-parameter passes against one
+  forward+backward, and depends on the model/batch sizes.
+
 Writes `benchmarks/results/multitask_overhead.json`.
 """
 from __future__ import annotations
@@ -73,7 +88,7 @@ flags.DEFINE_list("configs", ["plain", "mtl", "pcgrad", "gradvac", "gradnorm",
                               "ref_per_task_pcgrad"],
                   "Configurations (sequential_reptile expands to K=--inner_steps and, with "
                   "--reptile_k1, K=1; ref_per_task_*: see PerTaskPasses).")
-flags.DEFINE_integer("rounds", 6, "Timed rounds; each runs every configuration, shuffled.")
+flags.DEFINE_integer("rounds", 8, "Timed rounds; each runs every configuration, shuffled.")
 flags.DEFINE_integer("steps_per_round", 5, "Timed steps per configuration and round.")
 flags.DEFINE_integer("warmup", 3, "Untimed steps first (tracing, compilation).")
 flags.DEFINE_float("learning_rate", 1e-3, "Adam learning rate (every configuration).")
