@@ -11,9 +11,12 @@ and compiled trainer:
 * `plain`: plain `model.fit` on the mixed batches' inputs (T x b examples: the same
   examples as `mtl`'s batch) -- the cost of one forward+backward over the union;
 * `mtl`: `MultiTaskTrainer(method="sum")` on mixed batches of T tasks x b examples:
-  "plain MTL", the reference of the targets;
+  "plain MTL", the reference of the targets (`task_passes=--task_passes`, default
+  "auto": per-task passes over each task's gathered rows, "masked" under XLA);
 * `pcgrad`, `gradvac`, `gradnorm`: `MultiTaskTrainer` with that method on the SAME
-  batches (the same stream, seed and positions);
+  batches (the same stream, seed and positions), same `task_passes`;
+* `mtl_masked`: `MultiTaskTrainer(method="sum", task_passes="masked")`: one forward
+  pass and T masked backward passes over the whole batch (what "auto" picks under XLA);
 * `sequential_reptile_k=K` (`--inner_steps`, plus K=1 with `--reptile_k1`):
   `SequentialReptileTrainer(inner_steps=K, outer_learning_rate=1.0)` on single-task
   batches of T x b examples (each train step is one inner step: compared with `mtl`'s
@@ -40,19 +43,20 @@ recorded too.
 Targets (issue #9 item 9), against PLAIN MTL (`mtl`): Sequential Reptile <= 1.05x (the
 outer update is one axpy per K steps), PCGrad and GradVac <= 1.5x (what remains beside
 the per-task backward passes is the T^2 projections); GradNorm reported without target.
-`mtl` itself is also compared with plain `fit` (`ratio_to_plain`): the trainer takes T
-backward passes through one forward pass (one per task loss, each masked to its task's
-examples but running over the whole batch), so plain MTL is not plain `fit`.
+`mtl` itself is also compared with plain `fit` (`ratio_to_plain`): per-task gradients
+are T passes (gathered: over each task's b rows; masked: T backward passes over all
+T x b rows), so plain MTL is not plain `fit`.
 
 What the measurements say (2 shared CPU cores; see the JSON for the numbers):
 * PCGrad and GradVac are within 1.5x of `mtl`: the Gram matrix of the task gradients,
   their main extra cost over a sum, is computed by every method (the task_cosine
   diagnostic), and the T^2 projections run on the [T, T] Gram matrix (scalar work,
   milliseconds), not on the gradients.
-* `mtl` costs several times plain `fit` (about 4-6x at T=8): T full-batch backward
-  passes. Per-task sub-batch passes (`ref_per_task_sum`) cost about 2x plain here
-  (eight b=32 passes use the CPU less well than one pass of 256), so a trainer that
-  took them would be about twice as fast as today's `mtl`.
+* `mtl_masked` costs several times plain `fit` (about 4-6x at T=8): T full-batch
+  backward passes. Per-task passes over gathered rows (`mtl` with "auto", and the
+  reference `ref_per_task_sum`) cost about 2x plain here: eight b=32 passes use the CPU
+  less well than one pass of 256, and the T^2 Gram matrix and the combination read the
+  T gradients.
 * Sequential Reptile with K > 1 pays, on EVERY step, the outer axpy plus a select and
   an assignment of the model's and the slow weights (the trainer commits
   unconditionally so as to be valid under MirroredStrategy), not one axpy per K steps:
@@ -84,7 +88,7 @@ flags.DEFINE_integer("inner_steps", 10, "Sequential Reptile's K.")
 flags.DEFINE_bool("reptile_k1", True, "Also time Sequential Reptile with K=1 (an outer "
                   "update every step).")
 flags.DEFINE_list("configs", ["plain", "mtl", "pcgrad", "gradvac", "gradnorm",
-                              "sequential_reptile", "ref_per_task_sum",
+                              "mtl_masked", "sequential_reptile", "ref_per_task_sum",
                               "ref_per_task_pcgrad"],
                   "Configurations (sequential_reptile expands to K=--inner_steps and, with "
                   "--reptile_k1, K=1; ref_per_task_*: see PerTaskPasses).")
@@ -93,13 +97,17 @@ flags.DEFINE_integer("steps_per_round", 5, "Timed steps per configuration and ro
 flags.DEFINE_integer("warmup", 3, "Untimed steps first (tracing, compilation).")
 flags.DEFINE_float("learning_rate", 1e-3, "Adam learning rate (every configuration).")
 flags.DEFINE_bool("jit_compile", False, "XLA-compile the train step (all configurations).")
+flags.DEFINE_enum("task_passes", "auto", ["auto", "gathered", "masked"],
+                  "MultiTaskTrainer's task_passes for mtl, pcgrad, gradvac and gradnorm "
+                  "(auto: gathered, masked under --jit_compile); mtl_masked always uses "
+                  "'masked'.")
 flags.DEFINE_string("output", str(Path(__file__).resolve().parent / "results"
                                   / "multitask_overhead.json"), "Where the JSON goes.")
 FLAGS = flags.FLAGS
 
 #: Targets on the ratio of median step times to plain MTL (`mtl`).
 TARGETS_TO_MTL = {"pcgrad": 1.5, "gradvac": 1.5, "sequential_reptile": 1.05}
-MTL_METHODS = ("mtl", "pcgrad", "gradvac", "gradnorm")
+MTL_METHODS = ("mtl", "pcgrad", "gradvac", "gradnorm", "mtl_masked")
 #: Reference train steps written here (not library code): per-task sub-batch passes.
 REFERENCE = ("ref_per_task_sum", "ref_per_task_pcgrad")
 
@@ -221,8 +229,10 @@ def make_runner(config):
     if config == "plain":
         runner = model
     elif config in MTL_METHODS:
-        runner = MultiTaskTrainer(model, num_tasks=FLAGS.num_tasks,
-                                  method="sum" if config == "mtl" else config)
+        method = "sum" if config in ("mtl", "mtl_masked") else config
+        passes = "masked" if config == "mtl_masked" else FLAGS.task_passes
+        runner = MultiTaskTrainer(model, num_tasks=FLAGS.num_tasks, method=method,
+                                  task_passes=passes)
     elif config in REFERENCE:
         runner = per_task_passes_class()(model, FLAGS.num_tasks, config.rsplit("_", 1)[1])
     elif config.startswith("sequential_reptile_k="):
@@ -350,14 +360,17 @@ def main(argv):
         "inner_steps": FLAGS.inner_steps,
         "rounds": FLAGS.rounds, "steps_per_round": FLAGS.steps_per_round,
         "warmup": FLAGS.warmup, "jit_compile": FLAGS.jit_compile,
+        "task_passes": FLAGS.task_passes,
         "learning_rate": FLAGS.learning_rate,
         "notes": {
-            "mtl": "MultiTaskTrainer takes one forward pass over the mixed batch and T "
-                   "backward passes (one per task loss, masked by sample weights to the "
-                   "task's examples but running over all T x b rows), plus the T x T Gram "
-                   "matrix of the task gradients (for the task_cosine diagnostic, every "
-                   "method) and the combination; ratio_to_plain of mtl is what that costs "
-                   "against one forward+backward over the union.",
+            "mtl": "MultiTaskTrainer(task_passes=FLAGS.task_passes; 'auto' = gathered "
+                   "without XLA): per-task forward+backward passes over each task's rows, "
+                   "plus the T x T Gram matrix of the task gradients (for the task_cosine "
+                   "diagnostic, every method) and the combination; ratio_to_plain of mtl "
+                   "is what that costs against one forward+backward over the union.",
+            "mtl_masked": "task_passes='masked': one forward pass over the mixed batch and "
+                          "T backward passes, each masked to one task but running over "
+                          "all T x b rows.",
             "ref_per_task": "Reference steps (not library code): per-task forward+backward "
                             "over each task's own b examples; ref_per_task_sum / plain is "
                             "the cost of per-task gradients taken that way.",

@@ -29,7 +29,7 @@ def test_multitask_overhead_smoke(tmp_path):
     assert data["num_tasks"] == 3 and data["global_batch"] == 12
     results = data["results"]
     expected = {"plain", "mtl", "pcgrad", "gradvac", "gradnorm", "sequential_reptile_k=2",
-                "sequential_reptile_k=1", "ref_per_task_sum", "ref_per_task_pcgrad"}
+                "sequential_reptile_k=1", "ref_per_task_sum", "ref_per_task_pcgrad", "mtl_masked"}
     assert set(results) == expected
     for name, r in results.items():
         assert r["config"] == name
@@ -47,4 +47,5 @@ def test_multitask_overhead_smoke(tmp_path):
         assert isinstance(results[name]["meets_target"], bool)
         assert results[name]["target_ratio_to_mtl"] in (1.5, 1.05)
     assert "meets_target" not in results["gradnorm"]
+    assert data["task_passes"] == "auto"
     assert isinstance(results["sequential_reptile_k=2"]["meets_target_vs_plain"], bool)
