@@ -418,3 +418,32 @@ def test_gathered_and_masked_passes_give_the_same_training_and_metrics(float64):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
     for key in ("loss", "mae", "task_cosine"):
         np.testing.assert_allclose(runs["gathered"][1][key], runs["masked"][1][key], rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtypes", [("float32", "float32"), ("float64", "float64"),
+                                    ("float32", "float64")])
+def test_gram_matrix_matches_pairwise_dots(dtypes):
+    """gram_matrix (one stacked product per variable) == the T(T+1)/2 pairwise dot
+    products over all variables; symmetric; float64 when any gradient is; graph and XLA."""
+    rng = np.random.default_rng(5)
+    shapes = [(3, 4), (), (5,), (2, 1, 3)]
+    T = 4
+    grads = [[tf.constant(rng.normal(size=s), dtypes[v % 2]) for v, s in enumerate(shapes)]
+             for _ in range(T)]
+    flat = np.stack([np.concatenate([np.ravel(g.numpy()).astype(np.float64) for g in gs])
+                     for gs in grads])
+    expected = flat @ flat.T
+    acc = tf.float64 if "float64" in dtypes else tf.float32
+    for fn in (GS.gram_matrix, tf.function(GS.gram_matrix),
+               tf.function(GS.gram_matrix, jit_compile=True)):
+        gram = fn(grads)
+        assert gram.dtype == acc and gram.shape == (T, T)
+        np.testing.assert_array_equal(gram.numpy(), gram.numpy().T)
+        np.testing.assert_allclose(gram.numpy(), expected,
+                                   rtol=1e-12 if acc == tf.float64 else 1e-5, atol=1e-5)
+
+
+def test_gram_matrix_of_no_variables_is_zero():
+    gram = GS.gram_matrix([[], [], []])
+    assert gram.dtype == tf.float32
+    np.testing.assert_array_equal(gram.numpy(), np.zeros((3, 3)))
