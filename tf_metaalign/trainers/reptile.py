@@ -163,17 +163,36 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
             variables = self.model.trainable_variables
             self.optimizer.apply_gradients(zip(grads, variables))  # one inner step
             slow = self.weights_copy("slow")
-            theta = F.current_params(self.model)
-            phi = [tf.convert_to_tensor(v.value) for v in slow]
             due = self.schedule.is_last()
-            outer = R.outer_update(phi, theta, self.outer_learning_rate)
-            # A commit communicates: select, then commit unconditionally on every step.
-            commit_weights(variables, _select(due, outer, theta))
-            new_phi = _select(due, outer, phi)
-            for v, value in zip(slow, new_phi):
-                v.assign(value)
-            if self.reset_inner_optimizer:
-                self._zero_slots(due)
+
+            def outer_step():  # phi <- phi + eta (theta - phi), into both copies
+                theta = F.current_params(self.model)
+                phi = [tf.convert_to_tensor(v.value) for v in slow]
+                outer = R.outer_update(phi, theta, self.outer_learning_rate)
+                commit_weights(variables, outer)
+                for v, value in zip(slow, outer):
+                    v.assign(value)
+                if self.reset_inner_optimizer:
+                    self._zero_slots(True)
+                return tf.constant(True)
+
+            def merged(due):
+                # Several replicas: a commit communicates and may not sit inside tf.cond,
+                # so select, then commit unconditionally on every step.
+                theta = F.current_params(self.model)
+                phi = [tf.convert_to_tensor(v.value) for v in slow]
+                outer = R.outer_update(phi, theta, self.outer_learning_rate)
+                commit_weights(variables, _select(due, outer, theta))
+                for v, value in zip(slow, _select(due, outer, phi)):
+                    v.assign(value)
+                if self.reset_inner_optimizer:
+                    self._zero_slots(due)
+                return due
+
+            # One replica: the outer update runs only at the trajectory's end (tf.cond),
+            # so a step costs an inner step, not an inner step plus two weight copies.
+            self.schedule.cond(due, outer_step, lambda: tf.constant(False),
+                               communicates=True, merged=merged)
 
         return self.finish_step(data, y_pred, loss, new_state=new_state, update=update)
 
@@ -182,7 +201,8 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
         if not slots:
             return
         values = [tf.convert_to_tensor(s.value) for s in slots]
-        commit_weights(slots, _select(due, [tf.zeros_like(v) for v in values], values))
+        zeros = [tf.zeros_like(v) for v in values]
+        commit_weights(slots, zeros if due is True else _select(due, zeros, values))
 
     def test_step(self, data):
         if not self._evaluate_at_slow:
