@@ -133,15 +133,20 @@ def multi_step_loss_weights(steps: int, epoch, annealing_epochs: int, dtype=tf.f
     return tf.where(epoch < float(annealing_epochs), annealed, last_only)
 
 
-def _task_gradient(inner_loss_fn, theta, state, batch, mode, order_weight):
+def _task_gradient(inner_loss_fn, theta, state, batch, mode, order_weight, loss_scale=None):
     """(loss, grad, new_state) of one task's support loss at theta.
 
-    mode: "const" (stop the gradient: first order), "diff" (second order)."""
+    mode: "const" (stop the gradient: first order), "diff" (second order). With
+    `loss_scale`, the loss function's value is scaled by it: the gradient and the
+    returned loss are divided by it."""
     with tf.GradientTape() as tape:
         tape.watch(theta)
         loss, (state, _) = inner_loss_fn(theta, state, batch)
     grad = F.densify(tape.gradient(loss, theta,
                                    unconnected_gradients=tf.UnconnectedGradients.ZERO))
+    if loss_scale is not None:
+        grad = [g / tf.cast(loss_scale, g.dtype) for g in grad]
+        loss = loss / tf.cast(loss_scale, loss.dtype)
     if mode == "const":
         grad = [tf.stop_gradient(g) for g in grad]
     elif order_weight is not None:
@@ -171,6 +176,7 @@ def adapt(
     g_hat_initialized=False,
     sharing_training: bool = True,
     reduce: Callable = F.all_reduce_sum,
+    loss_scale=None,
 ) -> AdaptResult:
     """K = len(learning_rates) inner SGD steps for every task.
 
@@ -190,6 +196,9 @@ def adapt(
       sharing_training: True: Algorithm 1 (g_hat updated); False: meta-test (Algorithm 2,
         the stored g_hat, no communication).
       reduce: the cross-replica sum of gradient sharing's S_k.
+      loss_scale: when `inner_loss_fn` multiplies its loss by a loss scale (mixed
+        precision), that scale: the inner gradients (and the reported losses) are divided
+        by it.
     """
     if not support_batches:
         raise ValueError("adapt: no tasks (support_batches is empty).")
@@ -206,7 +215,7 @@ def adapt(
         task_grads, losses = [], []
         for t, batch in enumerate(support_batches):
             loss, grad, state = _task_gradient(inner_loss_fn, thetas[t][-1], state, batch,
-                                               mode, order_weight)
+                                               mode, order_weight, loss_scale)
             task_grads.append(grad)
             losses.append(loss)
         g = None
@@ -292,6 +301,7 @@ def meta_gradient(
     g_hat=None,
     g_hat_initialized=False,
     reduce: Callable = F.all_reduce_sum,
+    loss_scale=None,
 ) -> MetaGradientResult:
     """The meta-objective and its gradient (see the module doc).
 
@@ -301,6 +311,8 @@ def meta_gradient(
       learning_rates_fn: `hyper -> per step, a list over weights of alpha` (so the alphas
         can be functions of the differentiated tensors).
       step_weights: [K] multi-step loss weights, or None (final step only).
+      loss_scale: the loss scale `inner_loss_fn` multiplies its loss by (see `adapt`);
+        `query_loss_fn`'s scale is the caller's (the objective and gradients keep it).
       The rest as in `adapt`.
     """
     params = [tf.convert_to_tensor(p) for p in params]
@@ -320,7 +332,7 @@ def meta_gradient(
         constant = dict(zip(names, [tf.stop_gradient(v) for v in hyper_values]))
         inner = adapt(inner_loss_fn, [tf.stop_gradient(p) for p in params], state,
                       support_batches, learning_rates_fn(constant), first_order=True,
-                      reduce=reduce, **sharing_args(constant))
+                      reduce=reduce, loss_scale=loss_scale, **sharing_args(constant))
         state = inner.state
     with tf.GradientTape() as tape:
         tape.watch(params)
@@ -333,7 +345,7 @@ def meta_gradient(
         else:
             inner = adapt(inner_loss_fn, params, state, support_batches, learning_rates_fn(h),
                           first_order=False, order_weight=order_weight, reduce=reduce,
-                          **sharing_args(h))
+                          loss_scale=loss_scale, **sharing_args(h))
             trajectories, new_g_hat, state = inner.trajectories, inner.g_hat, inner.state
             support_losses = inner.support_losses
         objective, state, y_pred, finals = query_objective(
