@@ -287,3 +287,240 @@ def test_multi_step_loss_weights_follow_maml_plus_plus():
     np.testing.assert_allclose(w49[:4], 0.006, rtol=1e-6)  # the floor 0.03 / K
     np.testing.assert_allclose(w49[4], 1 - 4 * 0.006, rtol=1e-6)  # the cap
     np.testing.assert_array_equal(M.multi_step_loss_weights(5, 10, 10).numpy(), [0, 0, 0, 0, 1])
+
+
+# ------------------------------------------------------------------------ the trainer
+
+from conftest import two_cpu_strategy  # noqa: E402
+from tf_metaalign.trainers import MAMLTrainer  # noqa: E402
+
+
+def _task_arrays(num_tasks, seed=0, n_support=6, n_query=5):
+    tasks = _tasks(num_tasks, n_support, n_query, seed=seed)
+    sx = np.stack([t[0][0] for t in tasks])
+    sy = np.stack([t[0][1] for t in tasks])
+    qx = np.stack([t[1][0] for t in tasks])
+    qy = np.stack([t[1][1] for t in tasks])
+    return (sx, sy, qx), qy
+
+
+def _dataset(x, y, tasks_per_batch):
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(tasks_per_batch, drop_remainder=True)
+
+
+def _trainer(model, optimizer=None, **kwargs):
+    trainer = MAMLTrainer(model, **kwargs)
+    trainer.compile(optimizer=optimizer or keras.optimizers.SGD(0.5),
+                    loss=keras.losses.MeanSquaredError(), metrics=["mae"])
+    return trainer
+
+
+def test_trainer_step_is_the_algorithms_meta_gradient(float64):
+    x, y = _task_arrays(4, seed=7)
+    for first_order in (False, True):
+        trainer = _trainer(_mlp(5), inner_steps=2, inner_learning_rate=0.3,
+                           first_order=first_order)
+        phi = F.current_params(trainer.model)
+        tasks = [((x[0][t], x[1][t]), (x[2][t], y[t])) for t in range(4)]
+        r = M.meta_gradient(_loss_fn(trainer.model), _loss_fn(trainer.model), phi,
+                            F.current_state(trainer.model), _const([t[0] for t in tasks]),
+                            _const([t[1] for t in tasks]), {}, _plain_lrs(0.3, 2, 4),
+                            first_order=first_order)
+        history = trainer.fit(_dataset(x, y, 4), verbose=0)
+        for v, p, g in zip(trainer.model.trainable_variables, phi, r.grads):
+            np.testing.assert_allclose(v.numpy(), p.numpy() - 0.5 * g.numpy(), rtol=1e-10,
+                                       atol=1e-12)
+        np.testing.assert_allclose(history.history["loss"][0], float(r.loss), rtol=1e-10)
+        assert int(trainer.outer_steps.numpy()) == 1
+
+
+def test_trainer_first_order_equals_the_fomaml_closed_form(float64):
+    x, y = _task_arrays(6, seed=8)
+    trainer = _trainer(_linear(6), inner_steps=2, inner_learning_rate=0.2, first_order=True)
+    phi = [v.numpy() for v in trainer.model.trainable_variables]
+    trainer.fit(_dataset(x, y, 3), verbose=0)  # 2 outer steps of 3 tasks
+    for start in (0, 3):
+        grad = [np.zeros_like(p) for p in phi]
+        for t in range(start, start + 3):
+            theta = [p.copy() for p in phi]
+            for _ in range(2):
+                theta = [a - 0.2 * g for a, g in zip(theta, _np_grad(theta, x[0][t], x[1][t]))]
+            grad = [a + g / 3 for a, g in zip(grad, _np_grad(theta, x[2][t], y[t]))]
+        phi = [p - 0.5 * g for p, g in zip(phi, grad)]
+    for v, p in zip(trainer.model.trainable_variables, phi):
+        np.testing.assert_allclose(v.numpy(), p, rtol=1e-10, atol=1e-12)
+
+
+def test_trainer_gate_exactly_zero_equals_plain_maml(float64):
+    x, y = _task_arrays(8, seed=9)
+    plain = _trainer(_mlp(3), keras.optimizers.Adam(0.02), inner_steps=2, inner_learning_rate=0.3)
+    plain.fit(_dataset(x, y, 4), epochs=2, verbose=0)
+    shared = _trainer(_mlp(3), keras.optimizers.Adam(0.02), inner_steps=2,
+                      inner_learning_rate=0.3,
+                      gradient_sharing=GradientSharing(initial_m=0.3, initial_lambda=-np.inf))
+    shared.fit(_dataset(x, y, 4), epochs=2, verbose=0)
+    for a, b in zip(shared.model.trainable_variables, plain.model.trainable_variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert np.all(np.isneginf(shared.sharing_lambda.numpy()))
+    assert int(shared.g_hat_initialized.numpy()) == 1
+
+
+def test_trainer_g_hat_and_gates_follow_numpy(float64):
+    """Two meta-iterations on a linear model: the stored g_hat equals Algorithm 1's inner
+    loop re-derived in NumPy from the weights, m, lambda and g_hat the trainer had before
+    each iteration; m and lambda both move (non-zero outer gradients)."""
+    x, y = _task_arrays(6, seed=10)
+    trainer = _trainer(_linear(7), keras.optimizers.SGD(0.5), inner_steps=2,
+                       inner_learning_rate=0.25, gradient_sharing=GradientSharing())
+    g_hat = None
+    for step, start in enumerate((0, 3)):
+        theta = [v.numpy() for v in trainer.model.trainable_variables]
+        m, lam = trainer.sharing_m.numpy(), trainer.sharing_lambda.numpy()
+        tasks = [((x[0][t], x[1][t]), (x[2][t], y[t])) for t in range(start, start + 3)]
+        _, want = np_sharing_inner_loop(theta, tasks, 0.25, m, lam, g_hat, step > 0)
+        sub = tuple(a[start:start + 3] for a in x), y[start:start + 3]
+        trainer.fit(_dataset(*sub, 3), verbose=0)
+        for k in range(2):
+            for v, w in zip(trainer.weights_copy(f"g_hat_{k}"), want[k]):
+                np.testing.assert_allclose(v.numpy(), w, rtol=1e-10, atol=1e-12)
+        g_hat = want
+    assert int(trainer.g_hat_initialized.numpy()) == 1
+    assert np.all(trainer.sharing_m.numpy() != 0)  # moved at the second iteration
+    assert np.all(trainer.sharing_lambda.numpy() != 0)
+
+
+@pytest.mark.parametrize("learn", ["per_parameter", "per_layer_per_step"])
+def test_learned_inner_learning_rates_receive_gradients(float64, learn):
+    x, y = _task_arrays(4, seed=11)
+    trainer = _trainer(_mlp(2), keras.optimizers.SGD(0.5), inner_steps=2,
+                       inner_learning_rate=0.1, learn_inner_learning_rates=learn)
+    before = [v.numpy() for v in trainer.inner_learning_rate_variables]
+    phi = F.current_params(trainer.model)
+    history = trainer.fit(_dataset(x, y, 4), verbose=0)
+    after = [v.numpy() for v in trainer.inner_learning_rate_variables]
+    # The outer SGD step moved every learning rate by -0.5 * its meta-gradient.
+    if learn == "per_parameter":
+        hyper = {f"lr_{i}": tf.constant(b) for i, b in enumerate(before)}
+        fn = lambda h: [[h[f"lr_{i}"] for i in range(4)]] * 2  # noqa: E731
+    else:
+        hyper = {"lslr": tf.constant(before[0])}
+        fn = lambda h: [[h["lslr"][k, i] for i in range(4)] for k in range(2)]  # noqa: E731
+    tasks = [((x[0][t], x[1][t]), (x[2][t], y[t])) for t in range(4)]
+    r = M.meta_gradient(_loss_fn(trainer.model), _loss_fn(trainer.model), phi,
+                        F.current_state(trainer.model), _const([t[0] for t in tasks]),
+                        _const([t[1] for t in tasks]), hyper, fn)
+    for name, b, a in zip(sorted(r.hyper_grads, key=lambda n: (len(n), n)), before, after):
+        g = r.hyper_grads[name].numpy()
+        assert np.all(g != 0), name
+        np.testing.assert_allclose(a, b - 0.5 * g, rtol=1e-10, atol=1e-12)
+    assert "inner_learning_rate" in history.history
+
+
+def test_two_replicas_equal_one_with_gradient_sharing(float64):
+    x, y = _task_arrays(8, seed=12)
+    kwargs = dict(inner_steps=2, inner_learning_rate=0.2, gradient_sharing=GradientSharing(),
+                  learn_inner_learning_rates="per_layer_per_step", multi_step_loss=True,
+                  multi_step_loss_epochs=2)
+    single = _trainer(_mlp(4), keras.optimizers.Adam(0.02), **kwargs)
+    h1 = single.fit(_dataset(x, y, 4), epochs=2, verbose=0)
+    with two_cpu_strategy().scope():
+        double = _trainer(_mlp(4), keras.optimizers.Adam(0.02), **kwargs)
+    h2 = double.fit(_dataset(x, y, 4), epochs=2, verbose=0)
+    for a, b in zip(double.variables, single.variables):
+        np.testing.assert_allclose(np.asarray(a.numpy()), np.asarray(b.numpy()), rtol=1e-9,
+                                   atol=1e-12, err_msg=a.path)
+    for key in h1.history:
+        np.testing.assert_allclose(h2.history[key], h1.history[key], rtol=1e-9, err_msg=key)
+    assert int(double.epochs_done.numpy()) == 2
+
+
+def test_derivative_order_annealing_is_first_order_then_second(float64):
+    x, y = _task_arrays(4, seed=13)
+    annealed = _trainer(_mlp(6), inner_steps=2, inner_learning_rate=0.3, first_order_epochs=1)
+    first = _trainer(_mlp(6), inner_steps=2, inner_learning_rate=0.3, first_order=True)
+    second = _trainer(_mlp(6), inner_steps=2, inner_learning_rate=0.3)
+    for t in (annealed, first, second):
+        t.fit(_dataset(x, y, 4), epochs=1, verbose=0)
+    for a, b in zip(annealed.model.trainable_variables, first.model.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12, atol=1e-14)
+    assert not np.allclose(first.model.trainable_variables[0].numpy(),
+                           second.model.trainable_variables[0].numpy(), rtol=1e-8)
+    # Epoch 2 is second order: one step from the same weights as `second` would take.
+    phi = F.current_params(annealed.model)
+    tasks = [((x[0][t], x[1][t]), (x[2][t], y[t])) for t in range(4)]
+    r = M.meta_gradient(_loss_fn(annealed.model), _loss_fn(annealed.model), phi,
+                        F.current_state(annealed.model), _const([t[0] for t in tasks]),
+                        _const([t[1] for t in tasks]), {}, _plain_lrs(0.3, 2, 4))
+    annealed.fit(_dataset(x, y, 4), epochs=1, verbose=0)
+    for v, p, g in zip(annealed.model.trainable_variables, phi, r.grads):
+        np.testing.assert_allclose(v.numpy(), p.numpy() - 0.5 * g.numpy(), rtol=1e-10,
+                                   atol=1e-12)
+    assert int(annealed.epochs_done.numpy()) == 2
+
+
+def _classification_tasks(num_tasks, ways=3, shots=4, seed=0):
+    rng = np.random.default_rng(seed)
+    sx, sy, qx, qy = [], [], [], []
+    for _ in range(num_tasks):
+        centres = rng.normal(size=(ways, 4)) * 2
+        labels = np.repeat(np.arange(ways), shots)
+        sx.append(centres[labels] + rng.normal(size=(ways * shots, 4)))
+        qx.append(centres[labels] + rng.normal(size=(ways * shots, 4)))
+        sy.append(labels)
+        qy.append(labels)
+    return (np.asarray(sx), np.asarray(sy), np.asarray(qx)), np.asarray(qy)
+
+
+def test_evaluate_adapts_and_reports_query_accuracy(float64):
+    x, y = _classification_tasks(4, seed=1)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    trainer = MAMLTrainer(model, inner_steps=2, inner_learning_rate=0.5,
+                          evaluation_inner_steps=3)
+    trainer.compile(optimizer=keras.optimizers.Adam(0.01),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    metrics=["accuracy"])
+    logs = trainer.evaluate(_dataset(x, y, 2), verbose=0, return_dict=True)
+    for steps, result in ((3, logs),
+                          (1, trainer.evaluate_tasks(_dataset(x, y, 2), inner_steps=1,
+                                                     verbose=0, return_dict=True))):
+        adapted = trainer.adapt(x[0], x[1], inner_steps=steps)
+        correct, losses = [], []
+        for t, weights in enumerate(adapted):
+            logits = model.stateless_call(weights, model.non_trainable_variables, x[2][t])[0]
+            correct.append(np.argmax(logits.numpy(), -1) == y[t])
+            losses.append(float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(
+                y[t], logits)))
+        np.testing.assert_allclose(result["accuracy"], np.mean(correct), rtol=1e-12)
+        np.testing.assert_allclose(result["loss"], np.mean(losses), rtol=1e-10)
+    assert set(logs) == {"loss", "accuracy"}
+
+
+def test_arguments_are_checked():
+    model = _linear(0, dtype="float32")
+    with pytest.raises(ValueError, match="inner_steps"):
+        MAMLTrainer(model, inner_steps=0)
+    with pytest.raises(ValueError, match="inner_learning_rate"):
+        MAMLTrainer(model, inner_learning_rate=-1.0)
+    with pytest.raises(ValueError, match="learn_inner_learning_rates"):
+        MAMLTrainer(model, learn_inner_learning_rates="per_layer")
+    with pytest.raises(ValueError, match="first_order_epochs"):
+        MAMLTrainer(model, first_order=True, first_order_epochs=2)
+    with pytest.raises(ValueError, match="gradient_sharing"):
+        MAMLTrainer(model, gradient_sharing="yes")
+    with pytest.raises(ValueError, match="initial_lambda"):
+        GradientSharing(initial_lambda=float("nan"))
+    unbuilt = keras.Sequential([keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="built"):
+        MAMLTrainer(unbuilt, learn_inner_learning_rates="per_parameter")
+    trainer = MAMLTrainer(model)
+    trainer.compile(optimizer="sgd", loss="mse")
+    flat = np.zeros((8, 4), "float32")
+    with pytest.raises(ValueError, match="support_x, support_y, query_x"):
+        trainer.fit(flat, np.zeros((8, 2), "float32"), verbose=0)
+    with pytest.raises(ValueError, match="leading task dimension"):
+        trainer.fit(tf.data.Dataset.from_tensors(((flat, flat[:, :2], flat), flat[:, :2])),
+                    verbose=0)
+    with pytest.raises(ValueError, match="drop_remainder|tasks_per_batch"):
+        x, y = _task_arrays(4)
+        trainer.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(2), verbose=0)

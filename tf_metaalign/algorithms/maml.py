@@ -157,8 +157,13 @@ def _task_gradient(inner_loss_fn, theta, state, batch, mode, order_weight, loss_
     return loss, grad, state
 
 
+def _as(value, dtype):
+    """`value` in `dtype` (a python float is converted in `dtype` directly, not via float32)."""
+    return tf.cast(tf.convert_to_tensor(value, dtype_hint=dtype), dtype)
+
+
 def _sgd(theta, alpha, delta):
-    return [t - tf.cast(a, t.dtype) * tf.cast(d, t.dtype) for t, a, d in zip(theta, alpha, delta)]
+    return [t - _as(a, t.dtype) * _as(d, t.dtype) for t, a, d in zip(theta, alpha, delta)]
 
 
 def adapt(

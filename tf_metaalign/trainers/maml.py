@@ -27,6 +27,14 @@ def _check_bool(name, value):
     return value
 
 
+def _rank(t):
+    """The rank of a tensor or KerasTensor (None if unknown)."""
+    shape = t.shape
+    if isinstance(shape, tf.TensorShape):
+        return shape.rank
+    return len(shape)
+
+
 def _check_epochs(name, value, minimum=0):
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"`{name}` must be an integer >= {minimum}; got {value!r}.")
@@ -228,27 +236,27 @@ class MAMLTrainer(MetaTrainer):
 
     # -------------------------------------------------------------------- the batch
 
-    def _split(self, data):
-        """(support batches, query batches, flat query (x, y, sw)) per task."""
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    def _parts(self, x, y, sample_weight, require_y=True):
+        """The named parts of a task batch, checked (format, leading task dimension);
+        returns (parts, static task count or None)."""
         if not (isinstance(x, (tuple, list)) and len(x) == 3):
             raise ValueError(
                 "MAMLTrainer: a batch must be ((support_x, support_y, query_x), query_y"
                 "[, query_sample_weight]), each with a leading task dimension; got x of type "
                 f"{type(x).__name__}" + (f" with {len(x)} parts." if isinstance(x, (tuple, list))
                                          else "."))
-        support_x, support_y, query_x = x
-        if y is None:
+        if y is None and require_y:
             raise ValueError("MAMLTrainer: the batch has no query_y (the targets of the query "
                              "sets).")
-        parts = {"support_x": support_x, "support_y": support_y, "query_x": query_x,
-                 "query_y": y}
+        parts = {"support_x": x[0], "support_y": x[1], "query_x": x[2]}
+        if y is not None:
+            parts["query_y"] = y
         if sample_weight is not None:
             parts["query_sample_weight"] = sample_weight
         tasks = None
         for name, part in parts.items():
             for t in tf.nest.flatten(part):
-                rank = t.shape.rank
+                rank = _rank(t)
                 need = 1 if name == "query_sample_weight" else 2
                 if rank is not None and rank < need:
                     raise ValueError(
@@ -261,6 +269,25 @@ class MAMLTrainer(MetaTrainer):
                             f"MAMLTrainer: the parts of a batch have different task counts "
                             f"({tasks} and {n} in `{name}`).")
                     tasks = n
+        try:
+            model_inputs = tf.nest.flatten(self.model.inputs)
+        except (AttributeError, ValueError):  # a subclassed model: no symbolic inputs
+            model_inputs = []
+        for name in ("support_x", "query_x"):
+            given = tf.nest.flatten(parts[name])
+            if len(given) != len(model_inputs):
+                continue
+            for t, i in zip(given, model_inputs):
+                if _rank(t) is not None and _rank(i) is not None and _rank(t) != _rank(i) + 1:
+                    raise ValueError(
+                        f"MAMLTrainer: `{name}` needs a leading task dimension: shape "
+                        f"[T, N, ...] of rank {_rank(i) + 1} for the model's input of "
+                        f"shape {i.shape}; got shape {t.shape}.")
+        return parts, tasks
+
+    def _split(self, data):
+        """(support batches, query batches, flat query (x, y, sw)) per task."""
+        parts, tasks = self._parts(*keras.utils.unpack_x_y_sample_weight(data))
         if tasks is None:
             if self.tasks_per_batch is None:
                 raise ValueError(
@@ -298,6 +325,8 @@ class MAMLTrainer(MetaTrainer):
     def example_batch(self, x, y=None, sample_weight=None):
         # Keras builds the model, loss and metrics from a training batch: the first task's
         # query set is a model batch.
+        if self._building_from_training_batch:
+            self._parts(x, y, sample_weight, require_y=False)  # a clear error for a batch of another format
         if isinstance(x, (tuple, list)) and len(x) == 3:
             pick = (lambda n: None if n is None
                     else tf.nest.map_structure(lambda a: a[0], n))
