@@ -424,7 +424,10 @@ class MAMLTrainer(MetaTrainer):
                         v.assign(tf.cast(value, v.dtype))
                 self.g_hat_initialized.assign(1)
 
-        diagnostics = {"support_loss": result.support_losses[0]}
+        # The mean over ALL replicas' tasks (identical on every replica).
+        support_loss = F.all_reduce_sum(
+            F.replica_share(tf.stop_gradient(result.support_losses[0])))
+        diagnostics = {"support_loss": support_loss}
         diagnostics.update(self._learned_diagnostics())
         return self.finish_step(flat_query, result.y_pred, loss, new_state=result.state,
                                 update=update, diagnostics=diagnostics)
@@ -432,13 +435,13 @@ class MAMLTrainer(MetaTrainer):
     def _learned_diagnostics(self):
         out = {}
         if self.learn_inner_learning_rates != "none":
-            values = [tf.reshape(tf.cast(v.value, tf.float32), [-1])
+            values = [tf.reshape(tf.convert_to_tensor(v.value), [-1])
                       for v in self.inner_learning_rate_variables]
             out["inner_learning_rate"] = tf.reduce_mean(tf.concat(values, 0))
         if self.gradient_sharing is not None:
-            out["sharing_m"] = tf.reduce_mean(tf.sigmoid(tf.cast(self.sharing_m.value, tf.float32)))
+            out["sharing_m"] = tf.reduce_mean(tf.sigmoid(tf.convert_to_tensor(self.sharing_m.value)))
             out["sharing_lambda"] = tf.reduce_mean(
-                tf.sigmoid(tf.cast(self.sharing_lambda.value, tf.float32)))
+                tf.sigmoid(tf.convert_to_tensor(self.sharing_lambda.value)))
         return out
 
     # ------------------------------------------------------------------ evaluation
