@@ -524,3 +524,62 @@ def test_arguments_are_checked():
     with pytest.raises(ValueError, match="drop_remainder|tasks_per_batch"):
         x, y = _task_arrays(4)
         trainer.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(2), verbose=0)
+
+
+def _bn_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(5),
+                             keras.layers.BatchNormalization(momentum=0.5),
+                             keras.layers.Activation("tanh"), keras.layers.Dense(2)])
+
+
+def test_per_step_batch_norm_statistics(float64):
+    """MAML++ per-step statistics: training is unchanged (batch statistics), copy k is the
+    model's statistics updated by the passes of step k only (support passes at theta_{t,k},
+    then for the last step the query passes at theta_{t,K}), the model keeps the last
+    step's copy."""
+    x, y = _task_arrays(2, seed=14)
+    plain = _trainer(_bn_model(1), inner_steps=2, inner_learning_rate=0.3)
+    per_step = _trainer(_bn_model(1), inner_steps=2, inner_learning_rate=0.3,
+                        per_step_batch_norm_statistics=True)
+    model = per_step.model
+    phi, s0 = F.current_params(model), F.current_state(model)
+    assert len(s0) == 2 and len(per_step.step_statistics) == 2
+    plain.fit(_dataset(x, y, 2), verbose=0)
+    per_step.fit(_dataset(x, y, 2), verbose=0)
+    for a, b in zip(per_step.model.trainable_variables, plain.model.trainable_variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    # The reference: the trajectories do not depend on the statistics (batch statistics).
+    r = M.adapt(_loss_fn(model), phi, s0, _const([(x[0][t], x[1][t]) for t in range(2)]),
+                _plain_lrs(0.3, 2, 6)({}))
+
+    def run(state, passes):
+        for weights, inputs in passes:
+            _, state = model.stateless_call(weights, state, tf.constant(inputs), training=True)
+        return state
+
+    copy0 = run(s0, [(r.trajectories[t][0], x[0][t]) for t in range(2)])
+    copy1 = run(s0, [(r.trajectories[t][1], x[0][t]) for t in range(2)]
+                + [(r.trajectories[t][2], x[2][t]) for t in range(2)])
+    for got, want in zip(per_step.step_statistics, (copy0, copy1)):
+        for v, w in zip(got, want):
+            np.testing.assert_allclose(v.numpy(), w.numpy(), rtol=1e-12)
+    for v, w in zip(model.non_trainable_variables, copy1):
+        np.testing.assert_allclose(v.numpy(), w.numpy(), rtol=1e-12)
+    # Evaluation with moving statistics uses copy k at step k.
+    per_step.transductive_evaluation = False
+    per_step.test_function = None
+    loss = per_step.evaluate(_dataset(x, y, 2), verbose=0, return_dict=True)["loss"]
+    stats = [[v.numpy() for v in copies] for copies in per_step.step_statistics]
+    losses = []
+    for t in range(2):
+        theta = F.current_params(model)
+        for k in range(2):
+            with tf.GradientTape() as tape:
+                tape.watch(theta)
+                out = model.stateless_call(theta, stats[k], tf.constant(x[0][t]), training=False)[0]
+                value = keras.losses.MeanSquaredError()(x[1][t], out)
+            theta = [p - 0.3 * g for p, g in zip(theta, tape.gradient(value, theta))]
+        out = model.stateless_call(theta, stats[1], tf.constant(x[2][t]), training=False)[0]
+        losses.append(float(keras.losses.MeanSquaredError()(y[t], out)))
+    np.testing.assert_allclose(loss, np.mean(losses), rtol=1e-10)

@@ -56,3 +56,7 @@ __all__ += [
     "meta_gradient",
     "multi_step_loss_weights",
 ]
+
+from tf_metaalign.algorithms.maml import StepStatistics  # noqa: E402
+
+__all__ += ["StepStatistics"]

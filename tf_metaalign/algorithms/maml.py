@@ -96,6 +96,37 @@ class MetaGradientResult(NamedTuple):
     query_losses: list
 
 
+# ------------------------------------------------------------- per-step statistics
+
+
+class StepStatistics:
+    """MAML++'s per-step batch-norm statistics: one copy per inner step of some entries
+    of the model's state (the BatchNorm moving statistics), swapped in for the forward
+    passes of that step.
+
+    `indices`: the positions of those entries in the model's state; `values`: per step k,
+    their values (a list of tensors). The support pass of inner step k (at theta_{t,k-1})
+    and the query pass at theta_{t,k} run with copy k-1 in place and write their new
+    statistics back into it (AntreasAntoniou/HowToTrainYourMAMLPytorch: `num_step`);
+    the other entries of the state (Dropout seeds) are threaded through every pass as
+    usual. A per-call accumulator: `adapt` and `query_objective` update `values`.
+    """
+
+    def __init__(self, indices, values):
+        self.indices = list(indices)
+        self.values = [list(v) for v in values]
+
+    def enter(self, step, state):
+        state = list(state)
+        for i, value in zip(self.indices, self.values[step]):
+            state[i] = value
+        return state
+
+    def leave(self, step, state):
+        self.values[step] = [state[i] for i in self.indices]
+        return state
+
+
 # ---------------------------------------------------------------------- validation
 
 
@@ -182,6 +213,7 @@ def adapt(
     sharing_training: bool = True,
     reduce: Callable = F.all_reduce_sum,
     loss_scale=None,
+    step_statistics: StepStatistics | None = None,
 ) -> AdaptResult:
     """K = len(learning_rates) inner SGD steps for every task.
 
@@ -204,6 +236,7 @@ def adapt(
       loss_scale: when `inner_loss_fn` multiplies its loss by a loss scale (mixed
         precision), that scale: the inner gradients (and the reported losses) are divided
         by it.
+      step_statistics: a `StepStatistics` (per-step BatchNorm statistics), updated.
     """
     if not support_batches:
         raise ValueError("adapt: no tasks (support_batches is empty).")
@@ -219,8 +252,12 @@ def adapt(
     for k in range(steps):
         task_grads, losses = [], []
         for t, batch in enumerate(support_batches):
+            if step_statistics is not None:
+                state = step_statistics.enter(k, state)
             loss, grad, state = _task_gradient(inner_loss_fn, thetas[t][-1], state, batch,
                                                mode, order_weight, loss_scale)
+            if step_statistics is not None:
+                step_statistics.leave(k, state)
             task_grads.append(grad)
             losses.append(loss)
         g = None
@@ -267,17 +304,23 @@ def replay(params, record, learning_rates, sharing=None, sharing_m=None,
     return thetas, (new_g_hat if sharing is not None else None)
 
 
-def query_objective(query_loss_fn, trajectories, state, query_batches, step_weights=None):
+def query_objective(query_loss_fn, trajectories, state, query_batches, step_weights=None,
+                    step_statistics: StepStatistics | None = None):
     """Mean over tasks of sum_k w_k L_t^query(theta_{t,k}) (k = 1..K; w = None: the last
     step only). Returns (objective, state, y_pred of theta_{t,K} concatenated, per-task
-    losses at theta_{t,K})."""
+    losses at theta_{t,K}). With `step_statistics`, the pass at theta_{t,k} uses (and
+    updates) copy k-1."""
     per_task, finals, outputs = [], [], []
     for traj, batch in zip(trajectories, query_batches):
         steps = len(traj) - 1
         terms = []
         ks = range(1, steps + 1) if step_weights is not None else [steps]
         for k in ks:
+            if step_statistics is not None:
+                state = step_statistics.enter(k - 1, state)
             loss, (state, y_pred) = query_loss_fn(traj[k], state, batch)
+            if step_statistics is not None:
+                step_statistics.leave(k - 1, state)
             if step_weights is not None:
                 terms.append(tf.cast(step_weights[k - 1], loss.dtype) * loss)
             else:
@@ -307,6 +350,7 @@ def meta_gradient(
     g_hat_initialized=False,
     reduce: Callable = F.all_reduce_sum,
     loss_scale=None,
+    step_statistics: StepStatistics | None = None,
 ) -> MetaGradientResult:
     """The meta-objective and its gradient (see the module doc).
 
@@ -318,6 +362,7 @@ def meta_gradient(
       step_weights: [K] multi-step loss weights, or None (final step only).
       loss_scale: the loss scale `inner_loss_fn` multiplies its loss by (see `adapt`);
         `query_loss_fn`'s scale is the caller's (the objective and gradients keep it).
+      step_statistics: per-step BatchNorm statistics (`StepStatistics`), updated in place.
       The rest as in `adapt`.
     """
     params = [tf.convert_to_tensor(p) for p in params]
@@ -337,7 +382,8 @@ def meta_gradient(
         constant = dict(zip(names, [tf.stop_gradient(v) for v in hyper_values]))
         inner = adapt(inner_loss_fn, [tf.stop_gradient(p) for p in params], state,
                       support_batches, learning_rates_fn(constant), first_order=True,
-                      reduce=reduce, loss_scale=loss_scale, **sharing_args(constant))
+                      reduce=reduce, loss_scale=loss_scale, step_statistics=step_statistics,
+                      **sharing_args(constant))
         state = inner.state
     with tf.GradientTape() as tape:
         tape.watch(params)
@@ -350,11 +396,12 @@ def meta_gradient(
         else:
             inner = adapt(inner_loss_fn, params, state, support_batches, learning_rates_fn(h),
                           first_order=False, order_weight=order_weight, reduce=reduce,
-                          loss_scale=loss_scale, **sharing_args(h))
+                          loss_scale=loss_scale, step_statistics=step_statistics,
+                          **sharing_args(h))
             trajectories, new_g_hat, state = inner.trajectories, inner.g_hat, inner.state
             support_losses = inner.support_losses
         objective, state, y_pred, finals = query_objective(
-            query_loss_fn, trajectories, state, query_batches, step_weights)
+            query_loss_fn, trajectories, state, query_batches, step_weights, step_statistics)
     grads = tape.gradient(objective, params + hyper_values,
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
     grads = F.densify(grads)
@@ -377,5 +424,6 @@ def adapt_and_evaluate(inner_loss_fn, query_loss_fn, params, state, support_batc
     result = adapt(inner_loss_fn, params, state, support_batches, learning_rates,
                    first_order=True, **adapt_kwargs)
     objective, state, y_pred, finals = query_objective(
-        query_loss_fn, result.trajectories, result.state, query_batches)
+        query_loss_fn, result.trajectories, result.state, query_batches,
+        step_statistics=adapt_kwargs.get("step_statistics"))
     return objective, state, y_pred, finals, result

@@ -18,7 +18,7 @@ from tf_metaalign import functional as F
 from tf_metaalign.algorithms import maml as M
 from tf_metaalign.algorithms import reptile as R
 from tf_metaalign.algorithms.gradient_sharing import as_gradient_sharing
-from tf_metaalign.trainers.base import MetaTrainer
+from tf_metaalign.trainers.base import MetaTrainer, _value_initializer
 
 
 def _check_bool(name, value):
@@ -97,8 +97,16 @@ class MAMLTrainer(MetaTrainer):
       Hessian terms are multiplied by 0);
     * the epochs are counted by the checkpointed variable `epochs_done` (all epochs the
       trainer has trained, across `fit` calls).
-    * NOT implemented: MAML++'s per-step batch-norm statistics (one set of BatchNorm
-      moving statistics per inner step) and per-step BatchNorm weights.
+    * `per_step_batch_norm_statistics=True`: one copy per inner step of the model's
+      statistics (every non-trainable variable that is not a random-seed state: the
+      BatchNorm moving means and variances), variables `step_statistics_<k>_<j>`,
+      initialised from the model's. The support pass of inner step k and the query pass
+      at theta_{t,k} use and update copy k (`algorithms.maml.StepStatistics`); after each
+      meta-iteration the model's own statistics are set to the last step's copy (what
+      the user's model saves). With `training=True` passes (the default) BatchNorm
+      normalises with batch statistics, so the copies only matter to
+      `transductive_evaluation=False` evaluation, where step k normalises with copy k.
+    * NOT implemented: MAML++'s per-step BatchNorm weights and biases.
 
     Gradient sharing (Chang & Lipson), `gradient_sharing=GradientSharing(...)` (or True):
     trainable `sharing_m`, `sharing_lambda` (shape [K]) and the non-trainable running
@@ -137,6 +145,8 @@ class MAMLTrainer(MetaTrainer):
       learn_inner_learning_rates: "none", "per_parameter" or "per_layer_per_step".
       gradient_sharing: None, True, or a `tf_metaalign.algorithms.GradientSharing`.
       multi_step_loss, multi_step_loss_epochs, first_order_epochs: MAML++ (above).
+      per_step_batch_norm_statistics: MAML++'s per-step statistics (above; needs a built
+        model with statistics).
       evaluation_inner_steps: inner steps of `evaluate` (default K).
       transductive_evaluation: see BatchNorm above.
       tasks_per_batch: the global number of tasks per meta-batch when the batch's task
@@ -146,8 +156,8 @@ class MAMLTrainer(MetaTrainer):
     def __init__(self, model, inner_steps=1, inner_learning_rate=0.01, first_order=False,
                  learn_inner_learning_rates="none", gradient_sharing=None,
                  multi_step_loss=False, multi_step_loss_epochs=10, first_order_epochs=0,
-                 evaluation_inner_steps=None, transductive_evaluation=True,
-                 tasks_per_batch=None, **kwargs):
+                 per_step_batch_norm_statistics=False, evaluation_inner_steps=None,
+                 transductive_evaluation=True, tasks_per_batch=None, **kwargs):
         inner_steps = R.validate_steps("inner_steps", inner_steps)
         inner_learning_rate = R.validate_rate("inner_learning_rate", inner_learning_rate)
         first_order = _check_bool("first_order", first_order)
@@ -169,6 +179,10 @@ class MAMLTrainer(MetaTrainer):
                                               transductive_evaluation)
         if tasks_per_batch is not None:
             tasks_per_batch = R.validate_steps("tasks_per_batch", tasks_per_batch)
+        per_step = _check_bool("per_step_batch_norm_statistics", per_step_batch_norm_statistics)
+        if per_step and not model.built:
+            raise ValueError("per_step_batch_norm_statistics=True copies the model's statistics "
+                             "per inner step: the model must be built (give it Input shapes).")
         if learn != "none" and not model.built:
             raise ValueError(
                 f"learn_inner_learning_rates={learn!r} creates one learning rate per weight: "
@@ -185,6 +199,7 @@ class MAMLTrainer(MetaTrainer):
         self.evaluation_inner_steps = evaluation_inner_steps
         self.transductive_evaluation = transductive_evaluation
         self.tasks_per_batch = tasks_per_batch
+        self.per_step_batch_norm_statistics = per_step
         self._evaluation_steps_override = None
         # Outer steps taken (checkpointed): `trainer.outer_steps`.
         self.schedule = self.every_k_steps(1, name="outer_steps")
@@ -215,6 +230,23 @@ class MAMLTrainer(MetaTrainer):
             for k in range(inner_steps):
                 self.add_weights_copy(f"g_hat_{k}")
             self.g_hat_initialized = self.add_state_variable("g_hat_initialized", dtype="int64")
+        self._statistics_indices = []
+        self.step_statistics = []  # per step, the copies of the statistics
+        if per_step:
+            seeds = set(self._seed_indices())
+            state = model.non_trainable_variables
+            self._statistics_indices = [i for i, v in enumerate(state) if i not in seeds]
+            if not self._statistics_indices:
+                raise ValueError("per_step_batch_norm_statistics=True, but the model has no "
+                                 "statistics (no non-trainable variable but seed states).")
+            with self.distribute_strategy.scope(), _compat.unlocked_state(self):
+                for k in range(inner_steps):
+                    self.step_statistics.append([
+                        self.add_weight(name=f"step_statistics_{k}_{j}", shape=state[i].shape,
+                                        dtype=state[i].dtype,
+                                        initializer=_value_initializer(state[i]),
+                                        trainable=False, aggregation="mean")
+                        for j, i in enumerate(self._statistics_indices)])
         self.add_diagnostic("support_loss", "mean")
         if learn != "none":
             self.add_diagnostic("inner_learning_rate", "last")
@@ -369,6 +401,14 @@ class MAMLTrainer(MetaTrainer):
         return [[tf.convert_to_tensor(v.value) for v in self.weights_copy(f"g_hat_{k}")]
                 for k in index]
 
+    def _step_statistics(self, steps):
+        """A fresh `StepStatistics` from the copies (past K: step K's), or None."""
+        if not self.per_step_batch_norm_statistics:
+            return None
+        return M.StepStatistics(self._statistics_indices, [
+            [tf.convert_to_tensor(v.value) for v in self.step_statistics[min(k, self.inner_steps - 1)]]
+            for k in range(steps)])
+
     def _g_hat_initialized(self):
         return tf.convert_to_tensor(self.g_hat_initialized.value) > 0
 
@@ -405,11 +445,16 @@ class MAMLTrainer(MetaTrainer):
         if self.gradient_sharing is not None:
             sharing_kwargs = dict(sharing=self.gradient_sharing, g_hat=self._g_hat(steps),
                                   g_hat_initialized=self._g_hat_initialized())
+        statistics = self._step_statistics(steps)
         result = M.meta_gradient(
             inner_fn, query_fn, F.current_params(self.model), F.current_state(self.model),
             supports, queries, self._hyper(), self._learning_rates_fn(steps),
             first_order=self.first_order, order_weight=order_weight,
-            step_weights=step_weights, loss_scale=loss_scale, **sharing_kwargs)
+            step_weights=step_weights, loss_scale=loss_scale, step_statistics=statistics,
+            **sharing_kwargs)
+        new_state = result.state
+        if statistics is not None:  # the model keeps the last step's statistics
+            new_state = statistics.enter(steps - 1, new_state)
         by_id = {id(v): g for v, g in zip(self.model.trainable_variables, result.grads)}
         by_id.update({id(v): result.hyper_grads[n] for n, v in self._learned.items()})
         variables = self.trainable_variables
@@ -423,13 +468,17 @@ class MAMLTrainer(MetaTrainer):
                     for v, value in zip(self.weights_copy(f"g_hat_{k}"), values):
                         v.assign(tf.cast(value, v.dtype))
                 self.g_hat_initialized.assign(1)
+            if statistics is not None:
+                for copies, values in zip(self.step_statistics, statistics.values):
+                    for v, value in zip(copies, values):
+                        v.assign(value)
 
         # The mean over ALL replicas' tasks (identical on every replica).
         support_loss = F.all_reduce_sum(
             F.replica_share(tf.stop_gradient(result.support_losses[0])))
         diagnostics = {"support_loss": support_loss}
         diagnostics.update(self._learned_diagnostics())
-        return self.finish_step(flat_query, result.y_pred, loss, new_state=result.state,
+        return self.finish_step(flat_query, result.y_pred, loss, new_state=new_state,
                                 update=update, diagnostics=diagnostics)
 
     def _learned_diagnostics(self):
@@ -451,7 +500,7 @@ class MAMLTrainer(MetaTrainer):
         return (self._evaluation_steps_override or self.evaluation_inner_steps
                 or self.inner_steps)
 
-    def _adapt(self, supports, loss_scale=None, training=True, steps=None):
+    def _adapt(self, supports, loss_scale=None, training=True, steps=None, statistics=None):
         steps = steps or self._evaluation_steps
         inner_fn, _ = self._loss_fns(loss_scale, training=training)
         hyper = self._hyper()
@@ -464,16 +513,17 @@ class MAMLTrainer(MetaTrainer):
                           g_hat_initialized=self._g_hat_initialized())
         return M.adapt(inner_fn, F.current_params(self.model), F.current_state(self.model),
                        supports, self._learning_rates_fn(steps)(hyper), first_order=True,
-                       loss_scale=loss_scale, **kwargs)
+                       loss_scale=loss_scale, step_statistics=statistics, **kwargs)
 
     def test_step(self, data):
         self.unpack(data)
         supports, queries, flat_query = self._split(data)
         training = self.transductive_evaluation
-        adapted = self._adapt(supports, training=training)
+        statistics = self._step_statistics(self._evaluation_steps)
+        adapted = self._adapt(supports, training=training, statistics=statistics)
         _, query_fn = self._loss_fns(None, training=training)
         loss, _, y_pred, _ = M.query_objective(query_fn, adapted.trajectories, adapted.state,
-                                               queries)
+                                               queries, step_statistics=statistics)
         x, y, sample_weight = flat_query
         _compat.loss_tracker(self).update_state(
             F.unscale_loss_for_distribution(loss), sample_weight=F.batch_size(x))
@@ -530,7 +580,8 @@ class MAMLTrainer(MetaTrainer):
         tasks = first.shape[0]
         supports = [(tf.nest.map_structure(lambda a: a[t], support_x),
                      tf.nest.map_structure(lambda a: a[t], support_y)) for t in range(tasks)]
-        result = self._adapt(supports, training=self.transductive_evaluation, steps=inner_steps)
+        result = self._adapt(supports, training=self.transductive_evaluation, steps=inner_steps,
+                             statistics=self._step_statistics(inner_steps or self._evaluation_steps))
         return [traj[-1] for traj in result.trajectories]
 
     # ------------------------------------------------------------------------- fit
@@ -555,6 +606,7 @@ class MAMLTrainer(MetaTrainer):
             "multi_step_loss": self.multi_step_loss,
             "multi_step_loss_epochs": self.multi_step_loss_epochs,
             "first_order_epochs": self.first_order_epochs,
+            "per_step_batch_norm_statistics": self.per_step_batch_norm_statistics,
             "evaluation_inner_steps": self.evaluation_inner_steps,
             "transductive_evaluation": self.transductive_evaluation,
             "tasks_per_batch": self.tasks_per_batch,
