@@ -583,3 +583,16 @@ def test_per_step_batch_norm_statistics(float64):
         out = model.stateless_call(theta, stats[1], tf.constant(x[2][t]), training=False)[0]
         losses.append(float(keras.losses.MeanSquaredError()(y[t], out)))
     np.testing.assert_allclose(loss, np.mean(losses), rtol=1e-10)
+
+
+def test_validation_during_fit_is_the_adapted_query_loss(float64):
+    x, y = _task_arrays(8, seed=15)
+    val = _task_arrays(4, seed=16)
+    trainer = _trainer(_mlp(8), keras.optimizers.Adam(0.01), inner_steps=2,
+                       inner_learning_rate=0.3, gradient_sharing=GradientSharing())
+    history = trainer.fit(_dataset(x, y, 4), validation_data=_dataset(*val, 2), epochs=2,
+                          verbose=0)
+    after = trainer.evaluate(_dataset(*val, 2), verbose=0, return_dict=True)
+    np.testing.assert_allclose(history.history["val_loss"][-1], after["loss"], rtol=1e-12)
+    np.testing.assert_allclose(history.history["val_mae"][-1], after["mae"], rtol=1e-12)
+    assert "val_sharing_m" not in history.history
