@@ -596,3 +596,20 @@ def test_validation_during_fit_is_the_adapted_query_loss(float64):
     np.testing.assert_allclose(history.history["val_loss"][-1], after["loss"], rtol=1e-12)
     np.testing.assert_allclose(history.history["val_mae"][-1], after["mae"], rtol=1e-12)
     assert "val_sharing_m" not in history.history
+
+
+def test_predict_adapts_each_task(float64):
+    x, y = _task_arrays(4, seed=17)
+    trainer = _trainer(_mlp(9), inner_steps=2, inner_learning_rate=0.3)
+    trainer.fit(_dataset(x, y, 2), verbose=0)
+    data = tf.data.Dataset.from_tensor_slices(x).batch(2, drop_remainder=True)
+    predictions = trainer.predict(data, verbose=0)
+    assert predictions.shape == (4, 5, 2)
+    adapted = trainer.adapt(x[0], x[1])
+    model = trainer.model
+    for t, weights in enumerate(adapted):
+        want = model.stateless_call(weights, model.non_trainable_variables, x[2][t])[0]
+        np.testing.assert_allclose(predictions[t], want.numpy(), rtol=1e-12)
+    # An ordinary model batch: the wrapped model.
+    np.testing.assert_allclose(trainer.predict(x[2][0], verbose=0),
+                               model.predict(x[2][0], verbose=0), rtol=1e-12)

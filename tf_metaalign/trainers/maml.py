@@ -129,7 +129,9 @@ class MAMLTrainer(MetaTrainer):
     rates and gradient-sharing values) on each task's support set, then reports the
     query loss and the compiled metrics (e.g. query accuracy) at theta_{t,K}.
     `adapt(support_x, support_y)` returns the adapted weights of every task;
-    `evaluate_tasks(data, inner_steps=n)` evaluates with another step count.
+    `evaluate_tasks(data, inner_steps=n)` evaluates with another step count;
+    `predict` on batches `(support_x, support_y, query_x)` returns each task's adapted
+    outputs on its query set ([T, N_query, ...]); on other batches, the model's outputs.
 
     Logs: "loss" (the meta-objective, independent of the replica count), the compiled
     metrics on the query sets at theta_{t,K}, "support_loss" (the mean support loss at
@@ -317,9 +319,10 @@ class MAMLTrainer(MetaTrainer):
                         f"shape {i.shape}; got shape {t.shape}.")
         return parts, tasks
 
-    def _split(self, data):
+    def _split(self, data, require_y=True):
         """(support batches, query batches, flat query (x, y, sw)) per task."""
-        parts, tasks = self._parts(*keras.utils.unpack_x_y_sample_weight(data))
+        parts, tasks = self._parts(*keras.utils.unpack_x_y_sample_weight(data),
+                                   require_y=require_y)
         if tasks is None:
             if self.tasks_per_batch is None:
                 raise ValueError(
@@ -337,7 +340,7 @@ class MAMLTrainer(MetaTrainer):
 
             parts = {k: tf.nest.map_structure(fix, v) for k, v in parts.items()}
         support_x, support_y, query_x, y = (parts["support_x"], parts["support_y"],
-                                            parts["query_x"], parts["query_y"])
+                                            parts["query_x"], parts.get("query_y"))
         sample_weight = parts.get("query_sample_weight")
 
         def task(nest, t):
@@ -529,6 +532,28 @@ class MAMLTrainer(MetaTrainer):
             F.unscale_loss_for_distribution(loss), sample_weight=F.batch_size(x))
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return {k: v for k, v in logs.items() if k not in self._diagnostics}
+
+    def predict_step(self, data):
+        """Task batches `(support_x, support_y, query_x)` (each [T, N, ...]): the model's
+        outputs on each task's query set after adaptation, [T, N_query, ...] (passes as in
+        `evaluate`). Any other batch: the wrapped model's outputs, as `MetaTrainer`."""
+        if isinstance(data, (tuple, list)) and len(data) == 1:
+            data = data[0]
+        if not (isinstance(data, (tuple, list)) and len(data) == 3):
+            return super().predict_step(data)
+        self.unpack((tuple(data), None))
+        supports, queries, _ = self._split((tuple(data), None), require_y=False)
+        training = self.transductive_evaluation
+        statistics = self._step_statistics(self._evaluation_steps)
+        adapted = self._adapt(supports, training=training, statistics=statistics)
+        state, outputs = adapted.state, []
+        for trajectory, (query_x, _, _) in zip(adapted.trajectories, queries):
+            if statistics is not None:
+                state = statistics.enter(self._evaluation_steps - 1, state)
+            y_pred, state, _ = F.stateless_forward(self.model, trajectory[-1], state, query_x,
+                                                   training=training)
+            outputs.append(y_pred)
+        return tf.nest.map_structure(lambda *ys: tf.stack(ys, 0), *outputs)
 
     def evaluate(self, *args, **kwargs):
         # Keras may build the compiled metrics from an evaluation batch (a task batch).
