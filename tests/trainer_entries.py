@@ -322,3 +322,75 @@ ENTRIES += [
 ]
 
 BY_NAME = {e.name: e for e in ENTRIES}
+
+# ------------------------------------------------------------------------ MAML family
+
+
+def maml_task_data(n, dtype="float64", seed=0, n_support=3, n_query=3):
+    """n tasks `((support_x, support_y, query_x), query_y)`, [n, N, ...] each: the rows of
+    `regression_data` cut into tasks (a global batch of 8 tasks; Keras splits the tasks
+    among the replicas, in `contiguous_rows` order)."""
+    x, y = regression_data(n * (n_support + n_query), dtype=dtype, seed=seed)
+    x = x.reshape(n, n_support + n_query, -1)
+    y = y.reshape(n, n_support + n_query, -1)
+    return (x[:, :n_support], y[:, :n_support], x[:, n_support:]), y[:, n_support:]
+
+
+def _maml_trainer(**options):
+    def make(model, data_dtype):
+        from tf_metaalign.algorithms import GradientSharing
+        from tf_metaalign.trainers import MAMLTrainer
+
+        kwargs = dict(options)
+        sharing = kwargs.pop("gradient_sharing", None)
+        return MAMLTrainer(model, inner_steps=2, inner_learning_rate=0.2, tasks_per_batch=8,
+                           gradient_sharing=GradientSharing() if sharing else None, **kwargs)
+
+    return make
+
+
+def _maml_state(learned, sharing=True, epochs=True, k=2, weights=4):
+    names = ["count", *learned]
+    if epochs:
+        names.append("epochs_done")
+    if sharing:
+        names += ["sharing_m", "sharing_lambda", "g_hat_initialized"]
+        names += [f"g_hat_{s}_{i}" for s in range(k) for i in range(weights)]
+    return tuple(names)
+
+
+ENTRIES += [
+    TrainerEntry(
+        # Second order, MAML++ (LSLR, multi-step loss annealed over 2 epochs, first order
+        # in epoch 0 then second order) and gradient sharing, all at once.
+        name="maml",
+        make_trainer=_maml_trainer(learn_inner_learning_rates="per_layer_per_step",
+                                   gradient_sharing=True, multi_step_loss=True,
+                                   multi_step_loss_epochs=2, first_order_epochs=1),
+        compile_kwargs=_outer_compile,
+        state_variables=_maml_state(["inner_learning_rates"]),
+        diagnostics=("support_loss", "inner_learning_rate", "sharing_m", "sharing_lambda"),
+        make_data=maml_task_data,
+        # The logged diagnostics are float32 metrics: values that agree to 1e-12 in
+        # float64 can round to neighbouring float32 numbers (1 ulp = 1.2e-7 relative);
+        # one lost or repeated step changes them by > 1e-4.
+        tolerance=(1e-6, 1e-10),
+    ),
+    TrainerEntry(
+        # First order (inner loop off the outer tape), Meta-SGD, gradient sharing.
+        name="meta_sgd_first_order",
+        make_trainer=_maml_trainer(first_order=True, learn_inner_learning_rates="per_parameter",
+                                   gradient_sharing=True),
+        compile_kwargs=_outer_compile,
+        state_variables=_maml_state([f"inner_learning_rate_{i}" for i in range(4)],
+                                    epochs=False),
+        diagnostics=("support_loss", "inner_learning_rate", "sharing_m", "sharing_lambda"),
+        make_data=maml_task_data,
+        # The logged diagnostics are float32 metrics: values that agree to 1e-12 in
+        # float64 can round to neighbouring float32 numbers (1 ulp = 1.2e-7 relative);
+        # one lost or repeated step changes them by > 1e-4.
+        tolerance=(1e-6, 1e-10),
+    ),
+]
+
+BY_NAME = {e.name: e for e in ENTRIES}  # again: the entries above were appended after it

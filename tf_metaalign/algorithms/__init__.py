@@ -33,3 +33,30 @@ __all__ = [
     "fomaml_gradient",
     "outer_update",
 ]
+
+from tf_metaalign.algorithms import gradient_sharing, maml  # noqa: E402
+from tf_metaalign.algorithms.gradient_sharing import GradientSharing  # noqa: E402
+from tf_metaalign.algorithms.maml import (  # noqa: E402
+    AdaptResult,
+    MetaGradientResult,
+    adapt,
+    adapt_and_evaluate,
+    meta_gradient,
+    multi_step_loss_weights,
+)
+
+__all__ += [
+    "gradient_sharing",
+    "maml",
+    "GradientSharing",
+    "AdaptResult",
+    "MetaGradientResult",
+    "adapt",
+    "adapt_and_evaluate",
+    "meta_gradient",
+    "multi_step_loss_weights",
+]
+
+from tf_metaalign.algorithms.maml import StepStatistics  # noqa: E402
+
+__all__ += ["StepStatistics"]

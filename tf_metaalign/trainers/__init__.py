@@ -31,3 +31,7 @@ __all__ = [
     "FOMAMLTrainer",
     "MultiTaskReptileTrainer",
 ]
+
+from tf_metaalign.trainers.maml import MAMLTrainer  # noqa: E402
+
+__all__ += ["MAMLTrainer"]

@@ -1,0 +1,615 @@
+"""MAML / Meta-SGD / MAML++ / gradient sharing: the meta-gradient against central finite
+differences, first order against the FOMAML closed form, gradient sharing against a NumPy
+re-derivation and against plain MAML at a gate of exactly 0, then the trainer."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_metaalign import functional as F
+from tf_metaalign.algorithms import maml as M
+from tf_metaalign.algorithms.gradient_sharing import GradientSharing
+
+
+@pytest.fixture
+def float64():
+    keras.backend.set_floatx("float64")
+    yield
+    keras.backend.set_floatx("float32")
+
+
+def _mlp(seed=0, dtype="float64"):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((4,), dtype=dtype),
+                             keras.layers.Dense(5, activation="tanh", dtype=dtype),
+                             keras.layers.Dense(2, dtype=dtype)])
+
+
+def _linear(seed=0, dtype="float64"):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((4,), dtype=dtype), keras.layers.Dense(2, dtype=dtype)])
+
+
+def _tasks(num_tasks, n_support=6, n_query=5, seed=0, dtype="float64"):
+    """Per task: a random linear-ish regression problem -> (support, query) numpy batches."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(num_tasks):
+        a = rng.normal(size=(4, 2))
+        xs, xq = rng.normal(size=(n_support, 4)), rng.normal(size=(n_query, 4))
+        f = lambda x: np.tanh(x @ a) + 0.1 * x[:, :2]  # noqa: E731
+        out.append(((xs.astype(dtype), f(xs).astype(dtype)), (xq.astype(dtype), f(xq).astype(dtype))))
+    return out
+
+
+def _loss_fn(model):
+    return F.make_loss_fn(model, keras.losses.MeanSquaredError())
+
+
+def _const(batches):
+    return [tuple(tf.constant(a) for a in b) for b in batches]
+
+
+def _flat(ts):
+    return np.concatenate([np.ravel(np.asarray(t)) for t in ts])
+
+
+def _unflat(v, like):
+    out, i = [], 0
+    for t in like:
+        n = int(np.prod(t.shape))
+        out.append(tf.constant(np.reshape(v[i:i + n], t.shape), tf.float64))
+        i += n
+    return out
+
+
+def _objective(model, params, tasks, lrs_fn, hyper, **kw):
+    """The post-adaptation mean query loss (no tape: for finite differences)."""
+    loss, *_ = M.adapt_and_evaluate(
+        _loss_fn(model), _loss_fn(model), params, F.current_state(model),
+        _const([t[0] for t in tasks]), _const([t[1] for t in tasks]), lrs_fn(hyper), **kw)
+    return float(loss)
+
+
+def _central_difference(f, x, eps=1e-5):
+    g = np.zeros_like(x)
+    for i in range(x.size):
+        e = np.zeros_like(x)
+        e[i] = eps
+        g[i] = (f(x + e) - f(x - e)) / (2 * eps)
+    return g
+
+
+def _plain_lrs(alpha, steps, n):
+    return lambda h: [[tf.constant(alpha, tf.float64)] * n for _ in range(steps)]
+
+
+# --------------------------------------------------------------- second-order MAML
+
+
+def test_maml_meta_gradient_equals_finite_differences(float64):
+    model = _mlp(1)
+    tasks = _tasks(3)
+    params = F.current_params(model)
+    lrs = _plain_lrs(0.3, 2, len(params))
+    r = M.meta_gradient(_loss_fn(model), _loss_fn(model), params, F.current_state(model),
+                        _const([t[0] for t in tasks]), _const([t[1] for t in tasks]),
+                        {}, lrs)
+    fd = _central_difference(
+        lambda v: _objective(model, _unflat(v, params), tasks, lrs, {}), _flat(params))
+    np.testing.assert_allclose(_flat(r.grads), fd, rtol=1e-6, atol=1e-9)
+    # Second order differs from first order here (the test can tell them apart).
+    fo = M.meta_gradient(_loss_fn(model), _loss_fn(model), params, F.current_state(model),
+                         _const([t[0] for t in tasks]), _const([t[1] for t in tasks]),
+                         {}, lrs, first_order=True)
+    assert np.max(np.abs(_flat(fo.grads) - fd)) > 1e-4
+    np.testing.assert_allclose(float(r.loss), _objective(model, params, tasks, lrs, {}),
+                               rtol=1e-12)
+
+
+def _np_grad(params, x, y):
+    """Gradient of Keras's MSE mean((x W + b - y)^2) at [W, b]."""
+    w, b = params
+    r = 2.0 * (x @ w + b - y) / y.size
+    return [x.T @ r, r.sum(0)]
+
+
+def test_first_order_equals_the_fomaml_closed_form(float64):
+    model = _linear(2)
+    tasks = _tasks(3, seed=4)
+    params = F.current_params(model)
+    alpha, steps = 0.2, 3
+    r = M.meta_gradient(_loss_fn(model), _loss_fn(model), params, F.current_state(model),
+                        _const([t[0] for t in tasks]), _const([t[1] for t in tasks]),
+                        {}, _plain_lrs(alpha, steps, 2), first_order=True)
+    expected = [np.zeros_like(p.numpy()) for p in params]
+    for (xs, ys), (xq, yq) in tasks:
+        theta = [p.numpy() for p in params]
+        for _ in range(steps):
+            theta = [t - alpha * g for t, g in zip(theta, _np_grad(theta, xs, ys))]
+        expected = [e + g / len(tasks) for e, g in zip(expected, _np_grad(theta, xq, yq))]
+    for a, b in zip(r.grads, expected):
+        np.testing.assert_allclose(a.numpy(), b, rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------- Meta-SGD, LSLR
+
+
+def _meta_sgd_lrs(h):
+    return [[h["lr_0"], h["lr_1"]], [h["lr_0"], h["lr_1"]]]
+
+
+def test_meta_sgd_learning_rates_get_gradients_equal_to_finite_differences(float64):
+    model = _linear(3)
+    tasks = _tasks(2, seed=5)
+    params = F.current_params(model)
+    rng = np.random.default_rng(0)
+    hyper = {"lr_0": tf.constant(0.1 + 0.1 * rng.random((4, 2))),
+             "lr_1": tf.constant(0.1 + 0.1 * rng.random((2,)))}
+    for first_order in (False, True):
+        r = M.meta_gradient(_loss_fn(model), _loss_fn(model), params, F.current_state(model),
+                            _const([t[0] for t in tasks]), _const([t[1] for t in tasks]),
+                            hyper, _meta_sgd_lrs, first_order=first_order)
+        got = _flat([r.hyper_grads["lr_0"], r.hyper_grads["lr_1"]])
+        assert np.all(np.abs(got) > 0)
+        if first_order:
+            continue
+
+        def f(v):
+            h = dict(zip(["lr_0", "lr_1"], _unflat(v, [hyper["lr_0"], hyper["lr_1"]])))
+            return _objective(model, params, tasks, _meta_sgd_lrs, h)
+
+        fd = _central_difference(f, _flat([hyper["lr_0"], hyper["lr_1"]]))
+        np.testing.assert_allclose(got, fd, rtol=1e-6, atol=1e-10)
+
+
+# ---------------------------------------------------------------- gradient sharing
+
+
+def _sharing_setup(seed=0, tasks=3):
+    model = _mlp(seed)
+    params = F.current_params(model)
+    rng = np.random.default_rng(seed + 10)
+    g_hat = [[tf.constant(rng.normal(size=p.shape)) for p in params] for _ in range(2)]
+    return model, _tasks(tasks, seed=seed), params, g_hat
+
+
+def _sharing_objective(model, params, tasks, m, lam, g_hat, initialized):
+    """The training-time objective (Algorithm 1's inner loop) without a tape."""
+    sharing = GradientSharing()
+    r = M.adapt(_loss_fn(model), params, F.current_state(model), _const([t[0] for t in tasks]),
+                _plain_lrs(0.3, 2, len(params))({}), first_order=True, sharing=sharing,
+                sharing_m=tf.constant(m), sharing_lambda=tf.constant(lam), g_hat=g_hat,
+                g_hat_initialized=initialized)
+    obj, *_ = M.query_objective(_loss_fn(model), r.trajectories, r.state,
+                                _const([t[1] for t in tasks]))
+    return float(obj)
+
+
+@pytest.mark.parametrize("initialized", [False, True])
+def test_sharing_m_and_lambda_gradients_equal_finite_differences(float64, initialized):
+    model, tasks, params, g_hat = _sharing_setup(1)
+    m0, lam0 = np.array([0.3, -0.2]), np.array([0.1, 0.4])
+    r = M.meta_gradient(_loss_fn(model), _loss_fn(model), params, F.current_state(model),
+                        _const([t[0] for t in tasks]), _const([t[1] for t in tasks]),
+                        {"sharing_m": tf.constant(m0), "sharing_lambda": tf.constant(lam0)},
+                        _plain_lrs(0.3, 2, len(params)), sharing=GradientSharing(),
+                        g_hat=g_hat, g_hat_initialized=initialized)
+    gm, gl = r.hyper_grads["sharing_m"].numpy(), r.hyper_grads["sharing_lambda"].numpy()
+    fd_m = _central_difference(
+        lambda v: _sharing_objective(model, params, tasks, v, lam0, g_hat, initialized), m0)
+    fd_l = _central_difference(
+        lambda v: _sharing_objective(model, params, tasks, m0, v, g_hat, initialized), lam0)
+    np.testing.assert_allclose(gl, fd_l, rtol=1e-6, atol=1e-10)
+    assert np.all(np.abs(gl) > 1e-6)
+    np.testing.assert_allclose(gm, fd_m, rtol=1e-6, atol=1e-10)
+    if initialized:
+        assert np.all(np.abs(gm) > 1e-6)
+    else:
+        np.testing.assert_array_equal(gm, 0.0)  # i = 1: g_hat = g_k, m unused
+    # theta through the shared direction too (second order).
+    fd = _central_difference(
+        lambda v: _sharing_objective(model, _unflat(v, params), tasks, m0, lam0, g_hat,
+                                     initialized), _flat(params))
+    np.testing.assert_allclose(_flat(r.grads), fd, rtol=1e-6, atol=1e-9)
+
+
+def test_sharing_gate_exactly_zero_equals_plain_maml(float64):
+    model, tasks, params, g_hat = _sharing_setup(2)
+    args = (_loss_fn(model), _loss_fn(model), params, F.current_state(model),
+            _const([t[0] for t in tasks]), _const([t[1] for t in tasks]))
+    plain = M.meta_gradient(*args, {}, _plain_lrs(0.3, 2, len(params)))
+    for initialized in (False, True):
+        shared = M.meta_gradient(
+            *args, {"sharing_m": tf.constant([0.5, -1.0], tf.float64),
+                    "sharing_lambda": tf.constant([-np.inf, -np.inf], tf.float64)},
+            _plain_lrs(0.3, 2, len(params)),
+            sharing=GradientSharing(initial_lambda=float("-inf")), g_hat=g_hat,
+            g_hat_initialized=initialized)
+        assert float(shared.loss) == float(plain.loss)
+        for a, b in zip(shared.grads, plain.grads):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+        np.testing.assert_array_equal(shared.hyper_grads["sharing_lambda"].numpy(), 0.0)
+
+
+def np_sharing_inner_loop(theta0, tasks, alpha, m, lam, g_hat, initialized):
+    """Chang & Lipson Algorithm 1's inner loop for a linear model, in NumPy."""
+    sig = lambda z: 1.0 / (1.0 + np.exp(-z))  # noqa: E731
+    flat = lambda gs: np.concatenate([g.ravel() for g in gs])  # noqa: E731
+    thetas = [[p.copy() for p in theta0] for _ in tasks]
+    new_g_hat = []
+    for k in range(len(m)):
+        grads = [_np_grad(th, xs, ys) for th, ((xs, ys), _) in zip(thetas, tasks)]
+        s = [sum(g[i] for g in grads) for i in range(2)]
+        norm = np.linalg.norm(flat(s))
+        g = [x / norm for x in s]
+        gh = ([sig(m[k]) * a + (1 - sig(m[k])) * b for a, b in zip(g, g_hat[k])]
+              if initialized else g)
+        new_g_hat.append(gh)
+        for t in range(len(tasks)):
+            delta = [sig(lam[k]) * h + (1 - sig(lam[k])) * gt for h, gt in zip(gh, grads[t])]
+            thetas[t] = [p - alpha * d for p, d in zip(thetas[t], delta)]
+    return thetas, new_g_hat
+
+
+@pytest.mark.parametrize("initialized", [False, True])
+def test_g_hat_update_equals_numpy(float64, initialized):
+    model = _linear(4)
+    tasks = _tasks(3, seed=6)
+    params = F.current_params(model)
+    rng = np.random.default_rng(3)
+    g_hat = [[rng.normal(size=p.shape) for p in params] for _ in range(3)]
+    m, lam = np.array([0.2, -0.7, 1.1]), np.array([-0.3, 0.5, 0.0])
+    r = M.adapt(_loss_fn(model), params, F.current_state(model), _const([t[0] for t in tasks]),
+                _plain_lrs(0.25, 3, 2)({}), sharing=GradientSharing(),
+                sharing_m=tf.constant(m), sharing_lambda=tf.constant(lam),
+                g_hat=[[tf.constant(x) for x in step] for step in g_hat],
+                g_hat_initialized=tf.constant(initialized))
+    thetas, new_g_hat = np_sharing_inner_loop([p.numpy() for p in params], tasks, 0.25, m, lam,
+                                              g_hat, initialized)
+    for got, want in zip(r.g_hat, new_g_hat):
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a.numpy(), b, rtol=1e-10, atol=1e-12)
+    for traj, want in zip(r.trajectories, thetas):
+        for a, b in zip(traj[-1], want):
+            np.testing.assert_allclose(a.numpy(), b, rtol=1e-10, atol=1e-12)
+
+
+def test_multi_step_loss_weights_follow_maml_plus_plus():
+    w0 = M.multi_step_loss_weights(5, 0, 10).numpy()
+    np.testing.assert_allclose(w0, np.full(5, 0.2), rtol=1e-6)
+    w3 = M.multi_step_loss_weights(5, 3, 10).numpy()
+    np.testing.assert_allclose(w3[:4], 0.2 - 3 * 0.02, rtol=1e-6)
+    np.testing.assert_allclose(w3[4], 0.2 + 3 * 4 * 0.02, rtol=1e-6)
+    w9 = M.multi_step_loss_weights(5, 9, 10).numpy()
+    np.testing.assert_allclose(w9, [0.02] * 4 + [0.92], rtol=1e-6)
+    w49 = M.multi_step_loss_weights(5, 49, 50).numpy()
+    np.testing.assert_allclose(w49[:4], 0.006, rtol=1e-6)  # the floor 0.03 / K
+    np.testing.assert_allclose(w49[4], 1 - 4 * 0.006, rtol=1e-6)  # the cap
+    np.testing.assert_array_equal(M.multi_step_loss_weights(5, 10, 10).numpy(), [0, 0, 0, 0, 1])
+
+
+# ------------------------------------------------------------------------ the trainer
+
+from conftest import two_cpu_strategy  # noqa: E402
+from tf_metaalign.trainers import MAMLTrainer  # noqa: E402
+
+
+def _task_arrays(num_tasks, seed=0, n_support=6, n_query=5):
+    tasks = _tasks(num_tasks, n_support, n_query, seed=seed)
+    sx = np.stack([t[0][0] for t in tasks])
+    sy = np.stack([t[0][1] for t in tasks])
+    qx = np.stack([t[1][0] for t in tasks])
+    qy = np.stack([t[1][1] for t in tasks])
+    return (sx, sy, qx), qy
+
+
+def _dataset(x, y, tasks_per_batch):
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(tasks_per_batch, drop_remainder=True)
+
+
+def _trainer(model, optimizer=None, **kwargs):
+    trainer = MAMLTrainer(model, **kwargs)
+    trainer.compile(optimizer=optimizer or keras.optimizers.SGD(0.5),
+                    loss=keras.losses.MeanSquaredError(), metrics=["mae"])
+    return trainer
+
+
+def test_trainer_step_is_the_algorithms_meta_gradient(float64):
+    x, y = _task_arrays(4, seed=7)
+    for first_order in (False, True):
+        trainer = _trainer(_mlp(5), inner_steps=2, inner_learning_rate=0.3,
+                           first_order=first_order)
+        phi = F.current_params(trainer.model)
+        tasks = [((x[0][t], x[1][t]), (x[2][t], y[t])) for t in range(4)]
+        r = M.meta_gradient(_loss_fn(trainer.model), _loss_fn(trainer.model), phi,
+                            F.current_state(trainer.model), _const([t[0] for t in tasks]),
+                            _const([t[1] for t in tasks]), {}, _plain_lrs(0.3, 2, 4),
+                            first_order=first_order)
+        history = trainer.fit(_dataset(x, y, 4), verbose=0)
+        for v, p, g in zip(trainer.model.trainable_variables, phi, r.grads):
+            np.testing.assert_allclose(v.numpy(), p.numpy() - 0.5 * g.numpy(), rtol=1e-10,
+                                       atol=1e-12)
+        np.testing.assert_allclose(history.history["loss"][0], float(r.loss), rtol=1e-10)
+        assert int(trainer.outer_steps.numpy()) == 1
+
+
+def test_trainer_first_order_equals_the_fomaml_closed_form(float64):
+    x, y = _task_arrays(6, seed=8)
+    trainer = _trainer(_linear(6), inner_steps=2, inner_learning_rate=0.2, first_order=True)
+    phi = [v.numpy() for v in trainer.model.trainable_variables]
+    trainer.fit(_dataset(x, y, 3), verbose=0)  # 2 outer steps of 3 tasks
+    for start in (0, 3):
+        grad = [np.zeros_like(p) for p in phi]
+        for t in range(start, start + 3):
+            theta = [p.copy() for p in phi]
+            for _ in range(2):
+                theta = [a - 0.2 * g for a, g in zip(theta, _np_grad(theta, x[0][t], x[1][t]))]
+            grad = [a + g / 3 for a, g in zip(grad, _np_grad(theta, x[2][t], y[t]))]
+        phi = [p - 0.5 * g for p, g in zip(phi, grad)]
+    for v, p in zip(trainer.model.trainable_variables, phi):
+        np.testing.assert_allclose(v.numpy(), p, rtol=1e-10, atol=1e-12)
+
+
+def test_trainer_gate_exactly_zero_equals_plain_maml(float64):
+    x, y = _task_arrays(8, seed=9)
+    plain = _trainer(_mlp(3), keras.optimizers.Adam(0.02), inner_steps=2, inner_learning_rate=0.3)
+    plain.fit(_dataset(x, y, 4), epochs=2, verbose=0)
+    shared = _trainer(_mlp(3), keras.optimizers.Adam(0.02), inner_steps=2,
+                      inner_learning_rate=0.3,
+                      gradient_sharing=GradientSharing(initial_m=0.3, initial_lambda=-np.inf))
+    shared.fit(_dataset(x, y, 4), epochs=2, verbose=0)
+    for a, b in zip(shared.model.trainable_variables, plain.model.trainable_variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert np.all(np.isneginf(shared.sharing_lambda.numpy()))
+    assert int(shared.g_hat_initialized.numpy()) == 1
+
+
+def test_trainer_g_hat_and_gates_follow_numpy(float64):
+    """Two meta-iterations on a linear model: the stored g_hat equals Algorithm 1's inner
+    loop re-derived in NumPy from the weights, m, lambda and g_hat the trainer had before
+    each iteration; m and lambda both move (non-zero outer gradients)."""
+    x, y = _task_arrays(6, seed=10)
+    trainer = _trainer(_linear(7), keras.optimizers.SGD(0.5), inner_steps=2,
+                       inner_learning_rate=0.25, gradient_sharing=GradientSharing())
+    g_hat = None
+    for step, start in enumerate((0, 3)):
+        theta = [v.numpy() for v in trainer.model.trainable_variables]
+        m, lam = trainer.sharing_m.numpy(), trainer.sharing_lambda.numpy()
+        tasks = [((x[0][t], x[1][t]), (x[2][t], y[t])) for t in range(start, start + 3)]
+        _, want = np_sharing_inner_loop(theta, tasks, 0.25, m, lam, g_hat, step > 0)
+        sub = tuple(a[start:start + 3] for a in x), y[start:start + 3]
+        trainer.fit(_dataset(*sub, 3), verbose=0)
+        for k in range(2):
+            for v, w in zip(trainer.weights_copy(f"g_hat_{k}"), want[k]):
+                np.testing.assert_allclose(v.numpy(), w, rtol=1e-10, atol=1e-12)
+        g_hat = want
+    assert int(trainer.g_hat_initialized.numpy()) == 1
+    assert np.all(trainer.sharing_m.numpy() != 0)  # moved at the second iteration
+    assert np.all(trainer.sharing_lambda.numpy() != 0)
+
+
+@pytest.mark.parametrize("learn", ["per_parameter", "per_layer_per_step"])
+def test_learned_inner_learning_rates_receive_gradients(float64, learn):
+    x, y = _task_arrays(4, seed=11)
+    trainer = _trainer(_mlp(2), keras.optimizers.SGD(0.5), inner_steps=2,
+                       inner_learning_rate=0.1, learn_inner_learning_rates=learn)
+    before = [v.numpy() for v in trainer.inner_learning_rate_variables]
+    phi = F.current_params(trainer.model)
+    history = trainer.fit(_dataset(x, y, 4), verbose=0)
+    after = [v.numpy() for v in trainer.inner_learning_rate_variables]
+    # The outer SGD step moved every learning rate by -0.5 * its meta-gradient.
+    if learn == "per_parameter":
+        hyper = {f"lr_{i}": tf.constant(b) for i, b in enumerate(before)}
+        fn = lambda h: [[h[f"lr_{i}"] for i in range(4)]] * 2  # noqa: E731
+    else:
+        hyper = {"lslr": tf.constant(before[0])}
+        fn = lambda h: [[h["lslr"][k, i] for i in range(4)] for k in range(2)]  # noqa: E731
+    tasks = [((x[0][t], x[1][t]), (x[2][t], y[t])) for t in range(4)]
+    r = M.meta_gradient(_loss_fn(trainer.model), _loss_fn(trainer.model), phi,
+                        F.current_state(trainer.model), _const([t[0] for t in tasks]),
+                        _const([t[1] for t in tasks]), hyper, fn)
+    for name, b, a in zip(sorted(r.hyper_grads, key=lambda n: (len(n), n)), before, after):
+        g = r.hyper_grads[name].numpy()
+        assert np.all(g != 0), name
+        np.testing.assert_allclose(a, b - 0.5 * g, rtol=1e-10, atol=1e-12)
+    assert "inner_learning_rate" in history.history
+
+
+def test_two_replicas_equal_one_with_gradient_sharing(float64):
+    x, y = _task_arrays(8, seed=12)
+    kwargs = dict(inner_steps=2, inner_learning_rate=0.2, gradient_sharing=GradientSharing(),
+                  learn_inner_learning_rates="per_layer_per_step", multi_step_loss=True,
+                  multi_step_loss_epochs=2)
+    single = _trainer(_mlp(4), keras.optimizers.Adam(0.02), **kwargs)
+    h1 = single.fit(_dataset(x, y, 4), epochs=2, verbose=0)
+    with two_cpu_strategy().scope():
+        double = _trainer(_mlp(4), keras.optimizers.Adam(0.02), **kwargs)
+    h2 = double.fit(_dataset(x, y, 4), epochs=2, verbose=0)
+    for a, b in zip(double.variables, single.variables):
+        np.testing.assert_allclose(np.asarray(a.numpy()), np.asarray(b.numpy()), rtol=1e-9,
+                                   atol=1e-12, err_msg=a.path)
+    for key in h1.history:
+        np.testing.assert_allclose(h2.history[key], h1.history[key], rtol=1e-9, err_msg=key)
+    assert int(double.epochs_done.numpy()) == 2
+
+
+def test_derivative_order_annealing_is_first_order_then_second(float64):
+    x, y = _task_arrays(4, seed=13)
+    annealed = _trainer(_mlp(6), inner_steps=2, inner_learning_rate=0.3, first_order_epochs=1)
+    first = _trainer(_mlp(6), inner_steps=2, inner_learning_rate=0.3, first_order=True)
+    second = _trainer(_mlp(6), inner_steps=2, inner_learning_rate=0.3)
+    for t in (annealed, first, second):
+        t.fit(_dataset(x, y, 4), epochs=1, verbose=0)
+    for a, b in zip(annealed.model.trainable_variables, first.model.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12, atol=1e-14)
+    assert not np.allclose(first.model.trainable_variables[0].numpy(),
+                           second.model.trainable_variables[0].numpy(), rtol=1e-8)
+    # Epoch 2 is second order: one step from the same weights as `second` would take.
+    phi = F.current_params(annealed.model)
+    tasks = [((x[0][t], x[1][t]), (x[2][t], y[t])) for t in range(4)]
+    r = M.meta_gradient(_loss_fn(annealed.model), _loss_fn(annealed.model), phi,
+                        F.current_state(annealed.model), _const([t[0] for t in tasks]),
+                        _const([t[1] for t in tasks]), {}, _plain_lrs(0.3, 2, 4))
+    annealed.fit(_dataset(x, y, 4), epochs=1, verbose=0)
+    for v, p, g in zip(annealed.model.trainable_variables, phi, r.grads):
+        np.testing.assert_allclose(v.numpy(), p.numpy() - 0.5 * g.numpy(), rtol=1e-10,
+                                   atol=1e-12)
+    assert int(annealed.epochs_done.numpy()) == 2
+
+
+def _classification_tasks(num_tasks, ways=3, shots=4, seed=0):
+    rng = np.random.default_rng(seed)
+    sx, sy, qx, qy = [], [], [], []
+    for _ in range(num_tasks):
+        centres = rng.normal(size=(ways, 4)) * 2
+        labels = np.repeat(np.arange(ways), shots)
+        sx.append(centres[labels] + rng.normal(size=(ways * shots, 4)))
+        qx.append(centres[labels] + rng.normal(size=(ways * shots, 4)))
+        sy.append(labels)
+        qy.append(labels)
+    return (np.asarray(sx), np.asarray(sy), np.asarray(qx)), np.asarray(qy)
+
+
+def test_evaluate_adapts_and_reports_query_accuracy(float64):
+    x, y = _classification_tasks(4, seed=1)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    trainer = MAMLTrainer(model, inner_steps=2, inner_learning_rate=0.5,
+                          evaluation_inner_steps=3)
+    trainer.compile(optimizer=keras.optimizers.Adam(0.01),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    metrics=["accuracy"])
+    logs = trainer.evaluate(_dataset(x, y, 2), verbose=0, return_dict=True)
+    for steps, result in ((3, logs),
+                          (1, trainer.evaluate_tasks(_dataset(x, y, 2), inner_steps=1,
+                                                     verbose=0, return_dict=True))):
+        adapted = trainer.adapt(x[0], x[1], inner_steps=steps)
+        correct, losses = [], []
+        for t, weights in enumerate(adapted):
+            logits = model.stateless_call(weights, model.non_trainable_variables, x[2][t])[0]
+            correct.append(np.argmax(logits.numpy(), -1) == y[t])
+            losses.append(float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(
+                y[t], logits)))
+        np.testing.assert_allclose(result["accuracy"], np.mean(correct), rtol=1e-12)
+        np.testing.assert_allclose(result["loss"], np.mean(losses), rtol=1e-10)
+    assert set(logs) == {"loss", "accuracy"}
+
+
+def test_arguments_are_checked():
+    model = _linear(0, dtype="float32")
+    with pytest.raises(ValueError, match="inner_steps"):
+        MAMLTrainer(model, inner_steps=0)
+    with pytest.raises(ValueError, match="inner_learning_rate"):
+        MAMLTrainer(model, inner_learning_rate=-1.0)
+    with pytest.raises(ValueError, match="learn_inner_learning_rates"):
+        MAMLTrainer(model, learn_inner_learning_rates="per_layer")
+    with pytest.raises(ValueError, match="first_order_epochs"):
+        MAMLTrainer(model, first_order=True, first_order_epochs=2)
+    with pytest.raises(ValueError, match="gradient_sharing"):
+        MAMLTrainer(model, gradient_sharing="yes")
+    with pytest.raises(ValueError, match="initial_lambda"):
+        GradientSharing(initial_lambda=float("nan"))
+    unbuilt = keras.Sequential([keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="built"):
+        MAMLTrainer(unbuilt, learn_inner_learning_rates="per_parameter")
+    trainer = MAMLTrainer(model)
+    trainer.compile(optimizer="sgd", loss="mse")
+    flat = np.zeros((8, 4), "float32")
+    with pytest.raises(ValueError, match="support_x, support_y, query_x"):
+        trainer.fit(flat, np.zeros((8, 2), "float32"), verbose=0)
+    with pytest.raises(ValueError, match="leading task dimension"):
+        trainer.fit(tf.data.Dataset.from_tensors(((flat, flat[:, :2], flat), flat[:, :2])),
+                    verbose=0)
+    with pytest.raises(ValueError, match="drop_remainder|tasks_per_batch"):
+        x, y = _task_arrays(4)
+        trainer.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(2), verbose=0)
+
+
+def _bn_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(5),
+                             keras.layers.BatchNormalization(momentum=0.5),
+                             keras.layers.Activation("tanh"), keras.layers.Dense(2)])
+
+
+def test_per_step_batch_norm_statistics(float64):
+    """MAML++ per-step statistics: training is unchanged (batch statistics), copy k is the
+    model's statistics updated by the passes of step k only (support passes at theta_{t,k},
+    then for the last step the query passes at theta_{t,K}), the model keeps the last
+    step's copy."""
+    x, y = _task_arrays(2, seed=14)
+    plain = _trainer(_bn_model(1), inner_steps=2, inner_learning_rate=0.3)
+    per_step = _trainer(_bn_model(1), inner_steps=2, inner_learning_rate=0.3,
+                        per_step_batch_norm_statistics=True)
+    model = per_step.model
+    phi, s0 = F.current_params(model), F.current_state(model)
+    assert len(s0) == 2 and len(per_step.step_statistics) == 2
+    plain.fit(_dataset(x, y, 2), verbose=0)
+    per_step.fit(_dataset(x, y, 2), verbose=0)
+    for a, b in zip(per_step.model.trainable_variables, plain.model.trainable_variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    # The reference: the trajectories do not depend on the statistics (batch statistics).
+    r = M.adapt(_loss_fn(model), phi, s0, _const([(x[0][t], x[1][t]) for t in range(2)]),
+                _plain_lrs(0.3, 2, 6)({}))
+
+    def run(state, passes):
+        for weights, inputs in passes:
+            _, state = model.stateless_call(weights, state, tf.constant(inputs), training=True)
+        return state
+
+    copy0 = run(s0, [(r.trajectories[t][0], x[0][t]) for t in range(2)])
+    copy1 = run(s0, [(r.trajectories[t][1], x[0][t]) for t in range(2)]
+                + [(r.trajectories[t][2], x[2][t]) for t in range(2)])
+    for got, want in zip(per_step.step_statistics, (copy0, copy1)):
+        for v, w in zip(got, want):
+            np.testing.assert_allclose(v.numpy(), w.numpy(), rtol=1e-12)
+    for v, w in zip(model.non_trainable_variables, copy1):
+        np.testing.assert_allclose(v.numpy(), w.numpy(), rtol=1e-12)
+    # Evaluation with moving statistics uses copy k at step k.
+    per_step.transductive_evaluation = False
+    per_step.test_function = None
+    loss = per_step.evaluate(_dataset(x, y, 2), verbose=0, return_dict=True)["loss"]
+    stats = [[v.numpy() for v in copies] for copies in per_step.step_statistics]
+    losses = []
+    for t in range(2):
+        theta = F.current_params(model)
+        for k in range(2):
+            with tf.GradientTape() as tape:
+                tape.watch(theta)
+                out = model.stateless_call(theta, stats[k], tf.constant(x[0][t]), training=False)[0]
+                value = keras.losses.MeanSquaredError()(x[1][t], out)
+            theta = [p - 0.3 * g for p, g in zip(theta, tape.gradient(value, theta))]
+        out = model.stateless_call(theta, stats[1], tf.constant(x[2][t]), training=False)[0]
+        losses.append(float(keras.losses.MeanSquaredError()(y[t], out)))
+    np.testing.assert_allclose(loss, np.mean(losses), rtol=1e-10)
+
+
+def test_validation_during_fit_is_the_adapted_query_loss(float64):
+    x, y = _task_arrays(8, seed=15)
+    val = _task_arrays(4, seed=16)
+    trainer = _trainer(_mlp(8), keras.optimizers.Adam(0.01), inner_steps=2,
+                       inner_learning_rate=0.3, gradient_sharing=GradientSharing())
+    history = trainer.fit(_dataset(x, y, 4), validation_data=_dataset(*val, 2), epochs=2,
+                          verbose=0)
+    after = trainer.evaluate(_dataset(*val, 2), verbose=0, return_dict=True)
+    np.testing.assert_allclose(history.history["val_loss"][-1], after["loss"], rtol=1e-12)
+    np.testing.assert_allclose(history.history["val_mae"][-1], after["mae"], rtol=1e-12)
+    assert "val_sharing_m" not in history.history
+
+
+def test_predict_adapts_each_task(float64):
+    x, y = _task_arrays(4, seed=17)
+    trainer = _trainer(_mlp(9), inner_steps=2, inner_learning_rate=0.3)
+    trainer.fit(_dataset(x, y, 2), verbose=0)
+    data = tf.data.Dataset.from_tensor_slices(x).batch(2, drop_remainder=True)
+    predictions = trainer.predict(data, verbose=0)
+    assert predictions.shape == (4, 5, 2)
+    adapted = trainer.adapt(x[0], x[1])
+    model = trainer.model
+    for t, weights in enumerate(adapted):
+        want = model.stateless_call(weights, model.non_trainable_variables, x[2][t])[0]
+        np.testing.assert_allclose(predictions[t], want.numpy(), rtol=1e-12)
+    # An ordinary model batch: the wrapped model.
+    np.testing.assert_allclose(trainer.predict(x[2][0], verbose=0),
+                               model.predict(x[2][0], verbose=0), rtol=1e-12)

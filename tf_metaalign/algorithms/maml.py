@@ -1,0 +1,429 @@
+"""MAML (Finn et al., 2017), Meta-SGD (Li et al., 2017), MAML++ (Antoniou et al., 2019)
+and gradient sharing (Chang & Lipson) as pure computations on tensors.
+
+Inputs are weights as lists of tensors (one per `model.trainable_variables`), the
+model's non-trainable `state`, and per task a support batch and a query batch; nothing is
+assigned. Two loss functions, both `loss_fn(params, state, batch) -> (loss, (new_state,
+outputs))` (e.g. `MetaTrainer.loss_fn()` / `functional.make_loss_fn`):
+
+* `inner_loss_fn`: the loss of ONE task's support set, in the task's own units (the
+  trainer passes the compiled loss with Keras's per-replica division undone, so an inner
+  step does not depend on the replica count);
+* `query_loss_fn`: the loss of one task's query set in the caller's units (a trainer:
+  Keras's per-replica units, so the outer gradients are what `apply_gradients` takes).
+
+The inner loop (`adapt`) is plain SGD on tensors: for k = 1..K and every task t,
+
+    theta_{t,k} = theta_{t,k-1} - alpha_k * Delta_{t,k},   theta_{t,0} = theta,
+    Delta_{t,k} = grad L_t^support(theta_{t,k-1})      (or the gradient-sharing mix),
+
+where alpha_k is a list with one entry per weight (a scalar: MAML, MAML++'s per-layer
+per-step LSLR; a tensor of the weight's shape: Meta-SGD). ALL tasks take step k before any
+takes step k + 1 (gradient sharing needs the sum over tasks at each step).
+
+The meta-objective (`meta_gradient`) is the mean over tasks of sum_k w_k L_t^query(theta_{t,k}),
+with w = (0, ..., 0, 1) (MAML) or MAML++'s multi-step loss weights
+(`multi_step_loss_weights`). Its gradient with respect to theta and to the hyper-
+parameters (alphas, m, lambda) is taken:
+
+* second order (`first_order=False`): through the whole inner loop (nested gradient tapes;
+  the inner gradients are differentiated, Hessian-vector products included). With
+  `order_weight` (a scalar tensor, MAML++'s derivative-order annealing) the inner
+  gradients' derivatives are multiplied by it: 1 = second order, 0 = first order (the
+  cost stays that of second order);
+* first order (`first_order=True`): the inner gradients are constants. The inner loop runs
+  OUTSIDE the outer tape (no forward pass of it is recorded); on the tape only the
+  elementwise update rule is replayed with those constant gradients, so theta_{t,K} =
+  theta - sum_k alpha_k Delta_{t,k}: d theta_{t,K} / d theta = I (the FOMAML gradient is the
+  query gradient at theta_{t,K}), and the alphas, m and lambda still get their (first-
+  order) gradients.
+
+State threading: the model's non-trainable state (BatchNorm statistics, Dropout seeds)
+goes through the forward passes in the order: for k: for t: support pass; then for t: for
+k in the query steps: query pass. Batch statistics are those of each pass's batch
+(`training=True` in `loss_fn`), as in the reference MAML.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Sequence
+
+import tensorflow as tf
+
+from tf_metaalign import functional as F
+from tf_metaalign.algorithms.gradient_sharing import GradientSharing
+
+LEARN_INNER_LEARNING_RATES = ("none", "per_parameter", "per_layer_per_step")
+
+
+class AdaptResult(NamedTuple):
+    """What `adapt` returns.
+
+    trajectories: per task, the list [theta_{t,0}, ..., theta_{t,K}] (each a list of tensors).
+    state: the model's state after the support passes.
+    support_losses: per step k, the mean over tasks of the support loss at theta_{t,k-1}.
+    g_hat: gradient sharing's new [g_hat_1, ..., g_hat_K] (training), else None.
+    record: per step, (task gradients, g_k or None): the constant inner gradients of a
+      first-order run, replayed on the outer tape by `replay`.
+    """
+
+    trajectories: list
+    state: list
+    support_losses: list
+    g_hat: list | None
+    record: list
+
+
+class MetaGradientResult(NamedTuple):
+    """What `meta_gradient` returns.
+
+    loss: the meta-objective (mean over tasks, `query_loss_fn`'s units).
+    grads: d loss / d params (a list, like `params`).
+    hyper_grads: d loss / d each tensor of `hyper` (same structure).
+    state: the model's state after every pass.
+    y_pred: the query outputs at theta_{t,K} of every task, concatenated along axis 0.
+    g_hat: gradient sharing's new g_hat (list over steps), or None.
+    support_losses: per step, the mean support loss over tasks.
+    query_losses: per task, the query loss at theta_{t,K}.
+    """
+
+    loss: tf.Tensor
+    grads: list
+    hyper_grads: dict
+    state: list
+    y_pred: object
+    g_hat: list | None
+    support_losses: list
+    query_losses: list
+
+
+# ------------------------------------------------------------- per-step statistics
+
+
+class StepStatistics:
+    """MAML++'s per-step batch-norm statistics: one copy per inner step of some entries
+    of the model's state (the BatchNorm moving statistics), swapped in for the forward
+    passes of that step.
+
+    `indices`: the positions of those entries in the model's state; `values`: per step k,
+    their values (a list of tensors). The support pass of inner step k (at theta_{t,k-1})
+    and the query pass at theta_{t,k} run with copy k-1 in place and write their new
+    statistics back into it (AntreasAntoniou/HowToTrainYourMAMLPytorch: `num_step`);
+    the other entries of the state (Dropout seeds) are threaded through every pass as
+    usual. A per-call accumulator: `adapt` and `query_objective` update `values`.
+    """
+
+    def __init__(self, indices, values):
+        self.indices = list(indices)
+        self.values = [list(v) for v in values]
+
+    def enter(self, step, state):
+        state = list(state)
+        for i, value in zip(self.indices, self.values[step]):
+            state[i] = value
+        return state
+
+    def leave(self, step, state):
+        self.values[step] = [state[i] for i in self.indices]
+        return state
+
+
+# ---------------------------------------------------------------------- validation
+
+
+def validate_learn_inner_learning_rates(value):
+    if value not in LEARN_INNER_LEARNING_RATES:
+        raise ValueError(
+            f"`learn_inner_learning_rates` must be one of {LEARN_INNER_LEARNING_RATES}; "
+            f"got {value!r}."
+        )
+    return value
+
+
+# ---------------------------------------------------------------------- pieces
+
+
+def multi_step_loss_weights(steps: int, epoch, annealing_epochs: int, dtype=tf.float32):
+    """MAML++'s per-step importance of the query losses at theta_1..theta_K.
+
+    Epoch 0: uniform 1/K. Each epoch the non-final weights decrease by
+    1/(K * annealing_epochs), down to 0.03/K, and the final one increases by (K-1) times
+    that, up to 1 - (K-1) * 0.03/K (AntreasAntoniou/HowToTrainYourMAMLPytorch,
+    `get_per_step_loss_importance_vector`). From epoch `annealing_epochs` on, only the
+    final step's loss counts: (0, ..., 0, 1).
+    """
+    k = float(steps)
+    epoch = tf.cast(epoch, dtype)
+    if steps == 1:
+        return tf.ones([1], dtype)
+    decay = 1.0 / k / float(annealing_epochs)
+    floor = 0.03 / k
+    early = tf.maximum(1.0 / k - epoch * decay, floor)
+    final = tf.minimum(1.0 / k + epoch * (k - 1.0) * decay, 1.0 - (k - 1.0) * floor)
+    annealed = tf.concat([tf.fill([steps - 1], early), tf.reshape(final, [1])], 0)
+    last_only = tf.one_hot(steps - 1, steps, dtype=dtype)
+    return tf.where(epoch < float(annealing_epochs), annealed, last_only)
+
+
+def _task_gradient(inner_loss_fn, theta, state, batch, mode, order_weight, loss_scale=None):
+    """(loss, grad, new_state) of one task's support loss at theta.
+
+    mode: "const" (stop the gradient: first order), "diff" (second order). With
+    `loss_scale`, the loss function's value is scaled by it: the gradient and the
+    returned loss are divided by it."""
+    with tf.GradientTape() as tape:
+        tape.watch(theta)
+        loss, (state, _) = inner_loss_fn(theta, state, batch)
+    grad = F.densify(tape.gradient(loss, theta,
+                                   unconnected_gradients=tf.UnconnectedGradients.ZERO))
+    if loss_scale is not None:
+        grad = [g / tf.cast(loss_scale, g.dtype) for g in grad]
+        loss = loss / tf.cast(loss_scale, loss.dtype)
+    if mode == "const":
+        grad = [tf.stop_gradient(g) for g in grad]
+    elif order_weight is not None:
+        # Value g; derivative order_weight * dg (MAML++ derivative-order annealing).
+        w = order_weight
+        grad = [tf.stop_gradient(g) + tf.cast(w, g.dtype) * (g - tf.stop_gradient(g))
+                for g in grad]
+    return loss, grad, state
+
+
+def _as(value, dtype):
+    """`value` in `dtype` (a python float is converted in `dtype` directly, not via float32)."""
+    return tf.cast(tf.convert_to_tensor(value, dtype_hint=dtype), dtype)
+
+
+def _sgd(theta, alpha, delta):
+    return [t - _as(a, t.dtype) * _as(d, t.dtype) for t, a, d in zip(theta, alpha, delta)]
+
+
+def adapt(
+    inner_loss_fn: Callable,
+    params: Sequence[tf.Tensor],
+    state: Sequence[tf.Tensor],
+    support_batches: Sequence,
+    learning_rates: Sequence[Sequence],
+    first_order: bool = False,
+    order_weight=None,
+    sharing: GradientSharing | None = None,
+    sharing_m=None,
+    sharing_lambda=None,
+    g_hat=None,
+    g_hat_initialized=False,
+    sharing_training: bool = True,
+    reduce: Callable = F.all_reduce_sum,
+    loss_scale=None,
+    step_statistics: StepStatistics | None = None,
+) -> AdaptResult:
+    """K = len(learning_rates) inner SGD steps for every task.
+
+    Args:
+      inner_loss_fn: the support loss of one task (see the module doc).
+      params: theta (a list of tensors).
+      state: the model's non-trainable state, threaded through the passes.
+      support_batches: one support batch per task.
+      learning_rates: per step k, a list over the weights of alpha (scalars or tensors of
+        the weight's shape).
+      first_order: when True the inner gradients are constants (stop_gradient).
+      order_weight: second order only: scales the inner gradients' derivatives.
+      sharing: a `GradientSharing`, or None (plain MAML).
+      sharing_m, sharing_lambda: [K] tensors (the gates' logits).
+      g_hat: the stored [g_hat_1..g_hat_K] (each a list of tensors).
+      g_hat_initialized: False at the first meta-iteration (bool or tensor).
+      sharing_training: True: Algorithm 1 (g_hat updated); False: meta-test (Algorithm 2,
+        the stored g_hat, no communication).
+      reduce: the cross-replica sum of gradient sharing's S_k.
+      loss_scale: when `inner_loss_fn` multiplies its loss by a loss scale (mixed
+        precision), that scale: the inner gradients (and the reported losses) are divided
+        by it.
+      step_statistics: a `StepStatistics` (per-step BatchNorm statistics), updated.
+    """
+    if not support_batches:
+        raise ValueError("adapt: no tasks (support_batches is empty).")
+    steps = len(learning_rates)
+    if steps < 1:
+        raise ValueError("adapt: at least one inner step (learning_rates is empty).")
+    if sharing is not None and (sharing_m is None or sharing_lambda is None or g_hat is None):
+        raise ValueError("adapt: gradient sharing needs sharing_m, sharing_lambda and g_hat.")
+    mode = "const" if first_order else "diff"
+    thetas = [[list(params)] for _ in support_batches]
+    state = list(state)
+    support_losses, record, new_g_hat = [], [], []
+    for k in range(steps):
+        task_grads, losses = [], []
+        for t, batch in enumerate(support_batches):
+            if step_statistics is not None:
+                state = step_statistics.enter(k, state)
+            loss, grad, state = _task_gradient(inner_loss_fn, thetas[t][-1], state, batch,
+                                               mode, order_weight, loss_scale)
+            if step_statistics is not None:
+                step_statistics.leave(k, state)
+            task_grads.append(grad)
+            losses.append(loss)
+        g = None
+        if sharing is None:
+            deltas = task_grads
+        elif sharing_training:
+            # First order: the shared direction is a constant too.
+            g = sharing.shared_direction(task_grads, reduce)
+            if first_order:
+                g = [tf.stop_gradient(x) for x in g]
+            s = sharing.step(task_grads, sharing_m[k], sharing_lambda[k], g_hat[k],
+                             g_hat_initialized, g=g)
+            deltas = s.deltas
+            new_g_hat.append(s.g_hat)
+        else:
+            deltas = sharing.test_deltas(task_grads, sharing_lambda[k], g_hat[k],
+                                         g_hat_initialized)
+        record.append((task_grads, g))
+        for t in range(len(support_batches)):
+            thetas[t].append(_sgd(thetas[t][-1], learning_rates[k], deltas[t]))
+        support_losses.append(tf.add_n(losses) / tf.cast(len(losses), losses[0].dtype))
+    return AdaptResult(thetas, state, support_losses,
+                       new_g_hat if sharing is not None and sharing_training else None, record)
+
+
+def replay(params, record, learning_rates, sharing=None, sharing_m=None,
+           sharing_lambda=None, g_hat=None, g_hat_initialized=False):
+    """The trajectories of `adapt` recomputed from its recorded (constant) gradients:
+    no forward pass, only the update rule (differentiable in params, the learning rates,
+    m and lambda). Returns (trajectories, new g_hat or None)."""
+    tasks = len(record[0][0])
+    thetas = [[list(params)] for _ in range(tasks)]
+    new_g_hat = []
+    for k, (task_grads, g) in enumerate(record):
+        if sharing is None:
+            deltas = task_grads
+        else:
+            s = sharing.step(task_grads, sharing_m[k], sharing_lambda[k], g_hat[k],
+                             g_hat_initialized, g=g)
+            deltas = s.deltas
+            new_g_hat.append(s.g_hat)
+        for t in range(tasks):
+            thetas[t].append(_sgd(thetas[t][-1], learning_rates[k], deltas[t]))
+    return thetas, (new_g_hat if sharing is not None else None)
+
+
+def query_objective(query_loss_fn, trajectories, state, query_batches, step_weights=None,
+                    step_statistics: StepStatistics | None = None):
+    """Mean over tasks of sum_k w_k L_t^query(theta_{t,k}) (k = 1..K; w = None: the last
+    step only). Returns (objective, state, y_pred of theta_{t,K} concatenated, per-task
+    losses at theta_{t,K}). With `step_statistics`, the pass at theta_{t,k} uses (and
+    updates) copy k-1."""
+    per_task, finals, outputs = [], [], []
+    for traj, batch in zip(trajectories, query_batches):
+        steps = len(traj) - 1
+        terms = []
+        ks = range(1, steps + 1) if step_weights is not None else [steps]
+        for k in ks:
+            if step_statistics is not None:
+                state = step_statistics.enter(k - 1, state)
+            loss, (state, y_pred) = query_loss_fn(traj[k], state, batch)
+            if step_statistics is not None:
+                step_statistics.leave(k - 1, state)
+            if step_weights is not None:
+                terms.append(tf.cast(step_weights[k - 1], loss.dtype) * loss)
+            else:
+                terms.append(loss)
+        finals.append(loss)
+        outputs.append(y_pred)
+        per_task.append(tf.add_n(terms))
+    objective = tf.add_n(per_task) / tf.cast(len(per_task), per_task[0].dtype)
+    y_pred = tf.nest.map_structure(lambda *ys: tf.concat(ys, 0), *outputs)
+    return objective, state, y_pred, finals
+
+
+def meta_gradient(
+    inner_loss_fn: Callable,
+    query_loss_fn: Callable,
+    params: Sequence[tf.Tensor],
+    state: Sequence[tf.Tensor],
+    support_batches: Sequence,
+    query_batches: Sequence,
+    hyper: dict,
+    learning_rates_fn: Callable,
+    first_order: bool = False,
+    order_weight=None,
+    step_weights=None,
+    sharing: GradientSharing | None = None,
+    g_hat=None,
+    g_hat_initialized=False,
+    reduce: Callable = F.all_reduce_sum,
+    loss_scale=None,
+    step_statistics: StepStatistics | None = None,
+) -> MetaGradientResult:
+    """The meta-objective and its gradient (see the module doc).
+
+    Args:
+      hyper: name -> tensor, the differentiated hyperparameters (e.g. learned learning
+        rates, "sharing_m", "sharing_lambda"); `hyper_grads` has the same keys.
+      learning_rates_fn: `hyper -> per step, a list over weights of alpha` (so the alphas
+        can be functions of the differentiated tensors).
+      step_weights: [K] multi-step loss weights, or None (final step only).
+      loss_scale: the loss scale `inner_loss_fn` multiplies its loss by (see `adapt`);
+        `query_loss_fn`'s scale is the caller's (the objective and gradients keep it).
+      step_statistics: per-step BatchNorm statistics (`StepStatistics`), updated in place.
+      The rest as in `adapt`.
+    """
+    params = [tf.convert_to_tensor(p) for p in params]
+    if len(support_batches) != len(query_batches):
+        raise ValueError(f"meta_gradient: {len(support_batches)} support batches but "
+                         f"{len(query_batches)} query batches.")
+    names = sorted(hyper)
+    hyper_values = [tf.convert_to_tensor(hyper[n]) for n in names]
+    def sharing_args(h):
+        if sharing is None:
+            return {}
+        return dict(sharing=sharing, sharing_m=h["sharing_m"], sharing_lambda=h["sharing_lambda"],
+                    g_hat=g_hat, g_hat_initialized=g_hat_initialized)
+
+    if first_order:
+        # The inner loop off the outer tape: constant gradients, then a replay on it.
+        constant = dict(zip(names, [tf.stop_gradient(v) for v in hyper_values]))
+        inner = adapt(inner_loss_fn, [tf.stop_gradient(p) for p in params], state,
+                      support_batches, learning_rates_fn(constant), first_order=True,
+                      reduce=reduce, loss_scale=loss_scale, step_statistics=step_statistics,
+                      **sharing_args(constant))
+        state = inner.state
+    with tf.GradientTape() as tape:
+        tape.watch(params)
+        tape.watch(hyper_values)
+        h = dict(zip(names, hyper_values))
+        if first_order:
+            trajectories, new_g_hat = replay(params, inner.record, learning_rates_fn(h),
+                                             **sharing_args(h))
+            support_losses = inner.support_losses
+        else:
+            inner = adapt(inner_loss_fn, params, state, support_batches, learning_rates_fn(h),
+                          first_order=False, order_weight=order_weight, reduce=reduce,
+                          loss_scale=loss_scale, step_statistics=step_statistics,
+                          **sharing_args(h))
+            trajectories, new_g_hat, state = inner.trajectories, inner.g_hat, inner.state
+            support_losses = inner.support_losses
+        objective, state, y_pred, finals = query_objective(
+            query_loss_fn, trajectories, state, query_batches, step_weights, step_statistics)
+    grads = tape.gradient(objective, params + hyper_values,
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    grads = F.densify(grads)
+    n = len(params)
+    new_g_hat = None if new_g_hat is None else [[tf.stop_gradient(x) for x in step]
+                                                for step in new_g_hat]
+    return MetaGradientResult(
+        loss=objective, grads=grads[:n], hyper_grads=dict(zip(names, grads[n:])),
+        state=state, y_pred=y_pred, g_hat=new_g_hat,
+        support_losses=[tf.stop_gradient(x) for x in support_losses],
+        query_losses=[tf.stop_gradient(x) for x in finals],
+    )
+
+
+def adapt_and_evaluate(inner_loss_fn, query_loss_fn, params, state, support_batches,
+                       query_batches, learning_rates, **adapt_kwargs):
+    """Meta-test: `adapt` (no outer tape; first order, since nothing is differentiated)
+    then the query losses at theta_{t,K}. Returns (mean query loss, state, y_pred
+    concatenated over tasks, per-task losses, AdaptResult)."""
+    result = adapt(inner_loss_fn, params, state, support_batches, learning_rates,
+                   first_order=True, **adapt_kwargs)
+    objective, state, y_pred, finals = query_objective(
+        query_loss_fn, result.trajectories, result.state, query_batches,
+        step_statistics=adapt_kwargs.get("step_statistics"))
+    return objective, state, y_pred, finals, result

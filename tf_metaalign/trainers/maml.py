@@ -1,0 +1,650 @@
+"""`MAMLTrainer`: MAML, first-order MAML, Meta-SGD, MAML++ (LSLR, multi-step loss,
+derivative-order annealing) and gradient sharing inside `model.fit`.
+
+The maths lives in `tf_metaalign.algorithms.maml` and
+`tf_metaalign.algorithms.gradient_sharing`; this trainer unpacks the task batch, owns the
+learned variables (inner learning rates, gradient sharing's m, lambda, g_hat), hands the
+outer gradient to the compiled (OUTER) optimizer and logs.
+"""
+from __future__ import annotations
+
+import inspect
+
+import keras
+import tensorflow as tf
+
+from tf_metaalign import _compat
+from tf_metaalign import functional as F
+from tf_metaalign.algorithms import maml as M
+from tf_metaalign.algorithms import reptile as R
+from tf_metaalign.algorithms.gradient_sharing import as_gradient_sharing
+from tf_metaalign.trainers.base import MetaTrainer, _value_initializer
+
+
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False; got {value!r}.")
+    return value
+
+
+def _rank(t):
+    """The rank of a tensor or KerasTensor (None if unknown)."""
+    shape = t.shape
+    if isinstance(shape, tf.TensorShape):
+        return shape.rank
+    return len(shape)
+
+
+def _check_epochs(name, value, minimum=0):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}; got {value!r}.")
+    return int(value)
+
+
+@keras.saving.register_keras_serializable(package="tf_metaalign")
+class MAMLTrainer(MetaTrainer):
+    """MAML (Finn et al., 2017) and its variants as a Keras trainer.
+
+    Data: `fit` / `evaluate` take elements `((support_x, support_y, query_x), query_y)`
+    (optionally `query_sample_weight` third), every tensor with a leading TASK dimension:
+    support_x `[T, N_support, ...]`, support_y `[T, N_support, ...]`, query_x
+    `[T, N_query, ...]`, query_y `[T, N_query, ...]`. One element is one meta-batch of T
+    tasks; under a distribution strategy Keras splits the T tasks among the replicas
+    (T must be a multiple of the replica count). The inner loop is unrolled over the
+    tasks, so T (per replica) must be known when the step is traced: batch the task
+    dataset with `drop_remainder=True`, or give `tasks_per_batch` (the GLOBAL number of
+    tasks of every meta-batch; every meta-batch must then have exactly that many).
+
+    Per meta-batch, from theta (the model's variables, the meta weights), for every task
+    K = `inner_steps` SGD steps on tensors, all tasks taking step k before any takes step
+    k + 1 (`algorithms.maml.adapt`):
+
+        theta_{t,k} = theta_{t,k-1} - alpha_k * Delta_{t,k},
+        Delta_{t,k} = grad L_t^support(theta_{t,k-1})  (or gradient sharing's mix).
+
+    * the INNER loss is the trainer's compiled loss (and the model's own losses) on the
+      task's support set, in the task's own units (Keras's per-replica division undone);
+    * the OUTER loss (the meta-objective) is the compiled loss on each task's query set at
+      theta_{t,K}, averaged over the tasks (MAML++'s multi-step loss: a weighted sum over
+      k of the query losses at theta_{t,k}); its gradient is handed, with the gradients
+      of the trainer's own learned variables, to the COMPILED optimizer (the outer
+      optimizer) in Keras's per-replica units: exactly what `fit` hands
+      `apply_gradients`, so the outer step is on the mean over ALL replicas' tasks;
+    * second order (`first_order=False`): the outer gradient goes through the whole inner
+      loop (nested gradient tapes over `functional`'s stateless model, no variable is
+      assigned); first order (`first_order=True`, FOMAML): the inner loop runs off the
+      outer tape, its gradients are constants, and the theta gradient is the query
+      gradient at theta_{t,K}.
+
+    Learned inner learning rates (`learn_inner_learning_rates`), variables of the TRAINER
+    (the wrapped model saves as itself), initialised at `inner_learning_rate`, updated by
+    the outer optimizer together with the model's weights:
+    * "none": alpha = `inner_learning_rate` for every weight and step (MAML);
+    * "per_parameter": Meta-SGD (Li et al., 2017): one rate per scalar weight
+      (variables `inner_learning_rate_<i>`, the shape of the i-th trainable weight),
+      shared by the steps;
+    * "per_layer_per_step": MAML++'s LSLR: one rate per trainable weight tensor and step
+      (variable `inner_learning_rates`, shape [K, number of trainable weights]).
+    Both need a built model (give the model Input shapes).
+
+    MAML++ (Antoniou et al., 2019) options:
+    * `multi_step_loss=True`: the meta-objective is sum_k w_k L^query(theta_{t,k}), w
+      annealed from uniform towards the last step over `multi_step_loss_epochs` epochs
+      (`algorithms.maml.multi_step_loss_weights`), then the last step only;
+    * `first_order_epochs=n`: derivative-order annealing: first-order outer gradients in
+      the first n epochs, second order afterwards (needs `first_order=False`; the first n
+      epochs still cost what second order costs: the inner loop stays on the tape and its
+      Hessian terms are multiplied by 0);
+    * the epochs are counted by the checkpointed variable `epochs_done` (all epochs the
+      trainer has trained, across `fit` calls).
+    * `per_step_batch_norm_statistics=True`: one copy per inner step of the model's
+      statistics (every non-trainable variable that is not a random-seed state: the
+      BatchNorm moving means and variances), variables `step_statistics_<k>_<j>`,
+      initialised from the model's. The support pass of inner step k and the query pass
+      at theta_{t,k} use and update copy k (`algorithms.maml.StepStatistics`); after each
+      meta-iteration the model's own statistics are set to the last step's copy (what
+      the user's model saves). With `training=True` passes (the default) BatchNorm
+      normalises with batch statistics, so the copies only matter to
+      `transductive_evaluation=False` evaluation, where step k normalises with copy k.
+    * NOT implemented: MAML++'s per-step BatchNorm weights and biases.
+
+    Gradient sharing (Chang & Lipson), `gradient_sharing=GradientSharing(...)` (or True):
+    trainable `sharing_m`, `sharing_lambda` (shape [K]) and the non-trainable running
+    directions g_hat_k (weights copies `g_hat_<k>_<i>`) with the flag `g_hat_initialized`
+    (0 until the first meta-iteration); see `algorithms.gradient_sharing`. Under a
+    strategy the sum over tasks of each inner step is over every replica's tasks (one
+    all-reduce per inner step). At `evaluate` time the stored g_hat is used (Algorithm 2).
+    Works with MAML, Meta-SGD and MAML++ alike.
+
+    BatchNorm and Dropout: every forward pass of `fit` runs with `training=True`: the
+    inner loop and the query loss use each pass's batch statistics (support set, then
+    query set), as the reference MAML; the moving statistics and Dropout seeds are
+    threaded through the passes (support passes step by step, then the query passes) and
+    the final ones assigned. `evaluate` does the same when `transductive_evaluation=True`
+    (the default; nothing is assigned; Dropout is active too), else runs the passes with
+    `training=False` (moving statistics).
+
+    `evaluate` (and the validation of `fit`) runs the inner loop with
+    `evaluation_inner_steps` steps (default K; steps past K reuse step K's learning
+    rates and gradient-sharing values) on each task's support set, then reports the
+    query loss and the compiled metrics (e.g. query accuracy) at theta_{t,K}.
+    `adapt(support_x, support_y)` returns the adapted weights of every task;
+    `evaluate_tasks(data, inner_steps=n)` evaluates with another step count;
+    `predict` on batches `(support_x, support_y, query_x)` returns each task's adapted
+    outputs on its query set ([T, N_query, ...]); on other batches, the model's outputs.
+
+    Logs: "loss" (the meta-objective, independent of the replica count), the compiled
+    metrics on the query sets at theta_{t,K}, "support_loss" (the mean support loss at
+    theta, before adaptation), with learned rates "inner_learning_rate" (their mean),
+    with gradient sharing "sharing_m" and "sharing_lambda" (mean sigmoid(m), mean
+    sigmoid(lambda)).
+
+    Args:
+      model: the Keras model (`trainer.model`).
+      inner_steps: K >= 1.
+      inner_learning_rate: alpha > 0 (the initial value of learned rates).
+      first_order: FOMAML-style outer gradient.
+      learn_inner_learning_rates: "none", "per_parameter" or "per_layer_per_step".
+      gradient_sharing: None, True, or a `tf_metaalign.algorithms.GradientSharing`.
+      multi_step_loss, multi_step_loss_epochs, first_order_epochs: MAML++ (above).
+      per_step_batch_norm_statistics: MAML++'s per-step statistics (above; needs a built
+        model with statistics).
+      evaluation_inner_steps: inner steps of `evaluate` (default K).
+      transductive_evaluation: see BatchNorm above.
+      tasks_per_batch: the global number of tasks per meta-batch when the batch's task
+        dimension is not static (see Data).
+    """
+
+    def __init__(self, model, inner_steps=1, inner_learning_rate=0.01, first_order=False,
+                 learn_inner_learning_rates="none", gradient_sharing=None,
+                 multi_step_loss=False, multi_step_loss_epochs=10, first_order_epochs=0,
+                 per_step_batch_norm_statistics=False, evaluation_inner_steps=None,
+                 transductive_evaluation=True, tasks_per_batch=None, **kwargs):
+        inner_steps = R.validate_steps("inner_steps", inner_steps)
+        inner_learning_rate = R.validate_rate("inner_learning_rate", inner_learning_rate)
+        first_order = _check_bool("first_order", first_order)
+        learn = M.validate_learn_inner_learning_rates(learn_inner_learning_rates)
+        sharing = as_gradient_sharing(gradient_sharing)
+        multi_step_loss = _check_bool("multi_step_loss", multi_step_loss)
+        multi_step_loss_epochs = _check_epochs("multi_step_loss_epochs",
+                                               multi_step_loss_epochs, 1)
+        first_order_epochs = _check_epochs("first_order_epochs", first_order_epochs)
+        if first_order and first_order_epochs:
+            raise ValueError(
+                "`first_order_epochs` (derivative-order annealing: first order, then second "
+                "order) needs first_order=False; got first_order=True and "
+                f"first_order_epochs={first_order_epochs}.")
+        if evaluation_inner_steps is not None:
+            evaluation_inner_steps = R.validate_steps("evaluation_inner_steps",
+                                                      evaluation_inner_steps)
+        transductive_evaluation = _check_bool("transductive_evaluation",
+                                              transductive_evaluation)
+        if tasks_per_batch is not None:
+            tasks_per_batch = R.validate_steps("tasks_per_batch", tasks_per_batch)
+        per_step = _check_bool("per_step_batch_norm_statistics", per_step_batch_norm_statistics)
+        if per_step and not model.built:
+            raise ValueError("per_step_batch_norm_statistics=True copies the model's statistics "
+                             "per inner step: the model must be built (give it Input shapes).")
+        if learn != "none" and not model.built:
+            raise ValueError(
+                f"learn_inner_learning_rates={learn!r} creates one learning rate per weight: "
+                "the model must be built (give it Input shapes, or call it once).")
+        super().__init__(model, **kwargs)
+        self.inner_steps = inner_steps
+        self.inner_learning_rate = inner_learning_rate
+        self.first_order = first_order
+        self.learn_inner_learning_rates = learn
+        self.gradient_sharing = sharing
+        self.multi_step_loss = multi_step_loss
+        self.multi_step_loss_epochs = multi_step_loss_epochs
+        self.first_order_epochs = first_order_epochs
+        self.evaluation_inner_steps = evaluation_inner_steps
+        self.transductive_evaluation = transductive_evaluation
+        self.tasks_per_batch = tasks_per_batch
+        self.per_step_batch_norm_statistics = per_step
+        self._evaluation_steps_override = None
+        # Outer steps taken (checkpointed): `trainer.outer_steps`.
+        self.schedule = self.every_k_steps(1, name="outer_steps")
+        self.epochs_done = None
+        if multi_step_loss or first_order_epochs:
+            self.epochs_done = self.add_state_variable("epochs_done", dtype="int64")
+        self._learned = {}  # algorithm name -> trainer-owned trainable variable
+        dtype = (model.trainable_variables[0].dtype if model.built and model.trainable_variables
+                 else keras.backend.floatx())
+        with _compat.unlocked_state(self):
+            if learn == "per_parameter":
+                self.inner_learning_rate_variables = [
+                    self._add_learned(f"inner_learning_rate_{i}", v.shape, inner_learning_rate,
+                                    v.dtype, key=f"lr_{i}")
+                    for i, v in enumerate(model.trainable_variables)]
+            elif learn == "per_layer_per_step":
+                self.inner_learning_rate_variables = [self._add_learned(
+                    "inner_learning_rates", (inner_steps, len(model.trainable_variables)),
+                    inner_learning_rate, dtype, key="lslr")]
+            if sharing is not None:
+                self.sharing_m = self._add_learned("sharing_m", (inner_steps,),
+                                                 sharing.initial_m, dtype)
+                self.sharing_lambda = self._add_learned("sharing_lambda", (inner_steps,),
+                                                      sharing.initial_lambda, dtype)
+        if sharing is not None:
+            # g_hat_k: a weights copy per step (its initial value is never read: the
+            # flag says "not initialised" until the first meta-iteration writes it).
+            for k in range(inner_steps):
+                self.add_weights_copy(f"g_hat_{k}")
+            self.g_hat_initialized = self.add_state_variable("g_hat_initialized", dtype="int64")
+        self._statistics_indices = []
+        self.step_statistics = []  # per step, the copies of the statistics
+        if per_step:
+            seeds = set(self._seed_indices())
+            state = model.non_trainable_variables
+            self._statistics_indices = [i for i, v in enumerate(state) if i not in seeds]
+            if not self._statistics_indices:
+                raise ValueError("per_step_batch_norm_statistics=True, but the model has no "
+                                 "statistics (no non-trainable variable but seed states).")
+            with self.distribute_strategy.scope(), _compat.unlocked_state(self):
+                for k in range(inner_steps):
+                    self.step_statistics.append([
+                        self.add_weight(name=f"step_statistics_{k}_{j}", shape=state[i].shape,
+                                        dtype=state[i].dtype,
+                                        initializer=_value_initializer(state[i]),
+                                        trainable=False, aggregation="mean")
+                        for j, i in enumerate(self._statistics_indices)])
+        self.add_diagnostic("support_loss", "mean")
+        if learn != "none":
+            self.add_diagnostic("inner_learning_rate", "last")
+        if sharing is not None:
+            self.add_diagnostic("sharing_m", "last")
+            self.add_diagnostic("sharing_lambda", "last")
+
+    def _add_learned(self, name, shape, value, dtype, key=None):
+        variable = self.add_weight(
+            name=name, shape=shape, dtype=dtype,
+            initializer=keras.initializers.Constant(value), trainable=True)
+        self._learned[key or name] = variable
+        return variable
+
+    @property
+    def outer_steps(self):
+        """Outer steps (meta-iterations) taken (a checkpointed int64)."""
+        return self.schedule.count
+
+    # -------------------------------------------------------------------- the batch
+
+    def _parts(self, x, y, sample_weight, require_y=True):
+        """The named parts of a task batch, checked (format, leading task dimension);
+        returns (parts, static task count or None)."""
+        if not (isinstance(x, (tuple, list)) and len(x) == 3):
+            raise ValueError(
+                "MAMLTrainer: a batch must be ((support_x, support_y, query_x), query_y"
+                "[, query_sample_weight]), each with a leading task dimension; got x of type "
+                f"{type(x).__name__}" + (f" with {len(x)} parts." if isinstance(x, (tuple, list))
+                                         else "."))
+        if y is None and require_y:
+            raise ValueError("MAMLTrainer: the batch has no query_y (the targets of the query "
+                             "sets).")
+        parts = {"support_x": x[0], "support_y": x[1], "query_x": x[2]}
+        if y is not None:
+            parts["query_y"] = y
+        if sample_weight is not None:
+            parts["query_sample_weight"] = sample_weight
+        tasks = None
+        for name, part in parts.items():
+            for t in tf.nest.flatten(part):
+                rank = _rank(t)
+                need = 1 if name == "query_sample_weight" else 2
+                if rank is not None and rank < need:
+                    raise ValueError(
+                        f"MAMLTrainer: `{name}` needs a leading task dimension ([T, N, ...]); "
+                        f"got shape {t.shape}. Batch the tasks (one element = T tasks).")
+                n = t.shape[0] if rank else None
+                if n is not None:
+                    if tasks is not None and n != tasks:
+                        raise ValueError(
+                            f"MAMLTrainer: the parts of a batch have different task counts "
+                            f"({tasks} and {n} in `{name}`).")
+                    tasks = n
+        try:
+            model_inputs = tf.nest.flatten(self.model.inputs)
+        except (AttributeError, ValueError):  # a subclassed model: no symbolic inputs
+            model_inputs = []
+        for name in ("support_x", "query_x"):
+            given = tf.nest.flatten(parts[name])
+            if len(given) != len(model_inputs):
+                continue
+            for t, i in zip(given, model_inputs):
+                if _rank(t) is not None and _rank(i) is not None and _rank(t) != _rank(i) + 1:
+                    raise ValueError(
+                        f"MAMLTrainer: `{name}` needs a leading task dimension: shape "
+                        f"[T, N, ...] of rank {_rank(i) + 1} for the model's input of "
+                        f"shape {i.shape}; got shape {t.shape}.")
+        return parts, tasks
+
+    def _split(self, data, require_y=True):
+        """(support batches, query batches, flat query (x, y, sw)) per task."""
+        parts, tasks = self._parts(*keras.utils.unpack_x_y_sample_weight(data),
+                                   require_y=require_y)
+        if tasks is None:
+            if self.tasks_per_batch is None:
+                raise ValueError(
+                    "MAMLTrainer unrolls its inner loop over the tasks of a batch, so their "
+                    "number must be static: batch the task dataset with drop_remainder=True, "
+                    "or give `tasks_per_batch` (the global number of tasks per batch).")
+            replicas = F.num_replicas()
+            if self.tasks_per_batch % replicas:
+                raise ValueError(f"`tasks_per_batch`={self.tasks_per_batch} is not a multiple of "
+                                 f"the {replicas} replicas.")
+            tasks = self.tasks_per_batch // replicas
+
+            def fix(t):
+                return tf.ensure_shape(t, [tasks] + [None] * (t.shape.rank - 1))
+
+            parts = {k: tf.nest.map_structure(fix, v) for k, v in parts.items()}
+        support_x, support_y, query_x, y = (parts["support_x"], parts["support_y"],
+                                            parts["query_x"], parts.get("query_y"))
+        sample_weight = parts.get("query_sample_weight")
+
+        def task(nest, t):
+            return None if nest is None else tf.nest.map_structure(lambda a: a[t], nest)
+
+        supports = [(task(support_x, t), task(support_y, t)) for t in range(tasks)]
+        queries = [(task(query_x, t), task(y, t), task(sample_weight, t)) for t in range(tasks)]
+
+        def flat(nest):
+            if nest is None:
+                return None
+            return tf.nest.map_structure(
+                lambda a: tf.reshape(a, tf.concat([[-1], tf.shape(a)[2:]], 0)), nest)
+
+        return supports, queries, (flat(query_x), flat(y), flat(sample_weight))
+
+    def example_batch(self, x, y=None, sample_weight=None):
+        # Keras builds the model, loss and metrics from a training batch: the first task's
+        # query set is a model batch.
+        if self._building_from_training_batch:
+            self._parts(x, y, sample_weight, require_y=False)  # a clear error for a batch of another format
+        if isinstance(x, (tuple, list)) and len(x) == 3:
+            pick = (lambda n: None if n is None
+                    else tf.nest.map_structure(lambda a: a[0], n))
+            return pick(x[2]), pick(y), pick(sample_weight)
+        return x, y, sample_weight
+
+    def unpack(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if not self.model.built:
+            self.model(self.example_batch(x)[0], training=False)
+        return x, y, sample_weight
+
+    # -------------------------------------------------------------- the learned values
+
+    def _hyper(self):
+        """name -> current value of every trainer-owned trainable variable ("lr_<i>",
+        "lslr", "sharing_m", "sharing_lambda": the names `algorithms.maml` is given)."""
+        return {n: tf.convert_to_tensor(v.value) for n, v in self._learned.items()}
+
+    def _learning_rates_fn(self, steps):
+        n = len(self.model.trainable_variables)
+        learn = self.learn_inner_learning_rates
+
+        def learning_rates(h):
+            out = []
+            for k in range(steps):
+                kk = min(k, self.inner_steps - 1)  # past K: step K's rates
+                if learn == "none":
+                    out.append([self.inner_learning_rate] * n)
+                elif learn == "per_parameter":
+                    out.append([h[f"lr_{i}"] for i in range(n)])
+                else:
+                    out.append([h["lslr"][kk, i] for i in range(n)])
+            return out
+
+        return learning_rates
+
+    def _g_hat(self, steps):
+        index = [min(k, self.inner_steps - 1) for k in range(steps)]
+        return [[tf.convert_to_tensor(v.value) for v in self.weights_copy(f"g_hat_{k}")]
+                for k in index]
+
+    def _step_statistics(self, steps):
+        """A fresh `StepStatistics` from the copies (past K: step K's), or None."""
+        if not self.per_step_batch_norm_statistics:
+            return None
+        return M.StepStatistics(self._statistics_indices, [
+            [tf.convert_to_tensor(v.value) for v in self.step_statistics[min(k, self.inner_steps - 1)]]
+            for k in range(steps)])
+
+    def _g_hat_initialized(self):
+        return tf.convert_to_tensor(self.g_hat_initialized.value) > 0
+
+    def _loss_fns(self, loss_scale, training=True):
+        """(inner, query): the inner loss in task units (times the loss scale), the query
+        loss in Keras's per-replica units (times the loss scale)."""
+        base = self.loss_fn(loss_scale=loss_scale, training=training)
+
+        def inner(params, state, batch):
+            loss, aux = base(params, state, batch)
+            return F.unscale_loss_for_distribution(loss), aux
+
+        return inner, base
+
+    # ------------------------------------------------------------------- train step
+
+    def train_step(self, data):
+        self.unpack(data)
+        supports, queries, flat_query = self._split(data)
+        if not self.optimizer.built:  # before the control-dependent block (XLA)
+            self.optimizer.build(self.trainable_variables)
+        loss_scale = self.loss_scale()
+        inner_fn, query_fn = self._loss_fns(loss_scale)
+        steps = self.inner_steps
+        order_weight = step_weights = None
+        if self.epochs_done is not None:
+            epoch = tf.convert_to_tensor(self.epochs_done.value)
+            if self.first_order_epochs:
+                order_weight = tf.cast(epoch >= self.first_order_epochs, tf.float32)
+            if self.multi_step_loss:
+                step_weights = M.multi_step_loss_weights(steps, epoch,
+                                                         self.multi_step_loss_epochs)
+        sharing_kwargs = {}
+        if self.gradient_sharing is not None:
+            sharing_kwargs = dict(sharing=self.gradient_sharing, g_hat=self._g_hat(steps),
+                                  g_hat_initialized=self._g_hat_initialized())
+        statistics = self._step_statistics(steps)
+        result = M.meta_gradient(
+            inner_fn, query_fn, F.current_params(self.model), F.current_state(self.model),
+            supports, queries, self._hyper(), self._learning_rates_fn(steps),
+            first_order=self.first_order, order_weight=order_weight,
+            step_weights=step_weights, loss_scale=loss_scale, step_statistics=statistics,
+            **sharing_kwargs)
+        new_state = result.state
+        if statistics is not None:  # the model keeps the last step's statistics
+            new_state = statistics.enter(steps - 1, new_state)
+        by_id = {id(v): g for v, g in zip(self.model.trainable_variables, result.grads)}
+        by_id.update({id(v): result.hyper_grads[n] for n, v in self._learned.items()})
+        variables = self.trainable_variables
+        gradients = [by_id[id(v)] for v in variables]
+        loss = result.loss / tf.cast(loss_scale, result.loss.dtype)
+
+        def update():
+            self.optimizer.apply_gradients(zip(gradients, variables))
+            if self.gradient_sharing is not None:
+                for k, values in enumerate(result.g_hat):
+                    for v, value in zip(self.weights_copy(f"g_hat_{k}"), values):
+                        v.assign(tf.cast(value, v.dtype))
+                self.g_hat_initialized.assign(1)
+            if statistics is not None:
+                for copies, values in zip(self.step_statistics, statistics.values):
+                    for v, value in zip(copies, values):
+                        v.assign(value)
+
+        # The mean over ALL replicas' tasks (identical on every replica).
+        support_loss = F.all_reduce_sum(
+            F.replica_share(tf.stop_gradient(result.support_losses[0])))
+        diagnostics = {"support_loss": support_loss}
+        diagnostics.update(self._learned_diagnostics())
+        return self.finish_step(flat_query, result.y_pred, loss, new_state=new_state,
+                                update=update, diagnostics=diagnostics)
+
+    def _learned_diagnostics(self):
+        out = {}
+        if self.learn_inner_learning_rates != "none":
+            values = [tf.reshape(tf.convert_to_tensor(v.value), [-1])
+                      for v in self.inner_learning_rate_variables]
+            out["inner_learning_rate"] = tf.reduce_mean(tf.concat(values, 0))
+        if self.gradient_sharing is not None:
+            out["sharing_m"] = tf.reduce_mean(tf.sigmoid(tf.convert_to_tensor(self.sharing_m.value)))
+            out["sharing_lambda"] = tf.reduce_mean(
+                tf.sigmoid(tf.convert_to_tensor(self.sharing_lambda.value)))
+        return out
+
+    # ------------------------------------------------------------------ evaluation
+
+    @property
+    def _evaluation_steps(self):
+        return (self._evaluation_steps_override or self.evaluation_inner_steps
+                or self.inner_steps)
+
+    def _adapt(self, supports, loss_scale=None, training=True, steps=None, statistics=None):
+        steps = steps or self._evaluation_steps
+        inner_fn, _ = self._loss_fns(loss_scale, training=training)
+        hyper = self._hyper()
+        kwargs = {}
+        if self.gradient_sharing is not None:
+            index = [min(k, self.inner_steps - 1) for k in range(steps)]
+            kwargs = dict(sharing=self.gradient_sharing, sharing_m=tf.gather(hyper["sharing_m"], index),
+                          sharing_lambda=tf.gather(hyper["sharing_lambda"], index),
+                          g_hat=self._g_hat(steps), sharing_training=False,
+                          g_hat_initialized=self._g_hat_initialized())
+        return M.adapt(inner_fn, F.current_params(self.model), F.current_state(self.model),
+                       supports, self._learning_rates_fn(steps)(hyper), first_order=True,
+                       loss_scale=loss_scale, step_statistics=statistics, **kwargs)
+
+    def test_step(self, data):
+        self.unpack(data)
+        supports, queries, flat_query = self._split(data)
+        training = self.transductive_evaluation
+        statistics = self._step_statistics(self._evaluation_steps)
+        adapted = self._adapt(supports, training=training, statistics=statistics)
+        _, query_fn = self._loss_fns(None, training=training)
+        loss, _, y_pred, _ = M.query_objective(query_fn, adapted.trajectories, adapted.state,
+                                               queries, step_statistics=statistics)
+        x, y, sample_weight = flat_query
+        _compat.loss_tracker(self).update_state(
+            F.unscale_loss_for_distribution(loss), sample_weight=F.batch_size(x))
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return {k: v for k, v in logs.items() if k not in self._diagnostics}
+
+    def predict_step(self, data):
+        """Task batches `(support_x, support_y, query_x)` (each [T, N, ...]): the model's
+        outputs on each task's query set after adaptation, [T, N_query, ...] (passes as in
+        `evaluate`). Any other batch: the wrapped model's outputs, as `MetaTrainer`."""
+        if isinstance(data, (tuple, list)) and len(data) == 1:
+            data = data[0]
+        if not (isinstance(data, (tuple, list)) and len(data) == 3):
+            return super().predict_step(data)
+        self.unpack((tuple(data), None))
+        supports, queries, _ = self._split((tuple(data), None), require_y=False)
+        training = self.transductive_evaluation
+        statistics = self._step_statistics(self._evaluation_steps)
+        adapted = self._adapt(supports, training=training, statistics=statistics)
+        state, outputs = adapted.state, []
+        for trajectory, (query_x, _, _) in zip(adapted.trajectories, queries):
+            if statistics is not None:
+                state = statistics.enter(self._evaluation_steps - 1, state)
+            y_pred, state, _ = F.stateless_forward(self.model, trajectory[-1], state, query_x,
+                                                   training=training)
+            outputs.append(y_pred)
+        return tf.nest.map_structure(lambda *ys: tf.stack(ys, 0), *outputs)
+
+    def evaluate(self, *args, **kwargs):
+        # Keras may build the compiled metrics from an evaluation batch (a task batch).
+        self._building_from_training_batch = True
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self._building_from_training_batch = False
+
+    def make_test_function(self, force=False):
+        test_function = super().make_test_function(force) or self.test_function
+        if getattr(test_function, "_maml_wrapped", False):
+            return test_function
+
+        def function(iterator):
+            self._building_from_training_batch = False  # real steps from here on
+            return test_function(iterator)
+
+        function._maml_wrapped = True
+        self.test_function = function
+        return function
+
+    def evaluate_tasks(self, *args, inner_steps=None, **kwargs):
+        """`evaluate` with `inner_steps` inner steps (default: `evaluation_inner_steps`)."""
+        if inner_steps is not None:
+            inner_steps = R.validate_steps("inner_steps", inner_steps)
+        self._evaluation_steps_override = inner_steps
+        self.test_function = None
+        try:
+            return self.evaluate(*args, **kwargs)
+        finally:
+            self._evaluation_steps_override = None
+            self.test_function = None
+
+    def adapt(self, support_x, support_y, inner_steps=None):
+        """The adapted weights of each task: a list over tasks of lists of tensors (one per
+        `model.trainable_variables`), after `inner_steps` (default: `evaluation_inner_steps`)
+        inner steps on the task's support set (`support_x`, `support_y`: [T, N, ...]).
+        Run eagerly; forward passes as in `evaluate`. Use them with
+        `model.stateless_call(weights, model.non_trainable_variables, x)`."""
+        if inner_steps is not None:
+            inner_steps = R.validate_steps("inner_steps", inner_steps)
+        support_x = tf.nest.map_structure(tf.convert_to_tensor, support_x)
+        support_y = tf.nest.map_structure(tf.convert_to_tensor, support_y)
+        first = tf.nest.flatten(support_x)[0]
+        if first.shape.rank is None or first.shape.rank < 2:
+            raise ValueError(f"adapt: `support_x` needs a leading task dimension ([T, N, ...]); "
+                             f"got shape {first.shape}.")
+        tasks = first.shape[0]
+        supports = [(tf.nest.map_structure(lambda a: a[t], support_x),
+                     tf.nest.map_structure(lambda a: a[t], support_y)) for t in range(tasks)]
+        result = self._adapt(supports, training=self.transductive_evaluation, steps=inner_steps,
+                             statistics=self._step_statistics(inner_steps or self._evaluation_steps))
+        return [traj[-1] for traj in result.trajectories]
+
+    # ------------------------------------------------------------------------- fit
+
+    def fit(self, *args, **kwargs):
+        if self.epochs_done is None:
+            return super().fit(*args, **kwargs)
+        bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
+        callbacks = list(bound.arguments.get("callbacks") or [])
+        bound.arguments["callbacks"] = [_EpochCounter(self)] + callbacks
+        return super().fit(*bound.args[1:], **bound.kwargs)
+
+    def get_config(self):
+        sharing = self.gradient_sharing
+        return {
+            **super().get_config(),
+            "inner_steps": self.inner_steps,
+            "inner_learning_rate": self.inner_learning_rate,
+            "first_order": self.first_order,
+            "learn_inner_learning_rates": self.learn_inner_learning_rates,
+            "gradient_sharing": None if sharing is None else sharing.get_config(),
+            "multi_step_loss": self.multi_step_loss,
+            "multi_step_loss_epochs": self.multi_step_loss_epochs,
+            "first_order_epochs": self.first_order_epochs,
+            "per_step_batch_norm_statistics": self.per_step_batch_norm_statistics,
+            "evaluation_inner_steps": self.evaluation_inner_steps,
+            "transductive_evaluation": self.transductive_evaluation,
+            "tasks_per_batch": self.tasks_per_batch,
+        }
+
+
+class _EpochCounter(keras.callbacks.Callback):
+    """Counts finished epochs in the trainer's checkpointed `epochs_done` (before any user
+    callback, so BackupAndRestore saves the new count)."""
+
+    def __init__(self, trainer):
+        super().__init__()
+        self._trainer = [trainer]  # a list: not tracked
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._trainer[0].epochs_done.assign_add(1)
