@@ -321,7 +321,6 @@ ENTRIES += [
     ),
 ]
 
-BY_NAME = {e.name: e for e in ENTRIES}
 
 # ------------------------------------------------------------------------ MAML family
 
@@ -393,4 +392,6 @@ ENTRIES += [
     ),
 ]
 
-BY_NAME = {e.name: e for e in ENTRIES}  # again: the entries above were appended after it
+# Built last: entries appended above (ENTRIES += [...]) are looked up by name by the
+# subprocess checks (battery_worker.py).
+BY_NAME = {e.name: e for e in ENTRIES}
