@@ -484,10 +484,11 @@ def run_method(method: str, task_batch: int, scale: float, seed: int, data: Data
 
     class Validate(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
+            logs = logs or {}
             acc = float(np.mean(scorer.accuracies(val_data)))
             curve.append(acc)
             for key in sharing:
-                if logs and key in logs:
+                if key in logs:
                     sharing[key].append(float(logs[key]))
             extra = "".join(f"  {k} {sharing[k][-1]:.3f}" for k in sharing if sharing[k])
             log(f"{name}: epoch {epoch + 1}/{config.epochs}  loss {logs.get('loss', 0):.4f}"
