@@ -58,7 +58,6 @@ query MSE of held-out waves before and after adaptation.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 
@@ -540,7 +539,6 @@ def run_sinusoid(config: Config, seed: int, gradient_sharing: bool, log=print,
     returns the held-out waves' query MSE (50 points each) before adaptation and after
     1 and 10 inner steps, each the mean over waves +- its 95% t-interval."""
     import keras
-    import numpy as np
     import tensorflow as tf
 
     from tf_metaalign.data.episodes import mean_confidence_interval
