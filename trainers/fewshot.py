@@ -82,7 +82,7 @@ class Config:
     shots: int = 1
     queries: int = 5
     inner_steps: int = 1
-    inner_learning_rate: float = 0.4
+    inner_learning_rate: float = 0.1
     evaluation_inner_steps: int = 3
     outer_learning_rate: float = 1e-3
     filters: int = 16
