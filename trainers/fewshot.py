@@ -1,7 +1,7 @@
 r"""Few-shot Omniglot with MAML-family meta-learners, with and without gradient sharing
 (Chang & Lipson), plus Reptile, FOMAML and DotProd, and a sinusoid sanity check.
 
-    python -m trainers.fewshot                 # default: a few minutes on 2 CPU cores
+    python -m trainers.fewshot                 # default: ~7 min on 2 shared CPU cores
     python -m trainers.fewshot --full          # the paper-like run (hours: see docs/fewshot.md)
     python -m trainers.fewshot --methods=maml,maml_gs,reptile --task_batch_sizes=5 --seeds=0,1
 
