@@ -380,6 +380,9 @@ ENTRIES += [
         name="meta_sgd_first_order",
         make_trainer=_maml_trainer(first_order=True, learn_inner_learning_rates="per_parameter",
                                    gradient_sharing=True),
+        # The subprocess checks (SIGKILL resume, two workers) run for the "maml" entry
+        # in the default suite; here under -m slow (the suite's 20-minute budget).
+        slow=("backup_and_restore", "backup_machinery", "multi_worker"),
         compile_kwargs=_outer_compile,
         state_variables=_maml_state([f"inner_learning_rate_{i}" for i in range(4)],
                                     epochs=False),
