@@ -8,6 +8,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
+import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 _cpus = tf.config.list_physical_devices("CPU")
@@ -32,3 +33,19 @@ def two_cpu_strategy():
     if not _STRATEGY:
         _STRATEGY.append(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
     return _STRATEGY[0]
+
+
+@pytest.fixture
+def float64():
+    """Exact equivalences are checked in float64. Keras's compiled loss computes in floatx,
+    and layers built without a dtype follow the GLOBAL dtype policy, which Keras fixes the
+    first time it is read (from the floatx of that moment) or when a test sets it: so both
+    are set, and both restored (tests that set only floatx passed alone and failed after
+    other tests, at float32 precision)."""
+    import keras
+
+    keras.backend.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    yield
+    keras.config.set_dtype_policy("float32")
+    keras.backend.set_floatx("float32")

@@ -14,16 +14,6 @@ MSE = keras.losses.MeanSquaredError()
 MSE64 = keras.losses.MeanSquaredError(dtype="float64")
 
 
-@pytest.fixture
-def float64():
-    """Exact equivalences are checked in float64: the finite difference divides rounding
-    noise by alpha, so float32 graph-vs-eager differences would show at 1e-3. Keras's
-    compiled loss computes in floatx, so floatx is set too."""
-    keras.backend.set_floatx("float64")
-    yield
-    keras.backend.set_floatx("float32")
-
-
 def _mse(dtype):
     return MSE64 if dtype == "float64" else MSE
 

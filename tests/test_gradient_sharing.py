@@ -105,13 +105,6 @@ def test_config_round_trip_and_errors():
         GradientSharing(initial_m="0")
 
 
-@pytest.fixture
-def float64():
-    keras.backend.set_floatx("float64")
-    yield
-    keras.backend.set_floatx("float32")
-
-
 def test_trainer_evaluate_uses_the_stored_g_hat(float64):
     rng = np.random.default_rng(3)
     sx, sy = rng.normal(size=(4, 5, 4)), rng.normal(size=(4, 5, 2))
@@ -137,9 +130,7 @@ def test_trainer_evaluate_uses_the_stored_g_hat(float64):
             theta = [p - 0.2 * (_sig(lam[k]) * h + (1 - _sig(lam[k])) * g)
                      for p, h, g in zip(theta, g_hat_before[k], grad)]
         losses.append(np.mean((qx[t] @ theta[0] + theta[1] - qy[t]) ** 2))
-    # (evaluate reports through Keras's loss tracker, a metric that may accumulate in float32
-    # when an earlier test left a float32 dtype policy: 1 ulp is 1.2e-7 relative)
-    np.testing.assert_allclose(loss, np.mean(losses), rtol=1e-6)
+    np.testing.assert_allclose(loss, np.mean(losses), rtol=1e-10)
     # evaluate neither changes g_hat nor anything else.
     for k in range(2):
         for v, h in zip(trainer.weights_copy(f"g_hat_{k}"), g_hat_before[k]):

@@ -11,13 +11,6 @@ from tf_metaalign.algorithms import gradient_surgery as GS
 from tf_metaalign.trainers import MultiTaskTrainer
 
 
-@pytest.fixture
-def float64():
-    keras.backend.set_floatx("float64")
-    yield
-    keras.backend.set_floatx("float32")
-
-
 def _as_lists(vectors, shapes=((2,),)):
     """Flat task vectors -> per-task gradient lists split into `shapes`."""
     out = []

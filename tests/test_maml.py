@@ -11,13 +11,6 @@ from tf_metaalign.algorithms import maml as M
 from tf_metaalign.algorithms.gradient_sharing import GradientSharing
 
 
-@pytest.fixture
-def float64():
-    keras.backend.set_floatx("float64")
-    yield
-    keras.backend.set_floatx("float32")
-
-
 def _mlp(seed=0, dtype="float64"):
     keras.utils.set_random_seed(seed)
     return keras.Sequential([keras.Input((4,), dtype=dtype),

@@ -17,15 +17,6 @@ from tf_metaalign.trainers import (
 TOL = dict(rtol=1e-10, atol=1e-12)
 
 
-@pytest.fixture
-def float64():
-    keras.backend.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
-    yield
-    keras.config.set_dtype_policy("float32")
-    keras.backend.set_floatx("float32")
-
-
 def _data(n, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, 4))

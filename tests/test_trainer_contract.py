@@ -20,17 +20,6 @@ from tf_metaalign.trainers.base import (
 from tf_metaalign.functional import replica_safe_cond
 
 
-@pytest.fixture
-def float64():
-    """Layers built without a dtype compute in float64 (floatx alone is not enough once
-    another test has set the global dtype policy explicitly, e.g. back to "float32")."""
-    keras.backend.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
-    yield
-    keras.config.set_dtype_policy("float32")
-    keras.backend.set_floatx("float32")
-
-
 def _data(n=32, seed=0, dtype="float64"):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, 4)).astype(dtype)
