@@ -8,6 +8,8 @@ import json
 import math
 import subprocess
 import sys
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,6 +24,7 @@ def _finite_positive(x):
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.slow  # runs the benchmark script (30-45 s); timings are never asserted
 def test_maml_step_benchmark_tiny(tmp_path):
     peer = tmp_path / "fake_peer.py"
     peer.write_text(FAKE_PEER)

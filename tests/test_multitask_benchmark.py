@@ -6,11 +6,14 @@ import math
 import os
 import subprocess
 import sys
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # runs the benchmark script (30-45 s); timings are never asserted
 def test_multitask_overhead_smoke(tmp_path):
     out = tmp_path / "multitask_overhead.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")

@@ -380,9 +380,11 @@ ENTRIES += [
         name="meta_sgd_first_order",
         make_trainer=_maml_trainer(first_order=True, learn_inner_learning_rates="per_parameter",
                                    gradient_sharing=True),
-        # The subprocess checks (SIGKILL resume, two workers) run for the "maml" entry
-        # in the default suite; here under -m slow (the suite's 20-minute budget).
-        slow=("backup_and_restore", "backup_machinery", "multi_worker"),
+        # Every check runs for the "maml" entry in the default suite; here only the two
+        # replicas check (first order all-reduces differently), the rest under -m slow
+        # (the suite's 20-minute budget).
+        slow=("backup_and_restore", "backup_machinery", "multi_worker", "jit_compile",
+              "steps_per_execution", "keras_round_trip", "mixed_float16", "eager"),
         compile_kwargs=_outer_compile,
         state_variables=_maml_state([f"inner_learning_rate_{i}" for i in range(4)],
                                     epochs=False),
