@@ -9,15 +9,14 @@ Needs the Omniglot files in ../shared/data/omniglot (or $TF_METAALIGN_OMNIGLOT_D
 skipped, with the reason, without them."""
 import math
 import re
-import time
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tf_metaalign.data.omniglot import default_omniglot_root
 
-ROOT = Path(__file__).resolve().parents[1]
+import notebook_lib as NB
+
+ROOT = NB.ROOT
 NOTEBOOK = ROOT / "colab" / "fewshot_quickstart.ipynb"
 #: Measured: 71-85 s on 2 shared CPU cores at load average 4-6 (kernel start included),
 #: most of it TensorFlow's import and tracing the two trainers' unrolled inner loops; the
@@ -30,72 +29,32 @@ DATA_FILES = ("images_background_small1.zip", "images_background_small2.zip", "a
 
 @pytest.fixture(scope="module")
 def executed():
-    nbformat = pytest.importorskip("nbformat", reason="pip install nbformat nbclient ipykernel")
-    nbclient = pytest.importorskip("nbclient", reason="pip install nbformat nbclient ipykernel")
-    pytest.importorskip("ipykernel", reason="pip install ipykernel")
-    pytest.importorskip("matplotlib", reason="pip install matplotlib")
     root = default_omniglot_root()
     missing = [f for f in DATA_FILES if not (root / f).is_file()]
     if missing:
         pytest.skip(f"Omniglot files {missing} not in {root} (set $TF_METAALIGN_OMNIGLOT_DIR)")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    start = time.perf_counter()
-    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
-                            resources={"metadata": {"path": str(ROOT)}}).execute()
-    return nb, time.perf_counter() - start
-
-
-def _cell(nb, marker):
-    """The one code cell whose source contains `marker`."""
-    cells = [c for c in nb.cells if c.cell_type == "code" and marker in c.source]
-    assert len(cells) == 1, f"{len(cells)} code cells contain {marker!r}"
-    return cells[0]
-
-
-def _stdout(cell):
-    return "".join(o.get("text", "") for o in cell.get("outputs", [])
-                   if o.get("output_type") == "stream" and o.get("name") == "stdout")
-
-
-def _has_png(cell):
-    return any("image/png" in o.get("data", {}) for o in cell.get("outputs", []))
+    return NB.execute(NOTEBOOK, timeout=300)
 
 
 def test_notebook_is_stored_without_outputs():
     """Like the other notebooks: the file holds code, not a run's results."""
-    nbformat = pytest.importorskip("nbformat", reason="pip install nbformat")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbformat.validate(nb)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    assert code and all(not c.outputs and c.execution_count is None for c in code)
-    assert nb.metadata.kernelspec.name == "python3"
-    # The Colab install line is there, commented out (locally nothing is installed).
-    assert "# !pip install" in code[0].source
+    NB.check_stored_without_outputs(NOTEBOOK)
 
 
 def test_runs_offline_within_budget_without_python_warnings(executed):
-    nb, elapsed = executed
-    assert elapsed < BUDGET_S, f"notebook took {elapsed:.0f} s (budget: {BUDGET_S} s)"
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        assert cell.execution_count is not None
-        for o in cell.outputs:
-            assert o.get("output_type") != "error", o
-            if o.get("name") == "stderr":  # TensorFlow's C++ start-up lines are allowed
-                assert "Warning:" not in o["text"], o["text"]
+    NB.check_ran_cleanly(*executed, BUDGET_S)
 
 
 def test_characters_split_and_drawn(executed):
     nb, _ = executed
-    cell = _cell(nb, "split_classes(classes")
-    assert "242 characters: 170 meta-train, 24 validation, 48 test" in _stdout(cell)
-    assert _has_png(cell)
+    cell = NB.cell(nb, "split_classes(classes")
+    assert "242 characters: 170 meta-train, 24 validation, 48 test" in NB.stdout(cell)
+    assert NB.has_png(cell)
 
 
 def test_one_five_way_one_shot_meta_batch(executed):
     nb, _ = executed
-    out = _stdout(_cell(nb, "train_episodes.batch(0)"))
+    out = NB.stdout(NB.cell(nb, "train_episodes.batch(0)"))
     assert ("EpisodeSampler(num_classes=170, ways=5, shots=1, queries=5, tasks_per_batch=2, "
             "seed=0)") in out, out
     shapes = {m.group(1): (m.group(2), m.group(3)) for m in re.finditer(
@@ -112,7 +71,7 @@ def test_one_five_way_one_shot_meta_batch(executed):
 
 def test_maml_and_gradient_sharing_fit_history_and_plots(executed):
     nb, _ = executed
-    out = _stdout(_cell(nb, "def meta_train("))
+    out = NB.stdout(NB.cell(nb, "def meta_train("))
     for method in METHODS:
         line = next(l for l in out.splitlines() if l.startswith(method + " "))
         assert re.search(rf"{method}\s+200 meta-batches in {NUMBER} s", line), line
@@ -124,11 +83,11 @@ def test_maml_and_gradient_sharing_fit_history_and_plots(executed):
         # Only gradient sharing learns and logs the gates.
         assert ({"sharing_m", "sharing_lambda"} <= set(keys)) == (method == "sharing"), line
     # Validation accuracy of both methods and sigmoid(m), sigmoid(lambda), drawn inline.
-    cell = _cell(nb, 'history["sharing_m"]')
-    assert _has_png(cell)
+    cell = NB.cell(nb, 'history["sharing_m"]')
+    assert NB.has_png(cell)
     gates = {name: [float(v) for v in re.findall(NUMBER, row)] for name, row in re.findall(
-        r"^sigmoid\((m|lambda)\) per epoch:\s+\[(.*)\]$", _stdout(cell), flags=re.M)}
-    assert sorted(gates) == ["lambda", "m"], _stdout(cell)
+        r"^sigmoid\((m|lambda)\) per epoch:\s+\[(.*)\]$", NB.stdout(cell), flags=re.M)}
+    assert sorted(gates) == ["lambda", "m"], NB.stdout(cell)
     for values in gates.values():  # one per epoch, sigmoids that start near sigmoid(0)
         assert len(values) == 8 and all(0.0 < v < 1.0 for v in values), values
         assert abs(values[0] - 0.5) < 0.1, values
@@ -136,7 +95,7 @@ def test_maml_and_gradient_sharing_fit_history_and_plots(executed):
 
 def test_evaluation_table_five_way_ci_and_lakes_runs(executed):
     nb, _ = executed
-    out = _stdout(_cell(nb, "evaluate_official_runs(adapt_and_predict"))
+    out = NB.stdout(NB.cell(nb, "evaluate_official_runs(adapt_and_predict"))
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["method", "5-way", "val"], out
     for method in METHODS:

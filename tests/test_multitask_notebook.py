@@ -5,13 +5,13 @@ probabilities at q = 0.2, History's diagnostics curves, a held-out accuracy tabl
 task, and phi in the model after Sequential Reptile's fit, saved and reloaded."""
 import math
 import re
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+import notebook_lib as NB
+
+ROOT = NB.ROOT
 NOTEBOOK = ROOT / "colab" / "multitask_quickstart.ipynb"
 #: Measured: 26-53 s on 2 shared CPU cores (kernel start included), depending on the load.
 BUDGET_S = 90
@@ -22,62 +22,21 @@ NUMBER = r"[-+]?\d+\.\d+"
 
 @pytest.fixture(scope="module")
 def executed():
-    nbformat = pytest.importorskip("nbformat", reason="pip install nbformat nbclient ipykernel")
-    nbclient = pytest.importorskip("nbclient", reason="pip install nbformat nbclient ipykernel")
-    pytest.importorskip("ipykernel", reason="pip install ipykernel")
-    pytest.importorskip("matplotlib", reason="pip install matplotlib")
-    pytest.importorskip("sklearn", reason="pip install scikit-learn")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    start = time.perf_counter()
-    nbclient.NotebookClient(nb, timeout=180, kernel_name="python3",
-                            resources={"metadata": {"path": str(ROOT)}}).execute()
-    return nb, time.perf_counter() - start
-
-
-def _cell(nb, marker):
-    """The one code cell whose source contains `marker`."""
-    cells = [c for c in nb.cells if c.cell_type == "code" and marker in c.source]
-    assert len(cells) == 1, f"{len(cells)} code cells contain {marker!r}"
-    return cells[0]
-
-
-def _stdout(cell):
-    return "".join(o.get("text", "") for o in cell.get("outputs", [])
-                   if o.get("output_type") == "stream" and o.get("name") == "stdout")
-
-
-def _has_png(cell):
-    return any("image/png" in o.get("data", {}) for o in cell.get("outputs", []))
+    return NB.execute(NOTEBOOK, timeout=180, needs=[("sklearn", "pip install scikit-learn")])
 
 
 def test_notebook_is_stored_without_outputs():
     """Like dotprod_quickstart.ipynb: the file holds code, not a run's results."""
-    nbformat = pytest.importorskip("nbformat", reason="pip install nbformat")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbformat.validate(nb)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    assert code and all(not c.outputs and c.execution_count is None for c in code)
-    assert nb.metadata.kernelspec.name == "python3"
-    # The Colab install line is there, commented out (locally nothing is installed).
-    assert "# !pip install" in code[0].source
+    NB.check_stored_without_outputs(NOTEBOOK)
 
 
 def test_runs_offline_within_budget_without_python_warnings(executed):
-    nb, elapsed = executed
-    assert elapsed < BUDGET_S, f"notebook took {elapsed:.0f} s (budget: {BUDGET_S} s)"
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        assert cell.execution_count is not None
-        for o in cell.outputs:
-            assert o.get("output_type") != "error", o
-            if o.get("name") == "stderr":  # TensorFlow's C++ start-up lines are allowed
-                assert "Warning:" not in o["text"], o["text"]
+    NB.check_ran_cleanly(*executed, BUDGET_S)
 
 
 def test_synthetic_problem_three_methods_cosines_and_trajectory_plot(executed):
     nb, _ = executed
-    out = _stdout(_cell(nb, "run_method(method"))
+    out = NB.stdout(NB.cell(nb, "run_method(method"))
     table = out.splitlines()
     assert table[0].split()[:3] == ["method", "final", "phi"]
     for method in METHODS:
@@ -90,9 +49,9 @@ def test_synthetic_problem_three_methods_cosines_and_trajectory_plot(executed):
     assert sorted(cosines) == sorted(METHODS), out
     assert all(-1.0 <= c <= 1.0 for pair in cosines.values() for c in pair)
     # The trajectories on the loss surface, drawn inline.
-    assert _has_png(_cell(nb, "contourf"))
+    assert NB.has_png(NB.cell(nb, "contourf"))
     # The claim the notebook checks itself (it asserts it), printed.
-    check = _stdout(_cell(nb, 'summary["sequential_reptile"]["tail_loss"] <'))
+    check = NB.stdout(NB.cell(nb, 'summary["sequential_reptile"]["tail_loss"] <'))
     sr, mtl = map(float, re.search(
         rf"sequential_reptile ({NUMBER}) < mtl ({NUMBER})", check).groups())
     assert sr < mtl
@@ -100,7 +59,7 @@ def test_synthetic_problem_three_methods_cosines_and_trajectory_plot(executed):
 
 def test_task_probabilities_and_batches(executed):
     nb, _ = executed
-    out = _stdout(_cell(nb, "MultiTaskStream(tasks"))
+    out = NB.stdout(NB.cell(nb, "MultiTaskStream(tasks"))
     rows = {m.group(1): (int(m.group(2)), float(m.group(3)), float(m.group(4))) for m in
             re.finditer(rf"^(rot\d+)\s+(\d+)\s+({NUMBER})\s+({NUMBER})$", out, flags=re.M)}
     assert {k: v[0] for k, v in rows.items()} == TASKS, out
@@ -109,20 +68,20 @@ def test_task_probabilities_and_batches(executed):
     tempered = np.array([rows[k][2] for k in TASKS])
     np.testing.assert_allclose(proportional, sizes / sizes.sum(), atol=6e-4)
     np.testing.assert_allclose(tempered, sizes ** 0.2 / (sizes ** 0.2).sum(), atol=6e-4)
-    out = _stdout(_cell(nb, "next(iter(stream.single_task_batches()))"))
+    out = NB.stdout(NB.cell(nb, "next(iter(stream.single_task_batches()))"))
     assert re.search(r"single-task batch: \(32, 64\)\s+task_id values: \[\d\]", out), out
     assert "mixed batch:       (32, 64)  examples per task: [8 8 8 8]" in out, out
 
 
 def test_real_fit_diagnostics_curves_and_accuracy_table(executed):
     nb, _ = executed
-    out = _stdout(_cell(nb, "def train(method)"))
+    out = NB.stdout(NB.cell(nb, "def train(method)"))
     for method in METHODS:
         line = next(l for l in out.splitlines() if l.startswith(method + " "))
         assert "task_gradient_cosine" in line and "distance_from_initial" in line, line
     # History's cosine and distance curves, drawn inline.
-    assert _has_png(_cell(nb, 'history["task_gradient_cosine"], marker'))
-    out = _stdout(_cell(nb, "def accuracy(model"))
+    assert NB.has_png(NB.cell(nb, 'history["task_gradient_cosine"], marker'))
+    out = NB.stdout(NB.cell(nb, "def accuracy(model"))
     header = next(l for l in out.splitlines() if l.startswith("method"))
     assert header.split() == ["method", *TASKS, "mean", "cosine", "distance"]
     for method in METHODS:
@@ -138,7 +97,7 @@ def test_real_fit_diagnostics_curves_and_accuracy_table(executed):
 
 def test_phi_is_in_the_model_after_fit_and_saving_round_trips(executed):
     nb, _ = executed
-    out = _stdout(_cell(nb, 'runs["sequential_reptile"]'))
+    out = NB.stdout(NB.cell(nb, 'runs["sequential_reptile"]'))
     steps = 300  # STEPS_PER_EPOCH * EPOCHS, a multiple of K = 5
     assert f"inner steps taken: {steps} (K = 5)" in out, out
     assert "model weights == phi (slow weights): True" in out, out
