@@ -217,18 +217,11 @@ def config_from_flags() -> Config:
     except ValueError:
         raise ValueError("`inner_learning_rate_scales` must be numbers; got "
                          f"{FLAGS.inner_learning_rate_scales}.") from None
-    values = dict(methods=tuple(FLAGS.methods), task_batch_sizes=ints("task_batch_sizes"),
-                  seeds=ints("seeds"), inner_learning_rate_scales=scales)
-    for f in dataclasses.fields(Config):
-        if f.name not in values:
-            values[f.name] = getattr(FLAGS, f.name)
-    if FLAGS.full:  # flags given explicitly still win
-        for name, value in FULL_RUN.items():
-            if not FLAGS[name].present:
-                values[name] = value
-    config = Config(**values)
-    config.check()
-    return config
+    from trainers import common
+
+    converted = dict(methods=tuple(FLAGS.methods), task_batch_sizes=ints("task_batch_sizes"),
+                     seeds=ints("seeds"), inner_learning_rate_scales=scales)
+    return common.config_from_flags(Config, FLAGS, converted, FULL_RUN if FLAGS.full else None)
 
 
 # ------------------------------------------------------------------------------ helpers

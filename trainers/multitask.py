@@ -166,24 +166,13 @@ FULL_RUN = {"trainable_layers": 6, "sequence_length": 32, "steps": 480,
 
 
 def config_from_flags() -> Config:
-    values = dict(
-        methods=tuple(FLAGS.methods), train_languages=tuple(FLAGS.train_languages),
-        zero_shot_languages=tuple(FLAGS.zero_shot_languages),
-        seeds=tuple(int(s) for s in FLAGS.seeds), steps=FLAGS.steps,
-        per_task_batch_size=FLAGS.per_task_batch_size, learning_rate=FLAGS.learning_rate,
-        trainable_layers=FLAGS.trainable_layers, sequence_length=FLAGS.sequence_length,
-        q=FLAGS.q, inner_steps=FLAGS.inner_steps,
-        reptile_inner_steps=FLAGS.reptile_inner_steps, reptile_tasks=FLAGS.reptile_tasks,
-        outer_learning_rate=FLAGS.outer_learning_rate, recadam_k=FLAGS.recadam_k,
-        recadam_pretrain_cof=FLAGS.recadam_pretrain_cof, probe_examples=FLAGS.probe_examples,
-        log_every=FLAGS.log_every)
-    if FLAGS.full:  # flags given explicitly still win
-        for name, value in FULL_RUN.items():
-            if not FLAGS[name].present:
-                values[name] = value
-    config = Config(**values)
-    config.check()
-    return config
+    from trainers import common
+
+    converted = dict(methods=tuple(FLAGS.methods), train_languages=tuple(FLAGS.train_languages),
+                     zero_shot_languages=tuple(FLAGS.zero_shot_languages),
+                     seeds=tuple(int(s) for s in FLAGS.seeds))
+    return common.config_from_flags(Config, FLAGS, converted,
+                                    FULL_RUN if FLAGS.full else None)
 
 
 # ------------------------------------------------------------------------------ data
