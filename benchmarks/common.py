@@ -120,3 +120,47 @@ def ratio(a: float, b: float) -> float:
 
 
 median = statistics.median
+
+
+def relu_mlp(input_dim: int, width: int, depth: int, num_classes: int, seed: int = 0):
+    """Input(input_dim) -> depth x Dense(width, relu) -> Dense(num_classes): the
+    benchmarks' weight-bound model (seeded)."""
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((input_dim,))]
+    layers += [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+    layers += [keras.layers.Dense(num_classes)]
+    return keras.Sequential(layers, name="mlp")
+
+
+def interleaved_rounds(configs, run, rounds: int, steps_per_round: int, seed: int = 0,
+                       on_step_times=None):
+    """Time every configuration in `rounds` rounds; each round runs every configuration for
+    `steps_per_round` steps in a shuffled order, so load from other processes on a shared
+    machine falls on all of them alike.
+
+    `run(config, steps, timer)` runs `steps` steps with the Keras callback `timer` (a
+    `StepTimer`); `on_step_times(config, times)` sees each run's step times. Prints a line
+    per round (the median so far of each configuration). Returns
+    `(times, round_medians)`: configuration -> every timed step, and -> each round's median.
+    """
+    import random
+
+    configs = list(configs)
+    times = {c: [] for c in configs}
+    round_medians = {c: [] for c in configs}
+    rng = random.Random(seed)
+    for r in range(rounds):
+        order = list(configs)
+        rng.shuffle(order)
+        for config in order:
+            timer = StepTimer(warmup=0)
+            run(config, steps_per_round, timer)
+            times[config].extend(timer.times)
+            round_medians[config].append(float(np.median(timer.times)))
+            if on_step_times is not None:
+                on_step_times(config, timer.times)
+        print(f"round {r}: " + ", ".join(f"{c} {1000 * np.median(times[c]):.1f}"
+                                          for c in configs) + " ms", flush=True)
+    return times, round_medians

@@ -55,13 +55,9 @@ TARGETS = {"every=1": 1.6, "every=10": 1.15, "exact": 2.5}
 
 
 def build_model():
-    import keras
+    from benchmarks import common
 
-    keras.utils.set_random_seed(0)
-    layers = [keras.Input((FLAGS.input_dim,))]
-    layers += [keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.depth)]
-    layers += [keras.layers.Dense(FLAGS.num_classes)]
-    return keras.Sequential(layers, name="mlp")
+    return common.relu_mlp(FLAGS.input_dim, FLAGS.width, FLAGS.depth, FLAGS.num_classes)
 
 
 def make_runner(config, model):
@@ -140,7 +136,6 @@ def memory_in_subprocesses(configs):
 
 def main(argv):
     del argv
-    import random
 
     import numpy as np
 
@@ -172,22 +167,16 @@ def main(argv):
 
     # Timed: `--rounds` rounds, each running every configuration for `--steps_per_round`
     # steps in a shuffled order, so load from other processes hits all of them alike.
-    times = {c: [] for c in FLAGS.configs}
-    rng = random.Random(0)
-    for r in range(FLAGS.rounds):
-        order = list(FLAGS.configs)
-        rng.shuffle(order)
-        for config in order:
-            timer = common.StepTimer(warmup=0)
-            runners[config].fit(data_for(config), steps_per_epoch=FLAGS.steps_per_round, epochs=1,
-                                verbose=0, callbacks=[timer])
-            times[config].extend(timer.times)
-        print(f"round {r}: " + ", ".join(f"{c} {1000 * np.median(times[c]):.1f}" for c in FLAGS.configs),
-              flush=True)
+    def run(config, steps, timer):
+        runners[config].fit(data_for(config), steps_per_epoch=steps, epochs=1, verbose=0,
+                            callbacks=[timer])
+
+    times, _ = common.interleaved_rounds(FLAGS.configs, run, FLAGS.rounds,
+                                         FLAGS.steps_per_round)
 
     if len(alloc_peak) == len(FLAGS.configs):
         memory = {c: {"peak_mb": alloc_peak[c] / 2**20,
-                      "peak_ratio": alloc_peak[c] / alloc_peak["plain"] if "plain" in alloc_peak else None}
+                      "peak_ratio": alloc_peak[c] / alloc_peak["plain"] if alloc_peak.get("plain") else None}
                   for c in FLAGS.configs}
         memory_kind = (f"{memory_kind} ({gpu or 'CPU:0'}): TensorFlow allocator peak during the "
                        "configuration's warm-up steps (optimizer build, tracing, first steps) "

@@ -207,7 +207,6 @@ def torch_version(python):
 
 def main(argv):
     del argv
-    import random
     import time
 
     import numpy as np
@@ -258,20 +257,16 @@ def main(argv):
         memory[config], memory_kind = mem.peak_bytes, mem.kind
         print(f"{config}: peak {mem.peak_bytes / 2**20:.1f} MB", flush=True)
 
-    times = {c: [] for c in trainers}
-    rng = random.Random(0)
-    for r in range(FLAGS.rounds):
-        order = list(trainers)
-        rng.shuffle(order)
-        for config in order:
-            timer = common.StepTimer(warmup=0)
-            trainers[config].fit(dataset, steps_per_epoch=FLAGS.steps_per_round, epochs=1,
-                                 verbose=0, callbacks=[timer])
-            times[config].extend(timer.times)
-            if FLAGS.verbose_times:
-                print(f"  {config}: " + " ".join(f"{1000 * x:.0f}" for x in timer.times), flush=True)
-        print(f"round {r}: " + ", ".join(f"{c} {1000 * np.median(times[c]):.0f}" for c in times),
-              flush=True)
+    def run(config, steps, timer):
+        trainers[config].fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0,
+                             callbacks=[timer])
+
+    def show(config, step_times):
+        if FLAGS.verbose_times:
+            print(f"  {config}: " + " ".join(f"{1000 * x:.0f}" for x in step_times), flush=True)
+
+    times, _ = common.interleaved_rounds(trainers, run, FLAGS.rounds, FLAGS.steps_per_round,
+                                         on_step_times=show)
 
     if python and FLAGS.peer_runs > 1:
         print("peer run 2 ...", flush=True)

@@ -133,13 +133,9 @@ def target_of(config):
 
 
 def build_model():
-    import keras
+    from benchmarks import common
 
-    keras.utils.set_random_seed(0)
-    layers = [keras.Input((FLAGS.input_dim,))]
-    layers += [keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.depth)]
-    layers += [keras.layers.Dense(FLAGS.num_classes)]
-    return keras.Sequential(layers, name="mlp")
+    return common.relu_mlp(FLAGS.input_dim, FLAGS.width, FLAGS.depth, FLAGS.num_classes)
 
 
 def make_stream():
@@ -248,7 +244,6 @@ def make_runner(config):
 
 def main(argv):
     del argv
-    import random
     import time
 
     import numpy as np
@@ -280,19 +275,8 @@ def main(argv):
               f"{1000 * float(np.median(timer.times[1:] or [float('nan')])):7.1f} ms/step",
               flush=True)
 
-    times = {c: [] for c in configs}
-    round_medians = {c: [] for c in configs}
-    rng = random.Random(0)
-    for r in range(FLAGS.rounds):
-        order = list(configs)
-        rng.shuffle(order)
-        for config in order:
-            timer = common.StepTimer(warmup=0)
-            fit(config, FLAGS.steps_per_round, timer)
-            times[config].extend(timer.times)
-            round_medians[config].append(float(np.median(timer.times)))
-        print(f"round {r}: " + ", ".join(f"{c} {1000 * round_medians[c][-1]:.1f}"
-                                          for c in configs) + " ms", flush=True)
+    times, round_medians = common.interleaved_rounds(configs, fit, FLAGS.rounds,
+                                                     FLAGS.steps_per_round)
 
     def med(c):
         return float(np.median(times[c])) if c in times else None
