@@ -5,6 +5,7 @@ import keras
 import tensorflow as tf
 
 from tf_metaalign.data import multitask as multitask_data
+from tf_metaalign import _compat
 from tf_metaalign import functional as F
 from tf_metaalign.algorithms import gradient_surgery as GS
 from tf_metaalign.trainers.base import MetaTrainer
@@ -334,7 +335,7 @@ class MultiTaskTrainer(MetaTrainer):
             return self.task_passes == "gathered"
         return not (getattr(self, "jit_compile", False) is True or self.model.losses
                     or any(getattr(layer, "activity_regularizer", None) is not None
-                           for layer in _all_layers(self.model)))
+                           for layer in [self.model, *_compat.flatten_layers(self.model)]))
 
     def _gathered_task_passes(self, params, state, model_x, y, sample_weight, task_id,
                               counts, replicas, loss_scale, compiled, acc):
@@ -403,15 +404,6 @@ class MultiTaskTrainer(MetaTrainer):
             task_passes=self.task_passes,
         )
         return config
-
-
-def _all_layers(layer):
-    """The layer and every layer nested in it (through the public `.layers`)."""
-    out = [layer]
-    for child in getattr(layer, "layers", None) or []:
-        if child is not layer:
-            out += _all_layers(child)
-    return out
 
 
 def _loss_weight_dtype(y):

@@ -165,20 +165,11 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
             slow = self.weights_copy("slow")
             due = self.schedule.is_last()
 
-            def outer_step():  # phi <- phi + eta (theta - phi), into both copies
-                theta = F.current_params(self.model)
-                phi = [tf.convert_to_tensor(v.value) for v in slow]
-                outer = R.outer_update(phi, theta, self.outer_learning_rate)
-                commit_weights(variables, outer)
-                for v, value in zip(slow, outer):
-                    v.assign(value)
-                if self.reset_inner_optimizer:
-                    self._zero_slots(True)
-                return tf.constant(True)
-
-            def merged(due):
-                # Several replicas: a commit communicates and may not sit inside tf.cond,
-                # so select, then commit unconditionally on every step.
+            def outer_step(due):
+                # phi <- phi + eta (theta - phi) into both copies where `due`: a python
+                # True (under tf.cond, one replica) or a boolean tensor (several replicas:
+                # a commit communicates and may not sit inside tf.cond, so select, then
+                # commit unconditionally on every step).
                 theta = F.current_params(self.model)
                 phi = [tf.convert_to_tensor(v.value) for v in slow]
                 outer = R.outer_update(phi, theta, self.outer_learning_rate)
@@ -187,12 +178,12 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
                     v.assign(value)
                 if self.reset_inner_optimizer:
                     self._zero_slots(due)
-                return due
+                return tf.convert_to_tensor(due)
 
             # One replica: the outer update runs only at the trajectory's end (tf.cond),
             # so a step costs an inner step, not an inner step plus two weight copies.
-            self.schedule.cond(due, outer_step, lambda: tf.constant(False),
-                               communicates=True, merged=merged)
+            self.schedule.cond(due, lambda: outer_step(True), lambda: tf.constant(False),
+                               communicates=True, merged=outer_step)
 
         return self.finish_step(data, y_pred, loss, new_state=new_state, update=update)
 
@@ -201,8 +192,7 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
         if not slots:
             return
         values = [tf.convert_to_tensor(s.value) for s in slots]
-        zeros = [tf.zeros_like(v) for v in values]
-        commit_weights(slots, zeros if due is True else _select(due, zeros, values))
+        commit_weights(slots, _select(due, [tf.zeros_like(v) for v in values], values))
 
     def test_step(self, data):
         if not self._evaluate_at_slow:
