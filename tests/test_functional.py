@@ -217,3 +217,104 @@ def test_unbuilt_model_gives_clear_error():
     model = keras.Sequential([keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="must be built"):
         F.stateless_forward(model, [], [], np.zeros((1, 3), "float32"))
+
+
+
+def _bn_model(dtype, image=True, **bn_kwargs):
+    keras.utils.set_random_seed(3)
+    if image:
+        body = [keras.Input((6, 6, 2), dtype=dtype),
+                keras.layers.Conv2D(4, 3, padding="same", dtype=dtype)]
+    else:
+        body = [keras.Input((5,), dtype=dtype), keras.layers.Dense(4, dtype=dtype)]
+    return keras.Sequential(body + [
+        keras.layers.BatchNormalization(momentum=0.7, dtype=dtype, **bn_kwargs),
+        keras.layers.Activation("tanh", dtype=dtype), keras.layers.Flatten(dtype=dtype),
+        keras.layers.Dense(3, dtype=dtype)])
+
+
+def _bn_problem(dtype, image=True, **bn_kwargs):
+    model = _bn_model(dtype, image, **bn_kwargs)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(5, 6, 6, 2) if image else (5, 5))
+    y = rng.normal(size=(5, 3))
+    # Non-trivial statistics, so that the momentum update shows.
+    state = [tf.cast(s + 0.5, dtype) for s in F.current_state(model)]
+    v = [rng.normal(size=p.shape) for p in model.trainable_variables]
+    return model, tf.constant(x, dtype), tf.constant(y, dtype), state, v
+
+
+def _loss_grad_hvp(model, x, y, state, params, v, exact):
+    """(outputs, new state, gradient, Hessian-vector product H v) of a squared loss."""
+
+    def gradient(params):
+        with tf.GradientTape() as tape:
+            tape.watch(params)
+            out, new_state, _ = F.stateless_forward(model, params, state, x,
+                                                    exact_batch_norm=exact)
+            loss = tf.reduce_sum(tf.square(out - y))
+        return out, new_state, tape.gradient(loss, params)
+
+    with tf.GradientTape() as outer:
+        outer.watch(params)
+        out, new_state, grads = gradient(params)
+        gv = tf.add_n([tf.reduce_sum(g * tf.cast(u, g.dtype)) for g, u in zip(grads, v)])
+    return out, new_state, grads, outer.gradient(gv, params), gradient
+
+
+@pytest.mark.parametrize("image", [True, False], ids=["conv", "dense"])
+def test_batch_norm_second_derivatives_equal_finite_differences(float64, image):
+    # Float64, so the non-fused exact path: H v equals a central difference of the
+    # gradient along v. Keras's own layer (exact_batch_norm=False) does NOT: tf.nn.moments
+    # stops the gradient of the mean inside the variance. (If this second assertion ever
+    # fails, Keras/TF fixed it and the workaround can go.)
+    model, x, y, state, v = _bn_problem("float64", image)
+    params = F.current_params(model)
+    out, new_state, grads, hvp, gradient = _loss_grad_hvp(model, x, y, state, params, v, True)
+    eps = 1e-5
+    plus = gradient([p + eps * u for p, u in zip(params, v)])[2]
+    minus = gradient([p - eps * u for p, u in zip(params, v)])[2]
+    fd = [(a - b) / (2 * eps) for a, b in zip(plus, minus)]
+    scale = max(float(tf.reduce_max(tf.abs(f))) for f in fd)
+    for h, f in zip(hvp, fd):
+        np.testing.assert_allclose(h.numpy(), f.numpy(), rtol=1e-6, atol=1e-7 * scale)
+    keras_out, keras_state, keras_grads, keras_hvp, _ = _loss_grad_hvp(
+        model, x, y, state, params, v, False)
+    for a, b in zip([out] + new_state + grads, [keras_out] + keras_state + keras_grads):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-10, atol=1e-12)
+    assert max(float(tf.reduce_max(tf.abs(h - f))) for h, f in zip(keras_hvp, fd)) > 1e-3 * scale
+
+
+@pytest.mark.parametrize("bn_kwargs", [{}, {"center": False, "scale": False}])
+def test_float32_batch_norm_pass_equals_the_float64_one(bn_kwargs):
+    # In float32 (computed in float32, statistics cast back as Keras does): outputs, new
+    # moving statistics, gradient and H v equal the float64 pass to float32 rounding.
+    model32, x, y, state, v = _bn_problem("float32", True, **bn_kwargs)
+    model64 = _bn_model("float64", True, **bn_kwargs)
+    model64.set_weights([w.astype("float64") for w in model32.get_weights()])
+    cast = lambda ts: [tf.cast(t, tf.float64) for t in ts]  # noqa: E731
+    want = _loss_grad_hvp(model64, cast([x])[0], cast([y])[0], cast(state),
+                          F.current_params(model64), v, True)[:4]
+
+    got = tf.function(lambda: _loss_grad_hvp(model32, x, y, state, F.current_params(model32),
+                                             v, True)[:4])()
+    for got_item, want_item in zip(got, want):  # outputs, state, gradient, H v
+        want_item = tf.nest.flatten(want_item)
+        scale = max(float(tf.reduce_max(tf.abs(b))) for b in want_item)
+        for a, b in zip(tf.nest.flatten(got_item), want_item):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-5 * scale)
+    assert max(float(tf.reduce_max(tf.abs(a - tf.cast(b, tf.float32))))
+               for a, b in zip(got[1], state)) > 0.1  # the statistics moved
+
+
+def test_exact_batch_norm_leaves_other_passes_to_keras():
+    # Inference passes go through Keras's call (bit-identical to the model's own call);
+    # the layer's own `call` is back after each pass.
+    model, x, _, _, _ = _bn_problem("float32", True)
+    layer = model.layers[1]
+    params, state = F.current_params(model), F.current_state(model)
+    np.testing.assert_array_equal(model(x, training=False).numpy(),
+                                  F.stateless_forward(model, params, state, x,
+                                                      training=False)[0].numpy())
+    F.stateless_forward(model, params, state, x, training=True)
+    assert "call" not in vars(layer)

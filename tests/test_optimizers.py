@@ -818,6 +818,28 @@ def test_tensor_step_in_tf_function_and_while_loop_equals_eager(case):
             np.testing.assert_allclose(sa[k].numpy(), sb[k].numpy(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_float64_tensor_step_in_tf_function_equals_eager(case):
+    # Python constants inside a rule must take the variable's dtype in graphs too (an
+    # Adafactor update-clipping `tf.maximum(1.0, rms)` raised a float32/float64 TypeError
+    # only inside tf.function).
+    opt = CASES[case][0]()
+    variables = make_variables(dtype="float64")
+    grads = [tf.constant(g, tf.float64) for g in make_gradients(3)]
+
+    def step(params, state):
+        return opt.apply_on_tensors(grads, params, state, variables=variables)
+
+    eager_params, _ = step(_values(variables), opt.initial_state(variables))
+    graph_params, _ = tf.function(step)(_values(variables), opt.initial_state(variables))
+    for a, b, v in zip(graph_params, eager_params, variables):
+        assert a.dtype == tf.float64
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12, atol=1e-14)
+    if "schedule" not in case:  # warm-up schedules start at a zero learning rate
+        assert any(not np.array_equal(a.numpy(), v.numpy())
+                   for a, v in zip(graph_params, variables))
+
+
 def test_tensor_step_gradient_of_sgd_is_the_closed_form():
     # loss = 0.5 a p^2 -> g = a p -> p' = p - lr a p, so d <c, p'> / d p = c (1 - lr a).
     lr, a = 0.1, tf.constant([0.5, 2.0, 3.0])

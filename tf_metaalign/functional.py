@@ -23,6 +23,7 @@ Conventions
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Callable, Sequence
 
@@ -77,19 +78,49 @@ def stateless_forward(
     state: Sequence[tf.Tensor],
     x,
     training: bool = True,
+    exact_batch_norm: bool = True,
 ):
     """Run `model(x, training=training)` at weights `params`/`state`.
 
     Returns `(outputs, new_state, model_losses)` where `model_losses` are the losses the
     model adds itself (`add_loss`, activity and weight regularisers), computed at
     `params` (what `model.losses` holds after a call).
+
+    `exact_batch_norm`: the model's `keras.layers.BatchNormalization` layers compute their
+    training passes (no mask, renorm or synchronized statistics) with second derivatives
+    that are right: Keras's own (TF's `tf.nn.moments`) stops a gradient inside the
+    variance, harmless for first derivatives, wrong for second ones (a MAML meta-gradient
+    through them is not the derivative of the query loss). Same values and first
+    derivatives as Keras's layer up to rounding; `_compat.batch_norm_for_meta_gradients`.
     """
     _ensure_built(model)
     kwargs = {"training": training} if call_has_training_arg(model) else {}
-    outputs, new_state, losses = model.stateless_call(
-        list(params), list(state), x, return_losses=True, **kwargs
-    )
+    context = (_compat.batch_norm_for_meta_gradients(model) if exact_batch_norm
+               else contextlib.nullcontext())
+    with context:
+        outputs, new_state, losses = model.stateless_call(
+            list(params), list(state), x, return_losses=True, **kwargs
+        )
     return outputs, list(new_state), list(losses)
+
+
+def traced_once(fn: Callable) -> Callable:
+    """`fn` as ONE traced function, called for every task (and step) when the caller is
+    already building a graph (`tf.function`, `fit`); else `fn` itself (eager stays eager).
+
+    For inner loops unrolled over tasks x steps (MAML, prompt FOMAML/Reptile): traced
+    inline, every call re-traces the model's forward pass, its gradient and (second
+    order) the outer tape's gradient of that gradient. A nested `tf.function` is traced
+    once per input signature, and its gradient functions are built once and reused for
+    every call. Grappler inlines the calls before the graph runs: the run time does not
+    change (keeping the calls with `_noinline` was 25% slower). Measured, MAML 8 tasks x 5
+    steps, second order, 2 CPU cores: the first meta-step (tracing + graph optimisation)
+    171 s -> 39 s. Python values are closed over; only tensors are arguments, and the
+    function must not all-reduce (keep collectives outside it).
+    """
+    if not tf.inside_function():
+        return fn
+    return tf.function(fn, autograph=False)
 
 
 def call_has_training_arg(model: keras.Model) -> bool:

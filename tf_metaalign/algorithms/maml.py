@@ -246,6 +246,12 @@ def adapt(
     if sharing is not None and (sharing_m is None or sharing_lambda is None or g_hat is None):
         raise ValueError("adapt: gradient sharing needs sharing_m, sharing_lambda and g_hat.")
     mode = "const" if first_order else "diff"
+
+    def support_step(theta, state, batch):
+        return _task_gradient(inner_loss_fn, theta, state, batch, mode, order_weight,
+                              loss_scale)
+
+    support_step = F.traced_once(support_step)
     thetas = [[list(params)] for _ in support_batches]
     state = list(state)
     support_losses, record, new_g_hat = [], [], []
@@ -254,8 +260,7 @@ def adapt(
         for t, batch in enumerate(support_batches):
             if step_statistics is not None:
                 state = step_statistics.enter(k, state)
-            loss, grad, state = _task_gradient(inner_loss_fn, thetas[t][-1], state, batch,
-                                               mode, order_weight, loss_scale)
+            loss, grad, state = support_step(thetas[t][-1], state, batch)
             if step_statistics is not None:
                 step_statistics.leave(k, state)
             task_grads.append(grad)
@@ -311,6 +316,7 @@ def query_objective(query_loss_fn, trajectories, state, query_batches, step_weig
     losses at theta_{t,K}). With `step_statistics`, the pass at theta_{t,k} uses (and
     updates) copy k-1."""
     per_task, finals, outputs = [], [], []
+    query_loss_fn = F.traced_once(query_loss_fn)
     for traj, batch in zip(trajectories, query_batches):
         steps = len(traj) - 1
         terms = []

@@ -139,7 +139,7 @@ class AdafactorRule(base.UpdateRule):
             new_slots["v"] = v
             x = g * tf.math.rsqrt(v)
         if self.clipping_threshold is not None:
-            x = x / tf.maximum(1.0, base.rms(x) / self.clipping_threshold)
+            x = x / tf.maximum(c(1.0), base.rms(x) / c(self.clipping_threshold))
         scale = c(hp["learning_rate"])
         if options.get("parameter_scale", False):
             scale = scale * tf.maximum(base.rms(w), self.epsilon_2)
