@@ -8,6 +8,7 @@ Layers (each a subpackage or module):
   trainers     -- keras.Model wrappers whose train_step runs an algorithm (compile + fit).
   callbacks    -- Keras callbacks (multi-task diagnostics).
   data         -- offline dataset loaders.
+  prompts      -- soft prompts for keras-hub T5/BERT, templates, rank classification, ARG.
   plotting     -- learned-hyperparameter schedule plots (matplotlib, imported lazily).
 """
 __version__ = "0.1.0"
@@ -19,9 +20,10 @@ from tf_metaalign import (  # noqa: E402
     forward_mode,
     functional,
     optimizers,
+    prompts,
     trainers,
 )
 
 __all__ = [
-    "algorithms", "callbacks", "data", "forward_mode", "functional", "optimizers", "trainers", "__version__",
+    "algorithms", "callbacks", "data", "forward_mode", "functional", "optimizers", "prompts", "trainers", "__version__",
 ]

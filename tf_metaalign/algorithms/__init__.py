@@ -60,3 +60,15 @@ __all__ += [
 from tf_metaalign.algorithms.maml import StepStatistics  # noqa: E402
 
 __all__ += ["StepStatistics"]
+
+from tf_metaalign.algorithms import prompt_meta  # noqa: E402
+from tf_metaalign.algorithms.prompt_meta import (  # noqa: E402
+    PromptMetaResult,
+    prompt_fomaml,
+    prompt_indices,
+    prompt_inner_loop,
+    prompt_reptile,
+)
+
+__all__ += ["prompt_meta", "PromptMetaResult", "prompt_fomaml", "prompt_indices",
+            "prompt_inner_loop", "prompt_reptile"]

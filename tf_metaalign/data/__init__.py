@@ -52,3 +52,7 @@ __all__ += [
     "split_classes", "augment_rotations", "load_official_runs", "evaluate_official_runs",
     "official_runs_dataset",
 ]
+
+from tf_metaalign.data import prompted_tasks, small_t5, text_pretraining  # noqa: E402
+
+__all__ += ["prompted_tasks", "small_t5", "text_pretraining"]

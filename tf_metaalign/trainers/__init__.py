@@ -35,3 +35,7 @@ __all__ = [
 from tf_metaalign.trainers.maml import MAMLTrainer  # noqa: E402
 
 __all__ += ["MAMLTrainer"]
+
+from tf_metaalign.trainers.prompt_meta import PromptFOMAMLTrainer, PromptReptileTrainer  # noqa: E402
+
+__all__ += ["PromptFOMAMLTrainer", "PromptReptileTrainer"]

@@ -426,8 +426,9 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
         """`(x, y, sample_weight)` of a batch; builds an unbuilt model on first use."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if not self.model.built:
-            # A subclassed model without Input shapes: build it by calling it once.
-            self.model(x, training=False)
+            # A subclassed model without Input shapes: build it by calling it once on a
+            # model batch (`example_batch`: a training batch may be stacked or episodic).
+            self.model(self.example_batch(x)[0], training=False)
         return x, y, sample_weight
 
     def check_finite_loss(self, loss, where="the training loss"):
@@ -586,6 +587,20 @@ class _EpochStepsCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._trainer[0].epoch_steps.assign(0)
+
+
+def first_task_query_set(x, y=None, sample_weight=None):
+    """The first task's query set `(query_x[0], query_y[0], query_sample_weight[0])` of a
+    task batch `x = (support_x, support_y, query_x)` with a leading task dimension (MAML,
+    prompt FOMAML / Reptile): a model batch, what their `example_batch` returns. Any other
+    `x` is returned as it is. Missing parts stay None."""
+    if not (isinstance(x, (tuple, list)) and len(x) == 3):
+        return x, y, sample_weight
+
+    def first(nest):
+        return None if nest is None else tf.nest.map_structure(lambda a: a[0], nest)
+
+    return first(x[2]), first(y), first(sample_weight)
 
 
 def commit_weights(variables, values):

@@ -18,7 +18,7 @@ from tf_metaalign import functional as F
 from tf_metaalign.algorithms import maml as M
 from tf_metaalign.algorithms import reptile as R
 from tf_metaalign.algorithms.gradient_sharing import as_gradient_sharing
-from tf_metaalign.trainers.base import MetaTrainer, _value_initializer
+from tf_metaalign.trainers.base import MetaTrainer, _value_initializer, first_task_query_set
 
 
 def _check_bool(name, value):
@@ -362,17 +362,7 @@ class MAMLTrainer(MetaTrainer):
         # query set is a model batch.
         if self._building_from_training_batch:
             self._parts(x, y, sample_weight, require_y=False)  # a clear error for a batch of another format
-        if isinstance(x, (tuple, list)) and len(x) == 3:
-            pick = (lambda n: None if n is None
-                    else tf.nest.map_structure(lambda a: a[0], n))
-            return pick(x[2]), pick(y), pick(sample_weight)
-        return x, y, sample_weight
-
-    def unpack(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if not self.model.built:
-            self.model(self.example_batch(x)[0], training=False)
-        return x, y, sample_weight
+        return first_task_query_set(x, y, sample_weight)
 
     # -------------------------------------------------------------- the learned values
 

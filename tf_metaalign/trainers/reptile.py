@@ -304,10 +304,7 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
 
     def unpack(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        x = self._model_inputs(x)
-        if not self.model.built:
-            self.model(self.example_batch(x)[0], training=False)
-        return x, y, sample_weight
+        return super().unpack((self._model_inputs(x), y, sample_weight))
 
     def _batches(self, x, y, sample_weight):
         first = next(t for t in tf.nest.flatten(x) if t is not None)

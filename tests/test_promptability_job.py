@@ -1,0 +1,215 @@
+"""The promptability experiment program `trainers/promptability.py` and its LM wrapper
+`tf_metaalign.prompts.t5_lm`.
+
+Fast: the data the program builds (teacher-forcing batches, meta-batches of one
+dataset-template per task), the masked token loss against NumPy, the ARG table and its
+p-values against `prompts.evaluation` recomputed by hand, the configuration errors.
+Slow (`-m slow`; ~8 min on 2 shared cores, almost all of it tracing): a tiny Config end to
+end with every configuration and both prompt modes.
+"""
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("django", reason="the offline prompted tasks need Django's catalogs")
+
+from tf_metaalign.prompts import evaluation as E  # noqa: E402
+from tf_metaalign.prompts import t5_lm  # noqa: E402
+from trainers import promptability as P  # noqa: E402
+
+CACHE = "/tmp/tf_metaalign_test_promptability_cache"  # shared by runs: pre-training is cached
+
+
+def tiny_config(**overrides):
+    values = dict(
+        t5_size="tiny", vocabulary_size=600, corpus_max_texts=3000, pretrain_steps=10,
+        pretrain_batch_size=8, pretrain_sequence_length=32, max_train=64, eval_examples=16,
+        templates_per_dataset=1, encoder_length=32, decoder_length=6, prompt_length=2,
+        steps=4, batch_size=4, meta_batch=2, inner_steps=1, task_batch_size=2, shots=4,
+        few_shot_epochs=1, few_shot_batch_size=4, bootstrap_resamples=200, minilm=True,
+        minilm_prompt_length=2, minilm_sequence_length=16, minilm_epochs=1, log_every=2,
+        cache_dir=CACHE)
+    values.update(overrides)
+    return P.Config(**values)
+
+
+class CharTokenizer:
+    """A stand-in tokenizer: one id per character (3 + ord % 50), as a keras-hub tokenizer
+    is called (one string -> ids, a list -> a list of ids)."""
+
+    def __call__(self, text):
+        if isinstance(text, list):
+            return [self(t) for t in text]
+        return np.asarray([3 + ord(ch) % 50 for ch in text], np.int32)
+
+
+def test_encode_examples_is_teacher_forcing_with_eos_and_pad_zero():
+    x, y = t5_lm.encode_examples([("abc", "xy"), ("abcdefgh", "long target")],
+                                 CharTokenizer(), encoder_length=5, decoder_length=4)
+    t = CharTokenizer()
+    np.testing.assert_array_equal(x["encoder_token_ids"][0], list(t("abc")) + [1, 0])
+    np.testing.assert_array_equal(x["encoder_token_ids"][1], list(t("abcd")) + [1])  # cut
+    np.testing.assert_array_equal(y[0], list(t("xy")) + [1, 0])
+    np.testing.assert_array_equal(y[1], list(t("lon")) + [1])
+    # Decoder input = targets shifted right with the pad id 0 as the start token.
+    np.testing.assert_array_equal(x["decoder_token_ids"][:, 0], [0, 0])
+    np.testing.assert_array_equal(x["decoder_token_ids"][:, 1:], y[:, :-1])
+    np.testing.assert_array_equal(x["decoder_padding_mask"][0], [1, 1, 1, 1])
+    np.testing.assert_array_equal(x["encoder_padding_mask"][0], [1, 1, 1, 1, 0])
+    with pytest.raises(ValueError, match="decoder_length"):
+        t5_lm.encode_examples([("a", "b")], CharTokenizer(), 5, 1)
+
+
+def test_masked_token_loss_is_the_mean_over_real_target_tokens():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 4, 7)).astype("float32")
+    y = np.array([[3, 1, 0, 0], [5, 2, 6, 1]])
+    log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(log_p, y[..., None], -1)[..., 0]
+    expected = nll[y != 0].mean()  # 6 real tokens; Keras's default would divide by 8
+    np.testing.assert_allclose(float(t5_lm.masked_token_loss()(y, logits)), expected,
+                               rtol=1e-5)
+
+
+def test_meta_batches_draw_each_task_from_one_dataset_and_template():
+    config = tiny_config(steps=8, batch_size=4, meta_batch=2, inner_steps=2, task_batch_size=2)
+    assert config.meta_steps == 8 * 4 // (2 * 3 * 2) == 2
+    tasks = P.prepare_tasks(config)
+    tokenizer = CharTokenizer()
+    (sx, sy, qx), qy = P.meta_batches(tasks, config, tokenizer)
+    m = config.meta_steps * config.meta_batch
+    assert sx["encoder_token_ids"].shape == (m, 2, 2, config.encoder_length)
+    assert sy.shape == (m, 2, 2, config.decoder_length)
+    assert qx["decoder_token_ids"].shape == (m, 2, config.decoder_length)
+    assert qy.shape == (m, 2, config.decoder_length)
+    # Every task's examples come from the mixture draw's dataset and template.
+    from tf_metaalign.data.prompted_tasks import PromptedMixture
+
+    mixture = PromptedMixture(tasks.training, cap=config.mixture_cap, seed=config.seed)
+    for k in range(m):
+        name, _, template_name = mixture.draw(k)
+        dataset = tasks.training[name]
+        template = next(t for t in dataset.templates if t.name == template_name)
+        targets = {tuple(t5_lm.encode_examples([("", template.apply(e).target_text)],
+                                               tokenizer, 4, config.decoder_length)[1][0])
+                   for e in dataset.train}
+        for row in list(sy[k].reshape(-1, config.decoder_length)) + list(qy[k]):
+            assert tuple(row) in targets
+    # No training example of an unseen task type is used.
+    assert not set(tasks.training) & set(tasks.evaluation)
+    assert {d for d, _ in tasks.pairs} == set(tasks.evaluation)
+
+
+def test_arg_table_equals_evaluation_arg_and_bootstrap():
+    rng = np.random.default_rng(1)
+    pairs = [("a", "t1"), ("a", "t2"), ("b", "t1")]
+    choices = {"a": 2, "b": 3}
+    correct = {c: {s: {m: {k: (rng.random(20) < 0.4 + 0.1 * i).astype(int) for k in pairs}
+                       for m in ("shallow", "deep")} for s in ("zero_shot", "few_shot")}
+               for i, c in enumerate(("none", "mtl_t", "mtl_tp"))}
+    rows = P.arg_table(correct, choices, ("none", "mtl_t", "mtl_tp"), ("shallow", "deep"),
+                       resamples=300, seed=3)
+    by_name = {r["configuration"]: r for r in rows}
+    for c in ("none", "mtl_t", "mtl_tp"):
+        for s in ("zero_shot", "few_shot"):
+            for m in ("shallow", "deep"):
+                acc = {k: v.mean() for k, v in correct[c][s][m].items()}
+                # Hand ARG: datasets weigh equally, templates averaged within a dataset.
+                gain = {k: (a - 1 / choices[k[0]]) * choices[k[0]] for k, a in acc.items()}
+                hand = ((gain[("a", "t1")] + gain[("a", "t2")]) / 2 + gain[("b", "t1")]) / 2
+                assert by_name[c][f"{s}_{m}"] == pytest.approx(hand, abs=1e-12)
+    p = E.paired_bootstrap_arg(correct["mtl_tp"]["few_shot"]["deep"],
+                               correct["mtl_t"]["few_shot"]["deep"], choices, 300, 3).p_value
+    assert by_name["mtl_tp"]["few_shot_deep_p_vs_mtl_t"] == p
+    assert "zero_shot_shallow_p_vs_none" not in by_name["none"]
+    assert "few_shot_deep_p_vs_mtl_t" not in by_name["mtl_t"]
+    assert "mtl_tp" in P.format_arg_table(rows, ("shallow", "deep"))
+
+
+def test_config_errors_name_the_argument():
+    for kwargs, name in ((dict(configurations=("mtl_t",)), "configurations"),
+                         (dict(configurations=("none", "t0")), "configurations"),
+                         (dict(modes=("wide",)), "modes"),
+                         (dict(pretrain_objective="mlm"), "pretrain_objective"),
+                         (dict(steps=0), "steps"),
+                         (dict(templates_per_dataset=-1), "templates_per_dataset"),
+                         (dict(decoder_length=1), "decoder_length"),
+                         (dict(learning_rate=0.0), "learning_rate"),
+                         (dict(shots=2000), "shots")):
+        with pytest.raises(ValueError, match=name):
+            P.Config(**kwargs).check()
+    P.Config().check()
+    P.Config(**P.FULL_RUN).check()
+
+
+@pytest.mark.slow
+def test_program_end_to_end_tiny(tmp_path):
+    from tf_metaalign import prompts
+    from trainers import common
+
+    config = tiny_config()
+    results, weights = P.run(config, log=lambda m: None)
+    path = common.write_json(tmp_path / "results.json", results)
+    saved = json.loads(path.read_text())
+
+    # Every configuration, both modes, zero- and few-shot, for every evaluation pair.
+    pairs = saved["evaluation_pairs"]
+    assert [r["configuration"] for r in saved["arg_table"]] == list(P.CONFIGURATIONS)
+    for c in P.CONFIGURATIONS:
+        for s in ("zero_shot", "few_shot"):
+            for m in P.MODES:
+                assert set(saved["correct"][c][s][m]) == set(pairs)
+    # ARG recomputed from the stored per-example correctness equals the table.
+    choices = saved["num_choices"]
+    for row in saved["arg_table"]:
+        for s in ("zero_shot", "few_shot"):
+            for m in P.MODES:
+                per = {tuple(k.split("/", 1)): np.asarray(v)
+                       for k, v in saved["correct"][row["configuration"]][s][m].items()}
+                assert row[f"{s}_{m}"] == pytest.approx(E.average_relative_gain(per, choices),
+                                                        abs=1e-12)
+                if row["configuration"] != "none":
+                    none = {tuple(k.split("/", 1)): np.asarray(v)
+                            for k, v in saved["correct"]["none"][s][m].items()}
+                    assert row[f"{s}_{m}_p_vs_none"] == E.paired_bootstrap_arg(
+                        per, none, choices, config.bootstrap_resamples, config.seed).p_value
+    # Prompt-only continued pre-training leaves the transformer bit-identical; the others
+    # move it.
+    for key in ("mtl_p/shallow", "mtl_p/deep"):
+        for a, b in zip(weights[key], weights["pretrained"]):
+            np.testing.assert_array_equal(a, b)
+    for key in ("mtl_t", "mtl_tp/shallow", "mtl_tp/deep", "fomaml/deep", "reptile/shallow"):
+        assert any(not np.array_equal(a, b) for a, b in zip(weights[key], weights["pretrained"]))
+    changes = {(r["configuration"], r["mode"]): r["transformer_max_abs_change"]
+               for r in saved["continued_pretraining"]}
+    assert changes[("mtl_p", "shallow")] == changes[("mtl_p", "deep")] == 0.0
+    assert changes[("mtl_t", None)] > 0
+    # Zero-shot "none" == a direct rank classification of the pre-trained model (eager, its
+    # own tokenization: ids + EOS), no prompt.
+    model, tokenizer, info = P.pretrained_t5(config)
+    assert info["cached"]
+    for a, b in zip(model.backbone.get_weights(), weights["pretrained"]):
+        np.testing.assert_array_equal(a, b)
+    plain = prompts.prompt_t5(model.backbone, length=0)
+
+    def tokenize(text):
+        return list(np.asarray(tokenizer(text)))[:config.encoder_length - 1] + [1]
+
+    def score(inputs, targets, mask):
+        return prompts.t5_token_log_likelihoods(plain, inputs, inputs != 0, targets, mask)
+
+    tasks = P.prepare_tasks(config)
+    for (dataset, template), (_, test) in tasks.pairs.items():
+        predictions, _, labels = prompts.rank_classify_examples(score, tokenize, test)
+        for mode in P.MODES:
+            np.testing.assert_array_equal(
+                saved["correct"]["none"]["zero_shot"][mode][f"{dataset}/{template}"],
+                (predictions == labels).astype(int))
+    # MiniLM: both variants, the encoder frozen.
+    for variant in ("prompt+head", "head"):
+        assert saved["minilm"][variant]["encoder_bit_identical"] is True
+        per = {tuple(k.split("/", 1)): np.asarray(v)
+               for k, v in saved["minilm"][variant]["correct"].items()}
+        assert saved["minilm"][variant]["arg"] == pytest.approx(
+            E.average_relative_gain(per, choices), abs=1e-12)

@@ -1,0 +1,68 @@
+"""Soft prompts for keras-hub backbones (Wu et al., EMNLP 2022: hybrid prompt tuning):
+shallow and deep prompts for T5Backbone, shallow prompts for BertBackbone-family encoders,
+T5 scoring and greedy generation, prompt-only files; prompt templates, rank
+classification, the few-shot prompt-tuning protocol and Average Relative Gain."""
+from tf_metaalign.prompts import base, bert, evaluation, storage, t5, t5_lm, templates
+from tf_metaalign.prompts.bert import PromptedBert, prompt_bert
+from tf_metaalign.prompts.evaluation import (
+    BootstrapResult,
+    FewShotResult,
+    accuracy,
+    average_relative_gain,
+    choice_scores,
+    few_shot_prompt_tuning,
+    paired_bootstrap_arg,
+    rank_classification,
+    rank_classify_examples,
+    relative_gain,
+    sample_few_shot,
+    stable_seed,
+    token_log_likelihoods,
+)
+from tf_metaalign.prompts.storage import load_prompt, save_prompt
+from tf_metaalign.prompts.t5 import (
+    PromptedT5,
+    prompt_t5,
+    shift_right,
+    t5_generate,
+    t5_token_log_likelihoods,
+)
+from tf_metaalign.prompts.t5_lm import PromptedT5LM, encode_examples, masked_token_loss
+from tf_metaalign.prompts.templates import PromptedExample, Template, apply_templates
+
+__all__ = [
+    "bert",
+    "evaluation",
+    "storage",
+    "t5",
+    "t5_lm",
+    "templates",
+    "PromptedT5LM",
+    "encode_examples",
+    "masked_token_loss",
+    "stable_seed",
+    "BootstrapResult",
+    "FewShotResult",
+    "PromptedExample",
+    "Template",
+    "accuracy",
+    "apply_templates",
+    "average_relative_gain",
+    "choice_scores",
+    "few_shot_prompt_tuning",
+    "paired_bootstrap_arg",
+    "rank_classification",
+    "rank_classify_examples",
+    "relative_gain",
+    "sample_few_shot",
+    "token_log_likelihoods",
+    "PromptedBert",
+    "prompt_bert",
+    "load_prompt",
+    "save_prompt",
+    "PromptedT5",
+    "prompt_t5",
+    "shift_right",
+    "t5_generate",
+    "t5_token_log_likelihoods",
+]
