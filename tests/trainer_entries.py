@@ -286,6 +286,8 @@ ENTRIES += [
         compile_kwargs=_outer_compile,
         state_variables=("count",),
         make_data=stacked_regression_data,  # k = 1 inner batch + 1 query batch
+        # two processes under -m slow: the "maml" entry runs MAMLTrainer's (and "reptile" the stacked inner loop's) in the default suite (its 20-minute budget)
+        slow=("multi_worker",),
     ),
     TrainerEntry(
         name="multi_task_reptile",
@@ -293,6 +295,8 @@ ENTRIES += [
         compile_kwargs=_outer_compile,
         state_variables=("count",),
         make_data=task_stacked_regression_data,
+        # two processes under -m slow: "reptile" runs the stacked inner loop's in the default suite
+        slow=("multi_worker",),
     ),
     TrainerEntry(
         name="multitask_pcgrad",
@@ -309,6 +313,9 @@ ENTRIES += [
         state_variables=("count", "gradvac_targets"),
         diagnostics=("task_cosine",),
         make_data=multitask_data,
+        # two processes under -m slow: "multitask_pcgrad" runs MultiTaskTrainer's in the
+        # default suite (its 20-minute budget)
+        slow=("multi_worker",),
     ),
     TrainerEntry(
         name="multitask_gradnorm",
@@ -318,6 +325,9 @@ ENTRIES += [
                          "gradnorm_seen"),
         diagnostics=("task_cosine",),
         make_data=multitask_data,
+        # two processes under -m slow: "multitask_pcgrad" runs MultiTaskTrainer's in the
+        # default suite (its 20-minute budget)
+        slow=("multi_worker",),
     ),
 ]
 

@@ -288,6 +288,19 @@ def patch_keras_multi_worker_fit():
 
 # ------------------------------------------------------- batch norm for meta-gradients
 
+def building_xla_function() -> bool:
+    """Whether the graph being built is (or is inside) a `jit_compile=True` function:
+    Keras's `compile(jit_compile=True)` train step, or a user's XLA `tf.function`.
+
+    Through TF's private `control_flow_util.GraphOrParentsInXlaContext`, what
+    `tf.function` itself asks before opening an XLA context.
+    """
+    from tensorflow.python.framework import ops
+    from tensorflow.python.ops import control_flow_util
+
+    return bool(control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()))
+
+
 def _batch_norm_axis(layer):
     axis = layer.axis
     if isinstance(axis, (list, tuple)):
