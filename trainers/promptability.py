@@ -231,17 +231,24 @@ def config_from_flags() -> Config:
 # --------------------------------------------------------------------------- 1. pre-training
 
 
-def pretrained_t5(config: Config, progress: bool = False):
-    """`(model, tokenizer, info)`: the cached pre-trained `T5Seq2SeqLM` (trained on a miss)."""
+def pretrained_t5(config: Config, log=None):
+    """`(model, tokenizer, info)`: the cached pre-trained `T5Seq2SeqLM` (trained on a miss,
+    with a progress line through `log` every `log_every` steps)."""
     from tf_metaalign.data import small_t5
     from tf_metaalign.data import text_pretraining as tp
+    from trainers import common
+
+    callbacks = () if log is None else (common.ProgressCallback(
+        log, "pre-training", config.pretrain_steps,
+        min(config.log_every, config.pretrain_steps)),)
 
     corpus = tp.english_corpus(max_texts=config.corpus_max_texts or None, seed=config.seed)
     return small_t5.cached_pretrained_t5(
         config.cache_dir, corpus, size=config.t5_size, vocabulary_size=config.vocabulary_size,
         objective=config.pretrain_objective, steps=config.pretrain_steps,
         batch_size=config.pretrain_batch_size, sequence_length=config.pretrain_sequence_length,
-        learning_rate=config.pretrain_learning_rate, seed=config.seed, progress=progress)
+        learning_rate=config.pretrain_learning_rate, seed=config.seed, progress=False,
+        callbacks=callbacks)
 
 
 class Tokenize:
@@ -685,7 +692,7 @@ def run(config: Config, log=print):
     timings = {}
     log(f"pre-training a {config.t5_size} T5 ({config.pretrain_objective}, "
         f"{config.pretrain_steps} steps) or loading it from {config.cache_dir}")
-    t5, tokenizer, info = pretrained_t5(config)
+    t5, tokenizer, info = pretrained_t5(config, log)
     backbone = t5.backbone
     pretrained = [np.array(w) for w in backbone.get_weights()]
     timings["pretraining"] = time.perf_counter() - started
@@ -791,7 +798,17 @@ def run(config: Config, log=print):
 
 def main(argv):
     del argv
+    import warnings
+
+    from trainers import startup
+
+    startup.start_tensorflow()  # before anything imports TensorFlow: no start-up chatter
     from trainers import common
+
+    # keras-hub's T5 layers receive Keras masks they do not use (T5 takes explicit padding
+    # masks, which the prompted model extends): the warning says nothing about this run.
+    warnings.filterwarnings("ignore", message=r"Layer '(self|cross)_attention' \(of type "
+                            r"T5MultiHeadAttention\) was passed an input with a mask")
 
     try:
         config = config_from_flags()

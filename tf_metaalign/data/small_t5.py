@@ -168,7 +168,8 @@ def pretrain_t5(model, tokenizer, corpus: Sequence[str] | None, objective: str =
     compile_for_pretraining(model, optimizer, learning_rate, jit_compile)
     timer = _Timer()
     epochs = max(1, steps // log_every)
-    history = model.fit(ds.repeat(), steps_per_epoch=log_every, epochs=epochs,
+    # shuffle=False: the stream shuffles itself (Keras warns that it ignores shuffle=True).
+    history = model.fit(ds.repeat(), steps_per_epoch=log_every, epochs=epochs, shuffle=False,
                         verbose=2 if progress else 0, callbacks=[timer, *callbacks])
     steady_steps = (epochs - 1) * log_every
     positions = sequence_length + tp.decoder_length_for(objective, sequence_length)
@@ -205,14 +206,15 @@ def cached_pretrained_t5(cache_dir: str | os.PathLike, corpus: Sequence[str] | N
                          batch_size: int = 32, sequence_length: int = 64,
                          learning_rate: float = 1e-2, seed: int = 0, optimizer: str = "adafactor",
                          num_extra_ids: int = tp.T5_NUM_EXTRA_IDS, progress: bool = True,
-                         config_overrides: dict | None = None):
+                         config_overrides: dict | None = None, callbacks: Sequence = ()):
     """A pre-trained T5 paid for once: `(model, tokenizer, info)`.
 
     The SentencePiece model is `train_sentencepiece(corpus, cache_dir / "spm")` (default
     corpus: `english_corpus()`); the weights are
     `cache_dir / "t5-<hash>.weights.h5"`, the hash covering the corpus, the vocabulary file's
     bytes, the model config and every training setting. A hit builds the model from the config
-    and loads the weights (no training); a miss trains and saves. `info` holds the settings,
+    and loads the weights (no training); a miss trains and saves (`callbacks` go to `fit`,
+    e.g. progress lines; not part of the hash). `info` holds the settings,
     the hash, the history ("token_nll" curve, tokens per second) and `cached` (True on a hit).
     """
     corpus = tp.english_corpus() if corpus is None else list(corpus)
@@ -234,7 +236,8 @@ def cached_pretrained_t5(cache_dir: str | os.PathLike, corpus: Sequence[str] | N
         info["cached"] = True
         return model, tokenizer, info
     history = pretrain_t5(model, tokenizer, corpus, objective, steps, batch_size,
-                          sequence_length, learning_rate, seed, progress, optimizer)
+                          sequence_length, learning_rate, seed, progress, optimizer,
+                          callbacks=callbacks)
     info = {"key": key, "settings": settings, "spm_path": str(spm_path),
             "history": {k: (v if isinstance(v, (list, float, int)) else list(v))
                         for k, v in history.history.items()}}
