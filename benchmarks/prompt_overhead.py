@@ -71,8 +71,9 @@ What the default run says (2 shared CPU cores at load average 6-7; see the JSON)
   per-round ratios spread over 0.4-1.4 by the load. MiniLM shallow: 1.00x time, 1.16x
   peak memory (the 84-token sequence), 0.19% of the slot bytes.
 * A prompt FOMAML (Reptile) task costs 1.34x (1.23x) its pieces run as ordinary steps
-  (inner_steps prompt-only steps + one train="both" step); the first meta-step traces the
-  unrolled loop over tasks x inner steps (2-4 minutes here).
+  (inner_steps prompt-only steps + one train="both" step); the first meta-step traced the
+  unrolled loop over tasks x inner steps in 2-4 minutes in that run, before each kind of
+  task pass was traced once (`functional.traced_once`); not re-measured since.
 
 Writes `benchmarks/results/prompt_overhead.json`.
 """
