@@ -105,7 +105,7 @@ def test_unknown_configuration_is_a_clear_error():
     assert prompt_overhead.check_configs(["t5_full", "bert_full"], bert=False) == ["t5_full"]
 
 
-@pytest.mark.slow  # runs the benchmark script: 3.5-7 min on 2 shared cores at load 5-6 (tracing)
+@pytest.mark.slow  # runs the benchmark script: 2 min on 2 quiet cores, 3.5-7 at load 5-6 (tracing)
 def test_prompt_overhead_smoke(tmp_path):
     out = tmp_path / "prompt_overhead.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")

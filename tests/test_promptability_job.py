@@ -4,7 +4,7 @@
 Fast: the data the program builds (teacher-forcing batches, meta-batches of one
 dataset-template per task), the masked token loss against NumPy, the ARG table and its
 p-values against `prompts.evaluation` recomputed by hand, the configuration errors.
-Slow (`-m slow`; ~8 min on 2 shared cores, almost all of it tracing): a tiny Config end to
+Slow (`-m slow`; 4 min on 2 quiet cores, ~8 on shared ones, mostly tracing): a tiny Config end to
 end with every configuration and both prompt modes.
 """
 import json
