@@ -49,3 +49,23 @@ def float64():
     yield
     keras.config.set_dtype_policy("float32")
     keras.backend.set_floatx("float32")
+
+
+class Recorder:
+    """Wraps the `call` of layers (instance attribute) to record their inputs/outputs."""
+
+    def __init__(self, monkeypatch):
+        self.monkeypatch, self.records = monkeypatch, {}
+
+    def watch(self, name, layer):
+        original = layer.call
+
+        def call(*args, **kwargs):
+            out = original(*args, **kwargs)
+            self.records.setdefault(name, []).append((args, kwargs, out))
+            return out
+
+        self.monkeypatch.setattr(layer, "call", call)
+
+    def last(self, name):
+        return self.records[name][-1]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from keras import ops
 
+from conftest import Recorder
 from tf_metaalign import prompts
 from tf_metaalign.prompts.bert import PromptedBert
 
@@ -53,23 +54,6 @@ def batch():
 def as_numpy(outputs):
     return {k: ops.convert_to_numpy(v) for k, v in outputs.items()}
 
-
-class Recorder:
-    def __init__(self, monkeypatch):
-        self.monkeypatch, self.records = monkeypatch, {}
-
-    def watch(self, name, layer):
-        original = layer.call
-
-        def call(*args, **kwargs):
-            out = original(*args, **kwargs)
-            self.records.setdefault(name, []).append((args, kwargs, out))
-            return out
-
-        self.monkeypatch.setattr(layer, "call", call)
-
-    def last(self, name):
-        return self.records[name][-1]
 
 
 def test_zero_length_prompt_equals_plain_backbone_exactly(backbone):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from keras import ops
 
+from conftest import Recorder
 from tf_metaalign import prompts
 from tf_metaalign.prompts import storage
 from tf_metaalign.prompts.t5 import PromptedT5
@@ -78,25 +79,6 @@ def all_attentions(backbone):
                    (f"decoder{i}.cross", layer.cross_attention)]
     return blocks
 
-
-class Recorder:
-    """Wraps the `call` of layers (instance attribute) to record their inputs/outputs."""
-
-    def __init__(self, monkeypatch):
-        self.monkeypatch, self.records = monkeypatch, {}
-
-    def watch(self, name, layer):
-        original = layer.call
-
-        def call(*args, **kwargs):
-            out = original(*args, **kwargs)
-            self.records.setdefault(name, []).append((args, kwargs, out))
-            return out
-
-        self.monkeypatch.setattr(layer, "call", call)
-
-    def last(self, name):
-        return self.records[name][-1]
 
 
 @pytest.mark.parametrize("mode", ["shallow", "deep"])

@@ -431,6 +431,24 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
             self.model(self.example_batch(x)[0], training=False)
         return x, y, sample_weight
 
+    def static_tasks_per_replica(self, tasks):
+        """This replica's number of tasks in a batch: `tasks` (the batch's static task
+        dimension) when known, else `self.tasks_per_batch` (global) over the replicas. For
+        trainers that unroll a loop over the tasks of a batch (MAML, prompt FOMAML /
+        Reptile), which needs the number at trace time."""
+        if tasks is not None:
+            return tasks
+        if getattr(self, "tasks_per_batch", None) is None:
+            raise ValueError(
+                f"{type(self).__name__} unrolls its loop over the tasks of a batch, so their "
+                "number must be static: batch the task dataset with drop_remainder=True, or "
+                "give `tasks_per_batch` (the global number of tasks per batch).")
+        replicas = F.num_replicas()
+        if self.tasks_per_batch % replicas:
+            raise ValueError(f"`tasks_per_batch`={self.tasks_per_batch} is not a multiple of "
+                             f"the {replicas} replicas.")
+        return self.tasks_per_batch // replicas
+
     def check_finite_loss(self, loss, where="the training loss"):
         """Stop training with a clear error when `loss` is NaN or infinite.
 

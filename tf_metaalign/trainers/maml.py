@@ -324,16 +324,7 @@ class MAMLTrainer(MetaTrainer):
         parts, tasks = self._parts(*keras.utils.unpack_x_y_sample_weight(data),
                                    require_y=require_y)
         if tasks is None:
-            if self.tasks_per_batch is None:
-                raise ValueError(
-                    "MAMLTrainer unrolls its inner loop over the tasks of a batch, so their "
-                    "number must be static: batch the task dataset with drop_remainder=True, "
-                    "or give `tasks_per_batch` (the global number of tasks per batch).")
-            replicas = F.num_replicas()
-            if self.tasks_per_batch % replicas:
-                raise ValueError(f"`tasks_per_batch`={self.tasks_per_batch} is not a multiple of "
-                                 f"the {replicas} replicas.")
-            tasks = self.tasks_per_batch // replicas
+            tasks = self.static_tasks_per_replica(None)
 
             def fix(t):
                 return tf.ensure_shape(t, [tasks] + [None] * (t.shape.rank - 1))

@@ -209,18 +209,7 @@ class _PromptMetaTrainer(MetaTrainer):
                 f"{type(self).__name__}(inner_steps={self.inner_steps}): `support_x` must "
                 f"stack {self.inner_steps} support batches (one per inner step) or 1 (reused "
                 f"at every step) on axis 1; got shape {first.shape}.")
-        tasks = first.shape[0]
-        if tasks is None:
-            if self.tasks_per_batch is None:
-                raise ValueError(
-                    f"{type(self).__name__} unrolls its loop over the tasks of a batch, so "
-                    "their number must be static: batch with drop_remainder=True, or give "
-                    "`tasks_per_batch` (the global number of tasks per batch).")
-            replicas = F.num_replicas()
-            if self.tasks_per_batch % replicas:
-                raise ValueError(f"`tasks_per_batch`={self.tasks_per_batch} is not a multiple "
-                                 f"of the {replicas} replicas.")
-            tasks = self.tasks_per_batch // replicas
+        tasks = self.static_tasks_per_replica(first.shape[0])
 
         def task(nest, t, s=None):
             if nest is None:
