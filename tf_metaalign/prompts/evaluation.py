@@ -36,6 +36,8 @@ from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
+from tf_metaalign.data.splits import check_positive_int
+
 __all__ = [
     "REDUCTIONS", "token_log_likelihoods", "choice_scores", "rank_classification", "rank_classify_examples",
     "accuracy", "sample_few_shot", "FewShotResult", "few_shot_prompt_tuning",
@@ -239,9 +241,8 @@ def sample_few_shot(num_examples: int, num_shots: int = 16, seed: int = 0,
                     dataset: str = "", template: str = "") -> np.ndarray:
     """The indices of the `num_shots` training examples of one (dataset, template):
     sampled without replacement, a pure function of `(seed, dataset, template)`."""
-    for value, name in ((num_examples, "num_examples"), (num_shots, "num_shots")):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"`{name}` must be an integer >= 1; got {value!r}.")
+    check_positive_int(num_examples, "num_examples")
+    check_positive_int(num_shots, "num_shots")
     if num_shots > num_examples:
         raise ValueError(f"`num_shots`={num_shots} exceeds the {num_examples} training "
                          f"examples of dataset {dataset!r} template {template!r}.")
@@ -286,9 +287,8 @@ def few_shot_prompt_tuning(
     Returns:
       `{(dataset, template): FewShotResult}`, in the order of `tasks`.
     """
-    for value, name in ((num_shots, "num_shots"), (epochs, "epochs")):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"`{name}` must be an integer >= 1; got {value!r}.")
+    check_positive_int(num_shots, "num_shots")
+    check_positive_int(epochs, "epochs")
     if not isinstance(tasks, Mapping) or not tasks:
         raise ValueError("`tasks` must be a non-empty mapping {dataset: {template: "
                          "(train_examples, eval_examples)}}.")
