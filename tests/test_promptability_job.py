@@ -213,3 +213,28 @@ def test_program_end_to_end_tiny(tmp_path):
                for k, v in saved["minilm"][variant]["correct"].items()}
         assert saved["minilm"][variant]["arg"] == pytest.approx(
             E.average_relative_gain(per, choices), abs=1e-12)
+
+
+def test_fresh_optimizer_state_restores_slots_and_keeps_the_learning_rate():
+    """The few-shot runs start from the optimizer as first built: the slots and the step
+    count back to their initial values, the learning rate (a Keras optimizer variable too)
+    left at its value. Zeroing every optimizer variable set the rate to 0: no run trained."""
+    import keras
+
+    for optimizer, rate in ((P._optimizer(0.3), 0.3), (keras.optimizers.Adam(0.01), 0.01)):
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+        reset = P.FreshOptimizerState(model.optimizer, model.trainable_variables)
+        initial = [v.numpy().copy() for v in model.optimizer.variables]
+        x, y = np.ones((4, 3), "float32"), np.zeros((4, 2), "float32")
+        for _ in range(2):  # a run, the reset, and a second run that trains as the first
+            reset()
+            before = [w.numpy().copy() for w in model.trainable_variables]
+            model.fit(x, y, epochs=2, verbose=0)
+            assert any(not np.array_equal(w.numpy(), b)
+                       for w, b in zip(model.trainable_variables, before))
+        assert int(model.optimizer.iterations.numpy()) == 2  # counted from 0 again
+        reset()
+        for v, value in zip(model.optimizer.variables, initial):
+            np.testing.assert_array_equal(v.numpy(), value, err_msg=v.path)
+        assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(rate)

@@ -419,6 +419,24 @@ def continued_pretraining(configuration: str, mode: str, backbone, data, config:
 # ---------------------------------------------------------------------------- 3. evaluation
 
 
+class FreshOptimizerState:
+    """Puts an optimizer back to its state as first built, before each few-shot run.
+
+    Restores EVERY optimizer variable to its value after `build`: the slots and the step
+    count, and also the hyperparameter variables Keras keeps among `optimizer.variables`
+    (the learning rate; this package's `learning_rate_scale`). Zeroing them all, as a
+    first version did, set the learning rate to 0 and no few-shot run trained."""
+
+    def __init__(self, optimizer, variables):
+        optimizer.build(variables)
+        self.optimizer = optimizer
+        self.values = [v.numpy() for v in optimizer.variables]
+
+    def __call__(self):
+        for variable, value in zip(self.optimizer.variables, self.values):
+            variable.assign(value)
+
+
 class Evaluator:
     """One prompted model per mode on ONE backbone, traced once: rank classification and
     few-shot prompt tuning for any (transformer weights, prompt) assigned to it."""
@@ -434,6 +452,8 @@ class Evaluator:
         self.prompted, self.lm = build_prompted(backbone, config, mode, "prompt", length)
         self.lm.compile(optimizer=_optimizer(config.few_shot_learning_rate),
                         loss=masked_token_loss(), jit_compile=False)
+        self.fresh_optimizer_state = FreshOptimizerState(
+            self.lm.optimizer, self.lm.trainable_variables)
         prompted = self.prompted
 
         @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32)] * 3,
@@ -477,13 +497,12 @@ class Evaluator:
             variable.assign(value)
 
     def tune(self, examples, epochs: int):
-        """Prompt tuning from the assigned prompt with a fresh optimizer state (zeros: every
-        slot and the count start at zero, as `initial_state`). Keras shuffles with the
+        """Prompt tuning from the assigned prompt with a fresh optimizer state (as first
+        built: `FreshOptimizerState`). Keras shuffles with the
         global seed, which the caller sets per (dataset, template)."""
         from tf_metaalign.prompts.t5_lm import encode_examples
 
-        for variable in self.lm.optimizer.variables:
-            variable.assign(variable.numpy() * 0)
+        self.fresh_optimizer_state()
         x, y = encode_examples(examples, self.tokenize.tokenizer, self.config.encoder_length,
                                self.config.decoder_length)
         self.lm.fit(x, y, batch_size=self.config.few_shot_batch_size, epochs=epochs,
@@ -639,15 +658,16 @@ def minilm_experiment(tasks: Tasks, config: Config, log=print) -> dict:
         model.compile(optimizer=keras.optimizers.Adam(config.minilm_learning_rate),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       jit_compile=False)
+        fresh_optimizer_state = FreshOptimizerState(model.optimizer, model.trainable_variables)
         start = time.perf_counter()
 
-        def build(dataset, template, model=model, initial=initial):
+        def build(dataset, template, model=model, initial=initial,
+                  fresh_optimizer_state=fresh_optimizer_state):
             keras.utils.set_random_seed(E.stable_seed(config.seed, dataset, template)[0]
                                         % 2**31)
             for v, value in zip(model.trainable_variables, initial):
                 v.assign(value)
-            for v in model.optimizer.variables:
-                v.assign(v.numpy() * 0)
+            fresh_optimizer_state()
             return model
 
         def train(model, examples, epochs):
