@@ -7,6 +7,7 @@ p-values against `prompts.evaluation` recomputed by hand, the configuration erro
 Slow (`-m slow`; 4 min on 2 quiet cores, ~8 on shared ones, mostly tracing): a tiny Config end to
 end with every configuration and both prompt modes.
 """
+import dataclasses
 import json
 
 import numpy as np
@@ -73,7 +74,8 @@ def test_masked_token_loss_is_the_mean_over_real_target_tokens():
 
 
 def test_meta_batches_draw_each_task_from_one_dataset_and_template():
-    config = tiny_config(steps=8, batch_size=4, meta_batch=2, inner_steps=2, task_batch_size=2)
+    config = tiny_config(steps=8, batch_size=4, meta_batch=2, inner_steps=2, task_batch_size=2,
+                         seen_examples=5)
     assert config.meta_steps == 8 * 4 // (2 * 3 * 2) == 2
     tasks = P.prepare_tasks(config)
     tokenizer = CharTokenizer()
@@ -99,6 +101,18 @@ def test_meta_batches_draw_each_task_from_one_dataset_and_template():
     # No training example of an unseen task type is used.
     assert not set(tasks.training) & set(tasks.evaluation)
     assert {d for d, _ in tasks.pairs} == set(tasks.evaluation)
+    # The positive control scores the training datasets' TEST examples only (none of them is
+    # a training example), with their own choice counts; off, it is empty.
+    assert {d for d, _ in tasks.seen_pairs} == set(tasks.training)
+    assert tasks.seen_num_choices == {n: d.num_choices for n, d in tasks.training.items()}
+    for (name, template), (_, test) in tasks.seen_pairs.items():
+        dataset = tasks.training[name]
+        assert len(test) == 5 and test == dataset.prompted("test", template)[:5]
+        trained = {e.input_text for e in dataset.prompted("train", template)}
+        assert not trained & {e.input_text for e in test}
+    off = P.prepare_tasks(dataclasses.replace(config, seen_examples=0))
+    assert off.seen_pairs == {} and off.seen_num_choices == {} and off.pairs.keys() == \
+        tasks.pairs.keys()
 
 
 def test_arg_table_equals_evaluation_arg_and_bootstrap():
@@ -125,6 +139,19 @@ def test_arg_table_equals_evaluation_arg_and_bootstrap():
     assert "zero_shot_shallow_p_vs_none" not in by_name["none"]
     assert "few_shot_deep_p_vs_mtl_t" not in by_name["mtl_t"]
     assert "mtl_tp" in P.format_arg_table(rows, ("shallow", "deep"))
+    # The control's table: one setting, its own datasets' choice counts.
+    seen = {c: {"seen_zero_shot": correct[c]["zero_shot"]} for c in correct}
+    seen_rows = P.arg_table(seen, {"a": 4, "b": 3}, ("none", "mtl_t", "mtl_tp"),
+                            ("shallow", "deep"), 300, 3, settings=("seen_zero_shot",))
+    acc = {k: v.mean() for k, v in correct["mtl_t"]["zero_shot"]["deep"].items()}
+    gain = {k: (a - 1 / c) * c for (k, a), c in zip(acc.items(), (4, 4, 3))}
+    hand = ((gain[("a", "t1")] + gain[("a", "t2")]) / 2 + gain[("b", "t1")]) / 2
+    assert seen_rows[1]["seen_zero_shot_deep"] == pytest.approx(hand, abs=1e-12)
+    assert set(seen_rows[1]) == {"configuration", "seen_zero_shot_shallow",
+                                 "seen_zero_shot_deep", "seen_zero_shot_shallow_p_vs_none",
+                                 "seen_zero_shot_deep_p_vs_none"}
+    text = P.format_arg_table(seen_rows, ("shallow", "deep"), settings=("seen_zero_shot",))
+    assert "seen 0-shot deep" in text and "16-shot" not in text
 
 
 def test_config_errors_name_the_argument():
@@ -134,6 +161,7 @@ def test_config_errors_name_the_argument():
                          (dict(pretrain_objective="mlm"), "pretrain_objective"),
                          (dict(steps=0), "steps"),
                          (dict(templates_per_dataset=-1), "templates_per_dataset"),
+                         (dict(seen_examples=-1), "seen_examples"),
                          (dict(decoder_length=1), "decoder_length"),
                          (dict(learning_rate=0.0), "learning_rate"),
                          (dict(shots=2000), "shots")):
@@ -160,6 +188,15 @@ def test_program_end_to_end_tiny(tmp_path):
         for s in ("zero_shot", "few_shot"):
             for m in P.MODES:
                 assert set(saved["correct"][c][s][m]) == set(pairs)
+        for m in P.MODES:
+            assert set(saved["correct"][c]["seen_zero_shot"][m]) == set(saved["seen_pairs"])
+    # The positive control's table, recomputed from its stored correctness.
+    for row in saved["seen_arg_table"]:
+        for m in P.MODES:
+            per = {tuple(k.split("/", 1)): np.asarray(v) for k, v in
+                   saved["correct"][row["configuration"]]["seen_zero_shot"][m].items()}
+            assert row[f"seen_zero_shot_{m}"] == pytest.approx(
+                E.average_relative_gain(per, saved["seen_num_choices"]), abs=1e-12)
     # ARG recomputed from the stored per-example correctness equals the table.
     choices = saved["num_choices"]
     for row in saved["arg_table"]:

@@ -35,8 +35,12 @@ No pretrained T5 exists offline, so the paper's pipeline is rebuilt small:
    and deep prompts. none and mtl_t have no trained prompt: zero-shot they run without one
    (the same numbers in both mode columns), few-shot they tune a fresh prompt
    (vocabulary-row init for shallow, N(0, 1) for deep, as the reference).
+   The positive control (`--seen_examples`, 48 by default): zero-shot rank classification
+   on held-out TEST examples of the TRAINING datasets, which says whether continued
+   pre-training learned its own tasks at all (the unseen-task numbers mean little if not).
 4. The ARG table (Average Relative Gain over chance, datasets weighted equally) with paired
-   bootstrap p-values of every configuration against none and of mtl_tp against mtl_t.
+   bootstrap p-values of every configuration against none and of mtl_tp against mtl_t; the
+   control's table likewise.
 5. Shallow prompts on the pretrained all-MiniLM-L6-v2 encoder (`prompts.prompt_bert`,
    frozen encoder): 16-shot prompt tuning + a linear head vs the head alone, on the same
    unseen tasks (the templates' input texts, the label as the class).
@@ -102,6 +106,7 @@ class Config:
     few_shot_batch_size: int = 8
     few_shot_learning_rate: float = 0.3
     bootstrap_resamples: int = 1000
+    seen_examples: int = 48  # the positive control; 0: none
     # 5. MiniLM
     minilm: bool = True
     minilm_prompt_length: int = 20
@@ -132,7 +137,7 @@ class Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1; got {value!r}.")
-        for name in ("corpus_max_texts", "templates_per_dataset"):
+        for name in ("corpus_max_texts", "templates_per_dataset", "seen_examples"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"`{name}` must be an integer >= 0 (0: all); got {value!r}.")
@@ -203,6 +208,10 @@ def define_flags():
     flags.DEFINE_float("few_shot_learning_rate", c.few_shot_learning_rate,
                        "Adafactor rate of few-shot prompt tuning.")
     flags.DEFINE_integer("bootstrap_resamples", c.bootstrap_resamples, "Bootstrap resamples.")
+    flags.DEFINE_integer("seen_examples", c.seen_examples, "The positive control: zero-shot "
+                         "on this many held-out test examples of each TRAINING dataset (at "
+                         "most eval_examples; 0: no control): did continued pre-training "
+                         "learn its own tasks?")
     flags.DEFINE_bool("minilm", c.minilm, "Also the MiniLM shallow-prompt experiment.")
     flags.DEFINE_integer("minilm_prompt_length", c.minilm_prompt_length, "MiniLM prompt L.")
     flags.DEFINE_integer("minilm_epochs", c.minilm_epochs, "MiniLM few-shot epochs.")
@@ -283,6 +292,10 @@ class Tasks:
     evaluation: dict
     pairs: dict  # (dataset, template) -> (train PromptedExamples, test PromptedExamples)
     num_choices: dict  # dataset -> C
+    # The positive control: the TRAINING datasets' held-out test examples, as `pairs`
+    # (`Config.seen_examples` of each; empty when it is 0).
+    seen_pairs: dict = dataclasses.field(default_factory=dict)
+    seen_num_choices: dict = dataclasses.field(default_factory=dict)
 
     def nested(self) -> dict:
         """`pairs` as `few_shot_prompt_tuning` takes them: {dataset: {template: pair}}."""
@@ -298,13 +311,19 @@ def prepare_tasks(config: Config) -> Tasks:
     datasets = PT.offline_prompted_tasks(max_train=config.max_train,
                                          max_test=config.eval_examples, seed=config.seed)
     training, evaluation = PT.split_by_task_type(datasets)
-    pairs = {}
-    for name, dataset in evaluation.items():
-        templates = dataset.templates[:config.templates_per_dataset or None]
-        train, test = dataset.prompted("train"), dataset.prompted("test")
-        for t in templates:
-            pairs[(name, t.name)] = (train[t.name], test[t.name])
-    return Tasks(training, evaluation, pairs, {n: d.num_choices for n, d in evaluation.items()})
+
+    def pairs(chosen, limit=None):
+        out = {}
+        for name, dataset in chosen.items():
+            train, test = dataset.prompted("train"), dataset.prompted("test")
+            for t in dataset.templates[:config.templates_per_dataset or None]:
+                out[(name, t.name)] = (train[t.name], test[t.name][:limit])
+        return out
+
+    seen = training if config.seen_examples else {}
+    return Tasks(training, evaluation, pairs(evaluation),
+                 {n: d.num_choices for n, d in evaluation.items()},
+                 pairs(seen, config.seen_examples), {n: d.num_choices for n, d in seen.items()})
 
 
 def mtl_batches(tasks: Tasks, config: Config, tokenizer):
@@ -511,12 +530,16 @@ class Evaluator:
 
 def evaluate_configuration(configuration, evaluators, weights, prompts_by_mode, tasks: Tasks,
                            config: Config, log=print) -> dict:
-    """Zero-shot and few-shot correctness of one configuration, per mode."""
+    """Zero-shot and few-shot correctness of one configuration, per mode (and zero-shot
+    on the training datasets' test examples, "seen_zero_shot", when `tasks` has them)."""
     import keras
 
     from tf_metaalign.prompts import evaluation as E
 
-    out = {"zero_shot": {}, "few_shot": {}}
+    zero_shot_sets = {"zero_shot": tasks.pairs}
+    if tasks.seen_pairs:
+        zero_shot_sets["seen_zero_shot"] = tasks.seen_pairs
+    out = {setting: {} for setting in zero_shot_sets} | {"few_shot": {}}
     plain = None
     for mode in config.modes:
         evaluator = evaluators[mode]
@@ -525,13 +548,17 @@ def evaluate_configuration(configuration, evaluators, weights, prompts_by_mode, 
         start = time.perf_counter()
         if learned is not None:
             evaluator.set_prompt(learned)
-            zero = {k: evaluator.correctness(test) for k, (_, test) in tasks.pairs.items()}
+            zero = {s: {k: evaluator.correctness(test) for k, (_, test) in pairs.items()}
+                    for s, pairs in zero_shot_sets.items()}
         elif plain is None:  # no prompt of its own: the plain model, the same in every mode
-            plain = zero = {k: evaluators["plain"].correctness(test)
-                            for k, (_, test) in tasks.pairs.items()}
+            plain = zero = {s: {k: evaluators["plain"].correctness(test)
+                                for k, (_, test) in pairs.items()}
+                            for s, pairs in zero_shot_sets.items()}
         else:
             zero = plain
-        out["zero_shot"][mode] = zero
+        for setting, per_pair in zero.items():
+            out[setting][mode] = per_pair
+        zero = zero["zero_shot"]
         fresh_seed = [config.seed, 2]
 
         def build(dataset, template):
@@ -550,9 +577,12 @@ def evaluate_configuration(configuration, evaluators, weights, prompts_by_mode, 
         few = E.few_shot_prompt_tuning(tasks.nested(), build, train, evaluate, config.shots,
                                        config.few_shot_epochs, config.seed)
         out["few_shot"][mode] = {k: r.correct.astype("int64") for k, r in few.items()}
+        seen = ("" if not tasks.seen_pairs else "  seen-task zero-shot ARG " + format(
+            E.average_relative_gain(out["seen_zero_shot"][mode], tasks.seen_num_choices),
+            "+.3f"))
         log(f"{configuration}/{mode}: zero-shot ARG "
             f"{E.average_relative_gain(zero, tasks.num_choices):+.3f}  few-shot ARG "
-            f"{E.average_relative_gain(out['few_shot'][mode], tasks.num_choices):+.3f}  "
+            f"{E.average_relative_gain(out['few_shot'][mode], tasks.num_choices):+.3f}{seen}  "
             f"({time.perf_counter() - start:.0f} s)")
     return out
 
@@ -568,18 +598,24 @@ def _unkey(key: str) -> tuple:
     return tuple(key.split("/", 1))
 
 
+SETTING_LABELS = {"zero_shot": "0-shot", "few_shot": "16-shot",
+                  "seen_zero_shot": "seen 0-shot"}
+
+
 def arg_table(correct: dict, num_choices: dict, configurations, modes,
-              resamples: int = 1000, seed: int = 0) -> list[dict]:
+              resamples: int = 1000, seed: int = 0,
+              settings=("zero_shot", "few_shot")) -> list[dict]:
     """One row per configuration: ARG of every (setting, mode) column, and the paired
     bootstrap p-values ("better than none"; for mtl_tp also "better than mtl_t").
 
-    `correct[configuration][setting][mode]` = `{(dataset, template): 0/1 array}`."""
+    `correct[configuration][setting][mode]` = `{(dataset, template): 0/1 array}`;
+    `num_choices` the answer-choice counts of the datasets of `settings`."""
     from tf_metaalign.prompts import evaluation as E
 
     rows = []
     for configuration in configurations:
         row = {"configuration": configuration}
-        for setting in ("zero_shot", "few_shot"):
+        for setting in settings:
             for mode in modes:
                 column = f"{setting}_{mode}"
                 mine = correct[configuration][setting][mode]
@@ -595,13 +631,13 @@ def arg_table(correct: dict, num_choices: dict, configurations, modes,
     return rows
 
 
-def format_arg_table(rows, modes) -> str:
+def format_arg_table(rows, modes, settings=("zero_shot", "few_shot")) -> str:
     from trainers import common
 
     cells, columns = [], [("configuration", "configuration", "s")]
-    for setting, label in (("zero_shot", "0-shot"), ("few_shot", "16-shot")):
+    for setting in settings:
         for mode in modes:
-            columns.append((f"{setting}_{mode}", f"{label} {mode}", "s"))
+            columns.append((f"{setting}_{mode}", f"{SETTING_LABELS[setting]} {mode}", "s"))
     for row in rows:
         cell = {"configuration": row["configuration"]}
         for key, _, _ in columns[1:]:
@@ -724,13 +760,17 @@ def run(config: Config, log=print):
     tokenize = Tokenize(tokenizer, config.encoder_length)
     texts = [text for train, test in tasks.pairs.values() for e in list(train) + list(test)
              for text in (e.input_text,) + tuple(e.answer_choices)]
+    texts += [text for _, test in tasks.seen_pairs.values() for e in test
+              for text in (e.input_text,) + tuple(e.answer_choices)]
     tokenize.prefill(texts)
     data = {"mtl": mtl_batches(tasks, config, tokenizer)}
     if {"fomaml", "reptile"} & set(config.configurations):
         data["meta"] = meta_batches(tasks, config, tokenizer)
     timings["data"] = time.perf_counter() - t
+    control = (f", {len(tasks.seen_pairs)} seen-task control pairs" if tasks.seen_pairs
+               else "")
     log(f"{len(tasks.training)} training datasets, {len(tasks.evaluation)} unseen datasets, "
-        f"{len(tasks.pairs)} evaluation (dataset, template) pairs; data in "
+        f"{len(tasks.pairs)} evaluation (dataset, template) pairs{control}; data in "
         f"{timings['data']:.0f} s")
 
     # Continued pre-training: every run from the pre-trained weights.
@@ -772,19 +812,22 @@ def run(config: Config, log=print):
                 configuration, evaluators, transformer, {}, tasks, config, log)
             continue
         # A prompt configuration has one transformer (and prompt) per mode.
-        correct[configuration] = {"zero_shot": {}, "few_shot": {}}
+        correct[configuration] = {}
         for mode in config.modes:
             part = evaluate_configuration(
                 configuration, evaluators, weights[f"{configuration}/{mode}"],
                 {mode: learned_prompts[configuration][mode]}, tasks,
                 dataclasses.replace(config, modes=(mode,)), log)
             for setting in part:
-                correct[configuration][setting].update(part[setting])
+                correct[configuration].setdefault(setting, {}).update(part[setting])
     timings["evaluation"] = time.perf_counter() - t
     backbone.set_weights(pretrained)
 
     rows = arg_table(correct, tasks.num_choices, config.configurations, config.modes,
                      config.bootstrap_resamples, config.seed)
+    seen_rows = (arg_table(correct, tasks.seen_num_choices, config.configurations,
+                           config.modes, config.bootstrap_resamples, config.seed,
+                           settings=("seen_zero_shot",)) if tasks.seen_pairs else None)
     minilm = None
     if config.minilm:
         t = time.perf_counter()
@@ -808,6 +851,12 @@ def run(config: Config, log=print):
                          for s, by_setting in settings.items()}
                      for c, settings in correct.items()},
         "arg_table": rows,
+        # The positive control (None when `seen_examples` is 0): zero-shot on held-out test
+        # examples of the training datasets; its per-example correctness is
+        # correct[configuration]["seen_zero_shot"].
+        "seen_pairs": [_key(k) for k in tasks.seen_pairs],
+        "seen_num_choices": tasks.seen_num_choices,
+        "seen_arg_table": seen_rows,
         "minilm": minilm,
         "timings_seconds": timings,
         "load_average": {"start": list(load_start), "end": list(os.getloadavg()),
@@ -843,6 +892,11 @@ def main(argv):
           f"dataset-template pairs); (p) = paired bootstrap p-value of 'better than none', "
           f"[vs mtl_t] for mtl_tp; none/mtl_t 0-shot use no prompt (same in both modes):")
     print(format_arg_table(results["arg_table"], config.modes))
+    if results["seen_arg_table"]:
+        print(f"\nThe positive control: zero-shot ARG on held-out test examples of the "
+              f"TRAINING datasets ({', '.join(results['seen_num_choices'])}):")
+        print(format_arg_table(results["seen_arg_table"], config.modes,
+                               settings=("seen_zero_shot",)))
     if results["minilm"]:
         m = results["minilm"]
         print(f"\nMiniLM (frozen), 16-shot: prompt+head ARG {m['prompt+head']['arg']:+.3f}, "
