@@ -137,10 +137,12 @@ class Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1; got {value!r}.")
-        for name in ("corpus_max_texts", "templates_per_dataset", "seen_examples"):
+        for name, zero in (("corpus_max_texts", "all"), ("templates_per_dataset", "all"),
+                           ("seen_examples", "no control")):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"`{name}` must be an integer >= 0 (0: all); got {value!r}.")
+                raise ValueError(f"`{name}` must be an integer >= 0 (0: {zero}); got "
+                                 f"{value!r}.")
         for name, low in (("encoder_length", 4), ("decoder_length", 2),
                           ("minilm_sequence_length", 3)):
             value = getattr(self, name)
