@@ -107,9 +107,20 @@ def test_meta_batches_draw_each_task_from_one_dataset_and_template():
     assert tasks.seen_num_choices == {n: d.num_choices for n, d in tasks.training.items()}
     for (name, template), (_, test) in tasks.seen_pairs.items():
         dataset = tasks.training[name]
-        assert len(test) == 5 and test == dataset.prompted("test", template)[:5]
+        # A seeded sample of 5, the same examples under every template, not the first 5
+        # (test splits are ordered by class).
+        whole = dataset.prompted("test", template)
+        keep = np.sort(np.random.default_rng(E.stable_seed(config.seed, "control", name))
+                       .choice(len(whole), 5, replace=False))
+        assert test == [whole[i] for i in keep]
         trained = {e.input_text for e in dataset.prompted("train", template)}
         assert not trained & {e.input_text for e in test}
+    # Not the first examples: on Django's component split (ordered by class) the first 16
+    # are one class; the control's sample is not.
+    wide = P.prepare_tasks(dataclasses.replace(config, seen_examples=8, eval_examples=64))
+    component = wide.training["django_component_en"]
+    assert len({e["label"] for e in component.test[:16]}) == 1
+    assert len({e.label for e in wide.seen_pairs[("django_component_en", "which_part")][1]}) > 1
     off = P.prepare_tasks(dataclasses.replace(config, seen_examples=0))
     assert off.seen_pairs == {} and off.seen_num_choices == {} and off.pairs.keys() == \
         tasks.pairs.keys()
@@ -152,6 +163,20 @@ def test_arg_table_equals_evaluation_arg_and_bootstrap():
                                  "seen_zero_shot_deep_p_vs_none"}
     text = P.format_arg_table(seen_rows, ("shallow", "deep"), settings=("seen_zero_shot",))
     assert "seen 0-shot deep" in text and "16-shot" not in text
+
+
+def test_majority_correctness_answers_the_most_frequent_training_label():
+    from types import SimpleNamespace as Example
+
+    train = [Example(label=y) for y in (2, 0, 2, 1, 2, 0)]
+    test = [Example(label=y) for y in (2, 1, 2, 0)]
+    tie = [Example(label=y) for y in (3, 1, 1, 3)]  # a tie: the smaller label
+    out = P.majority_correctness({("a", "t"): (train, test), ("b", "t"): (tie, test)})
+    np.testing.assert_array_equal(out[("a", "t")], [1, 0, 1, 0])
+    np.testing.assert_array_equal(out[("b", "t")], [0, 1, 0, 0])
+    # A constant answer scores above chance on an imbalanced many-choice task: 1/2 right
+    # of 4 choices is ARG (0.5 - 0.25) * 4 = +1.
+    assert E.average_relative_gain({("a", "t"): out[("a", "t")]}, {"a": 4}) == 1.0
 
 
 def test_config_errors_name_the_argument():
@@ -237,6 +262,8 @@ def test_program_end_to_end_tiny(tmp_path):
         return prompts.t5_token_log_likelihoods(plain, inputs, inputs != 0, targets, mask)
 
     tasks = P.prepare_tasks(config)
+    assert saved["seen_majority_arg"] == pytest.approx(E.average_relative_gain(
+        P.majority_correctness(tasks.seen_pairs), saved["seen_num_choices"]), abs=1e-12)
     for (dataset, template), (_, test) in tasks.pairs.items():
         predictions, _, labels = prompts.rank_classify_examples(score, tokenize, test)
         for mode in P.MODES:
