@@ -110,8 +110,7 @@ def test_meta_batches_draw_each_task_from_one_dataset_and_template():
         # A seeded sample of 5, the same examples under every template, not the first 5
         # (test splits are ordered by class).
         whole = dataset.prompted("test", template)
-        keep = np.sort(np.random.default_rng(E.stable_seed(config.seed, "control", name))
-                       .choice(len(whole), 5, replace=False))
+        keep = E.sample_few_shot(len(whole), 5, config.seed, name, "control")
         assert test == [whole[i] for i in keep]
         trained = {e.input_text for e in dataset.prompted("train", template)}
         assert not trained & {e.input_text for e in test}

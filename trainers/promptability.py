@@ -311,7 +311,7 @@ def prepare_tasks(config: Config) -> Tasks:
     import numpy as np
 
     from tf_metaalign.data import prompted_tasks as PT
-    from tf_metaalign.prompts.evaluation import stable_seed
+    from tf_metaalign.prompts.evaluation import sample_few_shot
 
     datasets = PT.offline_prompted_tasks(max_train=config.max_train,
                                          max_test=config.eval_examples, seed=config.seed)
@@ -326,8 +326,7 @@ def prepare_tasks(config: Config) -> Tasks:
                 # A seeded sample (the same for every template), not the first `limit`:
                 # test splits are ordered by class (the first 48 of Django's component test
                 # split are all "core").
-                rng = np.random.default_rng(stable_seed(config.seed, "control", name))
-                keep = np.sort(rng.choice(len(keep), limit, replace=False))
+                keep = sample_few_shot(len(keep), limit, config.seed, name, "control")
             for t in dataset.templates[:config.templates_per_dataset or None]:
                 out[(name, t.name)] = (train[t.name], [test[t.name][i] for i in keep])
         return out
@@ -570,7 +569,6 @@ def evaluate_configuration(configuration, evaluators, weights, prompts_by_mode, 
             zero = plain
         for setting, per_pair in zero.items():
             out[setting][mode] = per_pair
-        zero = zero["zero_shot"]
         fresh_seed = [config.seed, 2]
 
         def build(dataset, template):
@@ -592,8 +590,8 @@ def evaluate_configuration(configuration, evaluators, weights, prompts_by_mode, 
         seen = ("" if not tasks.seen_pairs else "  seen-task zero-shot ARG " + format(
             E.average_relative_gain(out["seen_zero_shot"][mode], tasks.seen_num_choices),
             "+.3f"))
-        log(f"{configuration}/{mode}: zero-shot ARG "
-            f"{E.average_relative_gain(zero, tasks.num_choices):+.3f}  few-shot ARG "
+        unseen = E.average_relative_gain(zero["zero_shot"], tasks.num_choices)
+        log(f"{configuration}/{mode}: zero-shot ARG {unseen:+.3f}  few-shot ARG "
             f"{E.average_relative_gain(out['few_shot'][mode], tasks.num_choices):+.3f}{seen}  "
             f"({time.perf_counter() - start:.0f} s)")
     return out
