@@ -20,6 +20,8 @@ except RuntimeError:  # devices already initialised (e.g. by another plugin)
     pass
 
 
+from precision import global_float_precision  # noqa: E402
+
 _STRATEGY = []
 
 
@@ -37,18 +39,26 @@ def two_cpu_strategy():
 
 @pytest.fixture
 def float64():
-    """Exact equivalences are checked in float64. Keras's compiled loss computes in floatx,
-    and layers built without a dtype follow the GLOBAL dtype policy, which Keras fixes the
-    first time it is read (from the floatx of that moment) or when a test sets it: so both
-    are set, and both restored (tests that set only floatx passed alone and failed after
-    other tests, at float32 precision)."""
+    """Exact equivalences are checked in float64 (`global_float_precision`)."""
+    with global_float_precision("float64"):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _global_float_precision_is_restored():
+    """Every test must leave Keras's floatx and global dtype policy at float32: a test that
+    leaks either silently changes the numbers of the tests that run after it in the same
+    worker (and which tests those are depends on how xdist deals out the files)."""
     import keras
 
-    keras.backend.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
     yield
-    keras.config.set_dtype_policy("float32")
-    keras.backend.set_floatx("float32")
+    floatx, policy = keras.backend.floatx(), keras.config.dtype_policy().name
+    if (floatx, policy) != ("float32", "float32"):
+        keras.config.set_dtype_policy("float32")  # so later tests run clean
+        keras.backend.set_floatx("float32")
+        pytest.fail(f"this test left Keras's floatx {floatx!r} and global dtype policy "
+                    f"{policy!r} (both must be 'float32' after a test: use the `float64` "
+                    "fixture or `global_float_precision`)", pytrace=False)
 
 
 class Recorder:
