@@ -164,6 +164,52 @@ def test_arg_table_equals_evaluation_arg_and_bootstrap():
     assert "seen 0-shot deep" in text and "16-shot" not in text
 
 
+class _OneTemplateDataset:
+    """A stand-in `PromptedDataset`: one template "t" whose training targets are given."""
+
+    def __init__(self, targets):
+        from tf_metaalign.prompts.templates import PromptedExample
+
+        self.templates = [type("T", (), {"name": "t"})()]
+        self._train = [PromptedExample(f"input {i}", t) for i, t in enumerate(targets)]
+
+    def prompted(self, split):
+        assert split == "train"
+        return {"t": self._train}
+
+
+def test_label_prior_loss_is_the_answer_distribution_entropy_per_token():
+    """By hand: targets "a" x3 and "bb" x1 under one template; a draw of each costs
+    -log(3/4) and -log(1/4) nats over 1+EOS and 2+EOS characters (CharTokenizer), and with
+    decoder_length 2 "bb" is cut to 1 token + EOS, as training cuts it."""
+    tasks = P.Tasks(training={"d": _OneTemplateDataset(["a", "a", "bb", "a"])},
+                    evaluation={}, pairs={}, num_choices={})
+    draws = [("d", "t", "x", "a"), ("d", "t", "y", "bb")]
+    nll = np.log(4 / 3) + np.log(4)
+    assert P.label_prior_loss(draws, tasks, CharTokenizer(), 8) == pytest.approx(nll / 5)
+    assert P.label_prior_loss(draws, tasks, CharTokenizer(), 2) == pytest.approx(nll / 4)
+
+
+def test_token_loss_weighs_every_token_once_across_batches():
+    """`token_loss` = sum of token NLLs / number of real tokens over all rows, whatever the
+    batch size (Keras's `evaluate` would average the per-batch means instead)."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 4, 7)).astype("float32")
+    y = np.array([[3, 1, 0, 0], [5, 2, 6, 1], [4, 1, 0, 0]])
+    log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(log_p, y[..., None], -1)[..., 0]
+    expected = nll[y != 0].sum() / (y != 0).sum()
+
+    def lm(x):
+        return logits[x["row"]]
+
+    x = {"row": np.arange(3)}
+    for batch_size in (1, 2, 64):
+        assert P.token_loss(lm, x, y, batch_size) == pytest.approx(expected, rel=1e-6)
+    per_batch_means = np.mean([nll[:2][y[:2] != 0].mean(), nll[2:][y[2:] != 0].mean()])
+    assert abs(per_batch_means - expected) > 1e-3  # what batch-averaging would have given
+
+
 def test_majority_correctness_answers_the_most_frequent_training_label():
     from types import SimpleNamespace as Example
 
@@ -269,6 +315,25 @@ def test_program_end_to_end_tiny(tmp_path):
             np.testing.assert_array_equal(
                 saved["correct"]["none"]["zero_shot"][mode][f"{dataset}/{template}"],
                 (predictions == labels).astype(int))
+    # The fit measurement: the pre-trained and the MTL-T model's loss on the later mixture
+    # draws, recomputed as ONE batch of Keras's masked loss (a token-weighted mean), and
+    # the label-prior loss as `label_prior_loss` computes it on the same draws.
+    fit_x, fit_y = t5_lm.encode_examples([d[2:] for d in P.fit_draws(tasks, config)],
+                                         tokenizer, config.encoder_length,
+                                         config.decoder_length)
+    assert saved["fit"]["examples"] == len(fit_y) == config.fit_examples
+    plain_lm = t5_lm.PromptedT5LM(plain)
+    end = {r["configuration"]: r["end_loss"] for r in saved["continued_pretraining"]
+           if r["mode"] is None}
+    for key, expected in (("pretrained", saved["fit"]["pretrained_loss"]),
+                          ("mtl_t", end["mtl_t"])):
+        model.backbone.set_weights(weights[key])
+        assert float(t5_lm.masked_token_loss()(fit_y, plain_lm(fit_x))) == pytest.approx(
+            expected, rel=1e-5), key
+    assert saved["fit"]["label_prior_loss"] == P.label_prior_loss(
+        P.fit_draws(tasks, config), tasks, tokenizer, config.decoder_length)
+    assert all(r["end_loss"] > 0 and r["mean_loss"] > 0
+               for r in saved["continued_pretraining"])
     # MiniLM: both variants, the encoder frozen.
     for variant in ("prompt+head", "head"):
         assert saved["minilm"][variant]["encoder_bit_identical"] is True
@@ -301,3 +366,42 @@ def test_fresh_optimizer_state_restores_slots_and_keeps_the_learning_rate():
         for v, value in zip(model.optimizer.variables, initial):
             np.testing.assert_array_equal(v.numpy(), value, err_msg=v.path)
         assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(rate)
+
+
+@pytest.mark.parametrize("mode, length", [("shallow", 0), ("shallow", 3), ("deep", 3)])
+def test_rank_classification_scores_are_the_teacher_forced_training_loss(mode, length):
+    """A == B: for every answer choice, the program's rank-classification score
+    (`Evaluator.score_fn` through `Tokenize`, mean over the choice's tokens with EOS) equals
+    minus the `masked_token_loss` that continued pre-training minimises on the same example
+    with that choice as its target (`encode_examples` + `PromptedT5LM`): the same
+    tokenization, EOS, decoder start and padding. So a model that fits its training mixture
+    is read out by rank classification on it; the long run's failed control is not an
+    evaluation artefact (docs/promptability.md)."""
+    import keras
+
+    from tf_metaalign.data import small_t5
+    from tf_metaalign.prompts.templates import PromptedExample
+
+    config = tiny_config(encoder_length=12, decoder_length=6)
+    backbone = small_t5.build_t5(small_t5.t5_config("tiny", vocabulary_size=60)).backbone
+    tokenizer = CharTokenizer()
+    evaluator = P.Evaluator(backbone, config, P.Tokenize(tokenizer, config.encoder_length),
+                            mode, length)
+    if length:  # a prompt far from zero, so that it matters
+        evaluator.set_prompt(evaluator.fresh_prompt(seed=3))
+    examples = [PromptedExample("is this German?", "yes", ("yes", "no", "maybe"), 0),
+                PromptedExample("a much longer input than the encoder takes", "no",
+                                ("yes", "no", "maybe"), 1),
+                PromptedExample("x", "ab", ("ab", "b"), 0)]
+    _, scores, _ = E.rank_classify_examples(evaluator.score_fn, evaluator.tokenize, examples,
+                                            eos_id=None, reduction="mean")
+    loss = t5_lm.masked_token_loss()
+    for i, example in enumerate(examples):
+        for c, choice in enumerate(example.answer_choices):
+            x, y = t5_lm.encode_examples([(example.input_text, choice)], tokenizer,
+                                         config.encoder_length, config.decoder_length)
+            expected = -float(loss(y, evaluator.lm(x)))
+            np.testing.assert_allclose(scores[i, c], expected, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"example {i}, choice {choice!r}")
+    assert np.isinf(scores[2, 2]) and scores[2, 2] < 0  # the padding choice
+    keras.backend.clear_session()

@@ -38,6 +38,10 @@ No pretrained T5 exists offline, so the paper's pipeline is rebuilt small:
    The positive control (`--seen_examples`, 48 by default): zero-shot rank classification
    on held-out TEST examples of the TRAINING datasets, which says whether continued
    pre-training learned its own tasks at all (the unseen-task numbers mean little if not).
+   Beside it, after every continued pre-training, the loss on `--fit_examples` later draws
+   of the training mixture against the loss of knowing only each template's answer
+   distribution (`label_prior_loss`): a model that learned anything about the inputs
+   beats it.
 4. The ARG table (Average Relative Gain over chance, datasets weighted equally) with paired
    bootstrap p-values of every configuration against none and of mtl_tp against mtl_t; the
    control's table likewise.
@@ -107,6 +111,7 @@ class Config:
     few_shot_learning_rate: float = 0.3
     bootstrap_resamples: int = 1000
     seen_examples: int = 48  # the positive control; 0: none
+    fit_examples: int = 256  # later mixture draws: the end loss vs the label prior's
     # 5. MiniLM
     minilm: bool = True
     minilm_prompt_length: int = 20
@@ -130,6 +135,7 @@ class Config:
                              f"{self.pretrain_objective!r}.")
         for name in ("vocabulary_size", "pretrain_steps", "pretrain_batch_size",
                      "pretrain_sequence_length", "max_train", "eval_examples", "mixture_cap",
+                     "fit_examples",
                      "prompt_length", "steps", "batch_size", "meta_batch", "inner_steps",
                      "task_batch_size", "shots", "few_shot_epochs", "few_shot_batch_size",
                      "bootstrap_resamples", "minilm_prompt_length", "minilm_epochs",
@@ -214,6 +220,9 @@ def define_flags():
                          "on this many held-out test examples of each TRAINING dataset (at "
                          "most eval_examples; 0: no control): did continued pre-training "
                          "learn its own tasks?")
+    flags.DEFINE_integer("fit_examples", c.fit_examples, "After each continued "
+                         "pre-training, its loss on this many later draws of the training "
+                         "mixture, beside the loss of knowing only each template's answers.")
     flags.DEFINE_bool("minilm", c.minilm, "Also the MiniLM shallow-prompt experiment.")
     flags.DEFINE_integer("minilm_prompt_length", c.minilm_prompt_length, "MiniLM prompt L.")
     flags.DEFINE_integer("minilm_epochs", c.minilm_epochs, "MiniLM few-shot epochs.")
@@ -347,6 +356,62 @@ def mtl_batches(tasks: Tasks, config: Config, tokenizer):
                            config.encoder_length, config.decoder_length)
 
 
+def fit_draws(tasks: Tasks, config: Config) -> list:
+    """`config.fit_examples` draws `(dataset, template, input_text, target_text)` of the
+    training mixture right after the MTL stream's: more examples of the same distribution
+    (training-split examples, as the stream's are), not seen in this order."""
+    from tf_metaalign.data.prompted_tasks import PromptedMixture
+
+    mixture = PromptedMixture(tasks.training, cap=config.mixture_cap, seed=config.seed)
+    return mixture.take(config.fit_examples, start=config.steps * config.batch_size,
+                        with_names=True)
+
+
+def label_prior_loss(draws, tasks: Tasks, tokenizer, decoder_length: int) -> float:
+    """Nats per target token (EOS included, targets cut as in training) of the predictor that
+    knows each (dataset, template)'s distribution of target texts over its training split
+    and nothing of the input: `sum -log p(target) / sum tokens` over `draws`.
+
+    The reference for the continued pre-training loss: a model at or above it has learned
+    the answer priors at best, nothing that rank classification could read from an input."""
+    import collections
+    import math
+
+    import numpy as np
+
+    priors = {}
+    for name, dataset in tasks.training.items():
+        train = dataset.prompted("train")
+        for template in dataset.templates:
+            counts = collections.Counter(e.target_text for e in train[template.name])
+            total = sum(counts.values())
+            priors[(name, template.name)] = {t: c / total for t, c in counts.items()}
+    nll = tokens = 0.0
+    for name, template, _, target in draws:
+        nll -= math.log(priors[(name, template)][target])
+        ids = [int(i) for i in np.asarray(tokenizer(target)).reshape(-1)]
+        tokens += min(len(ids), decoder_length - 1) + 1
+    return nll / tokens
+
+
+def token_loss(lm, x, y, batch_size: int = 64) -> float:
+    """`lm`'s mean target-token cross-entropy over ALL of `(x, y)` (`encode_examples`):
+    summed over the real tokens and divided by their count once, where Keras's `evaluate`
+    would average per-batch means."""
+    import numpy as np
+
+    from tf_metaalign.prompts.evaluation import token_log_likelihoods
+
+    nll = tokens = 0.0
+    for start in range(0, len(y), batch_size):
+        sl = slice(start, start + batch_size)
+        logits = lm({k: v[sl] for k, v in x.items()})
+        real = y[sl] != 0
+        nll -= float(np.sum(np.where(real, token_log_likelihoods(logits, y[sl]).numpy(), 0)))
+        tokens += float(real.sum())
+    return nll / tokens
+
+
 def meta_batches(tasks: Tasks, config: Config, tokenizer):
     """`((support_x [M, S, N, ...], support_y, query_x [M, N, ...]), query_y)` for
     `meta_steps * meta_batch` tasks (M). Task k is the dataset and template of the mixture's
@@ -402,7 +467,9 @@ def build_prompted(backbone, config: Config, mode: str, train: str, length=None)
 def continued_pretraining(configuration: str, mode: str, backbone, data, config: Config,
                           log=print) -> dict:
     """Trains `backbone` in place (and a new prompt) as `configuration` says; returns the
-    run's record with the prompt values (None for mtl_t) and the final loss."""
+    run's record with the prompt values (None for mtl_t), `mean_loss` (Keras's loss of the
+    run: the mean over ALL its steps, not the last one) and, when `data` has "fit" (an
+    `encode_examples` pair), `end_loss`: the trained model's `token_loss` on it."""
     import numpy as np
 
     from tf_metaalign.prompts.t5_lm import masked_token_loss
@@ -438,12 +505,14 @@ def continued_pretraining(configuration: str, mode: str, backbone, data, config:
     progress = common.ProgressCallback(log, name, steps,
                                        max(1, config.log_every * steps // config.steps))
     history = model.fit(**fit_args, epochs=1, verbose=0, callbacks=[progress])
+    seconds = time.perf_counter() - start
     prompt = ([np.array(v.numpy()) for v in prompted.prompt_variables]
               if configuration != "mtl_t" else None)
     return {"configuration": configuration, "mode": mode if configuration != "mtl_t" else None,
             "steps": steps, "examples": int(examples),
-            "final_loss": float(history.history["loss"][-1]), "prompt": prompt,
-            "seconds": time.perf_counter() - start}
+            "mean_loss": float(history.history["loss"][-1]), "prompt": prompt,
+            "end_loss": token_loss(lm, *data["fit"]) if "fit" in data else None,
+            "seconds": seconds}
 
 
 # ---------------------------------------------------------------------------- 3. evaluation
@@ -767,6 +836,7 @@ def run(config: Config, log=print):
     import numpy as np
 
     from tf_metaalign.prompts import evaluation as E
+    from tf_metaalign.prompts.t5_lm import encode_examples
 
     config.check()
     started = time.perf_counter()
@@ -792,12 +862,22 @@ def run(config: Config, log=print):
     data = {"mtl": mtl_batches(tasks, config, tokenizer)}
     if {"fomaml", "reptile"} & set(config.configurations):
         data["meta"] = meta_batches(tasks, config, tokenizer)
+    draws = fit_draws(tasks, config)
+    data["fit"] = encode_examples([d[2:] for d in draws], tokenizer, config.encoder_length,
+                                  config.decoder_length)
+    fit = {"examples": len(draws),
+           "label_prior_loss": label_prior_loss(draws, tasks, tokenizer, config.decoder_length),
+           "pretrained_loss": token_loss(build_prompted(backbone, config, "shallow", "prompt",
+                                                        0)[1], *data["fit"])}
     timings["data"] = time.perf_counter() - t
     control = (f", {len(tasks.seen_pairs)} seen-task control pairs" if tasks.seen_pairs
                else "")
     log(f"{len(tasks.training)} training datasets, {len(tasks.evaluation)} unseen datasets, "
         f"{len(tasks.pairs)} evaluation (dataset, template) pairs{control}; data in "
         f"{timings['data']:.0f} s")
+    log(f"loss on {fit['examples']} later mixture draws (nats per target token): knowing only "
+        f"each template's answers {fit['label_prior_loss']:.3f}; the pre-trained T5 "
+        f"{fit['pretrained_loss']:.3f}")
 
     # Continued pre-training: every run from the pre-trained weights.
     weights = {"pretrained": pretrained}
@@ -819,8 +899,9 @@ def run(config: Config, log=print):
                 learned_prompts.setdefault(configuration, {})[mode] = record["prompt"]
             record.pop("prompt")
             continued.append(record)
-            log(f"{key}: {record['steps']} steps, {record['examples']} examples, final loss "
-                f"{record['final_loss']:.3f}, transformer max |change| "
+            log(f"{key}: {record['steps']} steps, {record['examples']} examples, loss "
+                f"{record['mean_loss']:.3f} over the run, {record['end_loss']:.3f} at its end "
+                f"(answer priors alone {fit['label_prior_loss']:.3f}), transformer max |change| "
                 f"{record['transformer_max_abs_change']:.3g} ({record['seconds']:.0f} s)")
     timings["continued_pretraining"] = time.perf_counter() - t
 
@@ -868,6 +949,9 @@ def run(config: Config, log=print):
         "num_choices": tasks.num_choices,
         "chance": {d: 1.0 / c for d, c in tasks.num_choices.items()},
         "continued_pretraining": continued,
+        # The fit of continued pre-training: `label_prior_loss` and the pre-trained model's
+        # loss on `examples` later mixture draws (each record's `end_loss` is on the same).
+        "fit": fit,
         "correct": {c: {s: {m: {_key(k): v for k, v in per.items()}
                             for m, per in by_setting.items()}
                         for s, by_setting in settings.items()}
