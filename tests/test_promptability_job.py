@@ -151,17 +151,27 @@ def test_arg_table_equals_evaluation_arg_and_bootstrap():
     assert "mtl_tp" in P.format_arg_table(rows, ("shallow", "deep"))
     # The control's table: one setting, its own datasets' choice counts.
     seen = {c: {"seen_zero_shot": correct[c]["zero_shot"]} for c in correct}
+    majority = {k: (rng.random(20) < 0.5).astype(int) for k in pairs}
     seen_rows = P.arg_table(seen, {"a": 4, "b": 3}, ("none", "mtl_t", "mtl_tp"),
-                            ("shallow", "deep"), 300, 3, settings=("seen_zero_shot",))
+                            ("shallow", "deep"), 300, 3, settings=("seen_zero_shot",),
+                            majority=majority)
     acc = {k: v.mean() for k, v in correct["mtl_t"]["zero_shot"]["deep"].items()}
     gain = {k: (a - 1 / c) * c for (k, a), c in zip(acc.items(), (4, 4, 3))}
     hand = ((gain[("a", "t1")] + gain[("a", "t2")]) / 2 + gain[("b", "t1")]) / 2
     assert seen_rows[1]["seen_zero_shot_deep"] == pytest.approx(hand, abs=1e-12)
     assert set(seen_rows[1]) == {"configuration", "seen_zero_shot_shallow",
                                  "seen_zero_shot_deep", "seen_zero_shot_shallow_p_vs_none",
-                                 "seen_zero_shot_deep_p_vs_none"}
+                                 "seen_zero_shot_deep_p_vs_none",
+                                 "seen_zero_shot_shallow_p_vs_majority",
+                                 "seen_zero_shot_deep_p_vs_majority"}
+    # Every cell, none's too, against always-the-majority (the control's bar).
+    for row, c in zip(seen_rows, ("none", "mtl_t", "mtl_tp")):
+        assert row["seen_zero_shot_deep_p_vs_majority"] == E.paired_bootstrap_arg(
+            correct[c]["zero_shot"]["deep"], majority, {"a": 4, "b": 3}, 300, 3).p_value
     text = P.format_arg_table(seen_rows, ("shallow", "deep"), settings=("seen_zero_shot",))
     assert "seen 0-shot deep" in text and "16-shot" not in text
+    assert "{vs majority p=" in text and "vs majority" not in P.format_arg_table(
+        rows, ("shallow", "deep"))
 
 
 class _OneTemplateDataset:
@@ -260,13 +270,18 @@ def test_program_end_to_end_tiny(tmp_path):
                 assert set(saved["correct"][c][s][m]) == set(pairs)
         for m in P.MODES:
             assert set(saved["correct"][c]["seen_zero_shot"][m]) == set(saved["seen_pairs"])
-    # The positive control's table, recomputed from its stored correctness.
+    # The positive control's table, recomputed from its stored correctness, with its
+    # p-values against always answering the training majority.
+    majority = P.majority_correctness(P.prepare_tasks(config).seen_pairs)
     for row in saved["seen_arg_table"]:
         for m in P.MODES:
             per = {tuple(k.split("/", 1)): np.asarray(v) for k, v in
                    saved["correct"][row["configuration"]]["seen_zero_shot"][m].items()}
             assert row[f"seen_zero_shot_{m}"] == pytest.approx(
                 E.average_relative_gain(per, saved["seen_num_choices"]), abs=1e-12)
+            assert row[f"seen_zero_shot_{m}_p_vs_majority"] == E.paired_bootstrap_arg(
+                per, majority, saved["seen_num_choices"], config.bootstrap_resamples,
+                config.seed).p_value
     # ARG recomputed from the stored per-example correctness equals the table.
     choices = saved["num_choices"]
     for row in saved["arg_table"]:

@@ -697,12 +697,15 @@ SETTING_LABELS = {"zero_shot": "0-shot", "few_shot": "16-shot",
 
 def arg_table(correct: dict, num_choices: dict, configurations, modes,
               resamples: int = 1000, seed: int = 0,
-              settings=("zero_shot", "few_shot")) -> list[dict]:
+              settings=("zero_shot", "few_shot"), majority: dict | None = None) -> list[dict]:
     """One row per configuration: ARG of every (setting, mode) column, and the paired
-    bootstrap p-values ("better than none"; for mtl_tp also "better than mtl_t").
+    bootstrap p-values ("better than none"; for mtl_tp also "better than mtl_t"; with
+    `majority`, every cell's "better than always answering the training majority").
 
     `correct[configuration][setting][mode]` = `{(dataset, template): 0/1 array}`;
-    `num_choices` the answer-choice counts of the datasets of `settings`."""
+    `num_choices` the answer-choice counts of the datasets of `settings`; `majority` the
+    `majority_correctness` of the same pairs (the positive control's bar: on imbalanced
+    tasks a constant answer scores far above chance)."""
     from tf_metaalign.prompts import evaluation as E
 
     rows = []
@@ -720,6 +723,9 @@ def arg_table(correct: dict, num_choices: dict, configurations, modes,
                     test = E.paired_bootstrap_arg(mine, correct[other][setting][mode],
                                                   num_choices, resamples, seed)
                     row[f"{column}_p_vs_{other}"] = test.p_value
+                if majority is not None:
+                    row[f"{column}_p_vs_majority"] = E.paired_bootstrap_arg(
+                        mine, majority, num_choices, resamples, seed).p_value
         rows.append(row)
     return rows
 
@@ -739,6 +745,8 @@ def format_arg_table(rows, modes, settings=("zero_shot", "few_shot")) -> str:
                 text += f" (p={row[f'{key}_p_vs_none']:.2f})"
             if f"{key}_p_vs_mtl_t" in row:
                 text += f" [vs mtl_t p={row[f'{key}_p_vs_mtl_t']:.2f}]"
+            if f"{key}_p_vs_majority" in row:
+                text += f" {{vs majority p={row[f'{key}_p_vs_majority']:.2f}}}"
             cell[key] = text
         cells.append(cell)
     return common.format_table(cells, columns)
@@ -932,9 +940,11 @@ def run(config: Config, log=print):
 
     rows = arg_table(correct, tasks.num_choices, config.configurations, config.modes,
                      config.bootstrap_resamples, config.seed)
+    majority = majority_correctness(tasks.seen_pairs) if tasks.seen_pairs else None
     seen_rows = (arg_table(correct, tasks.seen_num_choices, config.configurations,
                            config.modes, config.bootstrap_resamples, config.seed,
-                           settings=("seen_zero_shot",)) if tasks.seen_pairs else None)
+                           settings=("seen_zero_shot",), majority=majority)
+                 if tasks.seen_pairs else None)
     minilm = None
     if config.minilm:
         t = time.perf_counter()
@@ -967,8 +977,7 @@ def run(config: Config, log=print):
         "seen_pairs": [_key(k) for k in tasks.seen_pairs],
         "seen_num_choices": tasks.seen_num_choices,
         "seen_arg_table": seen_rows,
-        "seen_majority_arg": (E.average_relative_gain(majority_correctness(tasks.seen_pairs),
-                                                      tasks.seen_num_choices)
+        "seen_majority_arg": (E.average_relative_gain(majority, tasks.seen_num_choices)
                               if tasks.seen_pairs else None),
         "minilm": minilm,
         "timings_seconds": timings,
@@ -1009,7 +1018,8 @@ def main(argv):
         print(f"\nThe positive control: zero-shot ARG on held-out test examples of the "
               f"TRAINING datasets ({', '.join(results['seen_num_choices'])}); always "
               f"answering the most frequent training label scores "
-              f"{results['seen_majority_arg']:+.3f}:")
+              f"{results['seen_majority_arg']:+.3f}; {{vs majority p}} = paired bootstrap "
+              f"p-value of 'better than that' (the control passes where it is small):")
         print(format_arg_table(results["seen_arg_table"], config.modes,
                                settings=("seen_zero_shot",)))
     if results["minilm"]:
