@@ -12,19 +12,12 @@ import contextlib
 import keras
 import numpy as np
 import tensorflow as tf
-from precision import global_float_precision
 
 #: rows of the training data: 5 global batches of 8 per epoch (an odd count, so
 #: steps_per_execution=3 ends each epoch on a partial execution and DotProd's every=2
 #: phase shifts between epochs).
 N_ROWS = 40
 EPOCHS = 2
-
-
-def floatx(dtype):
-    """Keras's compiled loss computes in floatx: float64 exactness checks must set it (and
-    the global dtype policy with it: `precision.global_float_precision`)."""
-    return global_float_precision(dtype)
 
 
 def data(entry, dtype=None, n=N_ROWS):

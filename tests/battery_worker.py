@@ -95,6 +95,8 @@ def main(argv=None):
 
 
 def run_backup(entry, args, keras, np, B):
+    from precision import global_float_precision
+
     if not args.backup_dir:
         sys.exit("backup: --backup-dir is required")
     marker = args.marker or args.out + ".killed"
@@ -123,7 +125,7 @@ def run_backup(entry, args, keras, np, B):
             self.batches += 1
 
     counter = Counter()
-    with B.floatx(entry.dtype):
+    with global_float_precision(entry.dtype):
         x, y = B.data(entry)
         trainer = B.build(entry, dropout=args.dropout)
         callbacks = [
@@ -222,11 +224,13 @@ def record_rows(strategy, tf, keras, np, global_batch, n_rows):
 
 
 def run_mwms(entry, args, strategy, tf, keras, np, B):
+    from precision import global_float_precision
+
     task_id = strategy.cluster_resolver.task_id
     rows = record_rows(strategy, tf, keras, np, entry.batch_size, B.N_ROWS)
     with open(args.rows, "w") as f:
         json.dump({"task_id": task_id, "replicas": strategy.num_replicas_in_sync, "rows": rows}, f)
-    with B.floatx(entry.dtype):
+    with global_float_precision(entry.dtype):
         x, y = B.data(entry)
         trainer = B.build(entry, strategy=strategy)
         logs, _ = B.fit(entry, trainer, x, y)

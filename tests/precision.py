@@ -1,5 +1,5 @@
-"""Keras's global float precision for tests (a module of its own: conftest.py and
-battery_lib.py, which the battery's subprocess workers import too, both need it)."""
+"""Keras's global float precision for tests (a module of its own: conftest.py, the
+trainer battery and its subprocess workers, which do not import conftest, all use it)."""
 import contextlib
 
 import keras

@@ -196,8 +196,9 @@ def test_label_prior_loss_is_the_answer_distribution_entropy_per_token():
                     evaluation={}, pairs={}, num_choices={})
     draws = [("d", "t", "x", "a"), ("d", "t", "y", "bb")]
     nll = np.log(4 / 3) + np.log(4)
-    assert P.label_prior_loss(draws, tasks, CharTokenizer(), 8) == pytest.approx(nll / 5)
-    assert P.label_prior_loss(draws, tasks, CharTokenizer(), 2) == pytest.approx(nll / 4)
+    for decoder_length, tokens in ((8, 5), (2, 4)):
+        _, y = t5_lm.encode_examples([d[2:] for d in draws], CharTokenizer(), 4, decoder_length)
+        assert P.label_prior_loss(draws, tasks, y) == pytest.approx(nll / tokens)
 
 
 def test_token_loss_weighs_every_token_once_across_batches():
@@ -346,7 +347,7 @@ def test_program_end_to_end_tiny(tmp_path):
         assert float(t5_lm.masked_token_loss()(fit_y, plain_lm(fit_x))) == pytest.approx(
             expected, rel=1e-5), key
     assert saved["fit"]["label_prior_loss"] == P.label_prior_loss(
-        P.fit_draws(tasks, config), tasks, tokenizer, config.decoder_length)
+        P.fit_draws(tasks, config), tasks, fit_y)
     assert all(r["end_loss"] > 0 and r["mean_loss"] > 0
                for r in saved["continued_pretraining"])
     # MiniLM: both variants, the encoder frozen.

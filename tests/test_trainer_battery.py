@@ -73,6 +73,7 @@ import pytest
 import tf_metaalign
 import battery_lib as B
 from conftest import two_cpu_strategy
+from precision import global_float_precision
 from trainer_entries import ENTRIES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -111,9 +112,10 @@ def cases(check):
 
 @pytest.fixture
 def exact(request):
-    """floatx = the entry's dtype (Keras's compiled loss computes in floatx), restored."""
+    """floatx and the global dtype policy = the entry's dtype (Keras's compiled loss computes
+    in floatx), restored."""
     entry = request.getfixturevalue("entry")
-    with B.floatx(entry.dtype):
+    with global_float_precision(entry.dtype):
         yield
 
 

@@ -346,12 +346,19 @@ def prepare_tasks(config: Config) -> Tasks:
                  pairs(seen, config.seen_examples), {n: d.num_choices for n, d in seen.items()})
 
 
+def training_mixture(tasks: Tasks, config: Config):
+    """The training datasets' prompted mixture (size-proportional, capped), seeded: the one
+    stream that MTL batches, meta-learning tasks and the fit draws all come from."""
+    from tf_metaalign.data.prompted_tasks import PromptedMixture
+
+    return PromptedMixture(tasks.training, cap=config.mixture_cap, seed=config.seed)
+
+
 def mtl_batches(tasks: Tasks, config: Config, tokenizer):
     """The continued pre-training stream for MTL: `steps x batch_size` mixture draws."""
-    from tf_metaalign.data.prompted_tasks import PromptedMixture
     from tf_metaalign.prompts.t5_lm import encode_examples
 
-    mixture = PromptedMixture(tasks.training, cap=config.mixture_cap, seed=config.seed)
+    mixture = training_mixture(tasks, config)
     return encode_examples(mixture.take(config.steps * config.batch_size), tokenizer,
                            config.encoder_length, config.decoder_length)
 
@@ -360,17 +367,16 @@ def fit_draws(tasks: Tasks, config: Config) -> list:
     """`config.fit_examples` draws `(dataset, template, input_text, target_text)` of the
     training mixture right after the MTL stream's: more examples of the same distribution
     (training-split examples, as the stream's are), not seen in this order."""
-    from tf_metaalign.data.prompted_tasks import PromptedMixture
-
-    mixture = PromptedMixture(tasks.training, cap=config.mixture_cap, seed=config.seed)
-    return mixture.take(config.fit_examples, start=config.steps * config.batch_size,
+    return training_mixture(tasks, config).take(config.fit_examples, start=config.steps * config.batch_size,
                         with_names=True)
 
 
-def label_prior_loss(draws, tasks: Tasks, tokenizer, decoder_length: int) -> float:
-    """Nats per target token (EOS included, targets cut as in training) of the predictor that
-    knows each (dataset, template)'s distribution of target texts over its training split
-    and nothing of the input: `sum -log p(target) / sum tokens` over `draws`.
+def label_prior_loss(draws, tasks: Tasks, target_ids) -> float:
+    """Nats per target token of the predictor that knows each (dataset, template)'s
+    distribution of target texts over its training split and nothing of the input:
+    `sum -log p(target) / sum tokens` over `draws`, the tokens counted in `target_ids`, the
+    draws' targets as `encode_examples` gives them (cut as in training, EOS included, 0 =
+    padding), so that it divides by the same count as the models' `token_loss`.
 
     The reference for the continued pre-training loss: a model at or above it has learned
     the answer priors at best, nothing that rank classification could read from an input."""
@@ -386,12 +392,8 @@ def label_prior_loss(draws, tasks: Tasks, tokenizer, decoder_length: int) -> flo
             counts = collections.Counter(e.target_text for e in train[template.name])
             total = sum(counts.values())
             priors[(name, template.name)] = {t: c / total for t, c in counts.items()}
-    nll = tokens = 0.0
-    for name, template, _, target in draws:
-        nll -= math.log(priors[(name, template)][target])
-        ids = [int(i) for i in np.asarray(tokenizer(target)).reshape(-1)]
-        tokens += min(len(ids), decoder_length - 1) + 1
-    return nll / tokens
+    nll = -sum(math.log(priors[(name, template)][target]) for name, template, _, target in draws)
+    return nll / float(np.count_nonzero(target_ids))
 
 
 def token_loss(lm, x, y, batch_size: int = 64) -> float:
@@ -419,10 +421,9 @@ def meta_batches(tasks: Tasks, config: Config, tokenizer):
     training examples of that dataset under that template."""
     import numpy as np
 
-    from tf_metaalign.data.prompted_tasks import PromptedMixture
     from tf_metaalign.prompts.t5_lm import encode_examples
 
-    mixture = PromptedMixture(tasks.training, cap=config.mixture_cap, seed=config.seed)
+    mixture = training_mixture(tasks, config)
     s, n = config.inner_steps, config.task_batch_size
     examples = []
     count = config.meta_steps * config.meta_batch
@@ -874,7 +875,7 @@ def run(config: Config, log=print):
     data["fit"] = encode_examples([d[2:] for d in draws], tokenizer, config.encoder_length,
                                   config.decoder_length)
     fit = {"examples": len(draws),
-           "label_prior_loss": label_prior_loss(draws, tasks, tokenizer, config.decoder_length),
+           "label_prior_loss": label_prior_loss(draws, tasks, data["fit"][1]),
            "pretrained_loss": token_loss(build_prompted(backbone, config, "shallow", "prompt",
                                                         0)[1], *data["fit"])}
     timings["data"] = time.perf_counter() - t
