@@ -3,12 +3,13 @@ both by the Keras optimizer and by code that differentiates through an update.
 See docs/optimizers.md."""
 from tf_metaalign.optimizers import differentiable, schedules
 from tf_metaalign.optimizers.adafactor import Adafactor, AdafactorRule, factored_dims
-from tf_metaalign.optimizers.adam import Adam, AdamRule
+from tf_metaalign.optimizers.adam import Adam, AdamRule, AdamW, AdamWRule
 from tf_metaalign.optimizers.adam_weight_decay import AdamWeightDecay, AdamWeightDecayRule
 from tf_metaalign.optimizers.base import BaseOptimizer, OptimizerState, UpdateRule, apply_rule
 from tf_metaalign.optimizers.differentiable import (
     as_rule_optimizer,
     check_optimizer,
+    describe_conversion,
     forward_mode_error,
     optimizer_classes,
     resolve_hyperparameters,
@@ -18,6 +19,7 @@ from tf_metaalign.optimizers.differentiable import (
 from tf_metaalign.optimizers.lamb import Lamb, LambRule
 from tf_metaalign.optimizers.recadam import RecAdam, RecAdamRule, anneal_lambda
 from tf_metaalign.optimizers.schedules import (
+    AdafactorRelativeStep,
     BertSchedule,
     PegasusSchedule,
     T5InverseSquareRootSchedule,
@@ -26,9 +28,12 @@ from tf_metaalign.optimizers.sgd import SGD, SGDRule
 
 __all__ = [
     "Adafactor",
+    "AdafactorRelativeStep",
     "AdafactorRule",
     "Adam",
     "AdamRule",
+    "AdamW",
+    "AdamWRule",
     "AdamWeightDecay",
     "AdamWeightDecayRule",
     "BaseOptimizer",
@@ -47,6 +52,7 @@ __all__ = [
     "apply_rule",
     "as_rule_optimizer",
     "check_optimizer",
+    "describe_conversion",
     "differentiable",
     "factored_dims",
     "forward_mode_error",

@@ -162,7 +162,11 @@ class Adafactor(base.BaseOptimizer):
     `Adafactor.t5(...)` and `Adafactor.pegasus(...)` give the two reference configurations.
 
     Args:
-      learning_rate: float >= 0, schedule or callable; used as given (no hidden cap).
+      learning_rate: float >= 0, schedule or callable, used as given (no hidden cap); or
+        None (the default): tensor2tensor's relative step, `schedules.AdafactorRelativeStep`,
+        min(1e-2, 1/sqrt(t)) at update t (1-based), x 0.05 when
+        `multiply_by_parameter_scale=False`, as t2t's `_learning_rate_default` and HF's
+        `Adafactor(lr=None, relative_step=True)` (HF without the 0.05).
       beta_1: None (no momentum, no "m" slot) or in [0, 1) (variable "beta_1", learnable).
       decay_rate: exponent d of the second-moment decay 1 - (t - decay_offset)^-d, in (0, 1].
       decay_offset: steps subtracted from the 1-based step in the decay (t5x `step_offset`);
@@ -183,7 +187,7 @@ class Adafactor(base.BaseOptimizer):
 
     def __init__(
         self,
-        learning_rate,
+        learning_rate=None,
         beta_1=None,
         decay_rate=0.8,
         decay_offset=0,
@@ -230,6 +234,8 @@ class Adafactor(base.BaseOptimizer):
         weight_decay_rate = base.check_unit_interval(
             "weight_decay_rate", weight_decay_rate, allow_none=True
         )
+        if learning_rate is None:
+            learning_rate = schedules.AdafactorRelativeStep(bool(multiply_by_parameter_scale))
         rule = AdafactorRule(
             beta_1=beta_1,
             decay_rate=decay_rate,

@@ -69,3 +69,91 @@ class Adam(base.BaseOptimizer):
         config = super().get_config()
         config.update(beta_1=self.beta_1, beta_2=self.beta_2, epsilon=self.epsilon)
         return config
+
+
+class AdamWRule(AdamRule):
+    """The `keras.optimizers.AdamW` rule (Keras's decoupled decay, then `AdamRule`):
+
+        w <- w - w * weight_decay * lr              (if options["weight_decay"])
+        then the Adam update of `AdamRule` from the decayed w.
+
+    As Keras does it: the decay uses this step's learning rate (the schedule's value) and
+    no bias correction; the decayed value is what the Adam step updates.
+    Options: {"weight_decay": bool}.
+    """
+
+    hyperparameter_names = ("beta_1", "beta_2", "epsilon", "weight_decay")
+
+    def __init__(self, weight_decay=0.004, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+        base.UpdateRule.__init__(
+            self, weight_decay=weight_decay, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon
+        )
+
+    def default_options(self, shape):
+        return {"weight_decay": True}
+
+    def update(self, grad, var, slots, hparams, step, options=None):
+        if options is None:
+            options = self.default_options(tuple(var.shape))
+        wd = hparams.get("weight_decay", self.defaults.get("weight_decay"))
+        if options.get("weight_decay", True) and wd is not None:
+            dtype = base.compute_dtype_for(var)
+            c = lambda x: tf.cast(base._to_float64(x), dtype)  # noqa: E731
+            w = tf.cast(var, dtype)
+            # Keras: variable.assign_sub(variable * wd * lr), in the variable's dtype.
+            var = tf.cast(w - w * c(wd) * c(hparams["learning_rate"]), var.dtype)
+        return AdamRule.update(self, grad, var, slots, hparams, step, options)
+
+
+@keras.saving.register_keras_serializable(package="tf_metaalign")
+class AdamW(base.BaseOptimizer):
+    """AdamW with the exact `keras.optimizers.AdamW` update (see `AdamWRule`), as a pure rule.
+
+    Same arguments and defaults as Keras's (weight_decay 0.004, epsilon 1e-7), and Keras's
+    own exclusions: `opt.exclude_from_weight_decay(var_list=..., var_names=...)` (names
+    `re.search`ed in the variable's short name, as Keras does), called before `build`. The
+    decay is part of the rule (not applied by Keras outside it), so the update can be
+    taken on tensors and differentiated (guided learning); `beta_1` and `beta_2` are
+    variables (learnable, checkpointed).
+    """
+
+    differentiable_hyperparameters = ("learning_rate", "beta_1", "beta_2")
+    #: the rule applies `weight_decay` itself (Keras's generic decay is switched off).
+    rule_applies_weight_decay = True
+
+    def __init__(
+        self,
+        learning_rate=0.001,
+        weight_decay=0.004,
+        beta_1=0.9,
+        beta_2=0.999,
+        epsilon=1e-7,
+        aggregated_clipnorm=None,
+        name="AdamW",
+        **kwargs,
+    ):
+        weight_decay = base.check_non_negative("weight_decay", weight_decay)
+        beta_1 = base.check_unit_interval("beta_1", beta_1)
+        beta_2 = base.check_unit_interval("beta_2", beta_2)
+        epsilon = base.check_non_negative("epsilon", epsilon)
+        super().__init__(
+            learning_rate,
+            AdamWRule(weight_decay=weight_decay, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon),
+            variable_hyperparameters={"beta_1": beta_1, "beta_2": beta_2},
+            aggregated_clipnorm=aggregated_clipnorm,
+            name=name,
+            weight_decay=weight_decay,  # Keras's attribute and config entry
+            **kwargs,
+        )
+        self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
+
+    def _apply_weight_decay(self, variables):
+        return  # the rule applies it (AdamWRule)
+
+    def variable_options(self, variable):
+        return {"weight_decay": bool(self.weight_decay) and self._use_weight_decay(variable)}
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(beta_1=self.beta_1, beta_2=self.beta_2, epsilon=self.epsilon)
+        return config

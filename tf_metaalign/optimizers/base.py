@@ -336,6 +336,9 @@ class BaseOptimizer(keras.optimizers.Optimizer):
     #: names of hyperparameters whose derivative flows through `rule.update` (first is always
     #: "learning_rate"; its variable is `learning_rate_scale`).
     differentiable_hyperparameters = ("learning_rate",)
+    #: True when the rule applies Keras's `weight_decay` argument itself (`AdamW`), so the
+    #: tensor step and guided learning accept it; otherwise Keras applies it outside the rule.
+    rule_applies_weight_decay = False
 
     def __init__(
         self,
@@ -806,7 +809,7 @@ class BaseOptimizer(keras.optimizers.Optimizer):
                     "all-reduce, and the tensor step takes the aggregated gradient; use "
                     "`aggregated_clipnorm` instead."
                 )
-        if self.weight_decay:
+        if self.weight_decay and not self.rule_applies_weight_decay:
             raise ValueError(
                 f"apply_on_tensors does not support Keras's generic `weight_decay` ({name} has "
                 f"weight_decay={self.weight_decay}), applied outside the optimizer's rule; use "

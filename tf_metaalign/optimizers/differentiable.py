@@ -11,8 +11,8 @@ mode (`tf_metaalign.forward_mode`): the rule runs with the hyperparameters as
 * `check_optimizer(optimizer, context)`: the checks guided learning makes on the optimizer
   it trains with; `resolve_hyperparameters(optimizer, names)`: learned names -> the
   optimizer's own;
-* `as_rule_optimizer(optimizer)`: a Keras `Adam`/`SGD` as the tf_metaalign optimizer with the
-  identical rule (e.g. for guided learning's `meta_optimizer`).
+* `as_rule_optimizer(optimizer)`: a Keras `Adam`/`AdamW`/`SGD` as the tf_metaalign optimizer
+  with the identical rule (guided learning converts its optimizer and `meta_optimizer` so).
 """
 import functools
 import warnings
@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from tf_metaalign import forward_mode
 from tf_metaalign.optimizers.adafactor import Adafactor
-from tf_metaalign.optimizers.adam import Adam
+from tf_metaalign.optimizers.adam import Adam, AdamW
 from tf_metaalign.optimizers.base import BaseOptimizer
 from tf_metaalign.optimizers.sgd import SGD
 
@@ -135,7 +135,8 @@ def _unsupported_optimizer_error(optimizer, context="GuidedTrainer"):
         f"update rule); got {type(optimizer).__module__}.{type(optimizer).__name__}. "
         "Keras's built-in optimizers are not differentiable here: replace "
         "keras.optimizers.Adam(...) by tf_metaalign.optimizers.Adam(...) "
-        "(tf_metaalign.optimizers.as_rule_optimizer converts a Keras Adam or SGD)."
+        "(tf_metaalign.optimizers.as_rule_optimizer converts a Keras Adam, AdamW or SGD; "
+        "GuidedTrainer.compile converts them itself)."
     )
 
 
@@ -161,10 +162,11 @@ def check_optimizer(optimizer, context="GuidedTrainer"):
                 "all-reduce, which the differentiated update cannot reproduce; use the "
                 "optimizer's `aggregated_clipnorm` instead."
             )
-    if getattr(optimizer, "weight_decay", None):
+    if getattr(optimizer, "weight_decay", None) and not optimizer.rule_applies_weight_decay:
         raise ValueError(
             f"{context}: Keras's generic `weight_decay` argument is applied outside the "
-            "optimizer's rule; use AdamWeightDecay/Lamb/Adafactor's `weight_decay_rate`."
+            "optimizer's rule; use tf_metaalign.optimizers.AdamW (Keras's decoupled decay in "
+            "the rule) or AdamWeightDecay/Lamb/Adafactor's `weight_decay_rate`."
         )
     steps = getattr(optimizer, "gradient_accumulation_steps", None)
     if steps not in (None, 1):
@@ -250,44 +252,90 @@ def _learning_rate_from_config(config, optimizer):
         ) from None
 
 
+def _keras_weight_decay_exclusions(source, target):
+    """Carries Keras's `exclude_from_weight_decay(var_list, var_names)` state over (private
+    Keras attributes, read as Keras's own `_use_weight_decay` reads them)."""
+    variables = getattr(source, "_exclude_from_weight_decay", None)
+    pattern = getattr(source, "_exclude_from_weight_decay_pattern", None)
+    if variables:
+        target._exclude_from_weight_decay = set(variables)
+    if pattern is not None:
+        target._exclude_from_weight_decay_pattern = pattern
+    target._exclude_from_weight_decay_cache = dict()
+
+
+#: what `as_rule_optimizer` converts: Keras class -> (tf_metaalign class, rule arguments).
+_CONVERTIBLE = {
+    keras.optimizers.Adam: (Adam, ("beta_1", "beta_2", "epsilon")),
+    keras.optimizers.AdamW: (AdamW, ("beta_1", "beta_2", "epsilon", "weight_decay")),
+    keras.optimizers.SGD: (SGD, ("momentum", "nesterov")),
+}
+
+
 def as_rule_optimizer(optimizer):
     """A tf_metaalign optimizer with the same update as `optimizer` (its configuration, not
     its state: iterations and slots start afresh).
 
     * a tf_metaalign optimizer (`BaseOptimizer`) is returned unchanged;
-    * `keras.optimizers.Adam` (amsgrad=False) -> `tf_metaalign.optimizers.Adam`;
-    * `keras.optimizers.SGD` (momentum, nesterov) -> `tf_metaalign.optimizers.SGD`;
+    * `keras.optimizers.Adam` (amsgrad=False) -> `tf_metaalign.optimizers.Adam`, or
+      `tf_metaalign.optimizers.AdamW` when it has a `weight_decay` (Keras's Adam with
+      `weight_decay` is AdamW: the same decoupled decay);
+    * `keras.optimizers.AdamW` (amsgrad=False) -> `tf_metaalign.optimizers.AdamW`, with the
+      exclusions set by `exclude_from_weight_decay()`;
+    * `keras.optimizers.SGD` (momentum, nesterov; no `weight_decay`) ->
+      `tf_metaalign.optimizers.SGD`;
     with the learning rate (float, or the schedule rebuilt from the config), the rule's
-    coefficients and Keras's own arguments (name, clipping, weight_decay, EMA, ...) taken
-    from the public `get_config()`. Both rules are Keras's own, rewritten as pure functions,
-    so `apply_gradients` gives the same updates. Anything else (including subclasses such
-    as `keras.optimizers.AdamW`, whose rule differs) raises a ValueError listing what is
-    supported.
+    coefficients and Keras's own arguments (name, clipping, EMA, ...) taken from the public
+    `get_config()`. The rules are Keras's own, rewritten as pure functions, so
+    `apply_gradients` gives the same updates. Anything else (other classes, subclasses,
+    amsgrad, SGD's weight_decay) raises a ValueError saying what is supported.
     """
     if isinstance(optimizer, BaseOptimizer):
         return optimizer
     kind = type(optimizer)
-    if kind is keras.optimizers.Adam:
-        config = optimizer.get_config()
-        if config.get("amsgrad"):
-            raise ValueError(
-                "as_rule_optimizer: keras.optimizers.Adam(amsgrad=True) has no tf_metaalign "
-                "rule; use amsgrad=False (tf_metaalign.optimizers.Adam is Keras's Adam without "
-                "amsgrad)."
-            )
-        target, rule_arguments = Adam, ("beta_1", "beta_2", "epsilon")
-    elif kind is keras.optimizers.SGD:
-        config = optimizer.get_config()
-        target, rule_arguments = SGD, ("momentum", "nesterov")
-    else:
+    if kind not in _CONVERTIBLE:
         raise ValueError(
             "as_rule_optimizer: supported are the tf_metaalign optimizers "
             f"({', '.join(cls.__name__ for cls in optimizer_classes())}), "
-            "keras.optimizers.Adam (amsgrad=False) and keras.optimizers.SGD; got "
+            "keras.optimizers.Adam / AdamW (amsgrad=False) and keras.optimizers.SGD; got "
             f"{kind.__module__}.{kind.__name__}."
         )
+    config = optimizer.get_config()
+    target, rule_arguments = _CONVERTIBLE[kind]
+    if config.get("amsgrad"):
+        raise ValueError(
+            f"as_rule_optimizer: keras.optimizers.{kind.__name__}(amsgrad=True) has no "
+            "tf_metaalign rule; use amsgrad=False (tf_metaalign.optimizers.Adam / AdamW are "
+            "Keras's Adam / AdamW without amsgrad)."
+        )
+    if target is Adam and config.get("weight_decay"):
+        target, rule_arguments = _CONVERTIBLE[keras.optimizers.AdamW]
+    if target is SGD and config.get("weight_decay"):
+        raise ValueError(
+            f"as_rule_optimizer: keras.optimizers.SGD(weight_decay={config['weight_decay']}) "
+            "has no tf_metaalign rule (Keras applies the decay outside the SGD update); use "
+            "weight_decay=None, or tf_metaalign.optimizers.AdamW."
+        )
     arguments = {name: config[name] for name in rule_arguments + _KERAS_BASE_ARGUMENTS if name in config}
-    return target(learning_rate=_learning_rate_from_config(config, optimizer), **arguments)
+    if target is not AdamW:
+        arguments.pop("weight_decay", None)  # None here (a decay was refused or moved above)
+    converted = target(learning_rate=_learning_rate_from_config(config, optimizer), **arguments)
+    if target is AdamW:
+        _keras_weight_decay_exclusions(optimizer, converted)
+    return converted
+
+
+def describe_conversion(source, converted):
+    """One line for the log: which Keras optimizer became which tf_metaalign one, and with
+    what configuration."""
+    config = converted.get_config()
+    keys = ("learning_rate", "beta_1", "beta_2", "epsilon", "weight_decay", "momentum", "nesterov")
+    shown = ", ".join(f"{k}={config[k]!r}" for k in keys if config.get(k) is not None)
+    return (
+        f"{type(source).__module__}.{type(source).__name__} -> "
+        f"tf_metaalign.optimizers.{type(converted).__name__}({shown}): the same update rule "
+        "and hyperparameters, as a pure rule guided learning can differentiate"
+    )
 
 
 __all__ = [
@@ -295,6 +343,7 @@ __all__ = [
     "PROBE_SHAPES",
     "as_rule_optimizer",
     "check_optimizer",
+    "describe_conversion",
     "forward_mode_error",
     "optimizer_classes",
     "resolve_hyperparameters",

@@ -109,3 +109,35 @@ class PegasusSchedule(keras.optimizers.schedules.LearningRateSchedule):
             "warmup_steps": self.warmup_steps,
             "decay_start_step": self.decay_start_step,
         }
+
+
+@keras.saving.register_keras_serializable(package="tf_metaalign")
+class AdafactorRelativeStep(keras.optimizers.schedules.LearningRateSchedule):
+    """tensor2tensor Adafactor's default rate (`AdafactorOptimizer._learning_rate_default`):
+
+        lr(step) = min(1e-2, 1 / sqrt(step + 1))      (x 0.05 without the parameter scale)
+
+    with step = global_step, the number of updates already applied (so update t, 1-based,
+    has rate min(1e-2, 1/sqrt(t)), as in HF `Adafactor(lr=None, relative_step=True)` whose
+    step counter starts at 1). Constant 1e-2 for the first 10,000 updates, then 1/sqrt(t).
+    `multiply_by_parameter_scale=False` multiplies by 0.05 as t2t does (HF does not).
+    `Adafactor(learning_rate=None)` uses it.
+    """
+
+    def __init__(self, multiply_by_parameter_scale=True):
+        if not isinstance(multiply_by_parameter_scale, bool):
+            raise ValueError(
+                "`multiply_by_parameter_scale` must be True or False, got "
+                f"multiply_by_parameter_scale={multiply_by_parameter_scale!r}."
+            )
+        self.multiply_by_parameter_scale = multiply_by_parameter_scale
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        lr = tf.minimum(tf.math.rsqrt(step + 1.0), 0.01)
+        if not self.multiply_by_parameter_scale:
+            lr = lr * 0.05
+        return lr
+
+    def get_config(self):
+        return {"multiply_by_parameter_scale": self.multiply_by_parameter_scale}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import re
 
 import keras
 import numpy as np
@@ -23,7 +24,9 @@ from tf_metaalign.algorithms import guided as alg
 from tf_metaalign.optimizers.differentiable import (
     as_rule_optimizer,
     check_optimizer,
+    describe_conversion,
     resolve_hyperparameters,
+    supported_optimizers,
 )
 from tf_metaalign.trainers.base import EveryKSteps, MetaTrainer
 from tf_metaalign.trainers.pipeline import Preprocessed, preprocess_data
@@ -198,6 +201,27 @@ class GuidedHyperparameters(keras.layers.Layer):
         return cls(**config)
 
 
+def _as_rule_optimizer(optimizer, context="GuidedTrainer.compile"):
+    """The optimizer `compile` trains with: a Keras Adam/AdamW/SGD (or its name) converted
+    to the tf_metaalign optimizer with the same rule (logged once per conversion); a
+    tf_metaalign optimizer unchanged; anything else a ValueError."""
+    if isinstance(optimizer, (str, dict)):
+        optimizer = keras.optimizers.get(optimizer)
+    if isinstance(optimizer, (opt_lib.BaseOptimizer, keras.optimizers.LossScaleOptimizer)):
+        return optimizer  # check_optimizer (in bind) says what is wrong with it, if anything
+    try:
+        converted = as_rule_optimizer(optimizer)
+    except ValueError as error:
+        raise ValueError(
+            f"{context}: guided learning differentiates through the optimizer's update, so it "
+            "trains with a tf_metaalign optimizer; Keras's Adam, AdamW and SGD (and their "
+            f"names) are converted to one, but not this optimizer. {error} Supported: "
+            f"{', '.join(supported_optimizers())} (tf_metaalign.optimizers)."
+        ) from None
+    logging.warning("%s: converted %s.", context, describe_conversion(optimizer, converted))
+    return converted
+
+
 def _unscaled(optimizer):
     """The optimizer a `LossScaleOptimizer` wraps (the optimizer itself otherwise)."""
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
@@ -339,24 +363,148 @@ def guided_update(hyper, model, optimizer, guide_loss_fn, grads, new_state, guid
 # ----------------------------------------------------------------------------- data
 
 
-def split_guidance_batch(dataset: tf.data.Dataset, num_batches: int = 1):
-    """Split held-out guidance data off the front of a batched training dataset.
+HOLDOUTS = ("auto", "position", "identity")
+
+#: ops in a dataset's functions that draw random numbers (augmentation): an example is then
+#: another tensor each epoch, which identity cannot recognise.
+_RANDOM_OPS = re.compile(r"Random|^Stateful|^Rng")
+
+
+def _dataset_graph(dataset):
+    """The dataset's serialized GraphDef, or None when it cannot be serialized."""
+    try:
+        graph = tf.compat.v1.GraphDef()
+        graph.ParseFromString(dataset._as_serialized_graph().numpy())
+        return graph
+    except Exception:  # e.g. a stateful op with no serialization: order unknown
+        return None
+
+
+def _order_varies(dataset, graph):
+    """Why another iteration of `dataset` may not start with the same batches, or None."""
+    if graph is None:
+        return "its graph cannot be inspected"
+    if dataset.options().deterministic is False:
+        return "options().deterministic is False"
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    for node in nodes:
+        op, attr = node.op, node.attr
+        if "Dataset" not in op:
+            continue
+        if "Shuffle" in op:
+            if "reshuffle_each_iteration" not in attr or attr["reshuffle_each_iteration"].b:
+                return f"it reshuffles every epoch ({op} with reshuffle_each_iteration=True)"
+        elif "Repeat" in op:
+            return f"it repeats ({op}: the held-out examples come back)"
+        elif "Generator" in op:
+            return "its examples come from a Python generator (order unknown)"
+        elif op.startswith("Random"):
+            return f"it draws its order at random ({op})"
+        elif "deterministic" in attr and attr["deterministic"].s == b"false":
+            return f"its order is not deterministic ({op} with deterministic=False)"
+    return None
+
+
+def _draws_random_numbers(graph):
+    return graph is not None and any(
+        _RANDOM_OPS.search(n.op) for f in graph.library.function for n in f.node_def
+    )
+
+
+def _identity_error(dataset, reason, why_not):
+    return ValueError(
+        f"split_guidance_batch: cannot hold the guidance examples out of this dataset for "
+        f"good: {reason}, so `skip` would train on other examples than those held out, and "
+        f"{why_not}. Split before shuffling (`guidance = ds.take(k)` and `train = "
+        "ds.skip(k)` on the unshuffled examples, then shuffle, augment and batch `train` "
+        "only), or shuffle with reshuffle_each_iteration=False."
+    )
+
+
+def example_fingerprints(batch):
+    """One int64 per example of a batch (nest of dense tensors with a leading batch axis):
+    a fingerprint (`tf.fingerprint`, farmhash) of the bytes of all its tensors."""
+    leaves = [tf.convert_to_tensor(t) for t in tf.nest.flatten(batch)]
+    prints = [tf.fingerprint(t) for t in leaves]
+    combined = tf.fingerprint(tf.concat(prints, axis=1))
+    return tf.bitcast(combined, tf.int64)
+
+
+def split_guidance_batch(dataset: tf.data.Dataset, num_batches: int = 1, holdout: str = "auto"):
+    """Split held-out guidance data off a batched training dataset, for good.
 
     Returns `(guidance, rest)`: with `num_batches=1` the first batch as a tuple of
-    tensors, else a `tf.data.Dataset` of the first `num_batches` batches; `rest` is
-    `dataset.skip(num_batches)` (those batches are never trained on).
+    tensors, else a `tf.data.Dataset` of the first `num_batches` batches; `rest` the
+    training dataset, which never yields a guidance example in any epoch:
+
+    * by position (`holdout="position"`, or "auto" when every iteration of `dataset`
+      yields the same batches in the same order): `rest = dataset.skip(num_batches)`,
+      the batches unchanged;
+    * by identity (`holdout="identity"`, or "auto" when another iteration may differ: a
+      `shuffle` with `reshuffle_each_iteration=True`, the default; a `repeat`; a Python
+      generator; a random choice of datasets; `deterministic=False`): each example of
+      every training batch is recognised by a fingerprint of its tensors
+      (`example_fingerprints`) and dropped when it is a guidance example (an exact
+      duplicate of one included). A batch that held guidance examples comes out smaller
+      (an emptied batch is dropped), so an epoch sees every other example once;
+      `skip` could not do that: on a reshuffling dataset `take` and `skip` draw
+      different examples every epoch (6-7 of 8 "held out" examples were trained on in
+      every epoch). Logged.
+
+    Identity needs examples that are the same tensors in every epoch. It refuses (a
+    ValueError saying to split before shuffling) a varying dataset whose examples are
+    ragged or sparse, padded per batch (a dimension other than the batch one not static,
+    as `padded_batch` without fixed `padded_shapes` makes it), or drawn from random
+    numbers in its map functions (augmentation after the shuffle: the same example is a
+    different tensor each epoch); `holdout="identity"` skips only the last check (say so
+    when the random ops do not change the examples). Random augmentation in a Python
+    generator cannot be seen: hold the guidance data out before it.
     """
     if not isinstance(dataset, tf.data.Dataset):
         raise TypeError(f"`dataset` must be a tf.data.Dataset; got {type(dataset).__name__}.")
     if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1:
         raise ValueError(f"`num_batches` must be an integer >= 1; got {num_batches!r}.")
+    if holdout not in HOLDOUTS:
+        raise ValueError(f"`holdout` must be one of {HOLDOUTS}; got {holdout!r}.")
     head = list(dataset.take(num_batches))
     if not head:
         raise ValueError("split_guidance_batch: `dataset` is empty; there is no batch to hold out.")
-    rest = dataset.skip(num_batches)
-    if num_batches == 1:
-        return head[0], rest
-    return tf.data.Dataset.from_tensor_slices(_stack(head)), rest
+    guidance = head[0] if num_batches == 1 else tf.data.Dataset.from_tensor_slices(_stack(head))
+    graph = _dataset_graph(dataset) if holdout != "position" else None
+    reason = _order_varies(dataset, graph) if holdout == "auto" else None
+    if holdout == "position" or (holdout == "auto" and reason is None):
+        return guidance, dataset.skip(num_batches)
+    reason = reason or "holdout='identity'"
+
+    specs = tf.nest.flatten(dataset.element_spec)
+    if not all(isinstance(spec, tf.TensorSpec) for spec in specs):
+        raise _identity_error(dataset, reason, "its examples are not all dense tensors (ragged "
+                              "or sparse), which identity cannot compare")
+    if not all(spec.shape.rank and spec.shape[1:].is_fully_defined() for spec in specs):
+        raise _identity_error(dataset, reason, "an example's shape depends on its batch "
+                              "(padded per batch, or no batch axis), so identity cannot "
+                              "recognise it in another batch")
+    if holdout == "auto" and _draws_random_numbers(graph):
+        raise _identity_error(dataset, reason, "its map functions draw random numbers "
+                              "(augmentation?), so an example is another tensor every epoch "
+                              "and identity cannot recognise it (holdout='identity' if they "
+                              "do not change the examples)")
+    held_out = tf.concat([example_fingerprints(b) for b in head], axis=0)
+
+    def drop_guidance(*element):
+        element = element[0] if len(element) == 1 else element
+        prints = example_fingerprints(element)
+        keep = tf.logical_not(tf.reduce_any(tf.equal(prints[:, None], held_out[None, :]), axis=1))
+        return tf.nest.map_structure(lambda t: tf.boolean_mask(t, keep), element)
+
+    def not_empty(*element):
+        return tf.shape(tf.nest.flatten(element)[0])[0] > 0
+
+    logging.info(
+        "split_guidance_batch: holding the %d guidance examples out by identity, since %s; "
+        "training batches that held one come out smaller.", int(held_out.shape[0]), reason,
+    )
+    return guidance, dataset.map(drop_guidance).filter(not_empty)
 
 
 def _encode_array(t):
@@ -480,8 +628,10 @@ class GuidedTrainer(MetaTrainer):
         False: recompute it in `apply_gradients`, bit-identical to `fit` at meta
         learning rate 0). Formerly `reuse_lookahead` (still accepted).
 
-    Compile with one of `tf_metaalign.optimizers` (SGD, Adam, AdamWeightDecay, Lamb,
-    Adafactor); under `mixed_float16` Keras wraps it in a `LossScaleOptimizer`, which is
+    Compile with one of `tf_metaalign.optimizers` (SGD, Adam, AdamW, AdamWeightDecay, Lamb,
+    Adafactor, RecAdam), or Keras's Adam, AdamW or SGD ("adam", `keras.optimizers.Adam(1e-3)`,
+    ...), which `compile` converts to the tf_metaalign optimizer with the same rule and
+    hyperparameters (logged; see `compile`); under `mixed_float16` Keras wraps it in a `LossScaleOptimizer`, which is
     supported (the update is then recomputed by the optimizer, which skips steps whose
     gradient overflowed; those steps take no hypergradient step). Logs, per step
     (batch-level logs, TensorBoard `update_freq="batch"`) and per epoch (History: the
@@ -535,8 +685,18 @@ class GuidedTrainer(MetaTrainer):
         return self._guidance[0]
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
-        if isinstance(optimizer, str):
-            check_optimizer(keras.optimizers.get(optimizer))
+        """`keras.Model.compile`, with a Keras optimizer converted to a pure rule.
+
+        `optimizer` may be a tf_metaalign optimizer, or what `model.compile` takes for
+        Adam, AdamW and SGD ("adam", "adamw", "sgd", `keras.optimizers.Adam(...)`, ...):
+        those are converted by `optimizers.as_rule_optimizer` to the tf_metaalign optimizer
+        with the same rule and hyperparameters (learning rate or schedule, betas, epsilon,
+        weight decay and its exclusions, momentum, Nesterov, name, clipping), which is
+        logged (a warning: the instance passed is not the one trained; read
+        `trainer.optimizer`). Anything that cannot be converted (e.g. "rmsprop",
+        `keras.optimizers.Adadelta`, amsgrad) raises a ValueError listing what is supported.
+        """
+        optimizer = _as_rule_optimizer(optimizer)
         super().compile(optimizer, *args, **kwargs)
         self.guided.bind(self.optimizer)
         self.set_active_diagnostics(self.guided.logged_names())
@@ -616,5 +776,6 @@ __all__ = [
     "GuidedHyperparameters",
     "GuidedTrainer",
     "guided_update",
+    "example_fingerprints",
     "split_guidance_batch",
 ]
