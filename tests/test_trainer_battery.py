@@ -92,6 +92,7 @@ DROPOUT = 0.25
 CHECKS = (
     "entry", "eager", "jit_compile", "steps_per_execution", "replicas", "mixed_float16",
     "keras_round_trip", "backup_machinery", "backup_and_restore", "multi_worker",
+    "model_after_fit",
 )
 
 
@@ -302,6 +303,52 @@ def test_keras_file_round_trip_and_continue(entry, exact, tmp_path):
     rtol, atol = B.tolerance(entry, "keras_round_trip")
     B.assert_same(B.snapshot(entry, loaded), B.snapshot(entry, trainer), rtol, atol,
                   "continued from the reloaded vs the original trainer")
+
+
+@pytest.mark.parametrize("entry", cases("model_after_fit"))
+def test_wrapped_model_evaluates_predicts_and_saves_as_itself(entry, exact, tmp_path):
+    """The user's code keeps calling its own model after `trainer.fit`: `model.evaluate`
+    reports what a plainly compiled copy of it reports (the trainer's loss and compiled
+    metrics) and what `trainer.evaluate` reports, `model.predict` what `trainer.predict`
+    gives, and `model.save` + `load_model` give it back compiled, evaluating the same."""
+    x, y = B.data(entry)
+    trainer = B.build(entry)
+    B.fit(entry, trainer, x, y, epochs=1)
+    x_eval, y_eval = entry.make_eval_data(16, dtype=entry.dtype, seed=1)
+    x_model = entry.model_inputs(x_eval)
+    model = trainer.model
+    got = model.evaluate(x_model, y_eval, batch_size=8, verbose=0, return_dict=True)
+    rtol, atol = B.tolerance(entry, "model_after_fit")
+
+    def assert_same_logs(a, b, what):
+        assert sorted(a) == sorted(b) and "loss" in a and len(a) > 1, (what, a, b)
+        B.assert_same({k: np.asarray(v) for k, v in a.items()},
+                      {k: np.asarray(v) for k, v in b.items()}, rtol, atol, what)
+
+    plain = keras.models.clone_model(model)
+    plain.set_weights(model.get_weights())
+    compile_kwargs = entry.compile_kwargs()
+    plain.compile(loss=compile_kwargs["loss"], metrics=compile_kwargs.get("metrics"))
+    assert_same_logs(got, plain.evaluate(x_model, y_eval, batch_size=8, verbose=0,
+                                         return_dict=True), "model.evaluate vs a plain copy")
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.optimizer is not None
+    if len(trainer.trainable_variables) == len(model.trainable_variables):
+        # The optimizer's state comes back with the model (not where the trainer trains
+        # variables of its own, e.g. MAML's learned inner learning rates: see compile).
+        assert int(loaded.optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy())
+    again = loaded.evaluate(x_model, y_eval, batch_size=8, verbose=0, return_dict=True)
+    B.assert_same({k: np.asarray(v) for k, v in again.items()},
+                  {k: np.asarray(v) for k, v in got.items()}, 0.0, 0.0,
+                  "the reloaded model vs the trained one")
+    if not entry.evaluates_model_batches:
+        return
+    expected = trainer.evaluate(x_eval, y_eval, batch_size=8, verbose=0, return_dict=True)
+    assert_same_logs(got, expected, "model.evaluate vs trainer.evaluate")
+    np.testing.assert_allclose(model.predict(x_model, verbose=0),
+                               trainer.predict(x_eval, verbose=0), rtol=rtol, atol=atol)
 
 
 # ------------------------------------------------------------- subprocess scenarios

@@ -104,6 +104,11 @@ class TrainerEntry:
         this trainer with that exception (`xfail(strict=True, raises=...)`: another
         exception is a failure, and the day the check passes the marker must go).
       slow: check names run only with `-m slow` for this trainer.
+      make_eval_data: `(n, dtype, seed) -> (x, y)`: what `trainer.evaluate` takes
+        (ordinary model batches, or e.g. `{"inputs", "task_id"}` for MultiTaskTrainer).
+      model_inputs: `x -> x` of the wrapped model, from `make_eval_data`'s x.
+      evaluates_model_batches: False where `trainer.evaluate` takes something else than
+        `make_eval_data` (MAML's episodes: adapt, then score the query sets).
     """
 
     name: str
@@ -120,6 +125,9 @@ class TrainerEntry:
     tolerances: Mapping[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     xfail: Mapping[str, tuple[str, type]] = dataclasses.field(default_factory=dict)
     slow: frozenset = frozenset()
+    make_eval_data: Callable[..., tuple] = regression_data
+    model_inputs: Callable[[object], object] = lambda x: x
+    evaluates_model_batches: bool = True
 
 
 def _mse():
@@ -305,6 +313,8 @@ ENTRIES += [
         state_variables=("count",),  # the step counter the task order is drawn from
         diagnostics=("task_cosine",),
         make_data=multitask_data,
+        make_eval_data=multitask_data,
+        model_inputs=lambda x: x["inputs"],
     ),
     TrainerEntry(
         name="multitask_gradvac",
@@ -313,6 +323,8 @@ ENTRIES += [
         state_variables=("count", "gradvac_targets"),
         diagnostics=("task_cosine",),
         make_data=multitask_data,
+        make_eval_data=multitask_data,
+        model_inputs=lambda x: x["inputs"],
         # two processes under -m slow: "multitask_pcgrad" runs MultiTaskTrainer's in the
         # default suite (its 20-minute budget)
         slow=("multi_worker",),
@@ -325,6 +337,8 @@ ENTRIES += [
                          "gradnorm_seen"),
         diagnostics=("task_cosine",),
         make_data=multitask_data,
+        make_eval_data=multitask_data,
+        model_inputs=lambda x: x["inputs"],
         # two processes under -m slow: "multitask_pcgrad" runs MultiTaskTrainer's in the
         # default suite (its 20-minute budget)
         slow=("multi_worker",),
@@ -380,6 +394,7 @@ ENTRIES += [
         state_variables=_maml_state(["inner_learning_rates"]),
         diagnostics=("support_loss", "inner_learning_rate", "sharing_m", "sharing_lambda"),
         make_data=maml_task_data,
+        evaluates_model_batches=False,
         # The logged diagnostics are float32 metrics: values that agree to 1e-12 in
         # float64 can round to neighbouring float32 numbers (1 ulp = 1.2e-7 relative);
         # one lost or repeated step changes them by > 1e-4.
@@ -400,6 +415,7 @@ ENTRIES += [
                                     epochs=False),
         diagnostics=("support_loss", "inner_learning_rate", "sharing_m", "sharing_lambda"),
         make_data=maml_task_data,
+        evaluates_model_batches=False,
         # The logged diagnostics are float32 metrics: values that agree to 1e-12 in
         # float64 can round to neighbouring float32 numbers (1 ulp = 1.2e-7 relative);
         # one lost or repeated step changes them by > 1e-4.

@@ -571,6 +571,42 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
         self.train_function = function
         return function
 
+    # ------------------------------------------------------------------ compiling
+
+    def compile(self, optimizer="rmsprop", loss=None, loss_weights=None, metrics=None,
+                weighted_metrics=None, run_eagerly=False, steps_per_execution=1,
+                jit_compile="auto", auto_scale_loss=True):
+        """`keras.Model.compile`; with a `loss`, the wrapped model is compiled too.
+
+        The user's code keeps calling its own model after `trainer.fit` (`model.evaluate`,
+        `model.predict`, `model.save`), so `model` is compiled with the trainer's loss,
+        `loss_weights`, metrics (fresh instances of the same configuration) and the
+        trainer's optimizer instance (so `model.save` keeps its slots and step). Then
+        `model.evaluate(x, y)` reports what `trainer.evaluate(x, y)` reports, and
+        `keras.models.load_model` gives the model back compiled, as a model trained with
+        its own `fit` would be (where the trainer trains variables of its own besides the
+        model's, e.g. MAML's learned inner learning rates, the model alone cannot reload
+        the optimizer's slots and Keras says so: save the trainer to resume training). With `loss=None` the trainer trains with the wrapped
+        model's own compiled loss (a model the user compiled before wrapping it), and the
+        model's compilation is left as the user made it.
+        """
+        super().compile(
+            optimizer=optimizer, loss=loss, loss_weights=loss_weights, metrics=metrics,
+            weighted_metrics=weighted_metrics, run_eagerly=run_eagerly,
+            steps_per_execution=steps_per_execution, jit_compile=jit_compile,
+            auto_scale_loss=auto_scale_loss,
+        )
+        if loss is None:
+            return
+        self.model.compile(
+            # The trainer's optimizer (already wrapped in a LossScaleOptimizer where
+            # Keras wraps one): one optimizer, so its state is saved with either model.
+            optimizer=self.optimizer, loss=loss, loss_weights=loss_weights,
+            metrics=_fresh_metrics(metrics), weighted_metrics=_fresh_metrics(weighted_metrics),
+            run_eagerly=run_eagerly, steps_per_execution=steps_per_execution,
+            jit_compile=self.jit_compile, auto_scale_loss=False,
+        )
+
     # ------------------------------------------------------------------ saving
 
     def compile_from_config(self, config):
@@ -619,6 +655,17 @@ def first_task_query_set(x, y=None, sample_weight=None):
         return None if nest is None else tf.nest.map_structure(lambda a: a[0], nest)
 
     return first(x[2]), first(y), first(sample_weight)
+
+
+def _fresh_metrics(metrics):
+    """New metric objects of the same configuration (a metric object updated by two
+    compiled models would mix their results); names and functions stay as they are."""
+    if metrics is None:
+        return None
+    try:
+        return keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(metrics))
+    except Exception:  # an unregistered custom metric: share it (still correct when the
+        return metrics  # two models are not evaluated at the same time)
 
 
 def commit_weights(variables, values):
