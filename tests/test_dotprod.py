@@ -115,7 +115,8 @@ def test_quadratic_dotprod_equals_first_order_two_step_reptile():
     theta = tf.constant(rng.normal(size=(d,)))
     beta = 0.05
     for method in ("finite_difference", "exact"):
-        r = dotprod_gradient(loss_fn, [theta], None, 1, 2, weight=beta, alpha=1e-3, method=method)
+        r = dotprod_gradient(loss_fn, [theta], None, 1, 2, weight=beta, alpha=1e-3, method=method,
+                             alignment="dot")  # the paper's objective
         # Reptile: two SGD steps with step beta on b1 then b2; pseudo-gradient (theta - theta_2)/beta.
         g = lambda t, b: tf.linalg.matvec(a[b], t) - c[b]
         t1 = theta - beta * g(theta, 1)
@@ -319,15 +320,18 @@ def test_bad_options_name_the_argument(kwargs, name):
         DotProdTrainer(_mlp(), **kwargs)
 
 
-def test_batch_that_cannot_be_split_is_a_clear_error():
-    x, y = _data(8)
-    trainer = _compile(DotProdTrainer(_mlp()))
-    with pytest.raises(ValueError, match="at least 2 examples"):
-        trainer.fit(x[:1], y[:1], batch_size=1, verbose=0)
-    # A dataset with an unknown batch size and a last batch of one example.
-    ds = tf.data.Dataset.from_tensor_slices((x[:5], y[:5])).batch(4)
-    with pytest.raises(Exception, match="at least 2 examples"):
-        trainer.fit(ds, verbose=0)
+def test_batches_of_one_are_plain_steps_not_an_error(float64):
+    """A batch that cannot be split used to be an error; it is now a plain step on (b, b):
+    G = 2 * grad L(b), so batch_size=1 DotProd == plain SGD at twice the learning rate
+    (more in tests/test_dotprod_stability.py)."""
+    x, y = _data(8, dtype="float64")
+    trainer = _compile(DotProdTrainer(_mlp("float64", seed=15), weight=0.3))
+    h = trainer.fit(x, y, batch_size=1, shuffle=False, verbose=0)
+    assert int(trainer.unsplit_batches.numpy()) == 8 and np.isfinite(h.history["loss"]).all()
+    plain = _mlp("float64", seed=15)
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss=MSE64)
+    plain.fit(x, y, batch_size=1, shuffle=False, verbose=0)
+    _assert_weights_close(_weights(trainer.model), _weights(plain), rtol=1e-9, atol=1e-12)
 
 
 def test_odd_batch_is_split_and_reported_loss_is_the_batch_mean():

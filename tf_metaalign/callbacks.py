@@ -10,10 +10,17 @@ multi-task training, measured periodically on fixed per-task batches:
 
 Both go into the epoch logs (so `History` holds them) and, with `log_dir`, into TensorBoard
 as scalars at the measured step.
+
+`DivergenceGuard`: warns (or stops training) with the cause when the loss or a logged
+gradient dot product explodes, not only on NaN. `DotProdTrainer` adds one itself
+(`on_divergence=`).
 """
 from __future__ import annotations
 
 import itertools
+import logging
+import math
+import warnings
 from typing import Mapping
 
 import keras
@@ -136,6 +143,109 @@ class MultiTaskDiagnostics(keras.callbacks.Callback):
             self._writer = None
 
 
+class DivergenceGuard(keras.callbacks.Callback):
+    """Warn, or stop training, when the loss or a gradient dot product runs away.
+
+    Checked at every epoch end (and every `every_n_batches` batches, on the running
+    epoch means Keras logs, when given), from the logs alone (nothing is recomputed):
+
+    * the loss is not finite;
+    * the loss is more than `loss_ratio` times the best epoch loss so far and above the
+      previous check's value (rising);
+    * `|monitor|` (default "grad_dot", when logged) is more than `grad_dot_ratio` times
+      its first epoch's value.
+
+    It fires once per `fit`: `action="warn"` emits a `RuntimeWarning` (and a log line)
+    naming the cause and `advice`; `action="stop"` does the same and sets
+    `model.stop_training`. `fired` holds the message (None while healthy).
+
+    Args:
+      action: "warn" or "stop".
+      loss_ratio: > 1.
+      grad_dot_ratio: > 1; None: do not watch `monitor`.
+      monitor: the logged dot-product name.
+      every_n_batches: also check every this many batches (None: epoch ends only).
+      advice: appended to the message (what to do).
+    """
+
+    ACTIONS = ("warn", "stop")
+
+    def __init__(self, action="warn", loss_ratio=10.0, grad_dot_ratio=1e3, monitor="grad_dot",
+                 every_n_batches=None, advice=""):
+        super().__init__()
+        if action not in self.ACTIONS:
+            raise ValueError(f"`action` must be one of {self.ACTIONS}; got {action!r}.")
+        for name, value, allow_none in (("loss_ratio", loss_ratio, False),
+                                        ("grad_dot_ratio", grad_dot_ratio, True)):
+            if value is None and allow_none:
+                continue
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value <= 1):
+                raise ValueError(f"`{name}` must be a finite number > 1; got {value!r}.")
+        if every_n_batches is not None and (
+            isinstance(every_n_batches, bool) or not isinstance(every_n_batches, int)
+            or every_n_batches < 1
+        ):
+            raise ValueError(
+                f"`every_n_batches` must be None or an integer >= 1; got {every_n_batches!r}."
+            )
+        self.action = action
+        self.loss_ratio = float(loss_ratio)
+        self.grad_dot_ratio = None if grad_dot_ratio is None else float(grad_dot_ratio)
+        self.monitor = monitor
+        self.every_n_batches = every_n_batches
+        self.advice = advice
+        self.fired = None
+
+    def on_train_begin(self, logs=None):
+        self.fired = None
+        self._best_loss = None
+        self._last_loss = None
+        self._first_dot = None
+        self._epoch = 0
+
+    def _check(self, logs, where, at_epoch_end):
+        if self.fired is not None or not logs or "loss" not in logs:
+            return
+        loss = float(logs["loss"])
+        cause = None
+        if not math.isfinite(loss):
+            cause = f"the loss is {loss}"
+        elif (self._best_loss is not None and loss > self.loss_ratio * self._best_loss
+              and self._last_loss is not None and loss > self._last_loss):
+            cause = (f"the loss {loss:.4g} is {loss / self._best_loss:.3g}x its best epoch "
+                     f"value {self._best_loss:.4g} and rising")
+        dot = logs.get(self.monitor) if self.grad_dot_ratio is not None else None
+        if cause is None and dot is not None and self._first_dot:
+            dot = float(dot)
+            if not math.isfinite(dot) or abs(dot) > self.grad_dot_ratio * self._first_dot:
+                cause = (f"{self.monitor} grew from {self._first_dot:.4g} (first epoch) to "
+                         f"{dot:.4g}")
+        if at_epoch_end:
+            if math.isfinite(loss):
+                self._best_loss = loss if self._best_loss is None else min(self._best_loss, loss)
+            if dot is not None and self._first_dot is None and math.isfinite(float(dot)):
+                self._first_dot = abs(float(dot)) or None
+        if math.isfinite(loss):
+            self._last_loss = loss
+        if cause is None:
+            return
+        self.fired = f"Training is diverging ({where}): {cause}." + (
+            f" {self.advice}" if self.advice else "")
+        logging.warning("%s", self.fired)
+        warnings.warn(self.fired, RuntimeWarning, stacklevel=2)
+        if self.action == "stop":
+            self.model.stop_training = True
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.every_n_batches and (batch + 1) % self.every_n_batches == 0:
+            self._check(logs, f"epoch {self._epoch + 1}, batch {batch + 1}", False)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._epoch = epoch + 1
+        self._check(logs, f"epoch {epoch + 1}", True)
+
+
 def _model_batch(batch, model_takes_task_id, name):
     if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
         raise ValueError(
@@ -150,4 +260,4 @@ def _model_batch(batch, model_takes_task_id, name):
     return tuple(tf.nest.map_structure(tf.convert_to_tensor, (x, *rest)))
 
 
-__all__ = ["MultiTaskDiagnostics"]
+__all__ = ["DivergenceGuard", "MultiTaskDiagnostics"]

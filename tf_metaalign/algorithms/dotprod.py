@@ -9,7 +9,8 @@ For a pair of batches b1, b2 at weights theta::
     G2   = grad L(theta; b2)
     G21  = grad L(theta - alpha * G1; b2)
     G1G2 = (G21 - G2) / alpha            # ~= -H2 G1 (H2: Hessian of L(.; b2))
-    G    = G1 + G2 + weight * G1G2
+    G    = G1 + G2 + weight * G1G2      # alignment="dot"; the default "capped" bounds
+                                        # the last term (see "Alignment" below)
 
 Since d(G1.G2)/dtheta = H1 G2 + H2 G1, a descent step along G raises G1.G2 (the
 H1 G2 half is dropped, as in the paper). With `method="exact"` the finite difference is
@@ -28,6 +29,40 @@ where eps is the machine epsilon of the *compute* dtype (float32: 1.2e-7, so the
 moves theta by about 3.5e-4 (1 + ||theta||) in norm; bfloat16/float16 compute under
 mixed precision use their own, larger eps). This balances truncation error (O(alpha))
 against rounding error (O(eps/alpha)). When G1 = 0 the regulariser is exactly 0.
+
+Alignment: the paper's objective and the bounded default
+--------------------------------------------------------
+Why Algorithm 1 can run away. With R = G1G2 ~= -H2 G1 the update direction is
+G = G1 + G2 - weight * H2 G1 ~= (2I - weight*H2) g for G1 ~= G2 ~= g. Along an eigenvector
+of H2 whose eigenvalue lambda exceeds 2/weight the step *ascends* the loss, and ascending
+along a sharp direction sharpens the net further: G1.G2 is unbounded, since scaling the
+logits (or any weight the output is homogeneous in) scales both gradients. Measured on a
+from-scratch convnet (digits at 28x28, Adam 1e-3, weight 0.1): loss 2.1 -> 1.4 -> 29 ->
+4.7e4 over 8 epochs, G1.G2 1.3 -> 1.8e8, accuracy 0.10 (docs/finetune.md, "Stability").
+
+`alignment="dot"` is the paper's Algorithm 1, exactly as above:
+
+    G = G1 + G2 + weight * R
+
+`alignment="capped"` (the default) keeps R's direction and bounds its size relative to the
+loss gradient of the pair:
+
+    s = min(1, cap * ||G1 + G2|| / (weight * ||R||))
+    G = G1 + G2 + s * weight * R
+
+(global norms: the same s on every replica). Where `weight*||R|| <= cap*||G1+G2||` this is
+the paper's step, bit for bit. Otherwise the regulariser is shrunk to `cap` times the
+loss gradient, and then, with D = G1 + G2,
+
+    D . G >= (1 - cap) ||D||^2 > 0     and     ||G|| <= (1 + cap) ||D||
+
+so for `cap < 1` every step is a descent direction of L(b1) + L(b2) (to first order, for
+SGD; Adam's positive diagonal preconditioner keeps the angle to D below asin(cap)) and
+never more than (1 + cap) times the plain step: the H2-ascent that makes the paper's step
+run away cannot dominate. It differs from the paper only on the steps where the bound
+binds; `reg_ratio` (weight*||R|| / ||G1+G2||, before the cap) is logged to show how often.
+Under a strategy, ||R|| needs the global R: one more all-reduce of a gradient-sized list
+per regularised step (none with one replica).
 
 Distribution
 ------------
@@ -50,6 +85,7 @@ import tensorflow as tf
 from tf_metaalign import functional as F
 
 METHODS = ("finite_difference", "exact")
+ALIGNMENTS = ("capped", "dot")
 
 
 @dataclasses.dataclass
@@ -57,16 +93,19 @@ class DotProdResult:
     """Everything one DotProd step computes (tensors; per-replica units, see module doc).
 
     Attributes:
-      gradient: G = G1 + G2 + weight * G1G2 (or G1 + G2 when the regulariser is off),
-        in the loss-scaled, per-replica units of the loss function.
+      gradient: G = G1 + G2 + s * weight * G1G2 (s = 1 for alignment="dot", the cap's
+        factor for "capped"; G1 + G2 when the regulariser is off), in the loss-scaled,
+        per-replica units of the loss function.
       grad_1, grad_2: G1, G2 (same units).
-      regularizer: G1G2 ~= -H2 G1 (same units; zeros when skipped).
+      regularizer: G1G2 ~= -H2 G1 (same units; zeros when skipped), before the cap.
       loss_1, loss_2: the loss function's values on b1, b2 (same units).
       aux_1, aux_2: the loss function's aux outputs on b1, b2 (for a Keras model:
         `(new_state, y_pred)`).
       grad_dot: global G1 . G2, unscaled (true mean gradients).
       grad_cosine: global cos(G1, G2).
       alpha: the perturbation used (a scalar tensor).
+      reg_ratio: global weight * ||G1G2|| / ||G1 + G2|| before the cap (0 when skipped).
+      reg_scale: the factor s applied to weight * G1G2 (1 for alignment="dot").
     """
 
     gradient: list
@@ -80,9 +119,12 @@ class DotProdResult:
     grad_dot: tf.Tensor
     grad_cosine: tf.Tensor
     alpha: tf.Tensor
+    reg_ratio: tf.Tensor = None
+    reg_scale: tf.Tensor = None
 
 
-def validate_options(weight, alpha, every=1, method="finite_difference"):
+def validate_options(weight, alpha, every=1, method="finite_difference", alignment="capped",
+                     cap=0.5):
     """Check DotProd options; raise ValueError naming the offending argument."""
     if isinstance(weight, bool) or not isinstance(weight, (int, float, np.floating, np.integer)):
         raise ValueError(f"`weight` must be a finite number >= 0; got {weight!r}.")
@@ -101,6 +143,17 @@ def validate_options(weight, alpha, every=1, method="finite_difference"):
         raise ValueError(f"`every` must be an integer >= 1; got {every!r}.")
     if method not in METHODS:
         raise ValueError(f"`method` must be one of {METHODS}; got {method!r}.")
+    if alignment not in ALIGNMENTS:
+        raise ValueError(
+            f"`alignment` must be one of {ALIGNMENTS} (\"dot\" is the paper's Algorithm 1); "
+            f"got {alignment!r}."
+        )
+    if (isinstance(cap, bool) or not isinstance(cap, (int, float, np.floating, np.integer))
+            or not math.isfinite(float(cap)) or cap <= 0):
+        raise ValueError(
+            f"`cap` must be a finite number > 0 (< 1 keeps every step a descent direction); "
+            f"got {cap!r}."
+        )
 
 
 def auto_alpha(params, direction, compute_dtype=None) -> tf.Tensor:
@@ -130,6 +183,8 @@ def dotprod_gradient(
     weight: float = 0.1,
     alpha="auto",
     method: str = "finite_difference",
+    alignment: str = "capped",
+    cap: float = 0.5,
     apply_regularizer=True,
     gradient_scale=1.0,
     compute_dtype=None,
@@ -150,6 +205,10 @@ def dotprod_gradient(
       alpha: the finite-difference step; "auto" (see module doc) or a float used as
         given (1e-7, the paper's value, is unsafe in float32).
       method: "finite_difference" (Algorithm 1) or "exact" (Hessian-vector product).
+      alignment: "capped" (default: the regulariser is shrunk to at most
+        `cap * ||G1 + G2||`, see the module doc) or "dot" (the paper's G, uncapped).
+      cap: the bound of "capped" (< 1: every step is a descent direction of the pair's
+        loss); ignored by "dot".
       apply_regularizer: python bool or bool tensor; when False, G = G1 + G2 and the
         G21 pass is skipped (`tf.cond`).
       gradient_scale: the factor the loss function multiplied the loss by (a mixed
@@ -173,7 +232,7 @@ def dotprod_gradient(
                 return r.grad_dot
             return strategy.run(step, args=(b1, b2))
     """
-    validate_options(weight, alpha, 1, method)
+    validate_options(weight, alpha, 1, method, alignment, cap)
     params = list(params)
     gradient_scale = tf.convert_to_tensor(gradient_scale)
 
@@ -240,9 +299,28 @@ def dotprod_gradient(
         # A second all-reduce (G2 exists only after the branch); diagnostics only.
         g2_global = F.all_reduce_sum(g2) if all_reduce else g2
 
-    gradient = [a + b + tf.cast(weight, r.dtype) * r for a, b, r in zip(g1, g2, reg)]
     unscaled_g1 = [tf.cast(g, acc) * unscale for g in g1_global]
     unscaled_g2 = [tf.cast(g, acc) * unscale for g in g2_global]
+    weight_t = tf.constant(float(weight), acc)
+    if apply_regularizer is False or weight == 0:
+        reg_ratio, reg_scale = tf.constant(0.0, acc), tf.constant(1.0, acc)
+    else:
+        # The global R (one all-reduce, outside any tf.cond; zeros on skipped pairs).
+        reg_global = F.all_reduce_sum(reg) if all_reduce else reg
+        reg_norm = weight_t * tf.cast(F.global_norm(reg_global), acc) * unscale
+        pair_norm = tf.cast(F.global_norm(F.add(unscaled_g1, unscaled_g2)), acc)
+        reg_ratio = tf.math.divide_no_nan(reg_norm, pair_norm)
+        if alignment == "capped":
+            cap_t = tf.constant(float(cap), acc)
+            reg_scale = tf.where(
+                reg_norm > cap_t * pair_norm,
+                tf.math.divide_no_nan(cap_t * pair_norm, reg_norm),
+                tf.constant(1.0, acc),
+            )
+        else:
+            reg_scale = tf.constant(1.0, acc)
+    factor = weight_t * reg_scale
+    gradient = [a + b + tf.cast(factor, r.dtype) * r for a, b, r in zip(g1, g2, reg)]
     return DotProdResult(
         gradient=gradient,
         grad_1=g1,
@@ -255,4 +333,6 @@ def dotprod_gradient(
         grad_dot=F.dot(unscaled_g1, unscaled_g2),
         grad_cosine=F.cosine(unscaled_g1, unscaled_g2),
         alpha=alpha_t,
+        reg_ratio=reg_ratio,
+        reg_scale=reg_scale,
     )

@@ -1,8 +1,13 @@
 """`DotProdTrainer`: Meta DotProd (Kedia et al., Algorithm 1) inside `model.fit`."""
 from __future__ import annotations
 
+import inspect
+import logging
+
 import keras
 import tensorflow as tf
+
+from tf_metaalign.callbacks import DivergenceGuard
 
 from tf_metaalign import functional as F
 from tf_metaalign.algorithms import dotprod
@@ -14,10 +19,13 @@ class DotProdTrainer(MetaTrainer):
     """Train `model` with the Meta DotProd regulariser.
 
     Each batch that `fit` gives (per replica, under a strategy) is split in two:
-    b1 = the first floor(n/2) examples, b2 = the rest (a batch of fewer than 2 examples
-    is an error). The gradient handed to the compiled optimizer is exactly::
+    b1 = the first floor(n/2) examples, b2 = the rest. The gradient handed to the
+    compiled optimizer is::
 
-        G = G1 + G2 + weight * (G(theta - alpha*G1; b2) - G2) / alpha
+        R = (G(theta - alpha*G1; b2) - G2) / alpha          # ~= -H2 G1
+        G = G1 + G2 + weight * R                             # alignment="dot" (the paper)
+        G = G1 + G2 + s * weight * R,                        # alignment="capped" (default)
+            s = min(1, cap * ||G1 + G2|| / (weight * ||R||))
 
     where G1, G2 are the gradients of the compiled loss plus the model's own losses on
     b1 and b2 (see `tf_metaalign.algorithms.dotprod`). On pairs where the regulariser is
@@ -31,11 +39,27 @@ class DotProdTrainer(MetaTrainer):
     half-batch mean gradients, i.e. twice the full-batch gradient, as in the paper;
     pick the learning rate accordingly.
 
-    Stability: the update is about (I - weight*H2) G, so it diverges once weight exceeds
-    roughly 1/lambda_max(H2); measured here, the paper's weight=0.1 diverged when
-    fine-tuning MiniLM with Adam(1e-4) (0.01 was stable). With `weight=0` nothing is
-    perturbed: G1 + G2 comes from two half passes and the diagnostics are still logged,
-    which makes a baseline that measures G1.G2.
+    Stability: the paper's update is about (2I - weight*H2) g, so once weight*lambda_max(H2)
+    passes ~2 it ascends the loss along the sharpest directions, which sharpens the net
+    further (G1.G2 is unbounded: scaling the logits scales the gradients). Measured: the
+    paper's weight=0.1 diverges on a from-scratch convnet (Adam 1e-3) and when fine-tuning
+    MiniLM (Adam 1e-4). The default `alignment="capped"` is the paper's step wherever
+    weight*||R|| <= cap*||G1+G2|| and otherwise shrinks R to that size, so every step is a
+    descent direction of the pair's loss for cap < 1 (derivation and numbers:
+    `tf_metaalign.algorithms.dotprod`, docs/finetune.md "Stability"). `fit` also adds a
+    `DivergenceGuard` (`on_divergence`) that warns, or stops, when the loss or grad_dot
+    explodes. With `weight=0` nothing is perturbed: G1 + G2 comes from two half passes
+    and the diagnostics are still logged, which makes a baseline that measures G1.G2.
+
+    Batches too small to split: when any replica's batch has fewer than 2 examples (the
+    last batch of NumPy input; a global batch smaller than twice the replica count), the
+    step is a plain step on the pair (b, b): G = G1 + G2 = 2 * grad L(b), the scale the
+    learning rate was chosen for, without the regulariser and without diagnostics. The
+    decision is global (the same on every replica); under a strategy each replica's share
+    is weighted by its number of examples, so the step is 2 * the gradient of the mean
+    over the global batch whatever the replica count (an empty replica contributes 0).
+    Such steps are counted (`unsplit_batches`, checkpointed) and said once per `fit` in
+    the log.
 
     Args:
       model: the Keras model to train (`trainer.model`).
@@ -46,6 +70,14 @@ class DotProdTrainer(MetaTrainer):
       every: apply the regulariser on every `every`-th pair only (1 = always).
       method: "finite_difference" (the paper) or "exact" (an exact Hessian-vector
         product instead of the finite difference; about 2x the cost of a backward pass).
+      alignment: "capped" (default, bounded: see above) or "dot" (the paper's
+        Algorithm 1 exactly, which can run away for large `weight`).
+      cap: the bound of "capped": the regulariser's norm is at most `cap` times
+        ||G1 + G2|| (< 1: every step descends the pair's loss). Default 0.5.
+      on_divergence: "warn" (default), "stop" or None: `fit` adds a
+        `tf_metaalign.callbacks.DivergenceGuard` with this action (unless the
+        callbacks already hold one) that fires when the loss exceeds 10x its best epoch
+        value and rises, or grad_dot grows 1000x over its first epoch's value.
       accumulation_steps: accumulate this many pairs' gradients G before one optimizer
         update (their mean is applied). G is linear in G1, G2 and G21, so this is the same
         as accumulating the three separately and combining once. Implemented with the
@@ -59,8 +91,9 @@ class DotProdTrainer(MetaTrainer):
     Use: `trainer.compile(optimizer=..., loss=..., metrics=[...])` (keywords: Keras's
     third positional argument is `loss_weights`), then `trainer.fit(...)`.
 
-    Logs: loss, the compiled metrics, `grad_dot` (G1.G2 of the true mean gradients) and
-    `grad_cosine`.
+    Logs: loss, the compiled metrics, `grad_dot` (G1.G2 of the true mean gradients),
+    `grad_cosine` and `reg_ratio` (weight * ||R|| / ||G1 + G2|| before the cap: above
+    `cap` the cap binds), averaged over the regularised pairs.
     """
 
     def __init__(
@@ -71,9 +104,17 @@ class DotProdTrainer(MetaTrainer):
         every: int = 1,
         method: str = "finite_difference",
         accumulation_steps: int = 1,
+        alignment: str = "capped",
+        cap: float = 0.5,
+        on_divergence="warn",
         **kwargs,
     ):
-        dotprod.validate_options(weight, alpha, every, method)
+        dotprod.validate_options(weight, alpha, every, method, alignment, cap)
+        if on_divergence not in (None, *DivergenceGuard.ACTIONS):
+            raise ValueError(
+                f"`on_divergence` must be one of {(*DivergenceGuard.ACTIONS, None)}; "
+                f"got {on_divergence!r}."
+            )
         if (
             isinstance(accumulation_steps, bool)
             or not isinstance(accumulation_steps, int)
@@ -88,11 +129,17 @@ class DotProdTrainer(MetaTrainer):
         self.every = int(every)
         self.method = method
         self.accumulation_steps = int(accumulation_steps)
+        self.alignment = alignment
+        self.cap = float(cap)
+        self.on_divergence = on_divergence
+        # Batches too small to split, trained as plain steps (see the class doc).
+        self.unsplit_batches = self.add_state_variable("unsplit_batches", dtype="int64")
         # Pairs seen since the start of training: drives the `every` schedule and is
         # checkpointed so a resumed run keeps its phase.
         self.schedule = self.every_k_steps(self.every, name="dotprod_pairs")
         self.add_diagnostic("grad_dot", "mean")
         self.add_diagnostic("grad_cosine", "mean")
+        self.add_diagnostic("reg_ratio", "mean")
 
     @property
     def pairs_seen(self):
@@ -116,35 +163,55 @@ class DotProdTrainer(MetaTrainer):
                 )
             inner.gradient_accumulation_steps = self.accumulation_steps
 
-    def _pair_sizes(self, x):
+    def _pair_plan(self, x):
+        """(n, small, scale): the batch size, whether the step is a plain step on (b, b)
+        (a python bool when known at trace time, else a bool tensor, the same on every
+        replica) and the factor on this replica's gradient (None: 1)."""
         n = F.batch_size(x)
-        message = (
-            "DotProdTrainer splits each batch into halves b1 and b2, so every batch "
-            "(per replica) needs at least 2 examples"
-        )
-        if isinstance(n, int):
-            if n < 2:
-                raise ValueError(
-                    f"{message}; got batch size {n}. Use a larger batch_size (or "
-                    "drop_remainder=True)."
-                )
-        else:
-            tf.debugging.assert_greater_equal(n, 2, message=message + " (batch size)")
-        return n // 2, n
+        replicas = F.num_replicas()
+        if replicas == 1:
+            if isinstance(n, int):
+                if n < 2:
+                    logging.info("DotProdTrainer: a batch of %d example(s) cannot be split "
+                                 "into b1, b2: trained as a plain step on (b, b).", n)
+                return n, n < 2, None
+            return n, n < 2, None
+        n_t = tf.cast(n, tf.float32)
+        # One scalar all-reduce: any replica too small, and the global example count.
+        too_small, total = tf.unstack(F.all_reduce_sum(
+            tf.stack([tf.cast(n_t < 2.0, tf.float32), n_t])))
+        # Replica r's share of a plain step: its mean gradient weighted by n_r * R / N, so
+        # the optimizer's sum is the gradient of the global mean (empty replicas: 0).
+        scale = tf.math.divide_no_nan(n_t * float(replicas), total)
+        return n, too_small > 0, scale
 
     def train_step(self, data):
         x, y, sample_weight = self.unpack(data)
-        n_1, n = self._pair_sizes(x)
-        batch_1, batch_2 = F.split_batch((x, y, sample_weight), n_1)
+        n, small, replica_scale = self._pair_plan(x)
+        if isinstance(small, bool):
+            n_1, start_2 = (n, 0) if small else (n // 2, n // 2)
+        else:
+            n_1 = tf.where(small, n, n // 2)
+            start_2 = tf.where(small, tf.zeros_like(n_1), n // 2)
+        batch_1 = tf.nest.map_structure(lambda t: None if t is None else t[:n_1],
+                                        (x, y, sample_weight))
+        batch_2 = tf.nest.map_structure(lambda t: None if t is None else t[start_2:],
+                                        (x, y, sample_weight))
 
         loss_scale = self.loss_scale()
         params = F.current_params(self.model)
         state = F.current_state(self.model)
         acc = F.accumulation_dtype(params)
+        split = tf.logical_not(small) if not isinstance(small, bool) else not small
 
         def with_dotprod(apply_regularizer=self.weight > 0):
             # weight == 0: G1 + G2 from two half passes, G21 never computed; the
             # diagnostics are still measured (a baseline that logs G1.G2).
+            # A plain step on (b, b) (small) never applies the regulariser.
+            if isinstance(apply_regularizer, bool) and isinstance(split, bool):
+                apply = apply_regularizer and split
+            else:
+                apply = tf.logical_and(apply_regularizer, split)
             r = dotprod.dotprod_gradient(
                 self.loss_fn(loss_scale=loss_scale),
                 params,
@@ -154,28 +221,47 @@ class DotProdTrainer(MetaTrainer):
                 weight=self.weight,
                 alpha=self.alpha,
                 method=self.method,
-                apply_regularizer=apply_regularizer,
+                alignment=self.alignment,
+                cap=self.cap,
+                apply_regularizer=apply,
                 gradient_scale=loss_scale,
                 compute_dtype=self.model_compute_dtype(),
             )
+            # On (b, b) the outputs of b are those of b1: b2's are left out.
+            skip_2 = tf.where(small, n, 0) if not isinstance(small, bool) else (n if small else 0)
             y_pred = tf.nest.map_structure(
-                lambda a, b: tf.concat([a, b], axis=0), r.aux_1[1], r.aux_2[1]
+                lambda a, b: tf.concat([a, b[skip_2:]], axis=0), r.aux_1[1], r.aux_2[1]
             )
-            measured = tf.cast(apply_regularizer, acc) if self.weight > 0 else tf.constant(1.0, acc)
-            return (r.gradient, r.loss_1, r.loss_2, y_pred, r.aux_2[0],
-                    r.grad_dot, r.grad_cosine, measured)
+            measured = tf.cast(apply, acc) if self.weight > 0 else tf.cast(split, acc)
+            size_1 = tf.cast(F.batch_size(batch_1[0]), tf.float32)
+            size_2 = tf.cast(F.batch_size(batch_2[0]), tf.float32)
+            loss = tf.math.divide_no_nan(
+                size_1 * tf.cast(r.loss_1, tf.float32) + size_2 * tf.cast(r.loss_2, tf.float32),
+                size_1 + size_2,
+            )
+            return (r.gradient, loss, y_pred, r.aux_2[0],
+                    r.grad_dot, r.grad_cosine, r.reg_ratio, measured)
 
         def skipped():
-            # G1 + G2 = grad(L(b1) + L(b2)), in one pass over the whole batch.
+            # G1 + G2 = grad(L(b1) + L(b2)), in one pass over the whole batch. On a batch
+            # too small to split (dynamic size, one replica): b1 = b, b2 = empty (loss 0)
+            # and the gradient doubled, i.e. 2 * grad L(b).
             _, grads, (new_state, y_pred, loss_1, loss_2) = F.value_and_grad(
                 self.split_loss_fn(n_1, loss_scale=loss_scale), params, state,
                 (x, y, sample_weight),
             )
+            n_f, n_1f = tf.cast(n, tf.float32), tf.cast(n_1, tf.float32)
+            loss = tf.math.divide_no_nan(
+                n_1f * tf.cast(loss_1, tf.float32) + (n_f - n_1f) * tf.cast(loss_2, tf.float32),
+                n_f,
+            )
+            if not isinstance(small, bool):
+                grads = [g * tf.cast(tf.where(small, 2.0, 1.0), g.dtype) for g in grads]
             zero = tf.constant(0.0, acc)
-            return grads, loss_1, loss_2, y_pred, new_state, zero, zero, zero
+            return grads, loss, y_pred, new_state, zero, zero, zero, zero
 
-        if self.weight == 0:
-            outputs = with_dotprod()
+        if self.weight == 0 or small is True:
+            outputs = with_dotprod(apply_regularizer=self.weight > 0 and small is False)
         else:
             # with_dotprod all-reduces G1 and G2: on several replicas the all-reduces run
             # on every pair and only the G21 pass is conditional (inside dotprod_gradient).
@@ -183,21 +269,42 @@ class DotProdTrainer(MetaTrainer):
                 self.schedule.is_first(), with_dotprod, skipped, communicates=True,
                 merged=lambda due: with_dotprod(apply_regularizer=due),
             )
-        gradient, loss_1, loss_2, y_pred, new_state, grad_dot, grad_cosine, measured = outputs
+        gradient, loss, y_pred, new_state, grad_dot, grad_cosine, reg_ratio, measured = outputs
+        if replica_scale is not None:
+            # Several replicas: a plain step's share is weighted by this replica's examples.
+            factor = tf.where(small, replica_scale, 1.0)
+            gradient = [g * tf.cast(factor, g.dtype) for g in gradient]
+        if small is not False:
+            self.unsplit_batches.assign_add(tf.cast(small, tf.int64))
 
         # The loss of the whole batch: the size-weighted mean of the two halves.
-        n_f = tf.cast(n, tf.float32)
-        n_1f = tf.cast(n_1, tf.float32)
-        loss = (
-            n_1f * tf.cast(loss_1, tf.float32)
-            + (n_f - n_1f) * tf.cast(loss_2, tf.float32)
-        ) / (n_f * tf.cast(loss_scale, tf.float32))
+        loss = loss / tf.cast(loss_scale, tf.float32)
         # Skipped pairs (every > 1) do not measure G1.G2: weight 0 keeps them out of the mean.
         return self.finish_step(
             data, y_pred, loss, new_state=new_state, gradients=gradient,
-            diagnostics={"grad_dot": (grad_dot, measured), "grad_cosine": (grad_cosine, measured)},
+            diagnostics={"grad_dot": (grad_dot, measured), "grad_cosine": (grad_cosine, measured),
+                         "reg_ratio": (reg_ratio, measured)},
             where="the loss of the pair (b1, b2)",
         )
+
+    def fit(self, *args, **kwargs):
+        bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
+        callbacks = list(bound.arguments.get("callbacks") or [])
+        extra = [_UnsplitBatchesReport(self)]
+        if self.on_divergence is not None and not any(
+            isinstance(c, DivergenceGuard) for c in callbacks
+        ):
+            extra.append(DivergenceGuard(
+                self.on_divergence,
+                advice=(f"DotProdTrainer(weight={self.weight}, alignment={self.alignment!r}): "
+                        "the Meta DotProd term can make the model grow its gradients to raise "
+                        "G1.G2 (the paper's step ascends the loss once weight*lambda_max(H) "
+                        "passes ~2). Lower `weight`, use alignment=\"capped\" (the default) "
+                        "or a smaller `cap`, or a lower learning rate. "
+                        "on_divergence=\"stop\" stops the run here."),
+            ))
+        bound.arguments["callbacks"] = callbacks + extra
+        return super().fit(*bound.args[1:], **bound.kwargs)
 
     def get_config(self):
         config = super().get_config()
@@ -207,5 +314,33 @@ class DotProdTrainer(MetaTrainer):
             every=self.every,
             method=self.method,
             accumulation_steps=self.accumulation_steps,
+            alignment=self.alignment,
+            cap=self.cap,
+            on_divergence=self.on_divergence,
         )
         return config
+
+
+class _UnsplitBatchesReport(keras.callbacks.Callback):
+    """Says once per `fit` (at the first epoch end that saw one) that batches too small
+    to split were trained as plain steps."""
+
+    def __init__(self, trainer):
+        super().__init__()
+        self._trainer = [trainer]  # a list: not tracked
+
+    def on_train_begin(self, logs=None):
+        self._start = int(self._trainer[0].unsplit_batches.numpy())
+        self._said = False
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._said:
+            return
+        count = int(self._trainer[0].unsplit_batches.numpy()) - self._start
+        if count:
+            self._said = True
+            logging.warning(
+                "DotProdTrainer: %d batch(es) by epoch %d had fewer than 2 examples on some "
+                "replica, so they could not be split into b1, b2; each was trained as a plain "
+                "step on (b, b) (G = 2 * grad L(b), no regulariser). Said once per fit; "
+                "`trainer.unsplit_batches` counts them.", count, epoch + 1)
