@@ -215,7 +215,8 @@ def adapt(
     loss_scale=None,
     step_statistics: StepStatistics | None = None,
 ) -> AdaptResult:
-    """K = len(learning_rates) inner SGD steps for every task.
+    """K = len(learning_rates) inner SGD steps for every task (K = 0: every trajectory is
+    [theta], no forward pass, the state unchanged; the unadapted score of meta-test).
 
     Args:
       inner_loss_fn: the support loss of one task (see the module doc).
@@ -241,8 +242,10 @@ def adapt(
     if not support_batches:
         raise ValueError("adapt: no tasks (support_batches is empty).")
     steps = len(learning_rates)
-    if steps < 1:
-        raise ValueError("adapt: at least one inner step (learning_rates is empty).")
+    if steps == 0:
+        # Zero inner steps (meta-test's unadapted score): theta itself for every task.
+        return AdaptResult([[list(params)] for _ in support_batches], list(state), [],
+                           [] if sharing is not None and sharing_training else None, [])
     if sharing is not None and (sharing_m is None or sharing_lambda is None or g_hat is None):
         raise ValueError("adapt: gradient sharing needs sharing_m, sharing_lambda and g_hat.")
     mode = "const" if first_order else "diff"
@@ -372,6 +375,9 @@ def meta_gradient(
       The rest as in `adapt`.
     """
     params = [tf.convert_to_tensor(p) for p in params]
+    if not learning_rates_fn({n: hyper[n] for n in hyper}):
+        raise ValueError("meta_gradient: at least one inner step (learning_rates_fn gives "
+                         "no step).")
     if len(support_batches) != len(query_batches):
         raise ValueError(f"meta_gradient: {len(support_batches)} support batches but "
                          f"{len(query_batches)} query batches.")

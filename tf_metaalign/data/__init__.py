@@ -9,6 +9,7 @@
   django_catalogs           Django's catalogs as multilingual tasks (UI string -> part of Django)
   multitask                 multi-task batches (p_t ∝ N_t^q), deterministic and resumable
   episodes                  N-way K-shot episodes with a task dimension, deterministic and resumable
+  meta_batches              stacked [k, B, ...] elements for ReptileTrainer / FOMAMLTrainer
   omniglot                  Omniglot from the official zips (cached), class splits, rotations,
                             Lake's 20 runs of 20-way 1-shot
 """
@@ -52,6 +53,12 @@ __all__ += [
     "split_classes", "augment_rotations", "load_official_runs", "evaluate_official_runs",
     "official_runs_dataset",
 ]
+
+# Stacked [k, B, ...] elements (ReptileTrainer / FOMAMLTrainer) from a task sampler.
+from tf_metaalign.data import meta_batches  # noqa: E402
+from tf_metaalign.data.meta_batches import stack_task, stacked_batches  # noqa: E402
+
+__all__ += ["meta_batches", "stack_task", "stacked_batches"]
 
 from tf_metaalign.data import prompted_tasks, small_t5, text_pretraining  # noqa: E402
 

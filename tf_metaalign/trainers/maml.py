@@ -18,6 +18,7 @@ from tf_metaalign import functional as F
 from tf_metaalign.algorithms import maml as M
 from tf_metaalign.algorithms import reptile as R
 from tf_metaalign.algorithms.gradient_sharing import as_gradient_sharing
+from tf_metaalign.trainers import task_batches
 from tf_metaalign.trainers.base import MetaTrainer, _value_initializer, first_task_query_set
 
 
@@ -53,7 +54,10 @@ class MAMLTrainer(MetaTrainer):
     (T must be a multiple of the replica count). The inner loop is unrolled over the
     tasks, so T (per replica) must be known when the step is traced: batch the task
     dataset with `drop_remainder=True`, or give `tasks_per_batch` (the GLOBAL number of
-    tasks of every meta-batch; every meta-batch must then have exactly that many).
+    tasks of every meta-batch; every meta-batch must then have exactly that many). NumPy
+    input: a number of tasks that is a multiple of `batch_size`. `fit` and `evaluate`
+    refuse input that breaks these rules before the first step
+    (`tf_metaalign.trainers.task_batches`), rather than failing at the last batch.
 
     Per meta-batch, from theta (the model's variables, the meta weights), for every task
     K = `inner_steps` SGD steps on tensors, all tasks taking step k before any takes step
@@ -116,20 +120,27 @@ class MAMLTrainer(MetaTrainer):
     all-reduce per inner step). At `evaluate` time the stored g_hat is used (Algorithm 2).
     Works with MAML, Meta-SGD and MAML++ alike.
 
-    BatchNorm and Dropout: every forward pass of `fit` runs with `training=True`: the
-    inner loop and the query loss use each pass's batch statistics (support set, then
-    query set), as the reference MAML; the moving statistics and Dropout seeds are
-    threaded through the passes (support passes step by step, then the query passes) and
-    the final ones assigned. `evaluate` does the same when `transductive_evaluation=True`
-    (the default; nothing is assigned; Dropout is active too), else runs the passes with
-    `training=False` (moving statistics).
+    BatchNorm and Dropout (`inner_training`, default True, transductive): every forward
+    pass of `fit` runs with `training=True`: the inner loop and the query loss use each
+    pass's batch statistics (support set, then query set), as the reference MAML
+    (cbfinn/maml's `tf.contrib.layers.batch_norm` keeps its default `is_training=True`,
+    in training and at test time); the moving statistics and Dropout seeds are threaded
+    through the passes (support passes step by step, then the query passes) and the
+    final ones assigned. `inner_training=False` runs them with `training=False`, as a
+    hand-written loop that calls `model(x)`: BatchNorm on its moving statistics (never
+    updated by the step), Dropout off (docs/porting.md). `evaluate`, `adapt` and
+    `predict` run their passes with `training=transductive_evaluation`, which defaults to
+    `inner_training` (nothing is assigned; with True, Dropout is active too).
 
     `evaluate` (and the validation of `fit`) runs the inner loop with
     `evaluation_inner_steps` steps (default K; steps past K reuse step K's learning
     rates and gradient-sharing values) on each task's support set, then reports the
     query loss and the compiled metrics (e.g. query accuracy) at theta_{t,K}.
-    `adapt(support_x, support_y)` returns the adapted weights of every task;
-    `evaluate_tasks(data, inner_steps=n)` evaluates with another step count;
+    `adapt(support_x, support_y)` returns the adapted weights of every task (support_x
+    [T, N, *input_shape]: one task needs its task axis, `x[None]`; a missing task or
+    feature axis is refused by name); `evaluate_tasks(data, inner_steps=n)` evaluates
+    with another step count, n = 0 included (the unadapted score; `adapt(...,
+    inner_steps=0)` returns theta);
     `predict` on batches `(support_x, support_y, query_x)` returns each task's adapted
     outputs on its query set ([T, N_query, ...]); on other batches, the model's outputs.
 
@@ -150,7 +161,9 @@ class MAMLTrainer(MetaTrainer):
       per_step_batch_norm_statistics: MAML++'s per-step statistics (above; needs a built
         model with statistics).
       evaluation_inner_steps: inner steps of `evaluate` (default K).
-      transductive_evaluation: see BatchNorm above.
+      transductive_evaluation: the `training` flag of the evaluation passes (see
+        BatchNorm above); None (the default): `inner_training`.
+      inner_training: the `training` flag of the passes of a train step (see BatchNorm).
       tasks_per_batch: the global number of tasks per meta-batch when the batch's task
         dimension is not static (see Data).
     """
@@ -159,7 +172,8 @@ class MAMLTrainer(MetaTrainer):
                  learn_inner_learning_rates="none", gradient_sharing=None,
                  multi_step_loss=False, multi_step_loss_epochs=10, first_order_epochs=0,
                  per_step_batch_norm_statistics=False, evaluation_inner_steps=None,
-                 transductive_evaluation=True, tasks_per_batch=None, **kwargs):
+                 transductive_evaluation=None, tasks_per_batch=None, inner_training=True,
+                 **kwargs):
         inner_steps = R.validate_steps("inner_steps", inner_steps)
         inner_learning_rate = R.validate_rate("inner_learning_rate", inner_learning_rate)
         first_order = _check_bool("first_order", first_order)
@@ -177,8 +191,10 @@ class MAMLTrainer(MetaTrainer):
         if evaluation_inner_steps is not None:
             evaluation_inner_steps = R.validate_steps("evaluation_inner_steps",
                                                       evaluation_inner_steps)
-        transductive_evaluation = _check_bool("transductive_evaluation",
-                                              transductive_evaluation)
+        inner_training = _check_bool("inner_training", inner_training)
+        if transductive_evaluation is not None:
+            transductive_evaluation = _check_bool("transductive_evaluation",
+                                                  transductive_evaluation)
         if tasks_per_batch is not None:
             tasks_per_batch = R.validate_steps("tasks_per_batch", tasks_per_batch)
         per_step = _check_bool("per_step_batch_norm_statistics", per_step_batch_norm_statistics)
@@ -199,7 +215,9 @@ class MAMLTrainer(MetaTrainer):
         self.multi_step_loss_epochs = multi_step_loss_epochs
         self.first_order_epochs = first_order_epochs
         self.evaluation_inner_steps = evaluation_inner_steps
-        self.transductive_evaluation = transductive_evaluation
+        self.inner_training = inner_training
+        # None: evaluate with the passes training uses.
+        self._transductive_evaluation = transductive_evaluation
         self.tasks_per_batch = tasks_per_batch
         self.per_step_batch_norm_statistics = per_step
         self._evaluation_steps_override = None
@@ -268,6 +286,21 @@ class MAMLTrainer(MetaTrainer):
         """Outer steps (meta-iterations) taken (a checkpointed int64)."""
         return self.schedule.count
 
+    @property
+    def transductive_evaluation(self):
+        """The `training` flag of the evaluation passes (`evaluate`, `adapt`, `predict`):
+        the argument, or when it was None, `inner_training`."""
+        if self._transductive_evaluation is None:
+            return self.inner_training
+        return self._transductive_evaluation
+
+    @transductive_evaluation.setter
+    def transductive_evaluation(self, value):
+        if value is not None:
+            value = _check_bool("transductive_evaluation", value)
+        self._transductive_evaluation = value
+        self.test_function = self.predict_function = None  # traced with the old flag
+
     # -------------------------------------------------------------------- the batch
 
     def _parts(self, x, y, sample_weight, require_y=True):
@@ -307,16 +340,9 @@ class MAMLTrainer(MetaTrainer):
             model_inputs = tf.nest.flatten(self.model.inputs)
         except (AttributeError, ValueError):  # a subclassed model: no symbolic inputs
             model_inputs = []
-        for name in ("support_x", "query_x"):
-            given = tf.nest.flatten(parts[name])
-            if len(given) != len(model_inputs):
-                continue
-            for t, i in zip(given, model_inputs):
-                if _rank(t) is not None and _rank(i) is not None and _rank(t) != _rank(i) + 1:
-                    raise ValueError(
-                        f"MAMLTrainer: `{name}` needs a leading task dimension: shape "
-                        f"[T, N, ...] of rank {_rank(i) + 1} for the model's input of "
-                        f"shape {i.shape}; got shape {t.shape}.")
+        if model_inputs:
+            for name in ("support_x", "query_x"):
+                self._check_task_axis("MAMLTrainer", name, parts[name])
         return parts, tasks
 
     def _split(self, data, require_y=True):
@@ -327,7 +353,7 @@ class MAMLTrainer(MetaTrainer):
             tasks = self.static_tasks_per_replica(None)
 
             def fix(t):
-                return tf.ensure_shape(t, [tasks] + [None] * (t.shape.rank - 1))
+                return task_batches.assert_task_count(self, t, tasks)
 
             parts = {k: tf.nest.map_structure(fix, v) for k, v in parts.items()}
         support_x, support_y, query_x, y = (parts["support_x"], parts["support_y"],
@@ -415,7 +441,7 @@ class MAMLTrainer(MetaTrainer):
         if not self.optimizer.built:  # before the control-dependent block (XLA)
             self.optimizer.build(self.trainable_variables)
         loss_scale = self.loss_scale()
-        inner_fn, query_fn = self._loss_fns(loss_scale)
+        inner_fn, query_fn = self._loss_fns(loss_scale, training=self.inner_training)
         steps = self.inner_steps
         order_weight = step_weights = None
         if self.epochs_done is not None:
@@ -481,11 +507,17 @@ class MAMLTrainer(MetaTrainer):
 
     @property
     def _evaluation_steps(self):
-        return (self._evaluation_steps_override or self.evaluation_inner_steps
-                or self.inner_steps)
+        for steps in (self._evaluation_steps_override, self.evaluation_inner_steps):
+            if steps is not None:
+                return steps
+        return self.inner_steps
+
+    def _step_statistics_for(self, steps):
+        # Zero steps: the model's own statistics (no step's copy is entered).
+        return self._step_statistics(steps) if steps else None
 
     def _adapt(self, supports, loss_scale=None, training=True, steps=None, statistics=None):
-        steps = steps or self._evaluation_steps
+        steps = self._evaluation_steps if steps is None else steps
         inner_fn, _ = self._loss_fns(loss_scale, training=training)
         hyper = self._hyper()
         kwargs = {}
@@ -503,7 +535,7 @@ class MAMLTrainer(MetaTrainer):
         self.unpack(data)
         supports, queries, flat_query = self._split(data)
         training = self.transductive_evaluation
-        statistics = self._step_statistics(self._evaluation_steps)
+        statistics = self._step_statistics_for(self._evaluation_steps)
         adapted = self._adapt(supports, training=training, statistics=statistics)
         _, query_fn = self._loss_fns(None, training=training)
         loss, _, y_pred, _ = M.query_objective(query_fn, adapted.trajectories, adapted.state,
@@ -525,7 +557,7 @@ class MAMLTrainer(MetaTrainer):
         self.unpack((tuple(data), None))
         supports, queries, _ = self._split((tuple(data), None), require_y=False)
         training = self.transductive_evaluation
-        statistics = self._step_statistics(self._evaluation_steps)
+        statistics = self._step_statistics_for(self._evaluation_steps)
         adapted = self._adapt(supports, training=training, statistics=statistics)
         state, outputs = adapted.state, []
         for trajectory, (query_x, _, _) in zip(adapted.trajectories, queries):
@@ -537,10 +569,12 @@ class MAMLTrainer(MetaTrainer):
         return tf.nest.map_structure(lambda *ys: tf.stack(ys, 0), *outputs)
 
     def evaluate(self, *args, **kwargs):
+        task_batches.check_evaluate_input(self, args, kwargs)
         # Keras may build the compiled metrics from an evaluation batch (a task batch).
         self._building_from_training_batch = True
         try:
-            return super().evaluate(*args, **kwargs)
+            with task_batches.explain_task_count_error(self):
+                return super().evaluate(*args, **kwargs)
         finally:
             self._building_from_training_batch = False
 
@@ -558,9 +592,11 @@ class MAMLTrainer(MetaTrainer):
         return function
 
     def evaluate_tasks(self, *args, inner_steps=None, **kwargs):
-        """`evaluate` with `inner_steps` inner steps (default: `evaluation_inner_steps`)."""
+        """`evaluate` with `inner_steps` inner steps (default: `evaluation_inner_steps`);
+        `inner_steps=0` scores the unadapted weights theta on every query set (the
+        "0 steps" row of few-shot protocols), with the passes of `evaluate`."""
         if inner_steps is not None:
-            inner_steps = R.validate_steps("inner_steps", inner_steps)
+            inner_steps = _check_epochs("inner_steps", inner_steps)
         self._evaluation_steps_override = inner_steps
         self.test_function = None
         try:
@@ -572,33 +608,89 @@ class MAMLTrainer(MetaTrainer):
     def adapt(self, support_x, support_y, inner_steps=None):
         """The adapted weights of each task: a list over tasks of lists of tensors (one per
         `model.trainable_variables`), after `inner_steps` (default: `evaluation_inner_steps`)
-        inner steps on the task's support set (`support_x`, `support_y`: [T, N, ...]).
-        Run eagerly; forward passes as in `evaluate`. Use them with
+        inner steps on the task's support set (`support_x`, `support_y`: [T, N, ...], a
+        leading TASK axis even for one task: `x[None]`). `inner_steps=0` returns theta
+        (the model's weights) for every task: the unadapted score. Run eagerly; forward
+        passes as in `evaluate` (`transductive_evaluation`). Use them with
         `model.stateless_call(weights, model.non_trainable_variables, x)`."""
         if inner_steps is not None:
-            inner_steps = R.validate_steps("inner_steps", inner_steps)
+            inner_steps = _check_epochs("inner_steps", inner_steps)
         support_x = tf.nest.map_structure(tf.convert_to_tensor, support_x)
         support_y = tf.nest.map_structure(tf.convert_to_tensor, support_y)
         first = tf.nest.flatten(support_x)[0]
         if first.shape.rank is None or first.shape.rank < 2:
             raise ValueError(f"adapt: `support_x` needs a leading task dimension ([T, N, ...]); "
                              f"got shape {first.shape}.")
+        self._check_task_axis("adapt", "support_x", support_x)
         tasks = first.shape[0]
+        for t in tf.nest.flatten(support_y):
+            if t.shape.rank is None or t.shape.rank < 2 or t.shape[:2] != first.shape[:2]:
+                raise ValueError(
+                    f"adapt: `support_y` must be [T, N, ...] with the T={tasks} tasks and "
+                    f"N={first.shape[1]} examples of `support_x` (shape {first.shape}); got "
+                    f"shape {t.shape}.")
+        steps = self._evaluation_steps if inner_steps is None else inner_steps
+        if steps == 0:
+            return [list(F.current_params(self.model)) for _ in range(tasks)]
         supports = [(tf.nest.map_structure(lambda a: a[t], support_x),
                      tf.nest.map_structure(lambda a: a[t], support_y)) for t in range(tasks)]
-        result = self._adapt(supports, training=self.transductive_evaluation, steps=inner_steps,
-                             statistics=self._step_statistics(inner_steps or self._evaluation_steps))
+        result = self._adapt(supports, training=self.transductive_evaluation, steps=steps,
+                             statistics=self._step_statistics_for(steps))
         return [traj[-1] for traj in result.trajectories]
+
+    def _check_task_axis(self, where, name, x):
+        """x must be [T, N, *input_shape] for the model's inputs: one task without its
+        task axis, or a missing feature axis, is named as such (not as N tasks of one
+        example each, adapted silently)."""
+        try:
+            inputs = tf.nest.flatten(self.model.inputs)
+        except (AttributeError, ValueError):  # a subclassed model: no symbolic inputs
+            return
+        given = tf.nest.flatten(x)
+        if len(given) != len(inputs):
+            return
+        for t, i in zip(given, inputs):
+            if _rank(t) is None or _rank(i) is None:
+                continue
+            feature = tuple(i.shape[1:])
+            shape = tuple(t.shape)
+            want = len(feature) + 2
+            expected = "[T, N" + "".join(f", {d}" for d in feature) + "]"
+
+            def fits(dims):
+                return len(dims) == len(feature) and all(
+                    a is None or b is None or a == b for a, b in zip(dims, feature))
+
+            if len(shape) == want and fits(shape[2:]):
+                continue
+            if len(shape) == want - 1 and fits(shape[1:]):
+                raise ValueError(
+                    f"{where}: `{name}` of shape {shape} is ONE task without its task axis (the leading task dimension) "
+                    f"(the model's input is {tuple(i.shape)}); {name} must be {expected} "
+                    f"(tasks, examples, features): add the task axis, e.g. `{name}[None]` "
+                    "(a [1, N, ...] batch of one task).")
+            if len(shape) == want - 1 and fits(shape[2:] + (1,)):
+                raise ValueError(
+                    f"{where}: `{name}` of shape {shape} lacks the model's feature axis: the "
+                    f"model's input is {tuple(i.shape)}, so {name} must be {expected} "
+                    f"(tasks, examples, features); add it, e.g. `{name}[..., None]`.")
+            raise ValueError(
+                f"{where}: `{name}` must be {expected} (a leading task dimension, examples, features) for the "
+                f"model's input of shape {tuple(i.shape)}; got shape {shape}.")
 
     # ------------------------------------------------------------------------- fit
 
     def fit(self, *args, **kwargs):
-        if self.epochs_done is None:
-            return super().fit(*args, **kwargs)
-        bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
-        callbacks = list(bound.arguments.get("callbacks") or [])
-        bound.arguments["callbacks"] = [_EpochCounter(self)] + callbacks
-        return super().fit(*bound.args[1:], **bound.kwargs)
+        # A last batch with fewer tasks, or tasks that do not split among the replicas:
+        # refused before the first step (the loop over tasks is unrolled).
+        task_batches.check_fit_input(self, args, kwargs)
+        with task_batches.explain_task_count_error(self):
+            if self.epochs_done is None:
+                return super().fit(*args, **kwargs)
+            bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
+            callbacks = list(bound.arguments.get("callbacks") or [])
+            bound.arguments["callbacks"] = [_EpochCounter(self)] + callbacks
+            return super().fit(*bound.args[1:], **bound.kwargs)
 
     def get_config(self):
         sharing = self.gradient_sharing
@@ -614,8 +706,9 @@ class MAMLTrainer(MetaTrainer):
             "first_order_epochs": self.first_order_epochs,
             "per_step_batch_norm_statistics": self.per_step_batch_norm_statistics,
             "evaluation_inner_steps": self.evaluation_inner_steps,
-            "transductive_evaluation": self.transductive_evaluation,
+            "transductive_evaluation": self._transductive_evaluation,
             "tasks_per_batch": self.tasks_per_batch,
+            "inner_training": self.inner_training,
         }
 
 

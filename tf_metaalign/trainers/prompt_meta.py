@@ -9,7 +9,10 @@ support_x / support_y `[B, S, N_support, ...]` with S = `inner_steps` (one suppo
 inner step, the reference Reptile config) or S = 1 (the same support batch at every inner
 step, the reference FOMAML config); query_x / query_y `[B, N_query, ...]`. The number of
 tasks per replica must be static: batch with `drop_remainder=True` or give
-`tasks_per_batch` (global). `evaluate` / `predict` take ordinary model batches.
+`tasks_per_batch` (global); NumPy input: a number of tasks that is a multiple of
+`batch_size`, itself a multiple of the replica count. `fit` refuses input that breaks
+these rules before the first step (`tf_metaalign.trainers.task_batches`) rather than
+failing at the last batch. `evaluate` / `predict` take ordinary model batches.
 
 The compiled optimizer is the OUTER optimizer (the paper: Adafactor at 1e-3, clipping at
 1.0: `default_adafactor(aggregated_clipnorm=1.0)`). Logs "loss" (the mean query loss at
@@ -25,6 +28,7 @@ from tf_metaalign import functional as F
 from tf_metaalign import optimizers as O
 from tf_metaalign.algorithms import prompt_meta as P
 from tf_metaalign.algorithms import reptile as R
+from tf_metaalign.trainers import task_batches
 from tf_metaalign.trainers.base import MetaTrainer, first_task_query_set
 
 
@@ -210,6 +214,9 @@ class _PromptMetaTrainer(MetaTrainer):
                 f"stack {self.inner_steps} support batches (one per inner step) or 1 (reused "
                 f"at every step) on axis 1; got shape {first.shape}.")
         tasks = self.static_tasks_per_replica(first.shape[0])
+        if first.shape[0] is None:  # tasks_per_batch: check every batch has that many
+            support_x = tf.nest.map_structure(
+                lambda a: task_batches.assert_task_count(self, a, tasks), support_x)
 
         def task(nest, t, s=None):
             if nest is None:
@@ -258,6 +265,14 @@ class _PromptMetaTrainer(MetaTrainer):
         y_pred = tf.nest.map_structure(lambda *t: tf.concat(t, 0), *result.y_pred)
         return self.finish_step(flat, y_pred, loss, new_state=result.state, update=update,
                                 diagnostics={"support_loss": support_loss})
+
+    def fit(self, *args, **kwargs):
+        # A last batch with fewer tasks, or tasks that do not split among the replicas:
+        # refused before the first step (the loop over tasks is unrolled).
+        # (Its evaluation takes ordinary model batches: validation_data is not checked.)
+        task_batches.check_fit_input(self, args, kwargs, validation=False)
+        with task_batches.explain_task_count_error(self):
+            return super().fit(*args, **kwargs)
 
     @staticmethod
     def _flat(nest):

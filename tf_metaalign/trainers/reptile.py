@@ -253,9 +253,10 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
     _extra_batches = 0  # FOMAML: + 1 query batch
 
     def __init__(self, model, inner_steps, inner_optimizer=0.1, stack_axis=0,
-                 model_takes_task_id=False, **kwargs):
+                 model_takes_task_id=False, inner_training=True, **kwargs):
         inner_steps = R.validate_steps("inner_steps", inner_steps)
         self.model_takes_task_id = _check_bool("model_takes_task_id", model_takes_task_id)
+        self.inner_training = _check_bool("inner_training", inner_training)
         if isinstance(inner_optimizer, dict):  # from get_config
             inner_optimizer = keras.optimizers.deserialize(inner_optimizer)
         if isinstance(inner_optimizer, (int, float)) and not isinstance(inner_optimizer, bool):
@@ -299,18 +300,63 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
 
     def example_batch(self, x, y=None, sample_weight=None):
         # Keras builds the model, loss and metrics from a training batch: its first
-        # stacked batch is a model batch.
+        # stacked batch is a model batch. The rank is checked first, so that a wrongly
+        # stacked element is named as such, not as a Conv2D / Dense input error.
+        self._check_rank(x, [f"k={self.num_stacked}"])
         return self._pick((x, y, sample_weight), 0)
 
     def unpack(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         return super().unpack((self._model_inputs(x), y, sample_weight))
 
+    def _layout(self, stacked):
+        """The element layout in words, e.g. "[k=3, B, *input_shape]"."""
+        names = list(stacked) + ["B"]
+        if self.stack_axis == 1:
+            names = ["B"] + list(stacked)
+        return "[" + ", ".join(names) + ", *input_shape]"
+
+    def _check_rank(self, x, stacked):
+        """The element's x must have the model's input rank + len(stacked) (the stacked
+        axes): a clear error naming the expected shape, not a Conv2D / Dense error deep
+        in the model (an element that was not stacked, or stacked twice)."""
+        try:
+            inputs = tf.nest.flatten(self.model.inputs)
+        except (AttributeError, ValueError):  # a subclassed model: no symbolic inputs
+            return
+        given = tf.nest.flatten(x)
+        if len(given) != len(inputs):
+            return
+        for t, i in zip(given, inputs):
+            rank, want = t.shape.rank, len(i.shape) + len(stacked)
+            if rank is not None and rank != want:
+                expected = self._layout(stacked).replace(
+                    "*input_shape", ", ".join(str(d) for d in i.shape[1:]) or "")
+                expected = expected.replace(", ]", "]")
+                raise ValueError(
+                    f"{type(self).__name__}(inner_steps={self.inner_steps}, stack_axis="
+                    f"{self.stack_axis}) needs training elements {self._layout(stacked)} "
+                    f"= {expected} (rank {want}) for the model's input of shape "
+                    f"{tuple(i.shape)}; got x of shape {tuple(t.shape)} (rank {rank}). "
+                    + ("A model batch without the stacked axes: build the elements with "
+                       "`tf_metaalign.data.stacked_batches`."
+                       if rank == want - len(stacked) else
+                       "Build the elements with `tf_metaalign.data.stacked_batches`."))
+
     def _batches(self, x, y, sample_weight):
+        self._check_rank(x, [f"k={self.num_stacked}"])
         first = next(t for t in tf.nest.flatten(x) if t is not None)
         n = first.shape[self.stack_axis] if first.shape.rank else None
-        layout = "[k, B, ...]" if self.stack_axis == 0 else "[B, k, ...]"
-        if n is not None and n != self.num_stacked:
+        layout = self._layout([f"k={self.num_stacked}"])
+        if n is None:
+            raise ValueError(
+                f"{type(self).__name__}(inner_steps={self.inner_steps}) unrolls its "
+                f"{self.num_stacked} stacked batches, so their number must be static; got x "
+                f"of shape {first.shape} (axis {self.stack_axis} unknown: an element built "
+                "with `.batch(k)` without drop_remainder=True, whose last element may hold "
+                "fewer batches). Batch with drop_remainder=True, or build the elements with "
+                f"`tf_metaalign.data.stacked_batches`. Expected {layout}.")
+        if n != self.num_stacked:
             raise ValueError(
                 f"{type(self).__name__}(inner_steps={self.inner_steps}) needs training "
                 f"elements that stack {self.num_stacked} batches along axis {self.stack_axis} "
@@ -324,7 +370,8 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
         phi = F.current_params(self.model)
         variables = self.model.trainable_variables
         result = R.inner_loop(
-            self.loss_fn(loss_scale=loss_scale), phi, F.current_state(self.model),
+            self.loss_fn(loss_scale=loss_scale, training=self.inner_training), phi,
+            F.current_state(self.model),
             batches[: self.inner_steps], self.inner_optimizer, variables,
             loss_scale=loss_scale,
         )
@@ -339,6 +386,7 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
             else keras.optimizers.serialize(inner),
             "stack_axis": self.stack_axis,
             "model_takes_task_id": self.model_takes_task_id,
+            "inner_training": self.inner_training,
         }
 
 
@@ -369,6 +417,25 @@ class ReptileTrainer(_StackedInnerLoopTrainer):
       stack_axis: 0 ([k, B, ...]) or 1 ([B, k, ...]).
       model_takes_task_id: with multi-task batches `x = {"inputs": ..., "task_id": ...}`
         (stacked like the rest), give the model the whole dict (True) or `x["inputs"]`.
+      inner_training: the `training` flag of the step's forward passes (the inner loop,
+        and FOMAML's query pass). True (the default, transductive): BatchNorm normalises
+        each inner batch with its own statistics (and updates the moving statistics from
+        them), Dropout is active: what the reference code does (openai/supervised-reptile's
+        OmniglotModel calls `tf.layers.batch_normalization(out, training=True)`, in
+        training and evaluation; cbfinn/maml's `tf.contrib.layers.batch_norm` keeps its
+        default `is_training=True`). False: the passes of a hand-written loop that calls
+        `model(x)` (keras-io's Reptile example): BatchNorm normalises with its moving
+        statistics, which the step then never updates, and Dropout is off. See
+        docs/porting.md.
+
+    Elements: `tf_metaalign.data.stacked_batches` builds them from a task sampler. An
+    element whose rank is not the model's input rank + 1 (a model batch that was not
+    stacked) is refused with an error naming the expected shape `[k, B, *input_shape]`;
+    so is an element whose number of stacked batches is not static (`.batch(k)` without
+    drop_remainder=True). A last element with fewer EXAMPLES per batch (B) trains as
+    usual; under several replicas with stack_axis=1 a replica may get no example of the
+    last element (it then contributes nothing to the summed gradients, as in Keras's own
+    `fit`).
     """
 
     def train_step(self, data):
@@ -409,7 +476,8 @@ class FOMAMLTrainer(_StackedInnerLoopTrainer):
         loss_scale = self.loss_scale()
         _, r = self._inner(batches, loss_scale)
         scaled, grads, (state, y_pred) = R.fomaml_gradient(
-            self.loss_fn(loss_scale=loss_scale), r.params, r.state, batches[-1])
+            self.loss_fn(loss_scale=loss_scale, training=self.inner_training), r.params,
+            r.state, batches[-1])
         loss = scaled / tf.cast(loss_scale, scaled.dtype)
         return self.finish_step(batches[-1], y_pred, loss, new_state=state, gradients=grads)
 
@@ -432,6 +500,7 @@ class MultiTaskReptileTrainer(_StackedInnerLoopTrainer):
     """
 
     def _tasks(self, x, y, sample_weight):
+        self._check_rank(x, ["T", f"k={self.inner_steps}"])
         first = next(t for t in tf.nest.flatten(x) if t is not None)
         layout = "[T, k, B, ...]" if self.stack_axis == 0 else "[B, T, k, ...]"
         rank_needed = 2 + self.stack_axis
@@ -446,12 +515,16 @@ class MultiTaskReptileTrainer(_StackedInnerLoopTrainer):
             raise ValueError(
                 f"MultiTaskReptileTrainer(inner_steps={self.inner_steps}) needs training "
                 f"elements {layout} with a static T and k = {self.inner_steps}; got x of "
-                f"shape {first.shape}."
+                f"shape {first.shape}. The loop over the T tasks is unrolled: batch the "
+                "tasks with drop_remainder=True (NumPy input: a number of elements that is "
+                "a multiple of batch_size), or use stack_axis=1 ([B, T, k, ...]: Keras "
+                "batches and splits B, T stays static)."
             )
         return [[self._pick((x, y, sample_weight), t, i) for i in range(self.inner_steps)]
                 for t in range(tasks)]
 
     def example_batch(self, x, y=None, sample_weight=None):
+        self._check_rank(x, ["T", f"k={self.inner_steps}"])
         return self._pick((x, y, sample_weight), 0, 0)
 
     def train_step(self, data):
@@ -463,7 +536,8 @@ class MultiTaskReptileTrainer(_StackedInnerLoopTrainer):
         variables = self.model.trainable_variables
         ends, losses, y_pred = [], [], None
         for batches in tasks:
-            r = R.inner_loop(self.loss_fn(loss_scale=loss_scale), phi, state, batches,
+            r = R.inner_loop(self.loss_fn(loss_scale=loss_scale, training=self.inner_training),
+                             phi, state, batches,
                              self.inner_optimizer, variables, loss_scale=loss_scale)
             ends.append(r.params)
             losses += r.losses
