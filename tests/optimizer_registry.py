@@ -63,6 +63,18 @@ _CONFIGS = [
     OptimizerConfig(
         "adam", lambda: O.Adam(0.01), dict(kind="adam", lr=0.01, b1=0.9, b2=0.999, eps=1e-7)
     ),
+    # Keras's AdamW (decoupled decay w -= w * wd * lr before the Adam step), as a rule.
+    OptimizerConfig(
+        "adamw",
+        lambda: O.AdamW(0.01, weight_decay=0.05),
+        dict(kind="keras_adamw", lr=0.01, wd=0.05, b1=0.9, b2=0.999, eps=1e-7),
+    ),
+    # Adafactor's default rate (learning_rate=None): t2t's relative step, 0.01 at first.
+    OptimizerConfig(
+        "adafactor_relative_step",
+        lambda: O.Adafactor(min_dim_size_to_factor=16),
+        _mesh_adafactor(lambda step: min(0.01, (step + 1.0) ** -0.5), min_dim=16),
+    ),
     OptimizerConfig(
         "adam_weight_decay",
         lambda: O.AdamWeightDecay(0.01, weight_decay_rate=0.05),

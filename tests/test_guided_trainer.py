@@ -169,6 +169,84 @@ def test_guidance_every_and_dataset_cycling():
     assert int(trainer.guided.guided_steps.numpy()) == 2
 
 
+def _labelled_data(n=64, seed=0):
+    """x as above, y = the example's index (float): identifies every example."""
+    x, _ = _data(n, seed)
+    return x, np.arange(n, dtype="float32")[:, None]
+
+
+def _ids(batch):
+    return {int(i) for i in np.asarray(batch[1]).ravel()}
+
+
+@pytest.mark.parametrize(
+    "make, holdout, repeats",
+    [
+        (lambda ds: ds.shuffle(64).batch(8), "identity", 1),              # reshuffles per epoch
+        (lambda ds: ds.shuffle(64, seed=3).batch(8), "identity", 1),
+        (lambda ds: ds.batch(8).repeat(2), "identity", 2),                # examples come back
+        (lambda ds: ds.shuffle(64, reshuffle_each_iteration=False).batch(8), "position", 1),
+        (lambda ds: ds.batch(8), "position", 1),
+    ],
+    ids=["shuffle", "shuffle_seeded", "repeat", "shuffle_once", "plain"],
+)
+def test_split_guidance_batch_never_trains_on_guidance_examples(make, holdout, repeats):
+    """3 epochs: no example trained on is a guidance example, and every other example is
+    trained on once per epoch (twice with repeat(2))."""
+    ds = make(tf.data.Dataset.from_tensor_slices(_labelled_data()))
+    guidance, rest = split_guidance_batch(ds, num_batches=1)
+    held_out = _ids(guidance)
+    assert len(held_out) == 8
+    for _ in range(3):
+        trained = [int(i) for b in rest for i in b[1].numpy().ravel()]
+        assert not held_out & set(trained)
+        assert sorted(trained) == sorted(list(set(range(64)) - held_out) * repeats)
+    if holdout == "position":  # the batches are the dataset's own, unchanged
+        assert rest.element_spec == ds.element_spec
+    # the number of batches is kept (Keras then knows each epoch's length)
+    assert int(rest.cardinality()) == int(ds.cardinality()) - (holdout == "position")
+
+
+def test_split_guidance_batch_by_position_on_a_reshuffling_dataset_leaks():
+    """Why identity is needed: take/skip on a reshuffling dataset draw other examples each
+    iteration (the behaviour before identity holdout; kept as holdout="position")."""
+    ds = tf.data.Dataset.from_tensor_slices(_labelled_data()).shuffle(64, seed=1).batch(8)
+    guidance, rest = split_guidance_batch(ds, holdout="position")
+    leaked = [len(_ids(guidance) & {int(i) for b in rest for i in b[1].numpy().ravel()})
+              for _ in range(3)]
+    assert min(leaked) >= 4, leaked  # most of the 8 "held out" examples are trained on
+
+
+def test_split_guidance_batch_trains_a_guided_trainer_on_a_shuffled_dataset():
+    """The identity-filtered batches (some smaller) train like any others."""
+    ds = tf.data.Dataset.from_tensor_slices(_labelled_data(64)).shuffle(64).batch(16)
+    guidance, rest = split_guidance_batch(ds)
+    trainer = GuidedTrainer(_model(), guidance, meta_optimizer=O.Adam(0.05))
+    trainer.compile(O.Adam(0.02), loss="mse")
+    hist = trainer.fit(rest, epochs=2, verbose=0)
+    assert np.isfinite(hist.history["loss"]).all()
+    assert trainer.learned_values()["learning_rate"] != 1.0
+    assert int(trainer.guided.steps.numpy()) >= 6  # 48 examples in 3-4 batches per epoch
+
+
+def test_split_guidance_batch_refuses_what_identity_cannot_hold_out():
+    base = tf.data.Dataset.from_tensor_slices(_labelled_data())
+    augmented = base.shuffle(64).map(lambda x, y: (x + tf.random.uniform(tf.shape(x)), y)).batch(8)
+    with pytest.raises(ValueError, match=r"reshuffles every epoch.*draw random numbers.*Split "
+                                         r"before shuffling.*reshuffle_each_iteration=False"):
+        split_guidance_batch(augmented)
+    # augmentation on an unshuffled dataset: the same batches every epoch, held out by position
+    _, rest = split_guidance_batch(base.map(lambda x, y: (x + tf.random.uniform(tf.shape(x)), y)).batch(8))
+    assert len(list(rest)) == 7
+    texts = tf.data.Dataset.from_tensor_slices(
+        (tf.ragged.constant([[1], [2, 3], [4, 5, 6], [7]]), tf.range(4))).shuffle(4)
+    padded = texts.map(lambda t, y: (t.to_tensor() if hasattr(t, "to_tensor") else t, y))
+    with pytest.raises(ValueError, match="padded per batch"):
+        split_guidance_batch(padded.padded_batch(2))
+    with pytest.raises(ValueError, match="holdout"):
+        split_guidance_batch(base.batch(8), holdout="random")
+
+
 def test_split_guidance_batch():
     ds = tf.data.Dataset.from_tensor_slices(_data(64)).batch(16)
     guidance, rest = split_guidance_batch(ds)
@@ -195,12 +273,61 @@ def test_learns_momentum_of_sgd_as_beta_1():
 # --------------------------------------------------------------------------- bad input
 
 
-def test_keras_builtin_optimizer_is_rejected_with_the_supported_list():
+def _fit_guided(optimizer, x, y, epochs=2):
+    trainer = GuidedTrainer(_model(), _data(16, seed=5), meta_optimizer=O.Adam(0.05))
+    trainer.compile(optimizer, loss="mse")
+    hist = trainer.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
+    return trainer, hist
+
+
+@pytest.mark.parametrize(
+    "keras_optimizer, ours",
+    [
+        ("adam", lambda: O.Adam(1e-3, beta_1=0.9, beta_2=0.999, epsilon=1e-7)),
+        (lambda: keras.optimizers.Adam(1e-3), lambda: O.Adam(1e-3)),
+        (lambda: keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(0.02, 3, 0.5),
+                                       beta_1=0.8, epsilon=1e-6),
+         lambda: O.Adam(keras.optimizers.schedules.ExponentialDecay(0.02, 3, 0.5), beta_1=0.8,
+                        epsilon=1e-6)),
+        ("adamw", lambda: O.AdamW(1e-3, weight_decay=0.004)),
+        (lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+         lambda: O.AdamW(0.01, weight_decay=0.1)),
+        ("sgd", lambda: O.SGD(0.01)),
+        (lambda: keras.optimizers.SGD(0.05, momentum=0.5, nesterov=True),
+         lambda: O.SGD(0.05, momentum=0.5, nesterov=True)),
+    ],
+    ids=["adam_name", "adam", "adam_schedule", "adamw_name", "adamw", "sgd_name", "sgd_nesterov"],
+)
+def test_keras_optimizer_is_converted_and_trains_like_the_packages_own(keras_optimizer, ours, caplog):
+    """compile("adam") / compile(keras.optimizers.Adam(1e-3)) == compile(O.Adam(1e-3)),
+    step for step: the same rule and hyperparameters (logged)."""
+    x, y = _data()
+    made = keras_optimizer if isinstance(keras_optimizer, str) else keras_optimizer()
+    with caplog.at_level("WARNING"):
+        converted, h1 = _fit_guided(made, x, y)
+    assert "GuidedTrainer.compile: converted keras" in caplog.text
+    assert isinstance(converted.optimizer, O.BaseOptimizer)
+    reference, h2 = _fit_guided(ours(), x, y)
+    assert type(converted.optimizer) is type(reference.optimizer)
+    assert converted.optimizer.rule.defaults == reference.optimizer.rule.defaults
+    for a, b in zip(_weights(converted.model), _weights(reference.model)):
+        np.testing.assert_array_equal(a, b)
+    assert converted.learned_values() == reference.learned_values()
+    assert converted.learned_values()["learning_rate"] != 1.0  # the meta-step moved it
+    np.testing.assert_array_equal(h1.history["loss"], h2.history["loss"])
+
+
+def test_unconvertible_optimizer_is_a_clear_error():
     trainer = GuidedTrainer(_model(), _data(16))
-    with pytest.raises(ValueError, match="Adafactor, Adam, AdamWeightDecay, Lamb, RecAdam, SGD"):
-        trainer.compile(keras.optimizers.Adam(0.01), loss="mse")
-    with pytest.raises(ValueError, match="not differentiable"):
-        trainer.compile("adam", loss="mse")
+    for optimizer, name in ((keras.optimizers.Adadelta(0.01), "Adadelta"), ("rmsprop", "RMSprop"),
+                            (keras.optimizers.Adam(0.01, amsgrad=True), "amsgrad")):
+        with pytest.raises(ValueError, match=rf"GuidedTrainer.compile: .*Keras's Adam, AdamW and "
+                                             rf"SGD .* converted.*{name}.*Supported: Adafactor, "
+                                             r"Adam, AdamW, AdamWeightDecay, Lamb, RecAdam, SGD"):
+            trainer.compile(optimizer, loss="mse")
+    # converted, then refused for what the differentiated update cannot reproduce
+    with pytest.raises(ValueError, match="`global_clipnorm`.*aggregated_clipnorm"):
+        trainer.compile(keras.optimizers.Adam(0.01, global_clipnorm=1.0), loss="mse")
 
 
 def test_unknown_hyperparameter_lists_the_optimizer_ones():
@@ -356,3 +483,34 @@ def test_keras_builtin_meta_optimizer_gives_the_results_of_the_packages_own():
         for u, v in zip(runs[a][1], runs[b][1]):
             np.testing.assert_array_equal(u, v)
     assert runs["keras"][0] != runs["keras_sgd"][0]
+
+
+# ------------------------------------------------------------- batches that do not divide
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_last_batch_of_one_example_trains_like_plain_fit(replicas):
+    """NumPy input of 33 examples, batch_size 32: the last batch holds 1 example (on 2
+    replicas one of them gets none). The run goes on, and at meta learning rate 0 it is
+    plain `fit` under the same strategy, uneven batch included."""
+    strategy = two_cpu_strategy() if replicas == 2 else tf.distribute.OneDeviceStrategy("/cpu:0")
+    x, y = _data(33)
+    with strategy.scope():
+        plain = _model()
+        plain.compile(O.Adam(0.02), loss="mse")
+    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    runs = {}
+    for meta_lr in (0.0, 0.05):
+        with strategy.scope():
+            trainer = GuidedTrainer(_model(), _data(8, seed=5), meta_optimizer=O.Adam(meta_lr),
+                                    commit_forward_update=False)
+            trainer.compile(O.Adam(0.02), loss="mse")
+        hist = trainer.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        assert int(trainer.guided.steps.numpy()) == 4 == int(trainer.guided.guided_steps.numpy())
+        assert np.isfinite(hist.history["loss"]).all()
+        assert np.isfinite(hist.history["guidance_loss"]).all()
+        runs[meta_lr] = trainer
+    for a, b in zip(_weights(plain), _weights(runs[0.0].model)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert runs[0.05].learned_values()["learning_rate"] != 1.0
+    assert all(np.isfinite(w).all() for w in _weights(runs[0.05].model))

@@ -85,6 +85,12 @@ def oracle_adam(c, path, w, g, state, t):
     return w - alpha * m / (np.sqrt(v) + c["eps"])
 
 
+def oracle_keras_adamw(c, path, w, g, state, t):
+    # keras.optimizers.AdamW: the decay (this step's rate), then Adam from the decayed w
+    w = w - w * c["wd"] * learning_rate_at(c, t - 1)
+    return oracle_adam(c, path, w, g, state, t)
+
+
 def oracle_bert_adam(c, path, w, g, state, t):
     # google-research/bert optimization.py AdamWeightDecayOptimizer.apply_gradients
     next_m = c["b1"] * state.get("m", 0.0) + (1 - c["b1"]) * g
@@ -209,6 +215,7 @@ ORACLES = {
     "recadam": oracle_recadam,
     "sgd": oracle_sgd,
     "adam": oracle_adam,
+    "keras_adamw": oracle_keras_adamw,
     "bert_adam": oracle_bert_adam,
     "lamb": oracle_lamb,
     "mesh_adafactor": oracle_mesh_adafactor,
@@ -1055,8 +1062,16 @@ def test_tensor_step_bad_input_is_a_clear_error(make, call, match):
                                       momentum=0.5),
          lambda: O.SGD(O.BertSchedule(0.1, num_train_steps=10, num_warmup_steps=2), momentum=0.5)),
         (lambda: keras.optimizers.SGD(0.1), lambda: O.SGD(0.1)),
+        (lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05, beta_1=0.8),
+         lambda: O.AdamW(0.01, weight_decay=0.05, beta_1=0.8)),
+        # Keras's Adam with a weight_decay is AdamW (the same decoupled decay).
+        (lambda: keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5),
+                                       weight_decay=0.1),
+         lambda: O.AdamW(keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5),
+                         weight_decay=0.1, name="adam")),
     ],
-    ids=["adam", "adam_schedule", "sgd_nesterov", "sgd_momentum_schedule", "sgd"],
+    ids=["adam", "adam_schedule", "sgd_nesterov", "sgd_momentum_schedule", "sgd", "adamw",
+         "adam_weight_decay_schedule"],
 )
 def test_keras_optimizer_as_rule_optimizer_updates_like_keras(make_keras, make_ours):
     keras_opt = make_keras()
@@ -1083,18 +1098,75 @@ def test_as_rule_optimizer_keeps_ours_and_refuses_others():
     keras_opt = keras.optimizers.Adam(0.01, global_clipnorm=2.0, name="meta")
     converted = O.as_rule_optimizer(keras_opt)
     assert converted.global_clipnorm == 2.0 and converted.name == "meta"
-    for other in (keras.optimizers.AdamW(0.01), keras.optimizers.RMSprop(0.01), "adam"):
-        with pytest.raises(ValueError, match=r"keras.optimizers.Adam \(amsgrad=False\) and "
-                                             r"keras.optimizers.SGD"):
+    for other in (keras.optimizers.Adadelta(0.01), keras.optimizers.RMSprop(0.01), "adam"):
+        with pytest.raises(ValueError, match=r"keras.optimizers.Adam / AdamW \(amsgrad=False\) "
+                                             r"and keras.optimizers.SGD; got .*"):
             O.as_rule_optimizer(other)
     with pytest.raises(ValueError, match="amsgrad"):
         O.as_rule_optimizer(keras.optimizers.Adam(0.01, amsgrad=True))
+    with pytest.raises(ValueError, match="AdamW\\(amsgrad=True\\)"):
+        O.as_rule_optimizer(keras.optimizers.AdamW(0.01, amsgrad=True))
+    with pytest.raises(ValueError, match=r"SGD\(weight_decay=0.1\) has no tf_metaalign rule"):
+        O.as_rule_optimizer(keras.optimizers.SGD(0.01, weight_decay=0.1))
+
+
+def test_as_rule_optimizer_carries_keras_weight_decay_exclusions():
+    """keras AdamW's exclude_from_weight_decay (names searched in the short variable name,
+    and variables by identity) decide the converted rule's per-variable decay."""
+    variables = [keras.Variable(np.ones((3, 2), "float32"), name="kernel"),
+                 keras.Variable(np.ones((2,), "float32"), name="bias"),
+                 keras.Variable(np.ones((2,), "float32"), name="gamma")]
+    keras_opt = keras.optimizers.AdamW(0.1, weight_decay=0.5)
+    keras_opt.exclude_from_weight_decay(var_list=[variables[2]], var_names=["bias"])
+    converted = O.as_rule_optimizer(keras_opt)
+    converted.build(variables)
+    assert [converted.options_for(v)["weight_decay"] for v in variables] == [True, False, False]
+    runs = {}
+    for name, opt in (("keras", keras_opt), ("converted", converted)):
+        vs = variables if name == "converted" else [
+            keras.Variable(v.numpy(), name=v.name) for v in variables]
+        if name == "keras":
+            opt.exclude_from_weight_decay(var_list=[vs[2]], var_names=["bias"])
+        for t in range(1, 3):
+            opt.apply_gradients(zip([np.full(v.shape, 0.5 * t, "float32") for v in vs], vs))
+        runs[name] = [v.numpy() for v in vs]
+    for a, b in zip(runs["keras"], runs["converted"]):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
+    # the decay moved the kernel further than the excluded bias (same gradients)
+    assert runs["converted"][0][0, 0] < runs["converted"][1][0]
+
+
+def test_adafactor_default_learning_rate_is_t2t_relative_step():
+    """Adafactor() has t2t's default rate min(1e-2, 1/sqrt(t)) at update t (1-based; the
+    schedule gets the updates already applied, t - 1), x 0.05 without parameter scale."""
+    opt = O.Adafactor()
+    assert isinstance(opt.get_config()["learning_rate"], dict)  # a serialized schedule
+    for t in (1, 2, 100, 10_000, 10_001, 40_000, 1_000_000):
+        expected = min(1e-2, 1.0 / np.sqrt(t))
+        np.testing.assert_allclose(float(opt.learning_rate_at(tf.constant(t - 1, tf.int64))),
+                                   expected, rtol=1e-6, err_msg=f"update {t}")
+        unscaled = O.Adafactor(multiply_by_parameter_scale=False)
+        np.testing.assert_allclose(float(unscaled.learning_rate_at(tf.constant(t - 1, tf.int64))),
+                                   0.05 * expected, rtol=1e-6)
+    # the rate the update uses: an unfactored, unscaled, unclipped step at update 40,000
+    # from zero slots: v = (1 - rho) g^2 = t^-0.8 g^2, so it moves by lr * sign(g) * t^0.4.
+    opt = O.Adafactor(multiply_by_parameter_scale=False, clipping_threshold=None)
+    var = keras.Variable(np.zeros((3,), "float32"))
+    opt.build([var])
+    opt.iterations.assign(39_999)
+    opt.apply_gradients([(tf.constant([1.0, -2.0, 3.0]), var)])
+    np.testing.assert_allclose(var.numpy(), -0.05 * 0.005 * 40_000 ** 0.4 * np.sign([1.0, -2.0, 3.0]),
+                               rtol=1e-5)
+    restored = O.Adafactor.from_config(O.Adafactor().get_config())
+    assert isinstance(restored.learning_rate_at(0), tf.Tensor)
+    np.testing.assert_allclose(float(restored.learning_rate_at(tf.constant(39_999))), 0.005)
 
 
 def test_check_optimizer_messages():
     O.check_optimizer(O.Adam(0.01))  # supported: no error
-    with pytest.raises(ValueError, match="Adafactor, Adam, AdamWeightDecay, Lamb, RecAdam, SGD"):
+    with pytest.raises(ValueError, match="Adafactor, Adam, AdamW, AdamWeightDecay, Lamb, RecAdam, SGD"):
         O.check_optimizer(keras.optimizers.Adam(0.01))
+    O.check_optimizer(O.AdamW(0.01, weight_decay=0.1))  # the decay is in its rule
     with pytest.raises(ValueError, match="not differentiable"):
         O.check_optimizer(keras.optimizers.SGD(0.01), "MyLoop")
     with pytest.raises(ValueError, match="LossScaleOptimizer"):

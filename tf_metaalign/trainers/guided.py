@@ -445,8 +445,9 @@ def split_guidance_batch(dataset: tf.data.Dataset, num_batches: int = 1, holdout
       generator; a random choice of datasets; `deterministic=False`): each example of
       every training batch is recognised by a fingerprint of its tensors
       (`example_fingerprints`) and dropped when it is a guidance example (an exact
-      duplicate of one included). A batch that held guidance examples comes out smaller
-      (an emptied batch is dropped), so an epoch sees every other example once;
+      duplicate of one included). A batch that held guidance examples comes out smaller,
+      so an epoch sees every other example once (the number of batches is kept: a batch
+      made only of guidance examples comes out empty, a step with a zero gradient);
       `skip` could not do that: on a reshuffling dataset `take` and `skip` draw
       different examples every epoch (6-7 of 8 "held out" examples were trained on in
       every epoch). Logged.
@@ -497,14 +498,13 @@ def split_guidance_batch(dataset: tf.data.Dataset, num_batches: int = 1, holdout
         keep = tf.logical_not(tf.reduce_any(tf.equal(prints[:, None], held_out[None, :]), axis=1))
         return tf.nest.map_structure(lambda t: tf.boolean_mask(t, keep), element)
 
-    def not_empty(*element):
-        return tf.shape(tf.nest.flatten(element)[0])[0] > 0
-
     logging.info(
         "split_guidance_batch: holding the %d guidance examples out by identity, since %s; "
         "training batches that held one come out smaller.", int(held_out.shape[0]), reason,
     )
-    return guidance, dataset.map(drop_guidance).filter(not_empty)
+    # `map` keeps the number of batches (a `filter` of emptied batches would make it
+    # unknown: Keras then warns every epoch and fixes the count of later epochs to the first's).
+    return guidance, dataset.map(drop_guidance)
 
 
 def _encode_array(t):
