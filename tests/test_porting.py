@@ -196,6 +196,68 @@ def test_maml_step_equals_nested_tapes_over_explicit_ops(float64, training):
             np.testing.assert_array_equal(got, want.numpy())
 
 
+# ----------------------------------------------------------------- mean vs sum (scale)
+
+
+def test_a_summing_hand_loop_is_matched_by_the_learning_rate_factor_or_a_sum_loss(float64):
+    """keras-io's loop differentiates the per-example loss VECTOR: the gradient of the
+    SUM over the B examples. The trainers use the compiled loss (a mean): inner SGD at
+    B * lr, or a compiled loss with reduction="sum" at lr, is the hand loop."""
+    xs, ys = _stack(3, 6, seed=11)
+    model = _bn_model(12)
+    copy = keras.models.clone_model(model)
+    copy.set_weights(model.get_weights())
+    for x, y in zip(xs, ys):  # the hand loop, summing
+        with tf.GradientTape() as tape:
+            per_example = keras.losses.mean_squared_error(y, copy(x))
+        grads = tape.gradient(per_example, copy.trainable_variables)
+        for v, g in zip(copy.trainable_variables, grads):
+            v.assign_sub(0.03125 * g)
+    for lr, loss in ((6 * 0.03125, "mse"),
+                     (0.03125, keras.losses.MeanSquaredError(reduction="sum"))):
+        m = _bn_model(12)
+        trainer = ReptileTrainer(m, inner_steps=3, inner_optimizer=lr, inner_training=False)
+        trainer.compile(optimizer=keras.optimizers.SGD(1.0), loss=loss)
+        trainer.fit(tf.data.Dataset.from_tensors((xs, ys)), verbose=0)
+        for v, t in zip(m.trainable_variables, copy.trainable_variables):
+            np.testing.assert_allclose(v.numpy(), t.numpy(), **TOL)
+
+
+def test_maml_summing_over_tasks_with_adam_is_adam_with_epsilon_over_t(float64):
+    """A hand MAML loop that SUMS the query losses of its T tasks hands Adam T times the
+    trainer's gradient (a mean over tasks): Adam's step is the same up to epsilon, which
+    acts as epsilon / T; Adam(epsilon=eps / T) on the trainer is the hand loop."""
+    (sx, sy, qx), qy = _maml_tasks(tasks=2, seed=13)
+    model = _bn_model(14)
+    moving = [tf.constant(s) for s in _statistics(model)]
+    eps, lr = 0.05, 0.01  # a large epsilon: the difference is visible
+    params = [tf.Variable(v.numpy()) for v in model.trainable_variables]
+
+    def mse(p, x, y):
+        return tf.reduce_mean(tf.square(_explicit_forward(p, x, moving, True) - y))
+
+    hand_adam = keras.optimizers.Adam(lr, epsilon=eps)
+    for _ in range(2):  # two meta-steps: Adam's state matters too
+        with tf.GradientTape() as outer:
+            total = 0.0
+            for t in range(2):
+                with tf.GradientTape() as inner:
+                    support = mse(params, sx[t], sy[t])
+                grads = inner.gradient(support, params)
+                total += mse([p - 0.3 * g for p, g in zip(params, grads)], qx[t], qy[t])
+        hand_adam.apply_gradients(zip(outer.gradient(total, params), params))
+    data = tf.data.Dataset.from_tensors(((sx, sy, qx), qy)).repeat(2)
+    results = {}
+    for name, epsilon in (("eps/T", eps / 2), ("eps", eps)):
+        trainer = MAMLTrainer(_bn_model(14), inner_steps=1, inner_learning_rate=0.3)
+        trainer.compile(optimizer=keras.optimizers.Adam(lr, epsilon=epsilon), loss="mse")
+        trainer.fit(data, verbose=0)
+        results[name] = [v.numpy() for v in trainer.model.trainable_variables]
+    for got, want in zip(results["eps/T"], params):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-8, atol=1e-12)
+    assert max(np.abs(a - b.numpy()).max() for a, b in zip(results["eps"], params)) > 1e-5
+
+
 # -------------------------------------------------------------------- stacked elements
 
 
