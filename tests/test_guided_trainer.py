@@ -514,3 +514,23 @@ def test_last_batch_of_one_example_trains_like_plain_fit(replicas):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert runs[0.05].learned_values()["learning_rate"] != 1.0
     assert all(np.isfinite(w).all() for w in _weights(runs[0.05].model))
+
+
+def test_guidance_batch_smaller_than_the_replica_count_equals_one_replica():
+    """A guidance batch of 1 example on 2 replicas: one replica's shard is empty (weight 0);
+    the hypergradients and learned values are the single-replica ones."""
+    x, y = _data(32)
+    results = {}
+    for name, strategy in (("one", tf.distribute.OneDeviceStrategy("/cpu:0")),
+                           ("two", two_cpu_strategy())):
+        with strategy.scope():
+            trainer = GuidedTrainer(_model(), _data(1, seed=5), meta_optimizer=O.Adam(0.05))
+            trainer.compile(O.Adam(0.02), loss="mse")
+        hist = trainer.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        results[name] = (trainer.learned_values(), hist.history)
+    (v1, h1), (v2, h2) = results["one"], results["two"]
+    assert v1["learning_rate"] != 1.0
+    for n in v1:
+        np.testing.assert_allclose(v1[n], v2[n], rtol=1e-5)
+    for k in ("guidance_loss", "hypergrad_learning_rate"):
+        np.testing.assert_allclose(h1[k], h2[k], rtol=2e-4, err_msg=k)

@@ -1192,3 +1192,22 @@ def test_resolve_hyperparameters():
         O.resolve_hyperparameters(O.SGD(0.1, momentum=0.5), ("beta_1", "momentum"))
     with pytest.raises(ValueError, match="empty"):
         O.resolve_hyperparameters(O.SGD(0.1), ("beta_1",), explicit=False)
+
+
+def test_adam_weight_decay_first_steps_are_larger_than_adams_as_documented():
+    """No bias correction: for a steady gradient, AdamWeightDecay's update t is
+    (1 - 0.9^t) / sqrt(1 - 0.999^t) times Adam's (3.16x at step 1, 6.57x at step 12), the
+    figures its docstring and the README give."""
+    ratios = []
+    a, b = keras.Variable(np.zeros((3,), "float32")), keras.Variable(np.zeros((3,), "float32"))
+    ours = O.AdamWeightDecay(1e-3, weight_decay_rate=0.0, epsilon=1e-12)
+    adam = O.Adam(1e-3, epsilon=1e-12)
+    g = np.array([0.5, -1.0, 2.0], "float32")
+    for t in range(1, 101):
+        before_a, before_b = a.numpy(), b.numpy()
+        ours.apply_gradients([(g, a)])
+        adam.apply_gradients([(g, b)])
+        ratios.append(np.abs(a.numpy() - before_a) / np.abs(b.numpy() - before_b))
+    expected = [(1 - 0.9 ** t) / np.sqrt(1 - 0.999 ** t) for t in range(1, 101)]
+    np.testing.assert_allclose(np.array(ratios), np.array(expected)[:, None] * np.ones(3), rtol=2e-3)
+    np.testing.assert_allclose([expected[0], expected[11], expected[99]], [3.16, 6.57, 3.24], atol=0.01)

@@ -311,6 +311,8 @@ def hypergradients(
 
     def weighted_loss_fn(p, s, b):
         value, aux = guide_loss_fn(p, s, b)
+        if value.shape.rank != 0:  # a replica's empty shard: Keras's loss of no example is []
+            value = tf.reduce_sum(value)
         if guidance_weight is not None:
             value = value * tf.cast(guidance_weight, value.dtype)
         return value, aux

@@ -540,7 +540,8 @@ class GuidanceData:
     A fixed batch is one batch; a `tf.data.Dataset` is read once, at most `max_batches`
     batches (an infinite or longer dataset is truncated, with a warning), all of the same
     shapes (a smaller final batch is dropped). Under a strategy each replica evaluates a
-    contiguous shard of the chosen batch, weighted so the total equals one replica's value.
+    contiguous shard of the chosen batch, weighted so the total equals one replica's value
+    (with fewer examples than replicas some shards are empty, of weight 0).
     Not tracked by Keras (plain python object holding constant tensors).
     """
 
@@ -579,11 +580,6 @@ class GuidanceData:
         replicas = F.num_replicas()
         if replicas == 1:
             return batch, None
-        if self.batch_size < replicas:
-            raise ValueError(
-                f"The guidance batch has {self.batch_size} examples, fewer than the "
-                f"{replicas} replicas: use a guidance batch of at least {replicas}."
-            )
         rid = tf.distribute.get_replica_context().replica_id_in_sync_group
         start, end = alg.guidance_shard_bounds(self.batch_size, rid, replicas)
         shard = tf.nest.map_structure(lambda t: t[start:end], batch)
