@@ -152,6 +152,21 @@ def test_guard_rules_on_logged_values():
         assert "Lower `weight`." in guard.fired and not guard.model.stop_training
         with pytest.warns(RuntimeWarning):
             assert _feed(DivergenceGuard("stop"), epochs).model.stop_training
+    # Near 0 and noisy: 10x the best and rising, but below the start: not divergence.
+    g = DivergenceGuard()
+    g.set_model(_Holder())
+    g.on_train_begin()
+    g.on_train_batch_end(0, {"loss": 2.0})
+    for e, loss in enumerate([0.5, 0.001, 0.02]):
+        g.on_epoch_end(e, {"loss": loss})
+    assert g.fired is None
+    # Diverged within the first epoch: the first batch is the reference.
+    g = DivergenceGuard()
+    g.set_model(_Holder())
+    g.on_train_begin()
+    g.on_train_batch_end(0, {"loss": 2.3})
+    with pytest.warns(RuntimeWarning, match="870x its best"):
+        g.on_epoch_end(0, {"loss": 2000.0})
     # 10x above the best but falling is not "rising": no alarm.
     g = DivergenceGuard()
     g.set_model(_Holder())
@@ -192,7 +207,8 @@ def _fit_digits(weight, alignment, on_divergence="warn", epochs=6):
 
 
 def test_trainer_guard_fires_on_a_forced_divergence_and_stops_on_request():
-    # The paper's objective with a large weight runs away (loss and grad_dot explode).
+    # The paper's objective with a large weight runs away (loss 11 -> 26 -> 36 over the
+    # first epochs, from 2.3 at the first batch; measured).
     with pytest.warns(RuntimeWarning, match="Training is diverging.*alignment='dot'.*Lower `weight`"):
         _, h = _fit_digits(3.0, "dot")
     assert len(h.history["loss"]) == 6
@@ -203,7 +219,7 @@ def test_trainer_guard_fires_on_a_forced_divergence_and_stops_on_request():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         _, healthy = _fit_digits(3.0, "capped")
-    assert healthy.history["loss"][-1] < 0.5 * healthy.history["loss"][0]
+    assert healthy.history["loss"][-1] < 0.6 * healthy.history["loss"][0]
 
 
 # ------------------------------------------------- the README call, from scratch
@@ -278,7 +294,7 @@ def test_numpy_last_batch_of_one_is_a_plain_step(float64, caplog, jit_compile):
     trainer = _compile(DotProdTrainer(_mlp("float64", seed=11), weight=0.3), jit_compile=jit_compile)
     with caplog.at_level(logging.WARNING):
         h = trainer.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    assert int(trainer.unsplit_batches.numpy()) == 2
+    np.testing.assert_allclose(h.history["unsplit_fraction"], [0.5, 0.5])
     said = [r for r in caplog.records if "could not be split" in r.getMessage()]
     assert len(said) == 1, [r.getMessage() for r in said]
     ref = _mlp("float64", seed=11)
@@ -300,7 +316,7 @@ def test_dataset_with_unknown_batch_size_and_every(float64, n, every):
     x, y = _data(n, dtype="float64")
     trainer = _compile(DotProdTrainer(_mlp("float64", seed=12), weight=0.4, every=every))
     h = trainer.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, verbose=0)
-    assert int(trainer.unsplit_batches.numpy()) == 1
+    np.testing.assert_allclose(h.history["unsplit_fraction"], [1 / ((n + 7) // 8)])
     ref = _mlp("float64", seed=12)
     _reference(ref, _batches(x, y, 8), 0.05, 0.4, every=every)
     _assert_weights_close(_weights(trainer.model), _weights(ref), rtol=1e-7, atol=1e-9)
@@ -320,9 +336,8 @@ def test_two_replicas_with_one_and_zero_examples_equal_one_replica(float64):
     with two_cpu_strategy().scope():
         double = _compile(DotProdTrainer(_mlp("float64", seed=13), weight=0.3))
     h2 = double.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, verbose=0)
-    assert int(single.unsplit_batches.numpy()) == 1 and int(double.unsplit_batches.numpy()) == 1
     _assert_weights_close(_weights(single.model), _weights(double.model), rtol=1e-6, atol=1e-9)
-    for key in ("loss", "grad_dot", "grad_cosine", "reg_ratio"):
+    for key in ("loss", "grad_dot", "grad_cosine", "reg_ratio", "unsplit_fraction"):
         np.testing.assert_allclose(h1.history[key], h2.history[key], rtol=1e-6)
 
 
@@ -335,8 +350,8 @@ def test_two_replicas_with_two_and_one_examples_take_the_plain_step(float64):
                             for s in range(0, 16, 8)])
     with two_cpu_strategy().scope():
         double = _compile(DotProdTrainer(_mlp("float64", seed=14), weight=0.3))
-    double.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, verbose=0)
-    assert int(double.unsplit_batches.numpy()) == 1
+    h = double.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, verbose=0)
+    np.testing.assert_allclose(h.history["unsplit_fraction"], [1 / 3])
     single = _compile(DotProdTrainer(_mlp("float64", seed=14), weight=0.3))
     single.fit(x[order], y[order], batch_size=8, epochs=1, shuffle=False, verbose=0)
     ref = single.model

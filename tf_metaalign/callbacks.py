@@ -147,13 +147,19 @@ class DivergenceGuard(keras.callbacks.Callback):
     """Warn, or stop training, when the loss or a gradient dot product runs away.
 
     Checked at every epoch end (and every `every_n_batches` batches, on the running
-    epoch means Keras logs, when given), from the logs alone (nothing is recomputed):
+    epoch means Keras logs, when given), from the logs alone (nothing is recomputed; the
+    first batch's loss of the fit is read once, as the starting reference):
 
     * the loss is not finite;
-    * the loss is more than `loss_ratio` times the best epoch loss so far and above the
-      previous check's value (rising);
+    * the loss is more than `loss_ratio` times the best loss so far (the first batch's
+      and every check's), above the previous check's value (rising) and above the first
+      batch's loss (worse than at the start: a loss falling towards 0 that rises from
+      0.001 to 0.02 is noise, not divergence);
     * `|monitor|` (default "grad_dot", when logged) is more than `grad_dot_ratio` times
       its first epoch's value.
+
+    A run that is already diverged by the first epoch end is caught by the loss rules
+    (the first batch is the reference); the `monitor` rule starts at the second epoch.
 
     It fires once per `fit`: `action="warn"` emits a `RuntimeWarning` (and a log line)
     naming the cause and `advice`; `action="stop"` does the same and sets
@@ -170,7 +176,7 @@ class DivergenceGuard(keras.callbacks.Callback):
 
     ACTIONS = ("warn", "stop")
 
-    def __init__(self, action="warn", loss_ratio=10.0, grad_dot_ratio=1e3, monitor="grad_dot",
+    def __init__(self, action="warn", loss_ratio=10.0, grad_dot_ratio=100.0, monitor="grad_dot",
                  every_n_batches=None, advice=""):
         super().__init__()
         if action not in self.ACTIONS:
@@ -202,6 +208,7 @@ class DivergenceGuard(keras.callbacks.Callback):
         self._best_loss = None
         self._last_loss = None
         self._first_dot = None
+        self._first_loss = None
         self._epoch = 0
 
     def _check(self, logs, where, at_epoch_end):
@@ -212,18 +219,19 @@ class DivergenceGuard(keras.callbacks.Callback):
         if not math.isfinite(loss):
             cause = f"the loss is {loss}"
         elif (self._best_loss is not None and loss > self.loss_ratio * self._best_loss
-              and self._last_loss is not None and loss > self._last_loss):
-            cause = (f"the loss {loss:.4g} is {loss / self._best_loss:.3g}x its best epoch "
-                     f"value {self._best_loss:.4g} and rising")
+              and self._last_loss is not None and loss > self._last_loss
+              and (self._first_loss is None or loss > self._first_loss)):
+            cause = (f"the loss {loss:.4g} is {loss / self._best_loss:.3g}x its best value "
+                     f"{self._best_loss:.4g} and rising")
         dot = logs.get(self.monitor) if self.grad_dot_ratio is not None else None
         if cause is None and dot is not None and self._first_dot:
             dot = float(dot)
             if not math.isfinite(dot) or abs(dot) > self.grad_dot_ratio * self._first_dot:
                 cause = (f"{self.monitor} grew from {self._first_dot:.4g} (first epoch) to "
                          f"{dot:.4g}")
+        if math.isfinite(loss):
+            self._best_loss = loss if self._best_loss is None else min(self._best_loss, loss)
         if at_epoch_end:
-            if math.isfinite(loss):
-                self._best_loss = loss if self._best_loss is None else min(self._best_loss, loss)
             if dot is not None and self._first_dot is None and math.isfinite(float(dot)):
                 self._first_dot = abs(float(dot)) or None
         if math.isfinite(loss):
@@ -238,6 +246,10 @@ class DivergenceGuard(keras.callbacks.Callback):
             self.model.stop_training = True
 
     def on_train_batch_end(self, batch, logs=None):
+        if self._first_loss is None and logs and "loss" in logs:
+            first = float(logs["loss"])  # the loss at the start: the first reference
+            if math.isfinite(first):
+                self._first_loss = self._best_loss = self._last_loss = first
         if self.every_n_batches and (batch + 1) % self.every_n_batches == 0:
             self._check(logs, f"epoch {self._epoch + 1}, batch {batch + 1}", False)
 

@@ -58,8 +58,8 @@ class DotProdTrainer(MetaTrainer):
     decision is global (the same on every replica); under a strategy each replica's share
     is weighted by its number of examples, so the step is 2 * the gradient of the mean
     over the global batch whatever the replica count (an empty replica contributes 0).
-    Such steps are counted (`unsplit_batches`, checkpointed) and said once per `fit` in
-    the log.
+    The share of such steps is logged (`unsplit_fraction`, per epoch) and said once per
+    `fit` in the log.
 
     Args:
       model: the Keras model to train (`trainer.model`).
@@ -76,8 +76,9 @@ class DotProdTrainer(MetaTrainer):
         ||G1 + G2|| (< 1: every step descends the pair's loss). Default 0.5.
       on_divergence: "warn" (default), "stop" or None: `fit` adds a
         `tf_metaalign.callbacks.DivergenceGuard` with this action (unless the
-        callbacks already hold one) that fires when the loss exceeds 10x its best epoch
-        value and rises, or grad_dot grows 1000x over its first epoch's value.
+        callbacks already hold one), checked every 50 batches and at epoch ends, that fires
+        when the loss exceeds 10x its best value, rises and is above its first batch's
+        value, or grad_dot grows 100x over its first epoch's value.
       accumulation_steps: accumulate this many pairs' gradients G before one optimizer
         update (their mean is applied). G is linear in G1, G2 and G21, so this is the same
         as accumulating the three separately and combining once. Implemented with the
@@ -93,7 +94,7 @@ class DotProdTrainer(MetaTrainer):
 
     Logs: loss, the compiled metrics, `grad_dot` (G1.G2 of the true mean gradients),
     `grad_cosine` and `reg_ratio` (weight * ||R|| / ||G1 + G2|| before the cap: above
-    `cap` the cap binds), averaged over the regularised pairs.
+    `cap` the cap binds), averaged over the regularised pairs, and `unsplit_fraction`.
     """
 
     def __init__(
@@ -132,14 +133,14 @@ class DotProdTrainer(MetaTrainer):
         self.alignment = alignment
         self.cap = float(cap)
         self.on_divergence = on_divergence
-        # Batches too small to split, trained as plain steps (see the class doc).
-        self.unsplit_batches = self.add_state_variable("unsplit_batches", dtype="int64")
         # Pairs seen since the start of training: drives the `every` schedule and is
         # checkpointed so a resumed run keeps its phase.
         self.schedule = self.every_k_steps(self.every, name="dotprod_pairs")
         self.add_diagnostic("grad_dot", "mean")
         self.add_diagnostic("grad_cosine", "mean")
         self.add_diagnostic("reg_ratio", "mean")
+        # The share of the epoch's batches too small to split (plain steps, see above).
+        self.add_diagnostic("unsplit_fraction", "mean")
 
     @property
     def pairs_seen(self):
@@ -274,8 +275,6 @@ class DotProdTrainer(MetaTrainer):
             # Several replicas: a plain step's share is weighted by this replica's examples.
             factor = tf.where(small, replica_scale, 1.0)
             gradient = [g * tf.cast(factor, g.dtype) for g in gradient]
-        if small is not False:
-            self.unsplit_batches.assign_add(tf.cast(small, tf.int64))
 
         # The loss of the whole batch: the size-weighted mean of the two halves.
         loss = loss / tf.cast(loss_scale, tf.float32)
@@ -283,19 +282,20 @@ class DotProdTrainer(MetaTrainer):
         return self.finish_step(
             data, y_pred, loss, new_state=new_state, gradients=gradient,
             diagnostics={"grad_dot": (grad_dot, measured), "grad_cosine": (grad_cosine, measured),
-                         "reg_ratio": (reg_ratio, measured)},
+                         "reg_ratio": (reg_ratio, measured),
+                         "unsplit_fraction": tf.cast(small, tf.float32)},
             where="the loss of the pair (b1, b2)",
         )
 
     def fit(self, *args, **kwargs):
         bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
         callbacks = list(bound.arguments.get("callbacks") or [])
-        extra = [_UnsplitBatchesReport(self)]
+        extra = [_UnsplitBatchesReport()]
         if self.on_divergence is not None and not any(
             isinstance(c, DivergenceGuard) for c in callbacks
         ):
             extra.append(DivergenceGuard(
-                self.on_divergence,
+                self.on_divergence, every_n_batches=50,
                 advice=(f"DotProdTrainer(weight={self.weight}, alignment={self.alignment!r}): "
                         "the Meta DotProd term can make the model grow its gradients to raise "
                         "G1.G2 (the paper's step ascends the loss once weight*lambda_max(H) "
@@ -322,25 +322,19 @@ class DotProdTrainer(MetaTrainer):
 
 
 class _UnsplitBatchesReport(keras.callbacks.Callback):
-    """Says once per `fit` (at the first epoch end that saw one) that batches too small
+    """Says once per `fit` (at the first epoch end that had one) that batches too small
     to split were trained as plain steps."""
 
-    def __init__(self, trainer):
-        super().__init__()
-        self._trainer = [trainer]  # a list: not tracked
-
     def on_train_begin(self, logs=None):
-        self._start = int(self._trainer[0].unsplit_batches.numpy())
         self._said = False
 
     def on_epoch_end(self, epoch, logs=None):
-        if self._said:
+        fraction = float((logs or {}).get("unsplit_fraction", 0.0))
+        if self._said or not fraction > 0:
             return
-        count = int(self._trainer[0].unsplit_batches.numpy()) - self._start
-        if count:
-            self._said = True
-            logging.warning(
-                "DotProdTrainer: %d batch(es) by epoch %d had fewer than 2 examples on some "
-                "replica, so they could not be split into b1, b2; each was trained as a plain "
-                "step on (b, b) (G = 2 * grad L(b), no regulariser). Said once per fit; "
-                "`trainer.unsplit_batches` counts them.", count, epoch + 1)
+        self._said = True
+        logging.warning(
+            "DotProdTrainer: %.3g%% of epoch %d's batches had fewer than 2 examples on some "
+            "replica, so they could not be split into b1, b2; each was trained as a plain "
+            "step on (b, b) (G = 2 * grad L(b), no regulariser). Said once per fit; the "
+            "share is logged as `unsplit_fraction`.", 100 * fraction, epoch + 1)
