@@ -92,7 +92,7 @@ DROPOUT = 0.25
 CHECKS = (
     "entry", "eager", "jit_compile", "steps_per_execution", "replicas", "mixed_float16",
     "keras_round_trip", "backup_machinery", "backup_and_restore", "multi_worker",
-    "model_after_fit",
+    "model_after_fit", "ragged_last_batch",
 )
 
 
@@ -349,6 +349,42 @@ def test_wrapped_model_evaluates_predicts_and_saves_as_itself(entry, exact, tmp_
     assert_same_logs(got, expected, "model.evaluate vs trainer.evaluate")
     np.testing.assert_allclose(model.predict(x_model, verbose=0),
                                trainer.predict(x_eval, verbose=0), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("entry", cases("ragged_last_batch"))
+def test_ragged_last_batch_trains_on_one_and_two_replicas(entry, exact):
+    """NumPy data whose last batch holds ONE row (41 rows in batches of 8), fed the way a
+    user's `fit(x, y, batch_size=8)` feeds it (no drop_remainder to set): on 1 replica and
+    on 2 (where one replica's share of the last batch is empty), fit completes, stays
+    finite, and the last row is trained on: the weights differ from a fit on the first 40
+    rows alone. Where the trainer cannot train such a batch by design it refuses it with a
+    ValueError that says what to do (`entry.ragged_last_batch`)."""
+    x, y = B.data(entry, n=B.N_ROWS + 1)
+    rtol, atol = B.tolerance(entry, "ragged_last_batch")
+    results = {}
+    for replicas, strategy in ((1, None), (2, two_cpu_strategy())):
+        for rows in (B.N_ROWS, B.N_ROWS + 1):
+            trainer = B.build(entry, strategy=strategy)
+            run = lambda: trainer.fit(  # noqa: E731
+                B.take_rows(x, slice(None, rows)), y[:rows], batch_size=entry.batch_size,
+                epochs=1, shuffle=False, verbose=0)
+            if rows > B.N_ROWS and entry.ragged_last_batch != "trained":
+                with pytest.raises(ValueError, match=entry.ragged_last_batch):
+                    run()
+                continue
+            history = run()
+            assert np.all(np.isfinite(history.history["loss"])), history.history
+            results[replicas, rows] = B.snapshot(entry, trainer)
+    if entry.ragged_last_batch != "trained":
+        return
+    for replicas in (1, 2):
+        weights = [k for k in results[replicas, B.N_ROWS] if k.startswith("weights/")]
+        assert B.max_relative_difference(
+            results[replicas, B.N_ROWS + 1], results[replicas, B.N_ROWS], weights
+        ) > 1e-6, f"{replicas} replica(s): the last batch (1 row) was not trained on"
+    if entry.ragged_replicas_exact:
+        B.assert_same(results[2, B.N_ROWS + 1], results[1, B.N_ROWS + 1], rtol, atol,
+                      "ragged last batch, 2 replicas vs 1")
 
 
 # ------------------------------------------------------------- subprocess scenarios

@@ -107,6 +107,13 @@ class TrainerEntry:
       make_eval_data: `(n, dtype, seed) -> (x, y)`: what `trainer.evaluate` takes
         (ordinary model batches, or e.g. `{"inputs", "task_id"}` for MultiTaskTrainer).
       model_inputs: `x -> x` of the wrapped model, from `make_eval_data`'s x.
+      ragged_last_batch: "trained" where a last batch of one row (NumPy data, a user
+        cannot set drop_remainder) is trained on, on 1 and 2 replicas; else a regex of
+        the ValueError the trainer refuses it with (a static structure it needs).
+      ragged_replicas_exact: the ragged last batch gives the same training on 2 replicas
+        as on 1. Keras's own fit does not: each replica's loss is the mean over ITS rows
+        divided by the replica count, so uneven shards (1 row and 0 rows) weigh rows
+        differently; MultiTaskTrainer normalises by the global per-task counts and is.
       evaluates_model_batches: False where `trainer.evaluate` takes something else than
         `make_eval_data` (MAML's episodes: adapt, then score the query sets).
     """
@@ -128,6 +135,8 @@ class TrainerEntry:
     make_eval_data: Callable[..., tuple] = regression_data
     model_inputs: Callable[[object], object] = lambda x: x
     evaluates_model_batches: bool = True
+    ragged_last_batch: str = "trained"
+    ragged_replicas_exact: bool = False
 
 
 def _mse():
@@ -295,7 +304,7 @@ ENTRIES += [
         state_variables=("count",),
         make_data=stacked_regression_data,  # k = 1 inner batch + 1 query batch
         # two processes under -m slow: the "maml" entry runs MAMLTrainer's (and "reptile" the stacked inner loop's) in the default suite (its 20-minute budget)
-        slow=("multi_worker",),
+        slow=("multi_worker", "ragged_last_batch", "model_after_fit"),
     ),
     TrainerEntry(
         name="multi_task_reptile",
@@ -304,7 +313,7 @@ ENTRIES += [
         state_variables=("count",),
         make_data=task_stacked_regression_data,
         # two processes under -m slow: "reptile" runs the stacked inner loop's in the default suite
-        slow=("multi_worker",),
+        slow=("multi_worker", "ragged_last_batch", "model_after_fit"),
     ),
     TrainerEntry(
         name="multitask_pcgrad",
@@ -314,6 +323,7 @@ ENTRIES += [
         diagnostics=("task_cosine",),
         make_data=multitask_data,
         make_eval_data=multitask_data,
+        ragged_replicas_exact=True,
         model_inputs=lambda x: x["inputs"],
     ),
     TrainerEntry(
@@ -324,10 +334,11 @@ ENTRIES += [
         diagnostics=("task_cosine",),
         make_data=multitask_data,
         make_eval_data=multitask_data,
+        ragged_replicas_exact=True,
         model_inputs=lambda x: x["inputs"],
         # two processes under -m slow: "multitask_pcgrad" runs MultiTaskTrainer's in the
         # default suite (its 20-minute budget)
-        slow=("multi_worker",),
+        slow=("multi_worker", "ragged_last_batch", "model_after_fit"),
     ),
     TrainerEntry(
         name="multitask_gradnorm",
@@ -338,10 +349,11 @@ ENTRIES += [
         diagnostics=("task_cosine",),
         make_data=multitask_data,
         make_eval_data=multitask_data,
+        ragged_replicas_exact=True,
         model_inputs=lambda x: x["inputs"],
         # two processes under -m slow: "multitask_pcgrad" runs MultiTaskTrainer's in the
         # default suite (its 20-minute budget)
-        slow=("multi_worker",),
+        slow=("multi_worker", "ragged_last_batch", "model_after_fit"),
     ),
 ]
 
@@ -395,6 +407,7 @@ ENTRIES += [
         diagnostics=("support_loss", "inner_learning_rate", "sharing_m", "sharing_lambda"),
         make_data=maml_task_data,
         evaluates_model_batches=False,
+        ragged_last_batch="leave a last batch of 1 task",
         # The logged diagnostics are float32 metrics: values that agree to 1e-12 in
         # float64 can round to neighbouring float32 numbers (1 ulp = 1.2e-7 relative);
         # one lost or repeated step changes them by > 1e-4.
@@ -409,13 +422,15 @@ ENTRIES += [
         # replicas check (first order all-reduces differently), the rest under -m slow
         # (the suite's 20-minute budget).
         slow=("backup_and_restore", "backup_machinery", "multi_worker", "jit_compile",
-              "steps_per_execution", "keras_round_trip", "mixed_float16", "eager"),
+              "steps_per_execution", "keras_round_trip", "mixed_float16", "eager",
+              "ragged_last_batch", "model_after_fit"),
         compile_kwargs=_outer_compile,
         state_variables=_maml_state([f"inner_learning_rate_{i}" for i in range(4)],
                                     epochs=False),
         diagnostics=("support_loss", "inner_learning_rate", "sharing_m", "sharing_lambda"),
         make_data=maml_task_data,
         evaluates_model_batches=False,
+        ragged_last_batch="leave a last batch of 1 task",
         # The logged diagnostics are float32 metrics: values that agree to 1e-12 in
         # float64 can round to neighbouring float32 numbers (1 ulp = 1.2e-7 relative);
         # one lost or repeated step changes them by > 1e-4.
@@ -498,6 +513,7 @@ ENTRIES += [
         diagnostics=("support_loss",),
         make_model=prompt_mlp,
         make_data=prompt_task_data,
+        ragged_last_batch="leave a last batch of 1 task",
         # float32 diagnostics (see the "maml" entry)
         tolerance=(1e-6, 1e-10),
     ),
@@ -514,13 +530,14 @@ ENTRIES += [
         diagnostics=("support_loss",),
         make_model=prompt_mlp,
         make_data=prompt_task_data,
+        ragged_last_batch="leave a last batch of 1 task",
         tolerance=(1e-6, 1e-10),
         xfail={"replicas": (_CARRIED, AssertionError),
                "multi_worker": (_CARRIED, AssertionError)},
         # The default suite keeps what exercises its carried Adafactor state (save/load,
         # kill and resume, eager == traced); prompt_fomaml runs every check.
         slow=("multi_worker", "jit_compile", "replicas", "mixed_float16",
-              "steps_per_execution"),
+              "steps_per_execution", "ragged_last_batch"),
     ),
 ]
 

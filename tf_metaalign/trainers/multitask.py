@@ -344,26 +344,30 @@ class MultiTaskTrainer(MetaTrainer):
         The per-replica task loss is (Keras's mean over the m gathered rows) * m * R /
         n_t = sum_{i in t, this replica} w_i l_i * R / n_t, the masked path's value. A
         task with no row on this replica runs on one dummy row with weight 0 (a Keras
-        mean over zero rows is 0/0), and its state update is discarded.
+        mean over zero rows is 0/0), and its state update is discarded: the batch gets one
+        zero row appended for that (a replica may hold no row at all: the last, partial
+        batch of an epoch under a strategy).
         """
         T = self.num_tasks
         tf.debugging.assert_less(task_id, T, message="MultiTaskTrainer: a task_id is >= num_tasks")
         inv_scale = 1.0 / tf.cast(loss_scale, acc)
         weight_dtype = _loss_weight_dtype(y)
+        pad_row = tf.cast(tf.shape(task_id)[0], tf.int64)  # the appended zero row
+        padded = tf.nest.map_structure(
+            _with_zero_row, (model_x, y, sample_weight))
         task_losses, task_grads, rows_list, preds = [], [], [], []
         for t in range(T):
             rows = tf.reshape(tf.where(tf.equal(task_id, t)), [-1])
             n_local = tf.shape(rows)[0]
             present_here = n_local > 0
             safe_rows = tf.cond(present_here, lambda: rows,
-                                lambda: tf.zeros([1], rows.dtype))
+                                lambda: tf.reshape(pad_row, [1]))
             m = tf.shape(safe_rows)[0]
             gather = lambda a: None if a is None else tf.gather(a, safe_rows)  # noqa: E731
-            x_t, y_t = tf.nest.map_structure(gather, model_x), tf.nest.map_structure(gather, y)
+            x_t, y_t, w_t = tf.nest.map_structure(gather, padded)
             weight = tf.cast(tf.fill([m], tf.cast(present_here, tf.float32)), weight_dtype)
             if sample_weight is not None:
-                weight = weight * tf.cast(tf.reshape(tf.gather(sample_weight, safe_rows), [-1]),
-                                          weight_dtype)
+                weight = weight * tf.cast(tf.reshape(w_t, [-1]), weight_dtype)
             with tf.GradientTape() as tape:
                 tape.watch(params)
                 y_pred_t, state_t, model_losses = F.stateless_forward(
@@ -404,6 +408,16 @@ class MultiTaskTrainer(MetaTrainer):
             task_passes=self.task_passes,
         )
         return config
+
+
+def _with_zero_row(a):
+    """`a` with one zero (or empty-string) row appended along the batch axis."""
+    if a is None:
+        return None
+    a = tf.convert_to_tensor(a)
+    shape = tf.concat([[1], tf.shape(a)[1:]], axis=0)
+    row = tf.fill(shape, "") if a.dtype == tf.string else tf.zeros(shape, a.dtype)
+    return tf.concat([a, row], axis=0)
 
 
 def _loss_weight_dtype(y):
