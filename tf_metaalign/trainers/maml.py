@@ -652,6 +652,13 @@ class MAMLTrainer(MetaTrainer):
         for t, i in zip(given, inputs):
             if _rank(t) is None or _rank(i) is None:
                 continue
+            if len(inputs) > 1:  # several inputs: the rank only (their order may differ)
+                if _rank(t) != _rank(i) + 1:
+                    raise ValueError(
+                        f"{where}: `{name}` needs a leading task dimension: shape [T, N, ...] "
+                        f"of rank {_rank(i) + 1} for the model's input of shape {i.shape}; "
+                        f"got shape {t.shape}.")
+                continue
             feature = tuple(i.shape[1:])
             shape = tuple(t.shape)
             want = len(feature) + 2

@@ -325,8 +325,8 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
         except (AttributeError, ValueError):  # a subclassed model: no symbolic inputs
             return
         given = tf.nest.flatten(x)
-        if len(given) != len(inputs):
-            return
+        if len(given) != 1 or len(inputs) != 1:
+            return  # several inputs: their order in `x` may not be the model's
         for t, i in zip(given, inputs):
             rank, want = t.shape.rank, len(i.shape) + len(stacked)
             if rank is not None and rank != want:
