@@ -1,0 +1,255 @@
+"""The engine every multi-task method runs on: what a method sees at a step, what it
+returns, its state, and the registry that the trainer, the programs, the tests and the
+docs read.
+
+A method is one small object (LibMTL's `weighting/<Method>.py`, optax's
+`GradientTransformation`): its hyperparameters are constructor arguments, its state is
+declared by `state_spec(num_tasks)` (the trainer creates the variables, checkpoints them
+and hands their values back each step), and `combine(inputs, state)` turns the step's
+global per-task losses and gradients into a `Combination`:
+
+    shared gradient          = sum_t shared[t]   * g_t   (g_t on the SHARED variables)
+    task-specific gradient   = sum_t specific[t] * g_t   (g_t on the TASK-SPECIFIC variables)
+    reported loss            = sum_t loss_weights[t] * L_t
+
+Every method in the zoo is such a linear combination of the task gradients (PCGrad's
+projections, GradVac, MGDA's min-norm point, CAGrad, Nash-MTL, IMTL-G and Aligned-MTL
+all are), which is what lets the trainer compute the Gram matrix once, run the method on
+T x T numbers, and combine the gradients in one pass.
+
+Shared vs task-specific variables (LibMTL's default `rep_grad=False`): gradient
+surgery and loss weighting act on the SHARED variables; a task-specific variable (a
+per-task head) receives its own task's gradient, times that task's loss weight for the
+loss-weighting methods (`specific = loss weights`) and unweighted for the gradient
+methods (`specific = 1`: LibMTL's task-specific parameters keep the raw gradients of the
+per-task backward passes). Other tasks' gradients are zero on a task's own head, so
+`sum_t specific[t] g_t` there is exactly "its own task's gradient".
+
+Methods that need no per-task gradients (`uses_gradients = False`: equal, random and
+uncertainty weighting, DWA, FAMO) get `inputs.gram = inputs.task_grads = None`, and the
+trainer takes ONE backward pass of `sum_t shared[t] L_t` instead of T (they must then
+return `specific == shared`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Mapping, Optional
+
+import tensorflow as tf
+
+_REGISTRY: dict[str, type] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSpec:
+    """One state variable of a method: created by the trainer in the strategy scope,
+    checkpointed, named `<method name>_<key>` unless `name` is given (kept for the names
+    of earlier versions' checkpoints). `trainable=True`: trained by the compiled
+    optimizer with the gradient the method returns in `Combination.state_gradients`
+    (UW's log-variances, as LibMTL trains them with the model's optimizer)."""
+
+    shape: tuple = ()
+    dtype: str = "float64"
+    initializer: Any = "zeros"
+    trainable: bool = False
+    name: Optional[str] = None
+
+
+@dataclasses.dataclass
+class TaskInputs:
+    """What a method sees at one step; global (all replicas), identical on every replica.
+
+    Attributes:
+      losses: [T] the task losses L_t (each the mean over its task's examples), in the
+        accumulation dtype (float64 when the model computes in float64).
+      present: [T] 1.0 where the task has examples in the global batch, else 0.0 (an
+        absent task has L_t = 0 and g_t = 0; methods must leave it out).
+      step: int64 scalar, the trainer's step counter (checkpointed): random draws are a
+        pure function of (seed, step) (`random_order`, `random_normal`).
+      epoch: int64 scalar, the number of epochs completed (DWA's loss history).
+      seed: the trainer's integer seed.
+      gram: [T, T] <g_i, g_j> over the shared variables (None if not `uses_gradients`).
+      task_grads: task_grads[t][v], task t's gradient of the v-th SHARED variable (None if
+        not `uses_gradients`).
+      shared_variables: the shared variables (for methods that pick one, e.g. GradNorm's
+        last shared layer), in the order of `task_grads[t]`.
+    """
+
+    losses: tf.Tensor
+    present: tf.Tensor
+    step: tf.Tensor
+    epoch: tf.Tensor
+    seed: int
+    gram: Optional[tf.Tensor] = None
+    task_grads: Optional[list] = None
+    shared_variables: Optional[list] = None
+
+    @property
+    def num_tasks(self) -> int:
+        return int(self.losses.shape[0])
+
+    @property
+    def dtype(self) -> tf.DType:
+        return self.losses.dtype
+
+
+@dataclasses.dataclass
+class Combination:
+    """What a method returns (see the module doc). `specific` defaults to `shared` for a
+    loss-weighting method; `loss_weights` to `specific`; `state` holds the new value of
+    every state variable the method changes; `state_gradients` the gradient of every
+    trainable state variable (in the units of the loss: the trainer hands it to the
+    compiled optimizer beside the model's gradient)."""
+
+    shared: tf.Tensor
+    specific: Optional[tf.Tensor] = None
+    loss_weights: Optional[tf.Tensor] = None
+    state: Mapping[str, tf.Tensor] = dataclasses.field(default_factory=dict)
+    state_gradients: Mapping[str, tf.Tensor] = dataclasses.field(default_factory=dict)
+
+
+class MultiTaskMethod:
+    """Base class of a multi-task method (see the module doc).
+
+    A subclass sets `name` (its registry key), `uses_gradients`, takes its
+    hyperparameters in `__init__` (validated there, with errors naming the argument),
+    stores them as attributes listed by `get_config`, and implements `combine`.
+    """
+
+    name: ClassVar[str] = ""
+    aliases: ClassVar[tuple] = ()
+    uses_gradients: ClassVar[bool] = True
+    #: "gradient" (surgery / multi-objective: task-specific variables get raw task
+    #: gradients) or "loss" (loss weighting: they get the task's loss weight).
+    kind: ClassVar[str] = "gradient"
+    #: what the method was checked against (the docs' table reads it).
+    reference: ClassVar[str] = ""
+
+    def state_spec(self, num_tasks: int) -> dict[str, StateSpec]:
+        return {}
+
+    def combine(self, inputs: TaskInputs, state: Mapping[str, tf.Tensor]) -> Combination:
+        raise NotImplementedError
+
+    def get_config(self) -> dict:
+        return {}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self.get_config() == other.get_config()
+
+    def __hash__(self):
+        return hash((type(self), tuple(sorted(self.get_config().items()))))
+
+
+def register(cls):
+    """Class decorator: makes `cls` reachable as `method=cls.name` (and its aliases)."""
+    for key in (cls.name, *cls.aliases):
+        if not key:
+            raise ValueError(f"{cls.__name__} has no `name`.")
+        if key in _REGISTRY and _REGISTRY[key] is not cls:
+            raise ValueError(f"Two multi-task methods are named {key!r}.")
+        _REGISTRY[key] = cls
+    return cls
+
+
+def method_names() -> tuple[str, ...]:
+    """The registry's primary names, in registration order."""
+    seen = []
+    for key, cls in _REGISTRY.items():
+        if key == cls.name and key not in seen:
+            seen.append(key)
+    return tuple(seen)
+
+
+def get_method(method, **options) -> MultiTaskMethod:
+    """A method object from a name (`"pcgrad"`, with `options` as its constructor's
+    arguments), a method object (returned as is; `options` must be empty), or a
+    serialized `{"name": ..., "config": {...}}`."""
+    if isinstance(method, MultiTaskMethod):
+        if options:
+            raise ValueError(
+                f"Options {sorted(options)} were given beside the method object {method!r}: "
+                "pass them to its constructor instead.")
+        return method
+    if isinstance(method, Mapping) and set(method) == {"name", "config"}:
+        return get_method(method["name"], **dict(method["config"]), **options)
+    if not isinstance(method, str) or method not in _REGISTRY:
+        raise ValueError(
+            f"`method` must be one of {method_names()} or a MultiTaskMethod object (e.g. "
+            f"tf_metaalign.algorithms.multitask.PCGrad()); got {method!r}.")
+    cls = _REGISTRY[method]
+    try:
+        return cls(**options)
+    except TypeError as e:
+        raise ValueError(f"Options {sorted(options)} do not apply to method {method!r} "
+                         f"({cls.__name__}): {e}") from None
+
+
+def serialize_method(method: MultiTaskMethod) -> dict:
+    return {"name": method.name, "config": method.get_config()}
+
+
+# ------------------------------------------------------------------ shared helpers
+
+
+def scalar(value, dtype) -> tf.Tensor:
+    """A python number as an exact `dtype` constant (`tf.cast` of a python float rounds
+    it through float32 first); tensors are cast."""
+    if isinstance(value, (bool, int, float)):
+        return tf.constant(float(value), dtype)
+    return tf.cast(value, dtype)
+
+
+def check_number(name, value, low=None, high=None, low_open=False, integer=False):
+    """Validate a hyperparameter; the error names the argument and the range."""
+    kinds = (int,) if integer else (int, float)
+    bad = isinstance(value, bool) or not isinstance(value, kinds)
+    if not bad:
+        if low is not None and (value <= low if low_open else value < low):
+            bad = True
+        if high is not None and value > high:
+            bad = True
+    if bad:
+        what = "an integer" if integer else "a number"
+        lo = "" if low is None else (f" > {low}" if low_open else f" >= {low}")
+        hi = "" if high is None else f" <= {high}"
+        raise ValueError(f"`{name}` must be {what}{lo}{hi}; got {value!r}.")
+    return int(value) if integer else float(value)
+
+
+def masked_softmax(logits, present):
+    """softmax over the present tasks (absent ones get 0)."""
+    logits = tf.where(present > 0, logits, tf.fill(tf.shape(logits),
+                                                   tf.constant(-1e30, logits.dtype)))
+    return tf.nn.softmax(logits) * present
+
+
+def random_uniform(seed, step, n, stream=0, dtype=tf.float64) -> tf.Tensor:
+    """n numbers in (0, 1), a pure function of (seed, step, stream): integer hashing, so
+    eager, graph, XLA and a resumed run draw the same (see `gradient_surgery.random_order`
+    for why not TensorFlow's stateless RNG)."""
+    from tf_metaalign.algorithms.gradient_surgery import _hash32, _uint32
+
+    step = tf.cast(step, tf.int64)
+    h = _hash32(tf.bitwise.bitwise_xor(_uint32(seed), _uint32(0x9E3779B9 * (stream + 1))))
+    h = _hash32(tf.bitwise.bitwise_xor(h, _uint32(step)))
+    h = tf.bitwise.bitwise_xor(h, _uint32(tf.bitwise.right_shift(step, 32)))
+    keys = _hash32(tf.bitwise.bitwise_xor(h, tf.constant(list(range(n)), tf.uint32)))
+    return (tf.cast(keys, dtype) + 0.5) / tf.constant(2.0 ** 32, dtype)
+
+
+def random_normal(seed, step, n, stream=0, dtype=tf.float64) -> tf.Tensor:
+    """n standard normal numbers, a pure function of (seed, step, stream) (Box-Muller on
+    two `random_uniform` streams)."""
+    u1 = random_uniform(seed, step, n, 2 * stream + 1, dtype)
+    u2 = random_uniform(seed, step, n, 2 * stream + 2, dtype)
+    two_pi = tf.constant(6.283185307179586, dtype)
+    return tf.sqrt(tf.constant(-2.0, dtype) * tf.math.log(u1)) * tf.cos(two_pi * u2)

@@ -1,0 +1,93 @@
+"""GradNorm (Chen et al., ICML 2018): task weights learned from gradient norms."""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf_metaalign import functional as F
+from tf_metaalign.algorithms import gradient_surgery as GS
+from tf_metaalign.algorithms.multitask.base import (
+    Combination, MultiTaskMethod, StateSpec, check_number, register)
+
+
+@register
+class GradNorm(MultiTaskMethod):
+    """G = sum_t w_t g_t with weights w (initially 1) that take one step of their own per
+    training step (`gradient_surgery.gradnorm_update`: learning rate `learning_rate`,
+    asymmetry `alpha`, renormalised to sum to T), measured at ONE shared weight W.
+
+    W: `variable`, a path of a shared variable or an index into the shared variables;
+    default the LAST shared variable of rank >= 2 (the paper's "last shared layer"; a
+    per-task head is task-specific and never picked). Task-specific variables receive
+    w_t times their task's gradient (the task's loss weight, as LibMTL's GradNorm
+    back-propagates the weighted loss sum). L_t(0) is the loss of task t at the first step
+    it appears in. State: `gradnorm_weights`, `gradnorm_initial_losses`, `gradnorm_seen`.
+
+    LibMTL's GradNorm differs: its weights are T softmax(p) with p trained by the model's
+    optimizer, its norms are over ALL shared parameters, and it starts after epoch 0; this
+    follows the paper's Algorithm 1 (one layer, renormalised weights).
+
+    Example:
+      >>> GradNorm(alpha=1.5, learning_rate=0.025)
+      GradNorm(alpha=1.5, learning_rate=0.025, variable=None)
+    """
+
+    name = "gradnorm"
+    kind = "loss"
+    reference = "Chen et al. 2018, Algorithm 1 (NumPy re-derivation)"
+
+    def __init__(self, alpha: float = 1.5, learning_rate: float = 0.025, variable=None):
+        self.alpha = check_number("alpha", alpha, 0.0)
+        self.learning_rate = check_number("learning_rate", learning_rate, 0.0)
+        if variable is not None and (isinstance(variable, bool)
+                                     or not isinstance(variable, (int, str))):
+            raise ValueError(
+                "`variable` (GradNorm's shared weight W) must be None, an index into the "
+                f"shared variables or a variable path; got {variable!r}.")
+        self.variable = variable
+
+    def state_spec(self, num_tasks):
+        return {"weights": StateSpec((num_tasks,), initializer="ones"),
+                "initial_losses": StateSpec((num_tasks,)),
+                "seen": StateSpec((num_tasks,))}
+
+    def variable_index(self, shared_variables) -> int:
+        """The position of W among the shared variables (errors name `variable`)."""
+        choice = self.variable
+        if choice is None:
+            ranked = [i for i, v in enumerate(shared_variables) if len(v.shape) >= 2]
+            if not ranked:
+                raise ValueError(
+                    "GradNorm: no shared trainable variable has rank >= 2; pass "
+                    "`variable` (a shared variable's index or path).")
+            return ranked[-1]
+        if isinstance(choice, int):
+            if not -len(shared_variables) <= choice < len(shared_variables):
+                raise ValueError(f"GradNorm `variable`={choice} is out of range: there are "
+                                 f"{len(shared_variables)} shared variables.")
+            return choice % len(shared_variables)
+        paths = [v.path for v in shared_variables]
+        if choice not in paths:
+            raise ValueError(f"GradNorm `variable`={choice!r} is not the path of a shared "
+                             f"variable; shared paths: {paths}.")
+        return paths.index(choice)
+
+    def combine(self, inputs, state):
+        acc = inputs.dtype
+        present, losses = inputs.present, inputs.losses
+        weights = tf.cast(state["weights"], acc)
+        seen = tf.cast(state["seen"], acc)
+        first = present * (1.0 - seen)
+        initial = tf.cast(state["initial_losses"], acc)
+        initial = initial + first * (losses - initial)
+        index = self.variable_index(inputs.shared_variables)
+        layer_norms = tf.stack([F.global_norm([g[index]]) for g in inputs.task_grads])
+        new_weights = GS.gradnorm_update(
+            weights, tf.cast(layer_norms, acc), losses, initial, present,
+            alpha=self.alpha, learning_rate=self.learning_rate)
+        return Combination(shared=weights, specific=weights,
+                           state={"weights": new_weights, "initial_losses": initial,
+                                  "seen": tf.maximum(seen, present)})
+
+    def get_config(self):
+        return {"alpha": self.alpha, "learning_rate": self.learning_rate,
+                "variable": self.variable}
