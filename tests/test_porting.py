@@ -355,11 +355,11 @@ def test_stacked_batches_from_an_episode_sampler():
 # ------------------------------------------------------------------- MAMLTrainer.adapt
 
 
-def _sinusoid_trainer():
+def _sinusoid_trainer(**kwargs):
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(8, activation="tanh"),
                               keras.layers.Dense(1)])
-    trainer = MAMLTrainer(model, inner_steps=1, inner_learning_rate=0.01)
+    trainer = MAMLTrainer(model, inner_steps=1, inner_learning_rate=0.01, **kwargs)
     trainer.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     return trainer
 
@@ -384,8 +384,9 @@ def test_adapt_refuses_one_task_without_its_task_axis():
                                    atol=1e-7)
 
 
-def test_zero_inner_steps_is_the_unadapted_score():
-    trainer = _sinusoid_trainer()
+@pytest.mark.parametrize("sharing", [False, True], ids=["maml", "gradient_sharing"])
+def test_zero_inner_steps_is_the_unadapted_score(sharing):
+    trainer = _sinusoid_trainer(gradient_sharing=True if sharing else None)
     model = trainer.model
     rng = np.random.default_rng(3)
     sx, qx = rng.uniform(-5, 5, (4, 10, 1)), rng.uniform(-5, 5, (4, 7, 1))

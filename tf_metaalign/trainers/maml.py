@@ -521,7 +521,7 @@ class MAMLTrainer(MetaTrainer):
         inner_fn, _ = self._loss_fns(loss_scale, training=training)
         hyper = self._hyper()
         kwargs = {}
-        if self.gradient_sharing is not None:
+        if self.gradient_sharing is not None and steps:
             index = [min(k, self.inner_steps - 1) for k in range(steps)]
             kwargs = dict(sharing=self.gradient_sharing, sharing_m=tf.gather(hyper["sharing_m"], index),
                           sharing_lambda=tf.gather(hyper["sharing_lambda"], index),
