@@ -38,14 +38,14 @@ def digits_28(seed=0):
     return up(d.x_train), d.y_train, up(d.x_test), d.y_test
 
 
-def convnet(seed=0):
+def convnet(seed=0, logits=False):
     keras.utils.set_random_seed(seed)
     return keras.Sequential([
         keras.Input((28, 28, 1)),
         keras.layers.Conv2D(32, 3, activation="relu"), keras.layers.MaxPooling2D(2),
         keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.MaxPooling2D(2),
         keras.layers.Flatten(), keras.layers.Dropout(0.5),
-        keras.layers.Dense(10, activation="softmax"),
+        keras.layers.Dense(10, activation=None if logits else "softmax"),
     ])
 
 
@@ -84,7 +84,7 @@ def run(spec, data, epochs, batch, lr, seed, build=None, from_logits=False):
 
     name, kwargs = parse(spec)
     x, y, xt, yt = data
-    model = build() if build else convnet(seed)
+    model = build() if build else convnet(seed, logits=from_logits)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits)
     if name == "plain":
         trainer = model
@@ -123,13 +123,16 @@ def main():
     p.add_argument("--output", default=None)
     p.add_argument("--task", default="convnet", choices=["convnet", "minilm"])
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--logits", action="store_true",
+                   help="convnet: a logits output and from_logits=True")
     a = p.parse_args()
     if a.task == "minilm":
         data, build = wordnet_minilm(a.seed, a.steps, a.batch)
         rows = [run(s, data, 0, a.batch, a.lr, a.seed, build, True) for s in a.runs.split(";")]
     else:
         data = digits_28(a.seed)
-        rows = [run(s, data, a.epochs, a.batch, a.lr, a.seed) for s in a.runs.split(";")]
+        rows = [run(s, data, a.epochs, a.batch, a.lr, a.seed, from_logits=a.logits)
+                for s in a.runs.split(";")]
     if a.output:
         with open(a.output, "w") as f:
             json.dump(dict(args=vars(a), rows=rows), f, indent=1)

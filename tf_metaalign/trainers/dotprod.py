@@ -171,11 +171,7 @@ class DotProdTrainer(MetaTrainer):
         n = F.batch_size(x)
         replicas = F.num_replicas()
         if replicas == 1:
-            if isinstance(n, int):
-                if n < 2:
-                    logging.info("DotProdTrainer: a batch of %d example(s) cannot be split "
-                                 "into b1, b2: trained as a plain step on (b, b).", n)
-                return n, n < 2, None
+            # A python bool when the size is static (a trace of its own: no tf.cond).
             return n, n < 2, None
         n_t = tf.cast(n, tf.float32)
         # One scalar all-reduce: any replica too small, and the global example count.
