@@ -534,3 +534,21 @@ def test_guidance_batch_smaller_than_the_replica_count_equals_one_replica():
         np.testing.assert_allclose(v1[n], v2[n], rtol=1e-5)
     for k in ("guidance_loss", "hypergrad_learning_rate"):
         np.testing.assert_allclose(h1[k], h2[k], rtol=2e-4, err_msg=k)
+
+
+def test_first_batch_not_divisible_by_the_replicas_trains_on_two_replicas():
+    """A first batch of 11 examples on 2 replicas (shards of 6 and 5; Keras 3.15's own
+    fit fails there building the model), and an identity-held-out shuffled dataset,
+    whose batches have any size."""
+    x, y = _data(64)
+    odd = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).map(lambda a, b: (a[:11], b[:11]))
+    shuffled = tf.data.Dataset.from_tensor_slices(_labelled_data(64)).shuffle(64, seed=0).batch(16)
+    guidance, rest = split_guidance_batch(shuffled)
+    for data, guide in ((odd, _data(8, seed=5)), (rest, guidance)):
+        with two_cpu_strategy().scope():
+            trainer = GuidedTrainer(_model(), guide, meta_optimizer=O.Adam(0.05))
+            trainer.compile(O.Adam(0.02), loss="mse")
+        hist = trainer.fit(data, epochs=2, verbose=0)
+        assert np.isfinite(hist.history["loss"]).all()
+        assert int(trainer.guided.steps.numpy()) == 8
+        assert trainer.learned_values()["learning_rate"] != 1.0
