@@ -36,7 +36,7 @@ EXAMPLES = REPO / "examples"
 DIFF_BUDGET = {
     "mnist_convnet": (8, "DotProdTrainer"),
     "text_classification_with_transformer": (8, "DotProdTrainer"),
-    "reptile": (28, "ReptileTrainer"),
+    "reptile": (29, "ReptileTrainer"),
 }
 AUTHORS = {
     "mnist_convnet": "fchollet",
@@ -125,16 +125,34 @@ def test_mnist_convnet_original_vs_dotprod():
 
 
 def test_text_classification_original_vs_dotprod():
-    """The published 2 epochs on 1,000 noun and 1,000 verb glosses: the original reaches
-    > 0.75 validation accuracy (chance 0.5), the DotProd port within 0.08 of it."""
+    """The published 2 epochs (batch 32) on 4,000 noun and 4,000 verb glosses: the original
+    reaches > 0.8 validation accuracy (chance 0.5; measured 0.911 at seed 0), the DotProd
+    port within 0.08 of it (0.888). Fewer examples are not a stable budget: with 1,000 per
+    class the original stays at chance in 2 epochs, with 2,000 it reached 0.87 or 0.68."""
     wordnet_or_skip()
-    args = ("--epochs", 2, "--examples", 1000)
+    args = ("--epochs", 2, "--examples", 4000, "--seed", 0)
     original = metric(run_example("text_classification_with_transformer", "original", *args),
                       "Validation accuracy")
     ported = metric(run_example("text_classification_with_transformer", "ported", *args),
                     "Validation accuracy")
-    assert original > 0.75
+    assert original > 0.8
     assert abs(ported - original) <= 0.08, (original, ported)
+
+
+
+@pytest.mark.slow
+def test_reptile_original_vs_port():
+    """100 meta-iterations (of the published 2,000), the final evaluation on 50 test tasks
+    of 5-way 5-shot (chance 0.2): the original above 0.35, the port within 0.12 of it.
+    The port draws the same tasks (Python's `random`, same seed) and computes the same
+    meta steps (test below), so the two differ only by float rounding. About 3 min on
+    2 shared cores (the original's eager loop is most of it)."""
+    omniglot_or_skip()
+    args = ("--meta_iters", 100, "--eval_interval", 100, "--final_tasks", 50)
+    original = metric(run_example("reptile", "original", *args), "Final test accuracy")
+    ported = metric(run_example("reptile", "ported", *args), "Final test accuracy")
+    assert original > 0.35
+    assert abs(ported - original) <= 0.12, (original, ported)
 
 
 # ------------------------------------------- Reptile: the port == the published loop

@@ -194,9 +194,10 @@ optimizer = keras.optimizers.SGD(learning_rate=learning_rate)
 ## Train the model
 """
 
-trainer = ReptileTrainer(model, inner_steps=16, inner_optimizer=learning_rate)
+# The loop calls model(images) (BatchNorm in inference mode) and differentiates the SUM
+# of a batch's losses: inner_training=False and reduction="sum" (see docs/porting.md).
+trainer = ReptileTrainer(model, inner_steps=16, inner_optimizer=learning_rate, inner_training=False)
 meta_schedule = keras.optimizers.schedules.PolynomialDecay(meta_step_size, meta_iters, 0.0)
-# The loop's tape differentiates the SUM of a batch's losses: reduction="sum".
 sum_loss = keras.losses.SparseCategoricalCrossentropy(reduction="sum")
 trainer.compile(optimizer=keras.optimizers.SGD(meta_schedule), loss=sum_loss)
 training = []
