@@ -8,12 +8,13 @@ Description: Few-shot classification on the Omniglot dataset using Reptile.
 From keras-io (https://github.com/keras-team/keras-io, examples/vision/reptile.py),
 licensed under the Apache License 2.0. Changed here, and only here: the Omniglot data
 come from the offline zips through `tf_metaalign.data.omniglot` instead of
-`tensorflow_datasets` (a download): see `Dataset.__init__`; the budget and seed are flags
-(`--meta_iters`, default 2000 as published; `--eval_interval`, default 1 as published;
-`--seed`); plots are drawn on the
-non-interactive Agg backend (the closing figure of predictions is left out);
-`model.predict(..., verbose=0)`; and after training, the example's own evaluation is
-repeated on `--final_tasks` test tasks and its mean printed (the program's metric).
+`tensorflow_datasets` (a download; see `Dataset.__init__`, and no urllib3 set-up); the
+budget and seed are flags (`--meta_iters`, default 2000, and `--eval_interval`, default
+1, as published; `--seed`); the plots are drawn on the non-interactive Agg backend, the
+smoothing window is capped at the number of evaluations, and the closing figure of
+predictions is left out; `model.predict(..., verbose=0)`; the meta-training time is
+printed; and after training the example's own evaluation is repeated on `--final_tasks`
+test tasks and its mean printed (the program's metric).
 See docs/examples.md.
 """
 
@@ -270,6 +271,8 @@ plt.grid()
 
 The evaluation of the loop above on `--final_tasks` test tasks (5-way 5-shot, one query
 per class, 5 SGD steps from the meta-learned weights): mean accuracy and a 95% interval.
+The prediction is the arg max over each query's classes (axis -1); the loop above keeps
+the published `tf.argmax(test_preds)`, which takes it over axis 0 (over the queries).
 """
 
 final = []
