@@ -236,7 +236,7 @@ def test_a_rule_with_an_op_without_forward_mode_is_reported_unsupported(make, op
 
 
 def test_supported_optimizers_come_from_the_probe():
-    assert O.supported_optimizers() == ("Adafactor", "Adam", "AdamWeightDecay", "Lamb", "RecAdam",
-                                      "SGD")
+    assert O.supported_optimizers() == ("Adafactor", "Adam", "AdamW", "AdamWeightDecay", "Lamb",
+                                      "RecAdam", "SGD")
     assert [c.__name__ for c in O.optimizer_classes()] == list(O.supported_optimizers())
     assert not O.supports_forward_mode(keras.optimizers.Adam(0.1))

@@ -315,8 +315,9 @@ def test_two_replicas_equal_one(float64, method, task_passes):
 
     def run(strategy):
         with strategy.scope():
+            options = {"gradvac_beta": 0.3} if method == "gradvac" else {}
             trainer = MultiTaskTrainer(_linear_model(), num_tasks=3, method=method,
-                                       gradvac_beta=0.3, task_passes=task_passes)
+                                       task_passes=task_passes, **options)
             trainer.compile(optimizer=keras.optimizers.Adam(0.05),
                             loss=keras.losses.MeanSquaredError())
         h = trainer.fit(data, y[:24], batch_size=8, epochs=2, shuffle=False, verbose=0)
@@ -356,7 +357,12 @@ def test_model_takes_task_id_with_per_task_heads(float64):
 @pytest.mark.parametrize("kwargs, argument", [
     (dict(num_tasks=0), "num_tasks"),
     (dict(num_tasks=2.0), "num_tasks"),
-    (dict(num_tasks=2, method="mgda"), "method"),
+    (dict(num_tasks=2, method="mgda-nope"), "method"),
+    (dict(num_tasks=2, method="pcgrad", method_options={"beta": 0.1}), "beta"),
+    (dict(num_tasks=2, method="sum", gradvac_beta=0.1), "gradvac_beta"),
+    (dict(num_tasks=2, task_specific_variables="heads"), "task_specific_variables"),
+    (dict(num_tasks=2, task_specific_variables=["nope/kernel"]), "task_specific_variables"),
+    (dict(num_tasks=2, measure_task_cosine="yes"), "measure_task_cosine"),
     (dict(num_tasks=2, model_takes_task_id="yes"), "model_takes_task_id"),
     (dict(num_tasks=2, seed=None), "seed"),
     (dict(num_tasks=2, gradvac_beta=1.5), "gradvac_beta"),

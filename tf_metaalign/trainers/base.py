@@ -198,8 +198,13 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
                 "tf.keras 2 / tf_keras models are not supported."
             )
         super().__init__(**kwargs)
-        if isinstance(tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
-            _compat.patch_keras_multi_worker_fit()  # Keras 3.15's fit fails there otherwise
+        strategy = tf.distribute.get_strategy()
+        if (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+                or strategy.num_replicas_in_sync > 1):
+            # Keras 3.15's fit fails under MultiWorkerMirroredStrategy, and under any
+            # strategy of several replicas when the first batch's shards differ in size (it
+            # builds by averaging them: a first batch of 11 rows on 2 replicas).
+            _compat.patch_keras_multi_worker_fit()
         self.model = model
         self._diagnostics = {}
         self._active_diagnostics = None  # None: all

@@ -663,11 +663,6 @@ class GuidedTrainer(MetaTrainer):
         # Raw guidance data for a keras-hub task goes through the task's preprocessor, as fit's does.
         guidance = GuidanceData(preprocess_data(model, guidance_data), max_guidance_batches)
         super().__init__(model, **kwargs)
-        if tf.distribute.get_strategy().num_replicas_in_sync > 1:
-            # Keras 3.15's fit builds from the first distributed batch by averaging its
-            # shards, which fails when they differ in size (a first batch of 11 on 2
-            # replicas, as identity holdout makes them): build from one shard instead.
-            _compat.patch_keras_multi_worker_fit()
         self._guidance = [guidance]  # a list hides the holder from Keras's tracking
         self.max_guidance_batches = max_guidance_batches
         self.guided = GuidedHyperparameters(

@@ -8,6 +8,7 @@ from tf_metaalign.data import multitask as multitask_data
 from tf_metaalign import _compat
 from tf_metaalign import functional as F
 from tf_metaalign.algorithms import gradient_surgery as GS
+from tf_metaalign.algorithms import multitask as methods
 from tf_metaalign.trainers.base import MetaTrainer
 
 #: How the per-task losses and gradients are computed (see `MultiTaskTrainer`).
@@ -60,100 +61,120 @@ class MultiTaskTrainer(MetaTrainer):
     combined gradient is handed to the optimizer divided by the replica count
     (`functional.replica_share`), whose cross-replica sum gives it back.
 
-    Methods (the gradient G given to the compiled optimizer):
-      "sum": G = sum_t grad L_t. On batches where every task has B/T examples and the
-        compiled loss is a mean, fit's loss on the union is (1/T) sum_t L_t, so G is
-        exactly T times plain `fit`'s gradient (plain fit with SGD at T * lr is the same
-        training).
-      "pcgrad": Yu et al. 2020 (see `gradient_surgery.pcgrad_coefficients`); the task
-        order is a permutation drawn from a stateless RNG on (seed, step), step = the
-        trainer's checkpointed step counter: deterministic and resumable.
-      "gradvac": Wang et al. 2021, global cosine (over the whole model), EMA targets per
-        ordered task pair, beta = `gradvac_beta`, updated AFTER their use in each pair
-        (`gradient_surgery.gradvac_coefficients`); same task order as PCGrad.
-      "gradnorm": Chen et al. 2018: G = sum_t w_t grad L_t with learned weights w
-        (initially 1), then w takes one step of its own (learning rate
-        `gradnorm_learning_rate`, asymmetry `gradnorm_alpha`) on the gradient norms at
-        one shared weight W and is renormalised to sum to T
-        (`gradient_surgery.gradnorm_update`). W: `gradnorm_variable` (an index into
-        `model.trainable_variables` or a variable path); default the LAST trainable
-        variable of rank >= 2 (the last shared kernel of a single-head model: give it
-        explicitly when the last kernel is a per-task head). L_t(0) is the loss of
-        task t at the first step it appears in.
+    Methods (`method=`): a name (`"pcgrad"`) or a method object (`PCGrad()`,
+    `GradVac(beta=0.2)`, ... from `tf_metaalign.algorithms.multitask`, whose registry
+    lists them all: `methods.method_names()`); a name takes its options from
+    `method_options={...}`. Each turns the global per-task losses L_t and gradients g_t
+    into coefficients (see `tf_metaalign.algorithms.multitask.base`):
+      shared variables:        G = sum_t c_t g_t   (the surgery / weighting)
+      task-specific variables: G = sum_t s_t g_t   (their own task's gradient: s = 1 for
+                               the gradient methods, s = the loss weights for the
+                               loss-weighting ones, as LibMTL does).
+    "sum" (equal weighting, LibMTL's EW): G = sum_t grad L_t, from ONE backward pass of
+    the summed loss; on batches where every task has B/T examples and the compiled loss
+    is a mean, that is exactly T times plain `fit`'s gradient. Loss-weighting methods
+    (`uses_gradients = False`: sum, UW, DWA, RLW, FAMO) take one backward pass of
+    sum_t w_t L_t; the gradient methods (PCGrad, GradVac, GradNorm, ...) take T. The
+    per-task-gradient `task_cosine` diagnostic is measured by the gradient methods, and
+    by the others only with `measure_task_cosine=True` (it costs T backward passes).
+
+    Shared vs task-specific variables (`task_specific_variables`): by default the
+    variables of every `PerTaskHead` layer in the model (the heads of
+    `data.one_head_per_task_model`) are task-specific and the rest shared; give a list
+    of further variables (or variable paths) to add them; "none" treats every variable
+    as shared (this trainer's behaviour before: surgery over the heads too). The surgery,
+    the Gram matrix, `task_cosine` and GradNorm's layer are over the shared variables.
+
+    The old keyword shortcuts `gradvac_beta`, `gradnorm_alpha`, `gradnorm_learning_rate`,
+    `gradnorm_variable` still set those methods' options (an error with any other method).
 
     Mixed precision: the per-task gradients are unscaled (divided by the loss scale)
     before the combination and the combined gradient scaled back for the
     LossScaleOptimizer.
 
-    State (checkpointed trainer variables): `count` (steps, drives the RNG),
-    `gradvac_targets` [T, T], `gradnorm_weights` [T], `gradnorm_initial_losses` [T],
-    `gradnorm_seen` [T]. Logs: "loss" = sum_t w_t L_t (w = 1 but for GradNorm) and
-    "task_cosine", the mean pairwise cosine of the task gradients (before surgery) over
-    the tasks present.
+    State (checkpointed trainer variables): `count` (steps, drives the RNG), the method's
+    own (`<method>_<key>`, e.g. `gradvac_targets` [T, T], `gradnorm_weights` [T]), and
+    `epochs_done` for the methods that read the epoch (DWA). Logs: "loss" =
+    sum_t w_t L_t with the method's loss weights, and "task_cosine", the mean pairwise
+    cosine of the task gradients (before surgery) over the tasks present.
     """
 
     def __init__(
         self,
         model: keras.Model,
         num_tasks: int,
-        method: str = "sum",
+        method="sum",
         model_takes_task_id: bool = False,
         seed: int = 0,
-        gradvac_beta: float = 1e-2,
-        gradnorm_alpha: float = 1.5,
-        gradnorm_learning_rate: float = 0.025,
-        gradnorm_variable=None,
+        method_options=None,
+        task_specific_variables=None,
+        measure_task_cosine=None,
         task_passes: str = "auto",
+        gradvac_beta=None,
+        gradnorm_alpha=None,
+        gradnorm_learning_rate=None,
+        gradnorm_variable=None,
         **kwargs,
     ):
         if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1:
             raise ValueError(f"`num_tasks` must be an integer >= 1; got {num_tasks!r}.")
-        if method not in GS.METHODS:
-            raise ValueError(f"`method` must be one of {GS.METHODS}; got {method!r}.")
         if not isinstance(model_takes_task_id, bool):
             raise ValueError(
                 f"`model_takes_task_id` must be a bool; got {model_takes_task_id!r}.")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"`seed` must be an integer; got {seed!r}.")
-        for name, value, low, high in (("gradvac_beta", gradvac_beta, 0.0, 1.0),
-                                       ("gradnorm_alpha", gradnorm_alpha, 0.0, None),
-                                       ("gradnorm_learning_rate", gradnorm_learning_rate, 0.0,
-                                        None)):
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or value < low or (high is not None and value > high)):
-                bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-                raise ValueError(f"`{name}` must be a number {bound}; got {value!r}.")
-        if gradnorm_variable is not None and (
-                isinstance(gradnorm_variable, bool)
-                or not isinstance(gradnorm_variable, (int, str))):
-            raise ValueError(
-                "`gradnorm_variable` must be None, an index into model.trainable_variables "
-                f"or a variable path; got {gradnorm_variable!r}.")
         if task_passes not in TASK_PASSES:
             raise ValueError(f"`task_passes` must be one of {TASK_PASSES}; got {task_passes!r}.")
+        if measure_task_cosine not in (None, True, False):
+            raise ValueError(f"`measure_task_cosine` must be None, True or False; got "
+                             f"{measure_task_cosine!r}.")
+        if method_options is not None and not isinstance(method_options, dict):
+            raise ValueError(f"`method_options` must be a dict of the method's arguments; got "
+                             f"{method_options!r}.")
+        options = dict(method_options or {})
+        shortcuts = {"gradvac_beta": ("gradvac", "beta", gradvac_beta),
+                     "gradnorm_alpha": ("gradnorm", "alpha", gradnorm_alpha),
+                     "gradnorm_learning_rate": ("gradnorm", "learning_rate",
+                                                gradnorm_learning_rate),
+                     "gradnorm_variable": ("gradnorm", "variable", gradnorm_variable)}
+        for arg, (owner, key, value) in shortcuts.items():
+            if value is None:
+                continue
+            if method != owner:
+                raise ValueError(f"`{arg}` is an option of method={owner!r}; got method="
+                                 f"{method!r} (give a method's options to its object or in "
+                                 "`method_options`).")
+            options[key] = value
+        self.method_object = methods.get_method(method, **options)
+        self._task_specific_request = _check_task_specific_request(task_specific_variables)
         super().__init__(model, **kwargs)
         self.task_passes = task_passes
         self.num_tasks = num_tasks
-        self.method = method
+        self.method = self.method_object.name
         self.model_takes_task_id = model_takes_task_id
         self.seed = seed
-        self.gradvac_beta = float(gradvac_beta)
-        self.gradnorm_alpha = float(gradnorm_alpha)
-        self.gradnorm_learning_rate = float(gradnorm_learning_rate)
-        self.gradnorm_variable = gradnorm_variable
+        self.measure_task_cosine = measure_task_cosine
         self.steps = self.every_k_steps(1, name="multitask_steps")
-        T = num_tasks
-        if method == "gradvac":
-            self.gradvac_targets = self.add_state_variable("gradvac_targets", (T, T), "float64")
-        if method == "gradnorm":
-            self.gradnorm_weights = self.add_state_variable(
-                "gradnorm_weights", (T,), "float64", initializer="ones")
-            self.gradnorm_initial_losses = self.add_state_variable(
-                "gradnorm_initial_losses", (T,), "float64")
-            self.gradnorm_seen = self.add_state_variable("gradnorm_seen", (T,), "float64")
+        self.method_state = {}
+        self._trainable_method_state = {}
+        for key, spec in self.method_object.state_spec(num_tasks).items():
+            name = spec.name or f"{self.method}_{key}"
+            initializer = spec.initializer
+            if isinstance(initializer, (int, float)):
+                initializer = keras.initializers.Constant(float(initializer))
+            if spec.trainable:
+                variable = self.add_weight(name=name, shape=spec.shape, dtype=spec.dtype,
+                                           initializer=initializer, trainable=True)
+                self._trainable_method_state[key] = variable
+            else:
+                variable = self.add_state_variable(name, spec.shape, spec.dtype, initializer)
+            self.method_state[key] = variable
+            setattr(self, name, variable)
+        self.epochs_done = (self.add_state_variable("epochs_done", dtype="int64")
+                            if getattr(self.method_object, "uses_epoch", False) else None)
         self.add_diagnostic("task_cosine", "mean")
-        if model.built and method == "gradnorm":
-            self._gradnorm_index()  # a bad `gradnorm_variable` fails now
+        if model.built:
+            self._variable_split()  # bad task_specific_variables / GradNorm layer fail now
 
     # ----------------------------------------------------------------- batches
 
@@ -183,32 +204,52 @@ class MultiTaskTrainer(MetaTrainer):
             self.model(self.model_inputs(x), training=False)
         return x, y, sample_weight
 
-    def _gradnorm_index(self):
+    def _variable_split(self):
+        """(shared, task-specific) positions in `model.trainable_variables`."""
         variables = self.model.trainable_variables
-        choice = self.gradnorm_variable
-        if choice is None:
-            ranked = [i for i, v in enumerate(variables) if len(v.shape) >= 2]
-            if not ranked:
-                raise ValueError(
-                    "MultiTaskTrainer(method='gradnorm'): the model has no trainable weight of "
-                    "rank >= 2; pass `gradnorm_variable` (index or path).")
-            return ranked[-1]
-        if isinstance(choice, int):
-            if not -len(variables) <= choice < len(variables):
-                raise ValueError(
-                    f"`gradnorm_variable`={choice} is out of range: the model has "
-                    f"{len(variables)} trainable variables.")
-            return choice % len(variables)
-        paths = [v.path for v in variables]
-        if choice not in paths:
-            raise ValueError(f"`gradnorm_variable`={choice!r} is not a trainable variable path "
-                             f"of the model; paths: {paths}.")
-        return paths.index(choice)
+        request = self._task_specific_request
+        specific = set()
+        if request != "none":
+            for layer in _compat.flatten_layers(self.model):
+                if isinstance(layer, multitask_data.PerTaskHead):
+                    specific |= {id(v) for v in layer.trainable_variables}
+            by_id = {id(v) for v in variables}
+            by_path = {v.path: v for v in variables}
+            for item in request or ():
+                if isinstance(item, str):
+                    if item not in by_path:
+                        raise ValueError(
+                            f"`task_specific_variables`: {item!r} is not the path of a "
+                            f"trainable variable of the model; paths: {sorted(by_path)}.")
+                    specific.add(id(by_path[item]))
+                elif id(item) in by_id:
+                    specific.add(id(item))
+                else:
+                    raise ValueError(
+                        "`task_specific_variables`: "
+                        f"{getattr(item, 'path', item)!r} is not a trainable variable of the "
+                        "model (give the model's own variables or their paths).")
+        shared = [i for i, v in enumerate(variables) if id(v) not in specific]
+        task_specific = [i for i, v in enumerate(variables) if id(v) in specific]
+        if not shared and self.method_object.uses_gradients:
+            raise ValueError(
+                f"MultiTaskTrainer(method={self.method!r}): every trainable variable is "
+                "task-specific, so there is no shared gradient to combine; check "
+                "`task_specific_variables`.")
+        if isinstance(self.method_object, methods.GradNorm):
+            self.method_object.variable_index([variables[i] for i in shared])
+        return shared, task_specific
+
+    def _needs_task_gradients(self):
+        if self.measure_task_cosine is not None:
+            return self.method_object.uses_gradients or self.measure_task_cosine
+        return self.method_object.uses_gradients
 
     # -------------------------------------------------------------------- step
 
     def train_step(self, data):
         x, y, sample_weight = self.unpack(data)
+        method = self.method_object
         T = self.num_tasks
         loss_scale = self.loss_scale()
         params, state = F.current_params(self.model), F.current_state(self.model)
@@ -225,58 +266,67 @@ class MultiTaskTrainer(MetaTrainer):
         # is the task's mean loss over the global batch.
         factors = tf.math.divide_no_nan(local_batch * replicas, counts)
         present = tf.cast(counts > 0, acc)
-
-        if self._gathered_passes():
-            task_losses, task_grads, new_state, y_pred = self._gathered_task_passes(
-                params, state, model_x, y, sample_weight, task_id, counts, replicas,
-                loss_scale, compiled, acc)
-            regularizer = reg_grads = None
-        else:
-            task_losses, task_grads, new_state, y_pred, regularizer, reg_grads = (
-                self._masked_task_passes(params, state, model_x, y, sample_weight, masks,
-                                         factors, loss_scale, compiled, acc))
-
-        # Global per-task losses and gradients, identical on every replica.
-        losses, task_grads = F.all_reduce_sum((tf.stack(task_losses), task_grads))
-        gram = GS.gram_matrix(task_grads)
-        cosine = GS.mean_pairwise_cosine(gram, present)
+        shared_index, specific_index = self._variable_split()
+        variables = self.model.trainable_variables
         step = tf.convert_to_tensor(self.steps.count.value)
+        epoch = (tf.convert_to_tensor(self.epochs_done.value) if self.epochs_done is not None
+                 else tf.constant(0, tf.int64))
+        method_state = {k: tf.convert_to_tensor(v.value) for k, v in self.method_state.items()}
 
-        weights = tf.ones([T], acc)
-        assignments = []
-        if self.method in ("pcgrad", "gradvac"):
-            order = GS.random_order(T, self.seed, step)
-        if self.method == "sum":
-            coefficients = weights
-        elif self.method == "pcgrad":
-            coefficients = GS.pcgrad_coefficients(gram, order)
-        elif self.method == "gradvac":
-            result = GS.gradvac_coefficients(
-                gram, tf.convert_to_tensor(self.gradvac_targets.value), order,
-                beta=self.gradvac_beta)
-            coefficients = result.coefficients
-            assignments.append((self.gradvac_targets, result.targets))
-        else:  # gradnorm
-            weights = tf.cast(tf.convert_to_tensor(self.gradnorm_weights.value), acc)
-            coefficients = weights
-            seen = tf.cast(tf.convert_to_tensor(self.gradnorm_seen.value), acc)
-            first = present * (1.0 - seen)
-            initial = tf.cast(tf.convert_to_tensor(self.gradnorm_initial_losses.value), acc)
-            initial = initial + first * (losses - initial)
-            index = self._gradnorm_index()
-            layer_norms = tf.stack([F.global_norm([g[index]]) for g in task_grads])
-            new_weights = GS.gradnorm_update(
-                weights, tf.cast(layer_norms, acc), losses, initial, present,
-                alpha=self.gradnorm_alpha, learning_rate=self.gradnorm_learning_rate)
-            assignments += [(self.gradnorm_weights, new_weights),
-                            (self.gradnorm_initial_losses, initial),
-                            (self.gradnorm_seen, tf.maximum(seen, present))]
+        def task_inputs(losses, task_grads=None):
+            shared_grads = gram = None
+            if task_grads is not None:
+                shared_grads = [[g[i] for i in shared_index] for g in task_grads]
+                gram = (GS.gram_matrix(shared_grads) if shared_index
+                        else tf.zeros([T, T], acc))
+            return methods.TaskInputs(
+                losses=losses, present=present, step=step, epoch=epoch, seed=self.seed,
+                gram=gram, task_grads=shared_grads,
+                shared_variables=[variables[i] for i in shared_index])
 
-        combined = GS.combine(task_grads, coefficients)
-        gradient = [g * tf.cast(loss_scale, g.dtype) for g in F.replica_share(combined)]
-        if reg_grads is not None:
-            gradient = F.add(gradient, reg_grads)
-        total = tf.reduce_sum(weights * losses)
+        regularizer = None
+        if self._needs_task_gradients():
+            if self._gathered_passes():
+                task_losses, task_grads, new_state, y_pred = self._gathered_task_passes(
+                    params, state, model_x, y, sample_weight, task_id, counts, replicas,
+                    loss_scale, compiled, acc)
+                reg_grads = None
+            else:
+                task_losses, task_grads, new_state, y_pred, regularizer, reg_grads = (
+                    self._masked_task_passes(params, state, model_x, y, sample_weight, masks,
+                                             factors, loss_scale, compiled, acc))
+            # Global per-task losses and gradients, identical on every replica.
+            losses, task_grads = F.all_reduce_sum((tf.stack(task_losses), task_grads))
+            inputs = task_inputs(losses, task_grads)
+            cosine = GS.mean_pairwise_cosine(inputs.gram, present)
+            cosine_weight = tf.cast(tf.reduce_sum(present) >= 2, tf.float32)
+            combination = method.combine(inputs, method_state)
+            shared_c, specific_c = _coefficients(combination, acc)
+            specific_positions = set(specific_index)
+            combined = []
+            for v in range(len(variables)):
+                c = specific_c if v in specific_positions else shared_c
+                combined.append(GS.combine([[g[v]] for g in task_grads], c)[0])
+            gradient = [g * tf.cast(loss_scale, g.dtype) for g in F.replica_share(combined)]
+            if reg_grads is not None:
+                gradient = F.add(gradient, reg_grads)
+        else:
+            # A loss-weighting method: the weights come from the losses alone, so ONE
+            # backward pass of sum_t w_t L_t (the cost of plain fit for "sum").
+            (gradient, losses, combination, new_state, y_pred,
+             regularizer) = self._weighted_loss_pass(
+                params, state, model_x, y, sample_weight, masks, factors, loss_scale,
+                compiled, acc, task_inputs, method_state)
+            cosine = tf.constant(0.0, acc)
+            cosine_weight = tf.constant(0.0, tf.float32)
+            shared_c, _ = _coefficients(combination, acc)
+
+        # The reported loss weighs each task as the method weighs its loss: the loss
+        # weights it names, else its task-specific coefficients (1 for the gradient
+        # methods, the weights of a weighting method).
+        loss_weights = next(tf.cast(w, acc) for w in (
+            combination.loss_weights, combination.specific, shared_c) if w is not None)
+        total = tf.reduce_sum(loss_weights * losses)
         if regularizer is not None:
             total = total + tf.cast(F.all_reduce_sum(regularizer), acc)
         loss = F.scale_loss_for_distribution(tf.cast(total, tf.float32))
@@ -284,15 +334,71 @@ class MultiTaskTrainer(MetaTrainer):
         # it again before the model's variables are touched).
         loss = self.check_finite_loss(loss)
         with tf.control_dependencies([loss]):
-            for variable, value in assignments:
+            for key, value in combination.state.items():
+                variable = self.method_state[key]
                 variable.assign(tf.cast(value, variable.dtype))
             gradient = [tf.identity(g) for g in gradient]
-        n_present = tf.reduce_sum(present)
-        return self.finish_step(
-            data, y_pred, loss, new_state=new_state, gradients=gradient,
-            diagnostics={"task_cosine": (cosine, tf.cast(n_present >= 2, tf.float32))},
-            where="the multi-task loss",
-        )
+        diagnostics = {"task_cosine": (cosine, cosine_weight)}
+        if not self._trainable_method_state:
+            return self.finish_step(data, y_pred, loss, new_state=new_state, gradients=gradient,
+                                    diagnostics=diagnostics, where="the multi-task loss")
+        # Trainable method state (UW's log-variances): trained by the compiled optimizer
+        # beside the model, with its global gradient shared out like the model's.
+        keys = list(self._trainable_method_state)
+        extra_vars = [self._trainable_method_state[k] for k in keys]
+        extra = F.replica_share([tf.cast(combination.state_gradients[k], v.dtype)
+                                 * tf.cast(loss_scale, v.dtype)
+                                 for k, v in zip(keys, extra_vars)])
+        all_vars = list(variables) + extra_vars
+        if not self.optimizer.built:
+            self.optimizer.build(all_vars)
+
+        def update():
+            self.optimizer.apply_gradients(zip(list(gradient) + extra, all_vars))
+
+        return self.finish_step(data, y_pred, loss, new_state=new_state, update=update,
+                                diagnostics=diagnostics, where="the multi-task loss")
+
+    def _weighted_loss_pass(self, params, state, model_x, y, sample_weight, masks, factors,
+                            loss_scale, compiled, acc, task_inputs, method_state):
+        """One forward and ONE backward pass of sum_t w_t L_t (w from the method)."""
+        T = self.num_tasks
+        with tf.GradientTape() as tape:
+            tape.watch(params)
+            y_pred, new_state, model_losses = F.stateless_forward(
+                self.model, params, state, model_x, training=True)
+            local = tf.stack([self._masked_task_loss(model_x, y, y_pred, sample_weight,
+                                                     masks[t], factors[t], compiled, acc)
+                              for t in range(T)])
+            losses = F.all_reduce_sum(tf.stop_gradient(local))
+            combination = self.method_object.combine(task_inputs(losses), method_state)
+            weights = tf.stop_gradient(tf.cast(combination.shared, acc))
+            total = tf.reduce_sum(weights * local) * tf.cast(loss_scale, acc)
+            regularizer = None
+            if model_losses:
+                zero = tf.zeros_like(masks[0], dtype=_loss_weight_dtype(y))
+                regularizer = F.compute_loss(self.model, model_x, y, y_pred, zero,
+                                             model_losses, training=True, loss=compiled)
+                total = total + tf.cast(regularizer, acc) * tf.cast(loss_scale, acc)
+        gradient = F.densify(tape.gradient(total, params,
+                                           unconnected_gradients=tf.UnconnectedGradients.ZERO))
+        return gradient, losses, combination, new_state, y_pred, regularizer
+
+    def _masked_task_loss(self, model_x, y, y_pred, sample_weight, mask, factor, compiled, acc):
+        """Task loss from the whole batch's outputs: the compiled loss with the task's
+        rows as sample weights, rescaled to the task's mean (see the class doc)."""
+        weight = mask if sample_weight is None else (
+            mask * tf.cast(tf.reshape(sample_weight, [-1]), acc))
+        value = F.compute_loss(self.model, model_x, y, y_pred,
+                               tf.cast(weight, _loss_weight_dtype(y)), [],
+                               training=True, loss=compiled)
+        return tf.cast(value, acc) * factor
+
+    def fit(self, *args, **kwargs):
+        if self.epochs_done is not None:
+            callbacks = list(kwargs.pop("callbacks", None) or [])
+            kwargs["callbacks"] = callbacks + [_EpochCounter(self.epochs_done)]
+        return super().fit(*args, **kwargs)
 
     def _masked_task_passes(self, params, state, model_x, y, sample_weight, masks, factors,
                             loss_scale, compiled, acc):
@@ -302,14 +408,9 @@ class MultiTaskTrainer(MetaTrainer):
             tape.watch(params)
             y_pred, new_state, model_losses = F.stateless_forward(
                 self.model, params, state, model_x, training=True)
-            task_losses = []
-            for t in range(T):
-                weight = masks[t] if sample_weight is None else (
-                    masks[t] * tf.cast(tf.reshape(sample_weight, [-1]), acc))
-                value = F.compute_loss(self.model, model_x, y, y_pred,
-                                       tf.cast(weight, _loss_weight_dtype(y)), [],
-                                       training=True, loss=compiled)
-                task_losses.append(tf.cast(value, acc) * factors[t])
+            task_losses = [self._masked_task_loss(model_x, y, y_pred, sample_weight, masks[t],
+                                                  factors[t], compiled, acc)
+                           for t in range(T)]
             scaled = [v * tf.cast(loss_scale, acc) for v in task_losses]
             regularizer = None
             if model_losses:
@@ -398,16 +499,45 @@ class MultiTaskTrainer(MetaTrainer):
         config = super().get_config()
         config.update(
             num_tasks=self.num_tasks,
-            method=self.method,
+            method=methods.serialize_method(self.method_object),
             model_takes_task_id=self.model_takes_task_id,
             seed=self.seed,
-            gradvac_beta=self.gradvac_beta,
-            gradnorm_alpha=self.gradnorm_alpha,
-            gradnorm_learning_rate=self.gradnorm_learning_rate,
-            gradnorm_variable=self.gradnorm_variable,
+            task_specific_variables=(
+                self._task_specific_request if self._task_specific_request in (None, "none")
+                else [getattr(v, "path", v) for v in self._task_specific_request]),
+            measure_task_cosine=self.measure_task_cosine,
             task_passes=self.task_passes,
         )
         return config
+
+
+class _EpochCounter(keras.callbacks.Callback):
+    """Counts completed epochs in a checkpointed trainer variable (DWA's loss history)."""
+
+    def __init__(self, variable):
+        super().__init__()
+        self._variable = [variable]  # a list: not tracked
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._variable[0].assign_add(1)
+
+
+def _check_task_specific_request(request):
+    if request is None or request == "none":
+        return request
+    if isinstance(request, str) or not isinstance(request, (list, tuple)):
+        raise ValueError(
+            '`task_specific_variables` must be None (the PerTaskHead layers\' variables), '
+            '"none" (every variable shared) or a list of the model\'s variables or their '
+            f"paths; got {request!r}.")
+    return list(request)
+
+
+def _coefficients(combination, acc):
+    """(shared, task-specific) coefficients of a method's Combination, in `acc`."""
+    shared = tf.cast(combination.shared, acc)
+    specific = shared if combination.specific is None else tf.cast(combination.specific, acc)
+    return shared, specific
 
 
 def _with_zero_row(a):

@@ -62,12 +62,12 @@ class GradNorm(MultiTaskMethod):
             return ranked[-1]
         if isinstance(choice, int):
             if not -len(shared_variables) <= choice < len(shared_variables):
-                raise ValueError(f"GradNorm `variable`={choice} is out of range: there are "
+                raise ValueError(f"GradNorm `variable` (gradnorm_variable)={choice} is out of range: there are "
                                  f"{len(shared_variables)} shared variables.")
             return choice % len(shared_variables)
         paths = [v.path for v in shared_variables]
         if choice not in paths:
-            raise ValueError(f"GradNorm `variable`={choice!r} is not the path of a shared "
+            raise ValueError(f"GradNorm `variable` (gradnorm_variable)={choice!r} is not the path of a shared "
                              f"variable; shared paths: {paths}.")
         return paths.index(choice)
 
