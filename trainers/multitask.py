@@ -360,7 +360,7 @@ def run_method(method: str, data: Data, seed: int, config: Config, log=print) ->
     stream = MultiTaskStream(data.train, batch_size=num_tasks * b, q=config.q, seed=seed)
     if method in MTL_FAMILY:
         trainer = MultiTaskTrainer(model, num_tasks=num_tasks, method=MTL_FAMILY[method],
-                                   seed=seed)
+                                   seed=seed, measure_task_cosine=True)
         optimizer = (O.RecAdam(config.learning_rate, anneal_k=config.recadam_k,
                                anneal_t0=config.steps // 4,
                                pretrain_cof=config.recadam_pretrain_cof,
