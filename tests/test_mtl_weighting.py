@@ -547,3 +547,82 @@ def test_float32_losses_with_float64_state(method):
         for a, b in zip(out[tf.float32], out[tf.float64]):
             assert np.all(np.isfinite(a))
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- through the trainer
+
+
+def _trainer_data():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(27, 4)), rng.normal(size=(27, 2))
+    task = (np.arange(27) % 3).astype("int32")
+    y[task == 1] *= -3.0  # a conflicting task
+    return x, y, task
+
+
+def _task_losses_and_grads(W, b, x, y, task):
+    """MSE of a linear model per task (mean over the task's rows and the 2 outputs) and
+    its gradient."""
+    losses, grads = [], []
+    for t in range(3):
+        X, Y = x[task == t], y[task == t]
+        R = X @ W + b - Y
+        losses.append(np.mean(R ** 2))
+        grads.append((X.T @ R / len(X), R.sum(0) / len(X)))
+    return np.array(losses), grads
+
+
+@pytest.mark.parametrize("name", ["famo", "uw", "dwa", "rlw"])
+def test_multitask_trainer_equals_numpy_reference(float64, name):
+    """MultiTaskTrainer(method=name) with SGD on a linear model == the NumPy reference
+    loop: FAMO full-batch (5 steps: then the reference's re-computed losses ARE the next
+    step's, so this is the official algorithm exactly), UW full-batch with s trained by
+    the same SGD, DWA over 4 epochs of 3 batches (LibMTL's buffer), RLW over 12 steps."""
+    import keras
+    from tf_metaalign.trainers import MultiTaskTrainer
+
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,), dtype="float64"),
+                              keras.layers.Dense(2, dtype="float64")])
+    x, y, task = _trainer_data()
+    lr, seed = 0.05, 3
+    full_batch = name in ("famo", "uw")
+    batch, epochs = (27, 5) if full_batch else (9, 4)
+    trainer = MultiTaskTrainer(model, num_tasks=3, method=name, seed=seed)
+    W, b = [v.numpy().copy() for v in model.trainable_variables]
+    W0 = W
+    trainer.compile(optimizer=keras.optimizers.SGD(lr), loss=keras.losses.MeanSquaredError())
+    trainer.fit({"inputs": x, "task_id": task}, y, batch_size=batch, epochs=epochs,
+                shuffle=False, verbose=0)
+
+    famo, s, history, step = ReferenceFAMO(3), np.full(3, -0.5), [], 0
+    for e in range(epochs):
+        history.append([])
+        for i in range(0, 27, batch):
+            rows = slice(i, i + batch)
+            L, G = _task_losses_and_grads(W, b, x[rows], y[rows], task[rows])
+            if name == "famo":
+                if step:
+                    famo.update_w(L)  # the previous step's batch re-evaluated
+                w = famo.backward(L)
+            elif name == "uw":
+                w = 0.5 * np.exp(-s)
+                s = s - lr * (0.5 - w * L)
+            elif name == "dwa":
+                w = libmtl_dwa(history[:-1] + [[L]], 3)[-1] if e > 1 else np.ones(3)
+            else:
+                draw = base.random_normal(seed, tf.constant(step, tf.int64), 3).numpy()
+                w = np.exp(draw) / np.exp(draw).sum()
+            history[-1].append(L)
+            W = W - lr * sum(wt * g[0] for wt, g in zip(w, G))
+            b = b - lr * sum(wt * g[1] for wt, g in zip(w, G))
+            step += 1
+    assert np.abs(W - W0).max() > 0.1
+    np.testing.assert_allclose(model.trainable_variables[0].numpy(), W, rtol=1e-12,
+                               atol=1e-13)
+    np.testing.assert_allclose(model.trainable_variables[1].numpy(), b, rtol=1e-12,
+                               atol=1e-13)
+    if name == "famo":
+        np.testing.assert_allclose(trainer.famo_logits.numpy(), famo.w, **TIGHT)
+    if name == "uw":
+        np.testing.assert_allclose(trainer.uw_log_variances.numpy(), s, **TIGHT)
