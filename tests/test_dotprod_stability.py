@@ -325,16 +325,18 @@ def test_dataset_with_unknown_batch_size_and_every(float64, n, every):
     assert np.isfinite(h.history["loss"]).all() and np.isfinite(h.history["grad_dot"]).all()
 
 
-def test_two_replicas_with_one_and_zero_examples_equal_one_replica(float64):
+@pytest.mark.parametrize("every", [1, 2])
+def test_two_replicas_with_one_and_zero_examples_equal_one_replica(float64, every):
     """A last global batch of 1: replica 0 gets 1 example, replica 1 none. Both replicas
-    take the plain step, weighted by their examples: == one replica's 2 * grad L(b)."""
+    take the plain step, weighted by their examples: == one replica's 2 * grad L(b). With
+    every=2 the small batch falls on a regularised pair (pair 2)."""
     x, y = _data(17, dtype="float64")
     order = np.concatenate([[s + 0, s + 1, s + 4, s + 5, s + 2, s + 3, s + 6, s + 7]
                             for s in range(0, 16, 8)] + [[16]])
-    single = _compile(DotProdTrainer(_mlp("float64", seed=13), weight=0.3))
+    single = _compile(DotProdTrainer(_mlp("float64", seed=13), weight=0.3, every=every))
     h1 = single.fit(x[order], y[order], batch_size=8, epochs=1, shuffle=False, verbose=0)
     with two_cpu_strategy().scope():
-        double = _compile(DotProdTrainer(_mlp("float64", seed=13), weight=0.3))
+        double = _compile(DotProdTrainer(_mlp("float64", seed=13), weight=0.3, every=every))
     h2 = double.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, verbose=0)
     _assert_weights_close(_weights(single.model), _weights(double.model), rtol=1e-6, atol=1e-9)
     for key in ("loss", "grad_dot", "grad_cosine", "reg_ratio", "unsplit_fraction"):
