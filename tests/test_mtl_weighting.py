@@ -626,3 +626,39 @@ def test_multitask_trainer_equals_numpy_reference(float64, name):
         np.testing.assert_allclose(trainer.famo_logits.numpy(), famo.w, **TIGHT)
     if name == "uw":
         np.testing.assert_allclose(trainer.uw_log_variances.numpy(), s, **TIGHT)
+
+
+@pytest.mark.parametrize("name", ["uw", "dwa", "famo"])
+def test_two_replicas_equal_one(float64, name):
+    """The method sees the global losses on every replica: 2 replicas take the steps 1
+    replica takes (model, UW's log-variances trained by Adam, the methods' state)."""
+    import keras
+    from conftest import two_cpu_strategy
+    from tf_metaalign.trainers import MultiTaskTrainer
+
+    x, y, task = _trainer_data()
+    data = {"inputs": x[:24], "task_id": task[:24]}
+
+    def run(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            model = keras.Sequential([keras.Input((4,), dtype="float64"),
+                                      keras.layers.Dense(2, dtype="float64")])
+            trainer = MultiTaskTrainer(model, num_tasks=3, method=name, seed=2)
+            trainer.compile(optimizer=keras.optimizers.Adam(0.05),
+                            loss=keras.losses.MeanSquaredError())
+        h = trainer.fit(data, y[:24], batch_size=8, epochs=3, shuffle=False, verbose=0)
+        state = {k: v.numpy() for k, v in trainer.method_state.items()}
+        return [v.numpy() for v in model.trainable_variables], state, h.history["loss"]
+
+    one, state1, loss1 = run(tf.distribute.get_strategy())
+    two, state2, loss2 = run(two_cpu_strategy())
+    for a, b in zip(one, two):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    for key in state1:
+        np.testing.assert_allclose(state1[key], state2[key], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(loss1, loss2, rtol=1e-6)  # float32 metrics
+    if name == "uw":
+        assert np.abs(state1["log_variances"] + 0.5).max() > 0.05
+    if name == "dwa":
+        np.testing.assert_equal(state1["epoch"], 2.0)
