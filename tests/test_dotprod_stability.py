@@ -17,7 +17,8 @@ import pytest
 import tensorflow as tf
 
 from conftest import two_cpu_strategy
-from test_dotprod import MSE, MSE64, _assert_weights_close, _data, _mlp, _weights
+from test_dotprod import (MSE, MSE64, _assert_weights_close, _data, _mlp,
+                          _reference_minus_h2_g1, _weights)
 from tf_metaalign import functional as F
 from tf_metaalign.algorithms.dotprod import dotprod_gradient
 from tf_metaalign.callbacks import DivergenceGuard
@@ -72,6 +73,31 @@ def test_capped_and_dot_equal_numpy_oracle_on_quadratics(method, weight, cap):
         np.testing.assert_array_equal(results["capped"], results["dot"])
     else:  # the test can fail: the cap changed the step
         assert not np.allclose(results["capped"], results["dot"])
+
+
+@pytest.mark.parametrize("method, rtol", [("exact", 1e-9), ("finite_difference", 1e-5)])
+def test_capped_on_a_float64_mlp_equals_numpy_from_an_independent_hessian(float64, method, rtol):
+    """G1, G2 by plain tapes on the assigned model, -H2 G1 by a double-backward pass
+    (independent of the library), the cap's formula in NumPy; the cap binds (weight 2)."""
+    model = _mlp("float64", seed=16)
+    x, y = _data(dtype="float64")
+    b1, b2 = (x[:32], y[:32]), (x[32:], y[32:])
+    grads = []
+    for bx, by in (b1, b2):
+        with tf.GradientTape() as tape:
+            loss = MSE64(by, model(bx, training=True))
+        grads.append(np.concatenate([g.numpy().ravel() for g in tape.gradient(loss, model.trainable_variables)]))
+    reg = np.concatenate([r.numpy().ravel() for r in _reference_minus_h2_g1(model, b1, b2)])
+    weight, cap = 2.0, 0.5
+    pair = grads[0] + grads[1]
+    ratio = weight * np.linalg.norm(reg) / np.linalg.norm(pair)
+    assert ratio > cap  # the cap binds
+    expected = pair + min(1.0, cap / ratio) * weight * reg
+    r = dotprod_gradient(F.make_loss_fn(model, MSE64), F.current_params(model), F.current_state(model),
+                         b1, b2, weight=weight, cap=cap, method=method)
+    got = np.concatenate([g.numpy().ravel() for g in r.gradient])
+    np.testing.assert_allclose(got, expected, rtol=rtol, atol=rtol * np.abs(expected).max())
+    np.testing.assert_allclose(r.reg_ratio.numpy(), ratio, rtol=rtol)
 
 
 def test_capped_equals_dot_bit_for_bit_where_the_cap_does_not_bind():
