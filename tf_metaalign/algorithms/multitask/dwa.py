@@ -73,15 +73,14 @@ class DynamicWeightAverage(MultiTaskMethod):
         epoch = tf.cast(inputs.epoch, acc)
         # Roll over when the epoch changed and the accumulated epoch had any step.
         counts = get["counts"]
-        roll = tf.cast(tf.not_equal(epoch, get["epoch"]), acc) * tf.cast(
-            tf.reduce_any(counts > 0), acc)
+        changed = tf.cast(tf.not_equal(epoch, get["epoch"]), acc)
+        roll = changed * tf.cast(tf.reduce_any(counts > 0), acc)
         had = tf.cast(counts > 0, acc)
         average = tf.math.divide_no_nan(get["sums"], counts)
         last = get["last"] + roll * (average - get["last"])
         last_valid = get["last_valid"] + roll * (had - get["last_valid"])
         before = get["before"] + roll * (get["last"] - get["before"])
         before_valid = get["before_valid"] + roll * (get["last_valid"] - get["before_valid"])
-        changed = tf.cast(tf.not_equal(epoch, get["epoch"]), acc)
         sums = (1.0 - changed) * get["sums"]
         counts = (1.0 - changed) * counts
         # Weights from the history.
