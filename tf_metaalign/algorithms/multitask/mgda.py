@@ -54,6 +54,8 @@ class MGDA(MultiTaskMethod):
     """
 
     name = "mgda"
+    kind = "gradient"
+    uses_gradients = True
     reference = "LibMTL MGDA (MinNormSolver, mgda_gn); isl-org/MultiObjectiveOptimization"
 
     def __init__(self, normalization: str = "none", max_iter: int = 250,
