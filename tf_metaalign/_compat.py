@@ -76,6 +76,88 @@ def flatten_layers(model: keras.Model):
     return list(model._flatten_layers(include_self=False))
 
 
+@contextlib.contextmanager
+def recorded_loss_terms(compile_loss):
+    """Within the block, every call of `compile_loss` (a `CompileLoss`, what
+    `compile(loss=..., loss_weights=...)` builds) appends to the yielded list one
+    `(value, loss_weight)` per output loss, in Keras's order: `value` is what that
+    output's loss function returned, before Keras casts it to the compiled loss's
+    dtype and multiplies it by the weight. The compiled loss's own result (the total,
+    its per-output loss trackers) is unchanged.
+
+    Private: `CompileLoss._flat_losses` (the per-output `(path, loss, loss_weights,
+    name)` terms, built at the first call) and an instance `build` while it is not yet
+    built. Keras has no public per-output loss values; the multi-task trainer needs each
+    output's loss exactly as `fit` computes it (the target/prediction matching, nested
+    sample weights, `loss_weights`) without re-implementing `CompileLoss.call`.
+    """
+    record = []
+    original = {"terms": None}
+
+    def wrap():
+        terms = compile_loss._flat_losses
+        original["terms"] = terms
+
+        def recorder(fn, weight):
+            def call(y_true, y_pred, sample_weight=None):
+                value = fn(y_true, y_pred, sample_weight)
+                record.append((value, weight))
+                return value
+            return call
+
+        compile_loss._flat_losses = [
+            term._replace(loss=recorder(term.loss, term.loss_weights)) for term in terms]
+
+    patched_build = False
+    if compile_loss.built:
+        wrap()
+    else:
+        keras_build = type(compile_loss).build
+
+        def build(y_true, y_pred):
+            keras_build(compile_loss, y_true, y_pred)
+            wrap()
+
+        compile_loss.build = build
+        patched_build = True
+    try:
+        yield record
+    finally:
+        if patched_build:
+            del compile_loss.build
+        if original["terms"] is not None:
+            compile_loss._flat_losses = original["terms"]
+
+
+def compile_loss_names(compile_loss):
+    """The names of a built `CompileLoss`'s per-output terms (the output names Keras
+    logs as `<name>_loss`), in its order; None if it is not built.
+
+    Private: `CompileLoss._flat_losses` (see `recorded_loss_terms`).
+    """
+    if not getattr(compile_loss, "built", False):
+        return None
+    return [term.name for term in compile_loss._flat_losses]
+
+
+def producing_node(tensor):
+    """`(operation, input_tensors)` of the functional-graph node that produced the
+    KerasTensor `tensor`, or None for a graph input (`keras.Input`).
+
+    Private: `KerasTensor._keras_history`, `Operation._inbound_nodes` and the `Node`
+    class (`keras.src.ops.node`). Keras exposes a functional model's layers but not its
+    connectivity; `tf_metaalign.model_graph` walks it to find which layers feed one
+    output only (task-specific heads) and the shared representation.
+    """
+    history = getattr(tensor, "_keras_history", None)
+    if history is None or history.operation is None:
+        return None
+    node = history.operation._inbound_nodes[history.node_index]
+    if node.is_input:
+        return None
+    return node, history.operation, list(node.input_tensors)
+
+
 def scale_loss_for_distribution(value):
     """Divide a per-replica loss by the replica count exactly as Keras does.
 

@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from tf_metaalign.data import multitask as multitask_data
 from tf_metaalign import _compat
+from tf_metaalign import model_graph
 from tf_metaalign import functional as F
 from tf_metaalign.algorithms import gradient_surgery as GS
 from tf_metaalign.algorithms import multitask as methods
@@ -13,6 +14,8 @@ from tf_metaalign.trainers.base import MetaTrainer
 
 #: How the per-task losses and gradients are computed (see `MultiTaskTrainer`).
 TASK_PASSES = ("auto", "gathered", "masked")
+#: What a task is (see `MultiTaskTrainer`): rows of the batch (`task_id`) or model outputs.
+TASK_SETTINGS = ("rows", "outputs")
 
 
 
@@ -102,7 +105,7 @@ class MultiTaskTrainer(MetaTrainer):
     def __init__(
         self,
         model: keras.Model,
-        num_tasks: int,
+        num_tasks=None,
         method="sum",
         model_takes_task_id: bool = False,
         seed: int = 0,
@@ -114,10 +117,51 @@ class MultiTaskTrainer(MetaTrainer):
         gradnorm_alpha=None,
         gradnorm_learning_rate=None,
         gradnorm_variable=None,
+        tasks=None,
+        rep_grad: bool = False,
+        representation=None,
         **kwargs,
     ):
-        if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1:
-            raise ValueError(f"`num_tasks` must be an integer >= 1; got {num_tasks!r}.")
+        if num_tasks is not None and (isinstance(num_tasks, bool)
+                                      or not isinstance(num_tasks, int) or num_tasks < 1):
+            raise ValueError(f"`num_tasks` must be an integer >= 1 (or None: one task per "
+                             f"output of a multi-output model); got {num_tasks!r}.")
+        if tasks is not None and tasks not in TASK_SETTINGS:
+            raise ValueError(f"`tasks` must be None, 'rows' or 'outputs'; got {tasks!r}.")
+        if not isinstance(rep_grad, bool):
+            raise ValueError(f"`rep_grad` must be a bool; got {rep_grad!r}.")
+        if representation is not None and not isinstance(representation, str):
+            raise ValueError(f"`representation` must be None or a layer name; got "
+                             f"{representation!r}.")
+        if representation is not None and not rep_grad:
+            raise ValueError("`representation` names the layer for `rep_grad=True`; got "
+                             f"representation={representation!r} with rep_grad=False.")
+        setting = tasks or ("rows" if num_tasks is not None else "outputs")
+        if setting == "rows" and num_tasks is None:
+            raise ValueError("`num_tasks` is required with tasks='rows' (the number of "
+                             "task_id values).")
+        if setting == "outputs":
+            if model_takes_task_id:
+                raise ValueError("`model_takes_task_id=True` is for tasks='rows' (batches "
+                                 "with a task_id); got tasks='outputs'.")
+            if task_passes == "gathered":
+                raise ValueError("`task_passes`='gathered' gathers the rows of each task; "
+                                 "with tasks='outputs' every row belongs to every task "
+                                 "(use 'auto' or 'masked').")
+            outputs = len(model.outputs) if model_graph.has_graph(model) else None
+            if num_tasks is None:
+                if outputs is None:
+                    raise ValueError(
+                        f"`num_tasks` is None and the model {model.name!r} has no graph to "
+                        "count its outputs: give `num_tasks` (one task per compiled output "
+                        "loss) with tasks='outputs'.")
+                if outputs < 2:
+                    raise ValueError(
+                        f"`num_tasks` is None, which means one task per model output, but "
+                        f"the model {model.name!r} has {outputs} output: give `num_tasks` "
+                        "and batches {'inputs': ..., 'task_id': ...} for tasks that are "
+                        "rows of the batch, or a model with one output per task.")
+                num_tasks = outputs
         if not isinstance(model_takes_task_id, bool):
             raise ValueError(
                 f"`model_takes_task_id` must be a bool; got {model_takes_task_id!r}.")
@@ -150,6 +194,13 @@ class MultiTaskTrainer(MetaTrainer):
         super().__init__(model, **kwargs)
         self.task_passes = task_passes
         self.num_tasks = num_tasks
+        self.tasks = setting
+        self.rep_grad = rep_grad
+        self.representation = representation
+        self._cache = _Untracked()
+        if setting == "outputs" and model_graph.has_graph(model):
+            # Keras's compile names per-output losses and metrics by the output names.
+            self.output_names = list(model.output_names)
         self.method = self.method_object.name
         self.model_takes_task_id = model_takes_task_id
         self.seed = seed
@@ -173,12 +224,21 @@ class MultiTaskTrainer(MetaTrainer):
         self.epochs_done = (self.add_state_variable("epochs_done", dtype="int64")
                             if getattr(self.method_object, "uses_epoch", False) else None)
         self.add_diagnostic("task_cosine", "mean")
+        if rep_grad and not self.method_object.uses_gradients:
+            raise ValueError(
+                f"`rep_grad=True` computes the task gradients at the shared representation; "
+                f"method={self.method!r} weighs the losses without task gradients (its "
+                "update is one backward pass already): use rep_grad=False.")
         if model.built:
             self._variable_split()  # bad task_specific_variables / GradNorm layer fail now
+            if rep_grad:
+                self._rep_plan()
 
     # ----------------------------------------------------------------- batches
 
     def model_inputs(self, x):
+        if self.tasks == "outputs":
+            return x
         return multitask_data.model_inputs_of(x, self.model_takes_task_id)
 
     def call(self, inputs, training=None):
@@ -189,12 +249,17 @@ class MultiTaskTrainer(MetaTrainer):
 
     def unpack(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if self.tasks == "outputs":
+            if not self.model.built:
+                self.model(x, training=False)
+            return x, y, sample_weight
         if not multitask_data.is_task_batch_x(x):
             raise ValueError(
                 "MultiTaskTrainer: a training batch's x must be a dict {'inputs': <model "
                 "inputs>, 'task_id': int [B]}; got "
                 + (f"a dict with keys {sorted(x)}" if isinstance(x, dict)
-                   else type(x).__name__) + ".")
+                   else type(x).__name__) + " (for a model with one output per task, "
+                "compiled with a loss per output, use tasks='outputs' or num_tasks=None).")
         task_id = x["task_id"]
         if not task_id.dtype.is_integer or task_id.shape.rank != 1:
             raise ValueError(
@@ -213,6 +278,10 @@ class MultiTaskTrainer(MetaTrainer):
             for layer in _compat.flatten_layers(self.model):
                 if isinstance(layer, multitask_data.PerTaskHead):
                     specific |= {id(v) for v in layer.trainable_variables}
+            if self.tasks == "outputs" and model_graph.has_graph(self.model):
+                # The layers only one output depends on are that output's head.
+                for own in model_graph.task_specific_variables(self.model):
+                    specific |= {id(v) for v in own}
             by_id = {id(v) for v in variables}
             by_path = {v.path: v for v in variables}
             for item in request or ():
@@ -255,17 +324,33 @@ class MultiTaskTrainer(MetaTrainer):
         params, state = F.current_params(self.model), F.current_state(self.model)
         acc = F.accumulation_dtype(params)
         compiled = self._compiled_loss()
-        model_x = x if self.model_takes_task_id else x["inputs"]
 
-        task_id = tf.cast(x["task_id"], tf.int32)
-        masks = [tf.cast(tf.equal(task_id, t), acc) for t in range(T)]
-        local_batch = tf.cast(F.batch_size(task_id), acc)
-        counts = F.all_reduce_sum(tf.stack([tf.reduce_sum(m) for m in masks]))
-        replicas = tf.cast(F.num_replicas(), acc)
-        # loss_t (per replica, Keras units) * B_local * R / n_t, summed over replicas,
-        # is the task's mean loss over the global batch.
-        factors = tf.math.divide_no_nan(local_batch * replicas, counts)
-        present = tf.cast(counts > 0, acc)
+        if self.tasks == "outputs":
+            # Every example carries every task: task t's loss is output t's compiled loss
+            # (times its loss weight), in Keras's per-replica units; summed over the
+            # replicas it is the global batch's loss, as fit's.
+            model_x = x
+            present = tf.ones([T], acc)
+
+            def task_losses_of(y_pred):
+                return self._output_task_losses(model_x, y, y_pred, sample_weight, compiled,
+                                                acc)
+        else:
+            model_x = x if self.model_takes_task_id else x["inputs"]
+            task_id = tf.cast(x["task_id"], tf.int32)
+            masks = [tf.cast(tf.equal(task_id, t), acc) for t in range(T)]
+            local_batch = tf.cast(F.batch_size(task_id), acc)
+            counts = F.all_reduce_sum(tf.stack([tf.reduce_sum(m) for m in masks]))
+            replicas = tf.cast(F.num_replicas(), acc)
+            # loss_t (per replica, Keras units) * B_local * R / n_t, summed over replicas,
+            # is the task's mean loss over the global batch.
+            factors = tf.math.divide_no_nan(local_batch * replicas, counts)
+            present = tf.cast(counts > 0, acc)
+
+            def task_losses_of(y_pred):
+                return [self._masked_task_loss(model_x, y, y_pred, sample_weight, masks[t],
+                                               factors[t], compiled, acc) for t in range(T)]
+
         shared_index, specific_index = self._variable_split()
         variables = self.model.trainable_variables
         step = tf.convert_to_tensor(self.steps.count.value)
@@ -273,28 +358,41 @@ class MultiTaskTrainer(MetaTrainer):
                  else tf.constant(0, tf.int64))
         method_state = {k: tf.convert_to_tensor(v.value) for k, v in self.method_state.items()}
 
-        def task_inputs(losses, task_grads=None):
-            shared_grads = gram = None
-            if task_grads is not None:
+        def task_inputs(losses, task_grads=None, gram=None, shared_variables=None):
+            shared_grads = None
+            if task_grads is not None and gram is None:
                 shared_grads = [[g[i] for i in shared_index] for g in task_grads]
                 gram = (GS.gram_matrix(shared_grads) if shared_index
                         else tf.zeros([T, T], acc))
+            elif task_grads is not None:
+                shared_grads = task_grads
+            if shared_variables is None:
+                shared_variables = [variables[i] for i in shared_index]
             return methods.TaskInputs(
                 losses=losses, present=present, step=step, epoch=epoch, seed=self.seed,
-                gram=gram, task_grads=shared_grads,
-                shared_variables=[variables[i] for i in shared_index])
+                gram=gram, task_grads=shared_grads, shared_variables=shared_variables)
 
         regularizer = None
-        if self._needs_task_gradients():
-            if self._gathered_passes():
+        if self.rep_grad:
+            # Task gradients at the shared representation z (LibMTL rep_grad=True): T
+            # backward passes through the heads, the method on the Gram matrix of
+            # r_t = sum over the batch of dL_t/dz, ONE backward pass of
+            # sum_t c_t dL_t/dz through the encoder.
+            (losses, rep_vectors, combination, cosine, gradient, new_state, y_pred,
+             regularizer) = self._rep_grad_step(params, state, model_x, y, task_losses_of,
+                                                loss_scale, acc, task_inputs, method_state)
+            cosine_weight = tf.cast(tf.reduce_sum(present) >= 2, tf.float32)
+            shared_c, _ = _coefficients(combination, acc)
+        elif self._needs_task_gradients():
+            if self.tasks == "rows" and self._gathered_passes():
                 task_losses, task_grads, new_state, y_pred = self._gathered_task_passes(
                     params, state, model_x, y, sample_weight, task_id, counts, replicas,
                     loss_scale, compiled, acc)
                 reg_grads = None
             else:
                 task_losses, task_grads, new_state, y_pred, regularizer, reg_grads = (
-                    self._masked_task_passes(params, state, model_x, y, sample_weight, masks,
-                                             factors, loss_scale, compiled, acc))
+                    self._masked_task_passes(params, state, model_x, y, task_losses_of,
+                                             loss_scale, acc))
             # Global per-task losses and gradients, identical on every replica.
             losses, task_grads = F.all_reduce_sum((tf.stack(task_losses), task_grads))
             inputs = task_inputs(losses, task_grads)
@@ -315,8 +413,8 @@ class MultiTaskTrainer(MetaTrainer):
             # backward pass of sum_t w_t L_t (the cost of plain fit for "sum").
             (gradient, losses, combination, new_state, y_pred,
              regularizer) = self._weighted_loss_pass(
-                params, state, model_x, y, sample_weight, masks, factors, loss_scale,
-                compiled, acc, task_inputs, method_state)
+                params, state, model_x, y, task_losses_of, loss_scale, acc, task_inputs,
+                method_state)
             cosine = tf.constant(0.0, acc)
             cosine_weight = tf.constant(0.0, tf.float32)
             shared_c, _ = _coefficients(combination, acc)
@@ -359,26 +457,20 @@ class MultiTaskTrainer(MetaTrainer):
         return self.finish_step(data, y_pred, loss, new_state=new_state, update=update,
                                 diagnostics=diagnostics, where="the multi-task loss")
 
-    def _weighted_loss_pass(self, params, state, model_x, y, sample_weight, masks, factors,
-                            loss_scale, compiled, acc, task_inputs, method_state):
+    def _weighted_loss_pass(self, params, state, model_x, y, task_losses_of, loss_scale, acc,
+                            task_inputs, method_state):
         """One forward and ONE backward pass of sum_t w_t L_t (w from the method)."""
-        T = self.num_tasks
         with tf.GradientTape() as tape:
             tape.watch(params)
             y_pred, new_state, model_losses = F.stateless_forward(
                 self.model, params, state, model_x, training=True)
-            local = tf.stack([self._masked_task_loss(model_x, y, y_pred, sample_weight,
-                                                     masks[t], factors[t], compiled, acc)
-                              for t in range(T)])
+            local = tf.stack(task_losses_of(y_pred))
             losses = F.all_reduce_sum(tf.stop_gradient(local))
             combination = self.method_object.combine(task_inputs(losses), method_state)
             weights = tf.stop_gradient(tf.cast(combination.shared, acc))
             total = tf.reduce_sum(weights * local) * tf.cast(loss_scale, acc)
-            regularizer = None
-            if model_losses:
-                zero = tf.zeros_like(masks[0], dtype=_loss_weight_dtype(y))
-                regularizer = F.compute_loss(self.model, model_x, y, y_pred, zero,
-                                             model_losses, training=True, loss=compiled)
+            regularizer = self._regularizer(model_x, y, y_pred, model_losses)
+            if regularizer is not None:
                 total = total + tf.cast(regularizer, acc) * tf.cast(loss_scale, acc)
         gradient = F.densify(tape.gradient(total, params,
                                            unconnected_gradients=tf.UnconnectedGradients.ZERO))
@@ -394,29 +486,71 @@ class MultiTaskTrainer(MetaTrainer):
                                training=True, loss=compiled)
         return tf.cast(value, acc) * factor
 
+    def _output_task_losses(self, model_x, y, y_pred, sample_weight, compiled, acc):
+        """The T output losses of a multi-output model (tasks='outputs'): ONE call of the
+        compiled loss, as fit makes it (its per-output loss trackers count once), with
+        each output's term recorded: L_t = loss_weight_t * loss_t(y_t, y_pred_t), the
+        term Keras adds into its total."""
+        compile_loss = compiled if compiled is not None else _compat.compiled_loss(self.model)
+        if compile_loss is None:
+            raise ValueError(
+                "MultiTaskTrainer(tasks='outputs'): no compiled loss; compile the trainer "
+                "with one loss per output, e.g. loss={'<output name>': ..., ...}.")
+        with _compat.recorded_loss_terms(compile_loss) as terms:
+            F.compute_loss(self.model, model_x, y, y_pred, sample_weight, [],
+                           training=True, loss=compiled)
+        if len(terms) != self.num_tasks:
+            names = _compat.compile_loss_names(compile_loss)
+            raise ValueError(
+                f"MultiTaskTrainer(tasks='outputs', num_tasks={self.num_tasks}): the compiled "
+                f"loss has {len(terms)} output losses ({names}); one task is one output's "
+                "loss: give a loss for each output (or num_tasks = their number)"
+                + (" (a compute_loss override must call the compiled loss)" if not terms
+                   else "") + ".")
+        if self._cache.task_names is None:
+            self._cache.task_names = tuple(_compat.compile_loss_names(compile_loss) or ())
+        losses = []
+        for value, weight in terms:
+            # What CompileLoss.call does with each term before summing them.
+            value = keras.ops.cast(value, compile_loss.dtype)
+            if weight is not None:
+                value = keras.ops.multiply(value, weight)
+            losses.append(tf.cast(value, acc))
+        return losses
+
+    @property
+    def task_names(self):
+        """The tasks' names: the output names with tasks='outputs' (known once the
+        compiled loss is built: after the first step), else 'task_<t>'."""
+        if self.tasks == "outputs" and self._cache.task_names:
+            return list(self._cache.task_names)
+        return [f"task_{t}" for t in range(self.num_tasks)]
+
+    def _regularizer(self, model_x, y, y_pred, model_losses):
+        """The model's own losses (regularisers, add_loss) as `fit` adds them (through
+        the model's `compute_loss`), without the compiled loss; None if it has none."""
+        if not model_losses:
+            return None
+        return F.compute_loss(self.model, model_x, y, y_pred, None, model_losses,
+                              training=True, loss=_no_compiled_loss)
+
     def fit(self, *args, **kwargs):
         if self.epochs_done is not None:
             callbacks = list(kwargs.pop("callbacks", None) or [])
             kwargs["callbacks"] = callbacks + [_EpochCounter(self.epochs_done)]
         return super().fit(*args, **kwargs)
 
-    def _masked_task_passes(self, params, state, model_x, y, sample_weight, masks, factors,
-                            loss_scale, compiled, acc):
+    def _masked_task_passes(self, params, state, model_x, y, task_losses_of, loss_scale, acc):
         """One forward pass over the batch, T masked backward passes (static shapes)."""
         T = self.num_tasks
         with tf.GradientTape(persistent=True) as tape:
             tape.watch(params)
             y_pred, new_state, model_losses = F.stateless_forward(
                 self.model, params, state, model_x, training=True)
-            task_losses = [self._masked_task_loss(model_x, y, y_pred, sample_weight, masks[t],
-                                                  factors[t], compiled, acc)
-                           for t in range(T)]
+            task_losses = task_losses_of(y_pred)
             scaled = [v * tf.cast(loss_scale, acc) for v in task_losses]
-            regularizer = None
-            if model_losses:
-                zero = tf.zeros_like(masks[0], dtype=_loss_weight_dtype(y))
-                regularizer = F.compute_loss(self.model, model_x, y, y_pred, zero,
-                                             model_losses, training=True, loss=compiled)
+            regularizer = self._regularizer(model_x, y, y_pred, model_losses)
+            if regularizer is not None:
                 regularizer_scaled = regularizer * tf.cast(loss_scale, regularizer.dtype)
         inv_scale = 1.0 / tf.cast(loss_scale, acc)
         task_grads = []
@@ -430,6 +564,121 @@ class MultiTaskTrainer(MetaTrainer):
                                                 unconnected_gradients=tf.UnconnectedGradients.ZERO))
         del tape
         return task_losses, task_grads, new_state, y_pred, regularizer, reg_grads
+
+    # ------------------------------------------------------ representation gradients
+
+    def _rep_plan(self):
+        """The representation-gradient plan (cached): a functional model of the same
+        graph that also returns the representation z, the positions of the encoder
+        variables (those z depends on) and of the head variables (the rest, which must
+        be task-specific) in `model.trainable_variables`, and the state mapping."""
+        plan = self._cache.plan
+        if plan is not None:
+            return plan
+        model = self.model
+        if not model_graph.has_graph(model):
+            raise ValueError(
+                f"`rep_grad=True` needs a functional model (its graph says where the shared "
+                f"representation is); the model {model.name!r} is a "
+                f"{type(model).__name__} without one.")
+        if self.representation is not None:
+            rep = model_graph.layer_output(model, self.representation)
+        elif self.tasks == "rows":
+            rep = model_graph.layer_input(model, multitask_data.PerTaskHead)
+            if rep is None:
+                raise ValueError(
+                    "`rep_grad=True` with tasks='rows': the model has no (single) PerTaskHead "
+                    "layer whose input would be the shared representation; give "
+                    "`representation=<layer name>`.")
+        else:
+            rep = model_graph.shared_representation(model)
+        variables = model.trainable_variables
+        position = {id(v): i for i, v in enumerate(variables)}
+        encoder = [position[id(v)] for v in model_graph.upstream_variables(model, rep)]
+        shared, specific = self._variable_split()
+        heads = [i for i in range(len(variables)) if i not in set(encoder)]
+        not_specific = [variables[i].path for i in heads if i not in set(specific)]
+        if not_specific:
+            raise ValueError(
+                f"`rep_grad=True`: the variables {not_specific} are shared by the tasks but "
+                f"lie after the representation {rep.name!r} (the output of the last shared "
+                "layer): name a later layer with `representation=`, or list the variables "
+                "in `task_specific_variables` if each belongs to one task.")
+        in_encoder = [variables[i].path for i in encoder if i in set(specific)]
+        if in_encoder:
+            raise ValueError(
+                f"`rep_grad=True`: the task-specific variables {in_encoder} feed the "
+                f"representation {rep.name!r}; the representation must come after every "
+                "shared variable and before every task's own.")
+        tap = keras.Model(model.input, list(model.outputs) + [rep], name=f"{model.name}_rep")
+        tap_params = [position[id(v)] for v in tap.trainable_variables]
+        state_position = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+        tap_state = [state_position[id(v)] for v in tap.non_trainable_variables]
+        if len(tap_state) != len(model.non_trainable_variables):
+            raise ValueError("`rep_grad=True`: the model has state outside its graph.")
+        plan = _RepPlan(tap, tap_params, tap_state, encoder, heads, rep)
+        self._cache.plan = plan
+        return plan
+
+    def _rep_grad_step(self, params, state, model_x, y, task_losses_of, loss_scale, acc,
+                       task_inputs, method_state):
+        T = self.num_tasks
+        plan = self._rep_plan()
+        model = self.model
+        scale = tf.cast(loss_scale, acc)
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(params)
+            outputs, tap_state, model_losses = F.stateless_forward(
+                plan.tap, [params[i] for i in plan.tap_params],
+                [state[i] for i in plan.tap_state], model_x, training=True)
+            z = outputs[-1]
+            y_pred = tf.nest.pack_sequence_as(model.output, outputs[:-1])
+            task_losses = task_losses_of(y_pred)
+            scaled = [v * scale for v in task_losses]
+            regularizer = self._regularizer(model_x, y, y_pred, model_losses)
+            if regularizer is not None:
+                regularizer_scaled = regularizer * tf.cast(loss_scale, regularizer.dtype)
+        new_state = list(state)
+        for j, i in enumerate(plan.tap_state):
+            new_state[i] = tap_state[j]
+        head_params = [params[i] for i in plan.heads]
+        rep_grads, head_grads = [], []
+        for t in range(T):
+            # Through the heads only (the encoder's part of this graph is never used).
+            g = tape.gradient(scaled[t], [z] + head_params,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            g = F.densify(g)
+            rep_grads.append(tf.cast(g[0], acc) / scale)
+            head_grads.append([gi / tf.cast(scale, gi.dtype) for gi in g[1:]])
+        # LibMTL: the representation gradient of each task summed over the batch.
+        vectors = tf.stack([tf.reshape(tf.reduce_sum(r, axis=0), [-1]) for r in rep_grads])
+        losses, vectors = F.all_reduce_sum((tf.stack(task_losses), vectors))
+        gram = tf.matmul(vectors, vectors, transpose_b=True)
+        inputs = task_inputs(losses, [[vectors[t]] for t in range(T)], gram=gram,
+                             shared_variables=[_Representation(plan.rep)])
+        cosine = GS.mean_pairwise_cosine(gram, inputs.present)
+        combination = self.method_object.combine(inputs, method_state)
+        shared_c, specific_c = _coefficients(combination, acc)
+        # ONE backward pass through the encoder of sum_t c_t dL_t/dz (c held fixed): the
+        # encoder's gradient sum_t c_t J^T dL_t/dz. Per replica: the optimizer's
+        # cross-replica sum of these local parts is the global gradient.
+        combined_rep = tf.add_n([shared_c[t] * rep_grads[t] for t in range(T)]) * scale
+        encoder_params = [params[i] for i in plan.encoder]
+        encoder_grads = F.densify(tape.gradient(
+            z, encoder_params, output_gradients=tf.cast(combined_rep, z.dtype),
+            unconnected_gradients=tf.UnconnectedGradients.ZERO))
+        gradient = [None] * len(params)
+        for i, g in zip(plan.encoder, encoder_grads):
+            gradient[i] = g
+        for k, i in enumerate(plan.heads):
+            gradient[i] = GS.combine([[h[k]] for h in head_grads], specific_c)[0] * tf.cast(
+                scale, head_grads[0][k].dtype)
+        if regularizer is not None:
+            reg_grads = F.densify(tape.gradient(
+                regularizer_scaled, params, unconnected_gradients=tf.UnconnectedGradients.ZERO))
+            gradient = F.add(gradient, reg_grads)
+        del tape
+        return (losses, vectors, combination, cosine, gradient, new_state, y_pred, regularizer)
 
     def _gathered_passes(self):
         if self.task_passes != "auto":
@@ -507,6 +756,9 @@ class MultiTaskTrainer(MetaTrainer):
                 else [getattr(v, "path", v) for v in self._task_specific_request]),
             measure_task_cosine=self.measure_task_cosine,
             task_passes=self.task_passes,
+            tasks=self.tasks,
+            rep_grad=self.rep_grad,
+            representation=self.representation,
         )
         return config
 
@@ -555,3 +807,33 @@ def _loss_weight_dtype(y):
     integer labels)."""
     first = tf.nest.flatten(y)[0]
     return first.dtype if first.dtype.is_floating else tf.float32
+
+
+def _no_compiled_loss(y_true, y_pred, sample_weight=None):
+    """A compiled loss that adds nothing (Keras's compute_loss skips a None): the
+    model's own losses alone."""
+    return None
+
+
+class _Untracked:
+    """A plain holder Keras does not track (the representation model shares the
+    model's layers and must not be saved or counted twice)."""
+
+    plan = None
+    task_names = None
+
+
+class _RepPlan:
+    def __init__(self, tap, tap_params, tap_state, encoder, heads, rep):
+        self.tap, self.tap_params, self.tap_state = tap, tap_params, tap_state
+        self.encoder, self.heads, self.rep = encoder, heads, rep
+
+
+class _Representation:
+    """Stands for the shared representation where a method expects the shared variables
+    (`TaskInputs.shared_variables`: GradNorm's layer): its path and shape."""
+
+    def __init__(self, tensor):
+        self.path = f"representation/{tensor.name}"
+        self.name = self.path
+        self.shape = tuple(tensor.shape[1:])
