@@ -27,7 +27,6 @@ import tensorflow as tf
 
 from tf_metaalign import functional as F
 
-METHODS = ("sum", "pcgrad", "gradvac", "gradnorm")
 
 
 # ------------------------------------------------------------------------ helpers
@@ -169,10 +168,17 @@ def pcgrad_coefficients(gram, order) -> tf.Tensor:
     `sum_i g_i^PC = sum_j c_j g_j`.
 
     For each task i (in index order, each independently): g_i' = g_i; for j in `order`
-    (one permutation of the tasks, shared by every i, as the reference TF code shuffles
-    the task list once per step), j != i: if <g_i', g_j> < 0 (g_j the ORIGINAL gradient),
+    (one permutation of the tasks, shared by every i), j != i: if <g_i', g_j> < 0 (g_j the
+    ORIGINAL gradient),
     g_i' <- g_i' - <g_i', g_j> / ||g_j||^2 * g_j. A zero g_j (a task absent from the
     batch) projects nothing.
+
+    The references differ in the order (from T = 3 on): LibMTL's `PCGrad` draws a new
+    random order for every task i; the official `PCGrad_tf.py` calls
+    `tf.random.shuffle(loss)` and discards the result, so it projects in index order.
+    One order per step, drawn by the caller (`random_order(seed, step)` in the
+    trainer), is reproducible and resumable; with `order = range(T)` this is the
+    official code's computation.
     """
     gram = tf.convert_to_tensor(gram)
     T = int(gram.shape[0])
@@ -300,7 +306,6 @@ def gradnorm_update(weights, layer_norms, losses, initial_losses, present=None,
 
 
 __all__ = [
-    "METHODS",
     "GradVacResult",
     "combine",
     "gradnorm_update",

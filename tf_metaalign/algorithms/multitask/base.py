@@ -124,6 +124,9 @@ class MultiTaskMethod:
     kind: ClassVar[str] = "gradient"
     #: what the method was checked against (the docs' table reads it).
     reference: ClassVar[str] = ""
+    #: the method reads `inputs.epoch` (the trainer then counts epochs in a checkpointed
+    #: variable, `epochs_done`; else `inputs.epoch` is 0).
+    uses_epoch: ClassVar[bool] = False
 
     def state_spec(self, num_tasks: int) -> dict[str, StateSpec]:
         return {}

@@ -15,7 +15,15 @@ class PCGrad(MultiTaskMethod):
 
     On the SHARED variables only; task-specific variables keep their task's raw
     gradient (LibMTL `PCGrad` with `rep_grad=False`; the official code projects the
-    shared gradient too).
+    gradient of every variable it is given).
+
+    The task order, where the references differ (it matters from T = 3 on; for T = 2
+    every order gives the same result): LibMTL draws a NEW random order for every task i
+    (`random.shuffle(task_index)` inside the loop over i); the official `PCGrad_tf.py`
+    calls `tf.random.shuffle(loss)` and discards the result, so it projects in index
+    order; this draws ONE permutation per step, shared by every i, from (seed, step), so
+    that runs are reproducible and resumable. LibMTL divides by ||g_j||^2 + 1e-8; a zero
+    g_j (an absent task) projects nothing here.
 
     Example:
       >>> PCGrad()
