@@ -145,8 +145,8 @@ def test_reptile_original_vs_port():
     """100 meta-iterations (of the published 2,000), the final evaluation on 50 test tasks
     of 5-way 5-shot (chance 0.2): the original above 0.35, the port within 0.12 of it.
     The port draws the same tasks (Python's `random`, same seed) and computes the same
-    meta steps (test below), so the two differ only by float rounding. About 3 min on
-    2 shared cores (the original's eager loop is most of it)."""
+    meta steps (test below), so the two differ only by float rounding. 4.5 min on 2
+    cores shared with other jobs (the original's eager loop is most of it)."""
     omniglot_or_skip()
     args = ("--meta_iters", 100, "--eval_interval", 100, "--final_tasks", 50)
     original = metric(run_example("reptile", "original", *args), "Final test accuracy")
