@@ -199,6 +199,9 @@ def test_nash_opposite_gradients_stay_finite():
     assert np.all(np.isfinite(out.shared.numpy())) and np.all(np.isfinite(out.specific))
     assert np.linalg.norm(combined(g, out.shared.numpy())) <= 1.0
     assert out.specific.numpy()[2] == 0.0
+    for dtype in (tf.float32, tf.float64):
+        alpha, _ = NM.nash_bargaining_weights(tf.constant(g @ g.T, dtype), tf.ones([3], dtype))
+        assert np.all(np.isfinite(alpha.numpy())) and np.all(alpha.numpy()[:2] > 0)
     # all absent: zeros, no NaN
     out = NM.NashMTL().combine(inputs_from(g, present=[0, 0, 0]),
                                {"prev_alpha": tf.ones([3], tf.float64)})

@@ -54,8 +54,9 @@ def nash_bargaining_weights(gram, present, iterations: int = 20):
     m = masked / safe_scale + tf.linalg.diag(one - active)
     start = tf.math.rsqrt(tf.linalg.diag_part(m))
     quad = tf.tensordot(start, tf.linalg.matvec(m, start), 1)
-    tiny = tf.constant(float(np.finfo(dtype.as_numpy_dtype).tiny), dtype)
-    alpha = start * tf.sqrt(tf.constant(float(T), dtype) / tf.maximum(quad, tiny))
+    # quad ~ 0: no bargaining solution (opposed gradients); start at a finite point.
+    eps = tf.constant(float(np.finfo(dtype.as_numpy_dtype).eps), dtype)
+    alpha = start * tf.sqrt(tf.constant(float(T), dtype) / tf.maximum(quad, eps))
     quarter = tf.constant(0.25, dtype)
     eye = tf.eye(T, dtype=dtype)
 
