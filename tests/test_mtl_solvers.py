@@ -441,7 +441,8 @@ def test_cagrad_dual_solver_vs_brute_force(calpha):
 
 def test_cagrad_pgd_solver_close_to_exact():
     """The many-task solver (pgd) against the exact one: dual objective within 1e-7
-    relative after 500 steps on T = 3, 5, 8 random gradients."""
+    relative after 500 steps on T = 3, 5, 8 random gradients; T = 9 with a conflicting
+    pair: 1e-9, g_w to 1e-5."""
     for num_tasks in (3, 5, 8):
         for seed in SEEDS[:2]:
             g, _, present = make_grads(num_tasks, seed + 30)
@@ -451,6 +452,16 @@ def test_cagrad_pgd_solver_close_to_exact():
             f_e, f_p = _dual(w_e, g @ g.T, float(c)), _dual(w_p, g @ g.T, float(c))
             assert f_e <= f_p + 1e-12
             assert f_p - f_e <= 1e-7 * abs(f_e) + 1e-12
+    # T = 9 (past "auto"'s exact range) with a near-cancelling pair: against the NumPy
+    # enumeration (which drops LibMTL's 1e-8 under the root: pgd may be below it)
+    g, _, present = make_grads(9, 33, dim=20)
+    g[1] = -0.7 * g[0] + 0.01 * np.random.default_rng(0).normal(size=20)
+    gram = g @ g.T
+    w_p, c = graph(CAGrad(solver="pgd").dual_weights, tf.constant(gram), present)
+    w_e = np_cagrad_exact_w(g)
+    f_e, f_p = _dual(w_e, gram, float(c)), _dual(w_p, gram, float(c))
+    assert abs(f_p - f_e) <= 1e-9 * abs(f_e)
+    np.testing.assert_allclose(w_p @ g, w_e @ g, rtol=0, atol=1e-5 * np.linalg.norm(w_e @ g))
 
 
 def test_cagrad_special_cases():
