@@ -208,6 +208,20 @@ def test_guard_rules_on_logged_values():
         DivergenceGuard(loss_ratio=1.0)
 
 
+def test_guard_checks_every_n_batches_on_the_running_logs():
+    g = DivergenceGuard("stop", every_n_batches=2)
+    g.set_model(_Holder())
+    g.on_train_begin()
+    for b, loss in enumerate([2.3, 2.0, 1.5, 1.0]):
+        g.on_train_batch_end(b, {"loss": loss})
+    assert g.fired is None
+    g.on_train_batch_end(4, {"loss": 40.0})  # not a checked batch (every 2nd: 1, 3, 5)
+    assert g.fired is None
+    with pytest.warns(RuntimeWarning, match=r"epoch 1, batch 6\): the loss 50"):
+        g.on_train_batch_end(5, {"loss": 50.0})
+    assert g.model.stop_training
+
+
 def _digits_mlp_data():
     from tf_metaalign.data import load_digits
 
