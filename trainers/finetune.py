@@ -10,7 +10,9 @@ Runs (same initial weights, same optimizer, same data order, fixed `--seed`):
   is exactly G1 + G2 (the two half-batch gradients, i.e. twice the full-batch mean
   gradient: plain training, scaled by 2, which Adam ignores) and it logs G1.G2 at no extra
   cost, so its `grad_dot` is measured on the same half-batch pairs as DotProd's.
-* dotprod: `DotProdTrainer(weight, alpha, every, method)`.
+* dotprod: `DotProdTrainer(weight, alpha, every, method, alignment)` (`--alignment=dot`:
+  the paper's step; the default "capped" is it wherever the cap does not bind, which at
+  the default weights it does not).
 
 Prints progress lines while it loads, trains (every `--log_every` steps) and evaluates,
 then a table (held-out accuracy and loss, mean G1.G2 and cos(G1, G2) over training,
@@ -48,6 +50,9 @@ flags.DEFINE_enum("dataset", "wordnet", DATASETS, "The offline dataset (see modu
 flags.DEFINE_float("weight", None, "DotProd regulariser weight (the paper's LR_G1G2; default 0.01 wordnet, 0.3 digits).")
 flags.DEFINE_string("alpha", "auto", 'Finite-difference step: "auto" or a float.')
 flags.DEFINE_integer("every", 1, "Apply the regulariser on every n-th pair only.")
+flags.DEFINE_enum("alignment", "capped", ["capped", "dot"],
+                  "DotProd's step: 'capped' (the default: the regulariser shrunk to at most "
+                  "cap * ||G1 + G2||) or 'dot' (the paper's Algorithm 1 exactly).")
 flags.DEFINE_enum("method", "finite_difference", ["finite_difference", "exact"],
                   "DotProd's G1G2 term: the paper's finite difference or an exact HVP.")
 flags.DEFINE_integer("steps", 40, "Optimizer steps per run.")
@@ -72,7 +77,8 @@ LOADING = {
 }
 
 RECORDED_FLAGS = (
-    "algorithm", "dataset", "weight", "alpha", "every", "method", "steps", "batch_size",
+    "algorithm", "dataset", "weight", "alpha", "every", "alignment", "method", "steps",
+    "batch_size",
     "learning_rate", "optimizer", "seed", "log_every", "eval_examples", "sequence_length",
     "max_examples", "parts_of_speech", "hidden_units", "timing_warmup",
 )
@@ -192,7 +198,8 @@ def run_one(name, model, initial_weights, splits, weight, every, alpha, method,
 
     model.set_weights(initial_weights)
     keras.utils.set_random_seed(FLAGS.seed)
-    trainer = DotProdTrainer(model, weight=weight, every=every, alpha=alpha, method=method)
+    trainer = DotProdTrainer(model, weight=weight, every=every, alpha=alpha, method=method,
+                             alignment=FLAGS.alignment)
     trainer.compile(
         make_optimizer(optimizer_name, learning_rate),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -295,7 +302,8 @@ def main(argv):
         f"examples, {splits.num_classes} classes; majority-class test acc {majority:.4f})\n"
         f"{optimizer_name} lr={learning_rate:g}, {FLAGS.steps} steps of batch {FLAGS.batch_size} "
         f"(halves b1/b2 of {FLAGS.batch_size // 2}), seed={FLAGS.seed}; dotprod: weight={weight:g} "
-        f"alpha={FLAGS.alpha} every={FLAGS.every} method={FLAGS.method}\n"
+        f"alpha={FLAGS.alpha} every={FLAGS.every} alignment={FLAGS.alignment} "
+        f"method={FLAGS.method}\n"
         "baseline = DotProdTrainer(weight=0, regulariser pass off): plain training on G1+G2, "
         "G1.G2 logged on the same pairs.\n"
         "mean G1.G2 / cos: mean over all training steps; ms/step: median warm step time "
