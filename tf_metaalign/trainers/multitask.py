@@ -22,14 +22,42 @@ TASK_SETTINGS = ("rows", "outputs")
 
 @keras.saving.register_keras_serializable(package="tf_metaalign")
 class MultiTaskTrainer(MetaTrainer):
-    """Train `model` on batches that mix T tasks, combining the per-task gradients.
+    """Train `model` on T tasks, combining the per-task gradients.
 
-    Batches: `(x, y)` or `(x, y, sample_weight)` with
-    `x = {"inputs": <model inputs>, "task_id": int [B]}`; the model is called on
-    `x["inputs"]`, or on the whole dict with `model_takes_task_id=True` (per-task heads).
-    `evaluate` / `predict` take the same dicts (or plain model inputs).
+    Two settings, one engine (`tasks=`):
 
-    Per-task losses. One forward pass over the whole batch; task t's loss is the trainer's
+    tasks="outputs" (the default when `num_tasks` is None; LibMTL's multi_input=False:
+      NYUv2, Cityscapes, CelebA; the Keras functional-API guide's ticket model): the
+      model has one output per task and is compiled with one loss per output,
+      `compile(loss={"priority": ..., "department": ...}, loss_weights={...})`; batches
+      are the model's ordinary `(x, y)` / `(x, y, sample_weight)`, `y` a dict (or list)
+      per output, and every example carries every task's label. Task t is the t-th
+      output loss in Keras's order (the model's output order; `trainer.task_names` after
+      the first step), and
+          L_t = loss_weight_t * (output t's compiled loss),
+      the very term Keras adds into fit's loss: the compiled loss is called ONCE per step
+      and each output's term recorded (`_compat.recorded_loss_terms`), so targets,
+      nested per-output sample weights and `loss_weights` are Keras's own, and the
+      per-output "<name>_loss" logs are counted once. `loss_weights` therefore scale the
+      tasks BEFORE the method (LibMTL has no loss weights; with none, L_t is LibMTL's
+      task loss): "sum" is exactly plain multi-output `fit` (tested step for step), and a
+      gradient method sees the weighted tasks' gradients. `num_tasks` (the number of
+      outputs by default) must equal the number of output losses. `evaluate` reports the
+      total, each output's loss and each output's metrics as Keras does for a
+      multi-output model (the trainer takes the model's `output_names`).
+      Task-specific variables come from the model's functional graph
+      (`tf_metaalign.model_graph`): a layer every call of which feeds ONE output only is
+      that output's head, its variables that task's; the rest is shared. A Sequential or
+      subclassed model has no graph to read: every variable is shared unless
+      `task_specific_variables=` lists the heads' (and `num_tasks` must be given).
+
+    tasks="rows" (the default when `num_tasks` is given; LibMTL's multi_input=True):
+      batches mix examples of T tasks, `x = {"inputs": <model inputs>, "task_id": int
+      [B]}`; the model is called on `x["inputs"]`, or on the whole dict with
+      `model_takes_task_id=True` (per-task heads). `evaluate` / `predict` take the same
+      dicts (or plain model inputs). The rest of this doc describes how rows are masked.
+
+    Per-task losses (tasks="rows"). One forward pass over the whole batch; task t's loss is the trainer's
     compiled loss (`functional.compute_loss`, the loss `fit` uses) evaluated with the
     sample weights `sample_weight * [task_id == t]` and rescaled to the task's MEAN:
     with Keras's default "sum_over_batch_size" reduction, the masked loss is
@@ -87,6 +115,31 @@ class MultiTaskTrainer(MetaTrainer):
     of further variables (or variable paths) to add them; "none" treats every variable
     as shared (this trainer's behaviour before: surgery over the heads too). The surgery,
     the Gram matrix, `task_cosine` and GradNorm's layer are over the shared variables.
+
+    Representation gradients (`rep_grad=True`, LibMTL's `rep_grad`; MGDA with it is
+    MGDA-UB): the task gradients are taken with respect to the shared REPRESENTATION z
+    (the output of the last shared layer, found from the graph; with tasks="rows" the
+    input of the `PerTaskHead` layer; or the output of the layer named by
+    `representation=`): one forward pass, T backward passes through the heads only
+    (dL_t/dz [B, ...] and the heads' own gradients), the method run on the Gram matrix of
+    r_t = sum over the batch of dL_t/dz (LibMTL sums over the batch), then ONE backward
+    pass of sum_t c_t dL_t/dz through the encoder: with c held fixed that is the encoder
+    gradient of sum_t c_t L_t, J^T sum_t c_t dL_t/dz. Heads get sum_t s_t g_t as
+    without it (their raw task gradients for gradient methods). It costs one encoder
+    backward pass instead of T. Every shared variable must lie before z and every
+    variable after z be task-specific (an error says which is not); the model must be
+    functional; loss-weighting methods (no task gradients) refuse it. GradNorm's
+    "layer" is then z itself; `task_cosine` is measured on the r_t.
+    Where it equals the parameter-level method (tested): any fixed coefficients, for
+    any encoder (the pull-back is linear); methods whose coefficients are invariant to
+    scaling the Gram matrix (PCGrad, MGDA, IMTL-G; CAGrad up to its 1e-8 epsilons) when
+    the two Gram matrices are proportional, e.g. a linear encoder z = W x + b on a batch
+    of one repeated input, where <g_i, g_j> = (|x|^2 + 1) <r_i, r_j>. Elsewhere it is a
+    different method: the Gram matrix of batch-summed representation gradients is not
+    J's image of the parameters' (Nash-MTL is not even scale invariant). One more
+    difference from LibMTL: with MGDA's `normalization` other than "none" this applies
+    the method's coefficients w_t / n_t to dL_t/dz, as at the parameter level; LibMTL's
+    rep_grad MGDA applies the unnormalised w_t.
 
     The old keyword shortcuts `gradvac_beta`, `gradnorm_alpha`, `gradnorm_learning_rate`,
     `gradnorm_variable` still set those methods' options (an error with any other method).
@@ -214,7 +267,10 @@ class MultiTaskTrainer(MetaTrainer):
             if isinstance(initializer, (int, float)):
                 initializer = keras.initializers.Constant(float(initializer))
             if spec.trainable:
-                variable = self.add_weight(name=name, shape=spec.shape, dtype=spec.dtype,
+                # Trained by the compiled optimizer beside the model: in the dtype of the
+                # model's variables (float32 under mixed precision), like its slots.
+                variable = self.add_weight(name=name, shape=spec.shape,
+                                           dtype=keras.backend.floatx(),
                                            initializer=initializer, trainable=True)
                 self._trainable_method_state[key] = variable
             else:
@@ -447,12 +503,16 @@ class MultiTaskTrainer(MetaTrainer):
         extra = F.replica_share([tf.cast(combination.state_gradients[k], v.dtype)
                                  * tf.cast(loss_scale, v.dtype)
                                  for k, v in zip(keys, extra_vars)])
-        all_vars = list(variables) + extra_vars
+        by_id = {id(v): g for v, g in zip(list(variables) + extra_vars, list(gradient) + extra)}
+        # In the trainer's variable order, the order Keras builds its optimizer in (on
+        # reload too), so the slots line up.
+        all_vars = self.trainable_variables
+        all_grads = [by_id[id(v)] for v in all_vars]
         if not self.optimizer.built:
             self.optimizer.build(all_vars)
 
         def update():
-            self.optimizer.apply_gradients(zip(list(gradient) + extra, all_vars))
+            self.optimizer.apply_gradients(zip(all_grads, all_vars))
 
         return self.finish_step(data, y_pred, loss, new_state=new_state, update=update,
                                 diagnostics=diagnostics, where="the multi-task loss")
