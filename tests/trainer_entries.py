@@ -114,6 +114,10 @@ class TrainerEntry:
         as on 1. Keras's own fit does not: each replica's loss is the mean over ITS rows
         divided by the replica count, so uneven shards (1 row and 0 rows) weigh rows
         differently; MultiTaskTrainer normalises by the global per-task counts and is.
+      logged_loss_tracks_progress: False where the logged "loss" is an objective whose
+        weights move during training (Nash-MTL's alpha-weighted task losses grow as the
+        gradients shrink): the mixed precision check then compares `evaluate`'s loss on
+        `make_eval_data` before and after training instead.
       evaluates_model_batches: False where `trainer.evaluate` takes something else than
         `make_eval_data` (MAML's episodes: adapt, then score the query sets).
     """
@@ -135,6 +139,7 @@ class TrainerEntry:
     make_eval_data: Callable[..., tuple] = regression_data
     model_inputs: Callable[[object], object] = lambda x: x
     evaluates_model_batches: bool = True
+    logged_loss_tracks_progress: bool = True
     ragged_last_batch: str = "trained"
     ragged_replicas_exact: bool = False
 
@@ -355,6 +360,50 @@ ENTRIES += [
         # default suite (its 20-minute budget)
         slow=("multi_worker", "ragged_last_batch", "model_after_fit"),
     ),
+]
+
+
+
+def _method_state(method, num_tasks=3):
+    """The trainer variables of a registered multi-task method's state."""
+    from tf_metaalign.algorithms import multitask as methods
+
+    m = methods.get_method(method)
+    names = [spec.name or f"{m.name}_{key}" for key, spec in m.state_spec(num_tasks).items()]
+    return ("count", *names, *(("epochs_done",) if m.uses_epoch else ()))
+
+
+#: The battery's checks that only the first two zoo entries run in the default suite
+#: (tests/test_multitask_methods.py checks every method's step, 1 replica == 2 and its
+#: checkpointed state there; the battery's slow runs cover the rest of each entry).
+_ALL_BUT_ENTRY = ("eager", "jit_compile", "steps_per_execution", "replicas", "mixed_float16",
+                  "keras_round_trip", "backup_machinery", "backup_and_restore", "multi_worker",
+                  "model_after_fit", "ragged_last_batch")
+
+# The method zoo (issue 19), one entry per registered method beyond the three above.
+# UW (trainable state, trained by the compiled optimizer) and Nash-MTL (an in-graph
+# Newton solver, under XLA too) run every check in the default suite but the two-process
+# one; the others every check under -m slow.
+ENTRIES += [
+    TrainerEntry(
+        name=f"multitask_{method}",
+        make_trainer=_multitask_trainer(method, seed=3),
+        compile_kwargs=_multitask_compile,
+        state_variables=_method_state(method),
+        diagnostics=("task_cosine",),
+        make_data=multitask_data,
+        make_eval_data=multitask_data,
+        ragged_replicas_exact=True,
+        model_inputs=lambda x: x["inputs"],
+        slow=(("multi_worker", "ragged_last_batch", "model_after_fit")
+              if method in ("uw", "nash_mtl") else _ALL_BUT_ENTRY),
+        # Solvers iterate to convergence: rounding differs between XLA and graph code at
+        # 1e-12 and the steps then agree to ~1e-9.
+        tolerances={"jit_compile": (1e-6, 1e-9)} if method in ("nash_mtl",) else {},
+        logged_loss_tracks_progress=method != "nash_mtl",
+    )
+    for method in ("sum", "rlw", "uw", "dwa", "famo", "mgda", "cagrad", "imtl", "nash_mtl",
+                   "aligned_mtl")
 ]
 
 
