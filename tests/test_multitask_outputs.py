@@ -350,3 +350,27 @@ def test_bad_arguments_and_batches_are_clear_errors():
     trainer.compile(optimizer="sgd", loss=losses())
     with pytest.raises(ValueError, match="tasks='outputs'"):
         trainer.fit(x, y, batch_size=8, verbose=0)
+
+
+@pytest.mark.parametrize("rep_grad", [False, True])
+def test_save_reload_and_resume(float64, tmp_path, rep_grad):
+    """A saved outputs-setting trainer reloads (the representation model is not saved)
+    and resumes as the original goes on."""
+    x, y = data()
+    method = "mgda" if rep_grad else "pcgrad"
+    trainer = compiled(MultiTaskTrainer(two_head_model(), method=method, rep_grad=rep_grad),
+                       optimizer=keras.optimizers.Adam(0.05),
+                       metrics={"department": ["accuracy"]})
+    trainer.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    path = str(tmp_path / "trainer.keras")
+    trainer.save(path)
+    again = keras.models.load_model(path)
+    assert (again.tasks, again.num_tasks, again.rep_grad) == ("outputs", 2, rep_grad)
+    assert len(again.weights) == len(trainer.weights)
+    h1 = trainer.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0).history
+    h2 = again.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0).history
+    for a, b in zip(trainer.model.trainable_variables, again.model.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12, atol=1e-14)
+    assert set(h1) == set(h2)
+    for key in h1:
+        np.testing.assert_allclose(h1[key], h2[key], rtol=1e-6, err_msg=key)
