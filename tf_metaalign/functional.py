@@ -28,6 +28,7 @@ import inspect
 from typing import Callable, Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_metaalign import _compat
@@ -277,13 +278,32 @@ def sub(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> list[tf.Tensor]:
 
 
 def scale(s, a: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-    return [tf.cast(s, x.dtype) * x for x in a]
+    """`s * x` for each x of `a` (a python `s` exact in each x's dtype: `scalar`)."""
+    return [scalar(s, x.dtype) * x for x in a]
 
 
 def axpy(s, x: Sequence[tf.Tensor], y: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     """`s * x + y`, elementwise over the lists (in `y`'s dtypes)."""
     _check_same_length(x, y, "axpy")
-    return [tf.cast(s, b.dtype) * tf.cast(a, b.dtype) + b for a, b in zip(x, y)]
+    return [scalar(s, b.dtype) * tf.cast(a, b.dtype) + b for a, b in zip(x, y)]
+
+
+def scalar(value, dtype) -> tf.Tensor:
+    """A hyperparameter as a scalar of `dtype`, exact in it.
+
+    A python or NumPy number becomes `tf.constant(float(value), dtype)`: `tf.cast(0.4,
+    tf.float64)` would first convert 0.4 to a float32 tensor (0.4000000059604645). A
+    tensor or variable is cast (its value is whatever its own dtype holds: a float32
+    variable's 0.4 stays float32's 0.4).
+    """
+    dtype = tf.as_dtype(dtype)
+    if isinstance(value, bool) or isinstance(value, str):
+        raise ValueError(f"scalar: `value` must be a number or a tensor; got {value!r}.")
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return tf.constant(float(value) if dtype.is_floating else value, dtype)
+    if isinstance(value, np.ndarray):
+        return tf.constant(value.astype(dtype.as_numpy_dtype), dtype)
+    return tf.cast(value, dtype)
 
 
 def zeros_like(a: Sequence[tf.Tensor]) -> list[tf.Tensor]:

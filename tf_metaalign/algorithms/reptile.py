@@ -120,7 +120,8 @@ def outer_update(phi: Sequence[tf.Tensor], theta: Sequence[tf.Tensor], eta) -> l
     out = []
     for p, t in zip(phi, theta):
         p = tf.convert_to_tensor(p)
-        out.append(p + tf.cast(eta, p.dtype) * (tf.cast(t, p.dtype) - p))
+        # F.scalar: a python eta exact in p's dtype (tf.cast would round it via float32).
+        out.append(p + F.scalar(eta, p.dtype) * (tf.cast(t, p.dtype) - p))
     return out
 
 

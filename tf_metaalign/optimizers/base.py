@@ -139,6 +139,22 @@ def _to_float64(value):
     return tf.cast(value, tf.float64)
 
 
+def learning_rate_tensor(value):
+    """A learning rate (schedule value, fixed rate, callable rate's value) as a tensor.
+
+    float64 when the rate is held in float64 -- Keras keeps a fixed rate in a variable of
+    the floatx of the optimizer's construction, so under `floatx="float64"` it is the
+    exact python value -- or when it is a python number under floatx float64; float32
+    otherwise (a float32 rate, as Keras's own optimizers hold it under float32). Never
+    rounds a float64 rate through float32.
+    """
+    if isinstance(value, numbers.Number) and not isinstance(value, bool):
+        dtype = tf.float64 if keras.backend.floatx() == "float64" else tf.float32
+        return tf.constant(float(value), dtype)
+    value = tf.convert_to_tensor(value)
+    return value if value.dtype == tf.float64 else tf.cast(value, tf.float32)
+
+
 def rms(x):
     return tf.sqrt(tf.reduce_mean(tf.square(x)))
 
@@ -304,8 +320,9 @@ class BaseOptimizer(keras.optimizers.Optimizer):
 
     Besides Keras's own state (iterations, learning rate) it keeps, created in `build()` and
     saved with the optimizer:
-      * `learning_rate_scale`: non-trainable float32 scalar, initial 1.0, that multiplies the
-        learning rate (or schedule value) of every update;
+      * `learning_rate_scale`: non-trainable float32 scalar (float64 under
+        `floatx="float64"`), initial 1.0, that multiplies the learning rate (or schedule
+        value) of every update;
       * one float64 scalar variable per name in `variable_hyperparameters` (e.g. "beta_1"), so
         another algorithm can assign learned values between steps. float64 because the
         reference implementations computed 1 - beta_2 from Python floats: in float32,
@@ -400,7 +417,8 @@ class BaseOptimizer(keras.optimizers.Optimizer):
     def current_hyperparameters(self):
         """dict name -> scalar tensor for the NEXT update.
 
-        "learning_rate" (float32) is schedule(iterations) (or the fixed rate) times
+        "learning_rate" (float32; float64 when the rate is held in float64, see
+        `learning_rate_tensor`) is schedule(iterations) (or the fixed rate) times
         `learning_rate_scale`; the others (float64) are the current values of their variables.
         `rule.update(g, var, slots, optimizer.current_hyperparameters(), optimizer.iterations + 1,
         optimizer.options_for(var))` is exactly the update `apply_gradients` makes next.
@@ -411,7 +429,7 @@ class BaseOptimizer(keras.optimizers.Optimizer):
     def hyperparameters_at(self, iterations):
         """The rule's `hparams` for update number `iterations + 1`; works unbuilt.
 
-        "learning_rate" (float32): `learning_rate_at(iterations)` times `learning_rate_scale`
+        "learning_rate" (float32, or float64 as `learning_rate_tensor` says): `learning_rate_at(iterations)` times `learning_rate_scale`
         (1 before `build`). Each other name of the optimizer's variable hyperparameters
         (float64): its variable's current value, or before `build` its configured value.
         """
@@ -425,16 +443,19 @@ class BaseOptimizer(keras.optimizers.Optimizer):
 
     def schedule_learning_rate(self):
         """The learning rate of the next update before `learning_rate_scale` (the schedule's
-        value at `iterations`, or the fixed rate), float32."""
-        return tf.cast(self.learning_rate, tf.float32)
+        value at `iterations`, or the fixed rate): float32, or float64 when the rate is
+        held in float64 (`learning_rate_tensor`)."""
+        return learning_rate_tensor(self.learning_rate)
 
     def learning_rate_at(self, iterations):
-        """The learning rate of update number `iterations + 1` before `learning_rate_scale`,
-        float32: the schedule's value at `iterations` (Keras calls a schedule with the number
-        of updates already applied), else the fixed rate (or a callable rate's value)."""
+        """The learning rate of update number `iterations + 1` before `learning_rate_scale`:
+        the schedule's value at `iterations` (Keras calls a schedule with the number of
+        updates already applied), else the fixed rate (or a callable rate's value). float32,
+        or float64 when the rate is held in float64 (`learning_rate_tensor`: under
+        `floatx="float64"` the fixed rate and this package's schedules are)."""
         if self._learning_rate_schedule is not None:
-            return tf.cast(self._learning_rate_schedule(iterations), tf.float32)
-        return tf.cast(self.learning_rate, tf.float32)
+            return learning_rate_tensor(self._learning_rate_schedule(iterations))
+        return learning_rate_tensor(self.learning_rate)
 
     def slots_for(self, variable):
         """dict slot name -> slot variable (rule.slot_names order) for a Keras or tf variable."""
@@ -606,10 +627,12 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         if self.built:
             return
         super().build(variables)
+        # float64 under floatx float64, like Keras's own learning-rate variable, so a
+        # learned scale (guided learning) is not rounded through float32 there.
         self._learning_rate_scale = self.add_variable(
             shape=(),
             initializer="ones",
-            dtype="float32",
+            dtype="float64" if keras.backend.floatx() == "float64" else "float32",
             aggregation="only_first_replica",
             name="learning_rate_scale",
         )
@@ -740,9 +763,8 @@ class BaseOptimizer(keras.optimizers.Optimizer):
 
     # -- internals ------------------------------------------------------------------------------
     def _hyperparameters(self, learning_rate):
-        lr = tf.cast(learning_rate, tf.float32) * tf.convert_to_tensor(
-            self._learning_rate_scale.value
-        )
+        lr = learning_rate_tensor(learning_rate)
+        lr = lr * tf.cast(tf.convert_to_tensor(self._learning_rate_scale.value), lr.dtype)
         hparams = {"learning_rate": lr}
         for hp_name, v in self._hyperparameter_variables.items():
             hparams[hp_name] = tf.convert_to_tensor(v.value)

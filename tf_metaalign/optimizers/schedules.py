@@ -20,6 +20,13 @@ def _check(name, value, minimum=0, positive=False, integer=False):
     return value
 
 
+def _dtype():
+    """The schedules compute in float32, in float64 under `floatx="float64"` (so a float64
+    run's rate is its python value, not that value rounded through float32). Python
+    constants meet the step tensor in its dtype: exact."""
+    return tf.float64 if keras.backend.floatx() == "float64" else tf.float32
+
+
 @keras.saving.register_keras_serializable(package="tf_metaalign")
 class T5InverseSquareRootSchedule(keras.optimizers.schedules.LearningRateSchedule):
     """T5 pre-training: lr(step) = scale / sqrt(max(step, warmup_steps)) (step = global_step).
@@ -32,7 +39,7 @@ class T5InverseSquareRootSchedule(keras.optimizers.schedules.LearningRateSchedul
         self.scale = float(_check("scale", scale))
 
     def __call__(self, step):
-        step = tf.cast(step, tf.float32)
+        step = tf.cast(step, _dtype())
         return self.scale * tf.math.rsqrt(tf.maximum(step, float(self.warmup_steps)))
 
     def get_config(self):
@@ -61,7 +68,7 @@ class BertSchedule(keras.optimizers.schedules.LearningRateSchedule):
         self.power = float(_check("power", power))
 
     def __call__(self, step):
-        step = tf.cast(step, tf.float32)
+        step = tf.cast(step, _dtype())
         progress = tf.minimum(step, float(self.num_train_steps)) / float(self.num_train_steps)
         decayed = (self.init_learning_rate - self.end_learning_rate) * tf.pow(
             1.0 - progress, self.power
@@ -95,7 +102,7 @@ class PegasusSchedule(keras.optimizers.schedules.LearningRateSchedule):
         self.decay_start_step = _check("decay_start_step", decay_start_step, positive=True, integer=True)
 
     def __call__(self, step):
-        step = tf.cast(step, tf.float32)
+        step = tf.cast(step, _dtype())
         lr = self.init_learning_rate / 0.01 * tf.math.rsqrt(
             tf.maximum(step, float(self.decay_start_step))
         )
@@ -133,7 +140,7 @@ class AdafactorRelativeStep(keras.optimizers.schedules.LearningRateSchedule):
         self.multiply_by_parameter_scale = multiply_by_parameter_scale
 
     def __call__(self, step):
-        step = tf.cast(step, tf.float32)
+        step = tf.cast(step, _dtype())
         lr = tf.minimum(tf.math.rsqrt(step + 1.0), 0.01)
         if not self.multiply_by_parameter_scale:
             lr = lr * 0.05
