@@ -891,9 +891,10 @@ class _RepPlan:
 
 class _Representation:
     """Stands for the shared representation where a method expects the shared variables
-    (`TaskInputs.shared_variables`: GradNorm's layer): its path and shape."""
+    (`TaskInputs.shared_variables`: GradNorm's layer, which it picks among those of rank
+    >= 2): its path and the representation tensor's shape ([batch, ...])."""
 
     def __init__(self, tensor):
         self.path = f"representation/{tensor.name}"
         self.name = self.path
-        self.shape = tuple(tensor.shape[1:])
+        self.shape = tuple(tensor.shape)
