@@ -236,3 +236,64 @@ def test_schedules_are_float64_under_float64(float64):
         value = schedule(tf.constant(step, tf.int64))
         assert value.dtype == tf.float64, schedule
         np.testing.assert_allclose(float(value), expected, rtol=1e-15, err_msg=str(schedule))
+
+
+# ------------------------------------------------------------------ MAML
+
+
+def _maml_tasks(num_tasks, seed=0, n_support=6, n_query=5):
+    rng = np.random.default_rng(seed)
+    sx, sy, qx, qy = [], [], [], []
+    for _ in range(num_tasks):
+        a = rng.normal(size=(4, 2))
+        xs, xq = rng.normal(size=(n_support, 4)), rng.normal(size=(n_query, 4))
+        f = lambda x: np.tanh(x @ a) + 0.1 * x[:, :2]  # noqa: E731
+        sx.append(xs), sy.append(f(xs)), qx.append(xq), qy.append(f(xq))
+    return (np.stack(sx), np.stack(sy), np.stack(qx)), np.stack(qy)
+
+
+@pytest.mark.parametrize("multi_step_loss", [False, True])
+def test_fomaml_trainer_float64_equals_numpy(float64, multi_step_loss):
+    """Inner rate 0.1, outer package SGD(0.3), K = 3 (MAML++'s epoch-0 step weights 1/3):
+    NumPy to 1e-13."""
+    from tf_metaalign.trainers import MAMLTrainer
+
+    x, y = _maml_tasks(6, seed=8)
+    k, alpha, lr = 3, 0.1, 0.3
+    trainer = MAMLTrainer(_linear(6), inner_steps=k, inner_learning_rate=alpha,
+                          first_order=True, multi_step_loss=multi_step_loss)
+    trainer.compile(optimizer=O.SGD(lr), loss=keras.losses.MeanSquaredError())
+    phi = _weights(trainer.model)
+    trainer.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(3, drop_remainder=True),
+                verbose=0)
+    for start in (0, 3):
+        grad = [np.zeros_like(p) for p in phi]
+        for t in range(start, start + 3):
+            theta = [p.copy() for p in phi]
+            for step in range(k):
+                theta = [a - alpha * g for a, g in zip(theta, _grad(theta, x[0][t], x[1][t]))]
+                if multi_step_loss or step == k - 1:
+                    w = 1.0 / k if multi_step_loss else 1.0
+                    grad = [a + w * g / 3 for a, g in zip(grad, _grad(theta, x[2][t], y[t]))]
+        phi = [p - lr * g for p, g in zip(phi, grad)]
+    _assert_close(_weights(trainer.model), phi)
+
+
+@pytest.mark.parametrize("learn", ["per_parameter", "per_layer_per_step"])
+def test_maml_learned_inner_learning_rates_start_exactly(float64, learn):
+    from tf_metaalign.trainers import MAMLTrainer
+
+    trainer = MAMLTrainer(_linear(0), inner_steps=2, inner_learning_rate=0.1,
+                          learn_inner_learning_rates=learn)
+    for v in trainer.inner_learning_rate_variables:
+        assert v.dtype == "float64"
+        np.testing.assert_array_equal(v.numpy(), np.full(v.shape, 0.1))
+
+
+def test_multi_step_loss_weights_in_float64(float64):
+    from tf_metaalign.algorithms import maml as M
+
+    w = M.multi_step_loss_weights(3, 2, 10, dtype=tf.float64).numpy()
+    decay = 1.0 / 3 / 10
+    np.testing.assert_allclose(w, [1 / 3 - 2 * decay] * 2 + [1 / 3 + 2 * 2 * decay],
+                               rtol=1e-15)

@@ -275,9 +275,13 @@ class MAMLTrainer(MetaTrainer):
             self.add_diagnostic("sharing_lambda", "last")
 
     def _add_learned(self, name, shape, value, dtype, key=None):
+        def initializer(shape, dtype=None):
+            # Not keras.initializers.Constant: it casts the python float through float32
+            # (a float64 rate of 0.4 would start at 0.4000000059604645).
+            return tf.fill(shape, F.scalar(value, dtype))
+
         variable = self.add_weight(
-            name=name, shape=shape, dtype=dtype,
-            initializer=keras.initializers.Constant(value), trainable=True)
+            name=name, shape=shape, dtype=dtype, initializer=initializer, trainable=True)
         self._learned[key or name] = variable
         return variable
 
@@ -449,8 +453,10 @@ class MAMLTrainer(MetaTrainer):
             if self.first_order_epochs:
                 order_weight = tf.cast(epoch >= self.first_order_epochs, tf.float32)
             if self.multi_step_loss:
-                step_weights = M.multi_step_loss_weights(steps, epoch,
-                                                         self.multi_step_loss_epochs)
+                # In the weights' dtype: 1/K and 0.03/K are not exact in float32.
+                step_weights = M.multi_step_loss_weights(
+                    steps, epoch, self.multi_step_loss_epochs,
+                    dtype=self.model.trainable_variables[0].dtype)
         sharing_kwargs = {}
         if self.gradient_sharing is not None:
             sharing_kwargs = dict(sharing=self.gradient_sharing, g_hat=self._g_hat(steps),
