@@ -297,3 +297,68 @@ def test_multi_step_loss_weights_in_float64(float64):
     decay = 1.0 / 3 / 10
     np.testing.assert_allclose(w, [1 / 3 - 2 * decay] * 2 + [1 / 3 + 2 * 2 * decay],
                                rtol=1e-15)
+
+
+# ------------------------------------------------------------------ Meta DotProd
+
+
+@pytest.mark.parametrize("method", ["finite_difference", "exact"])
+def test_dotprod_trainer_float64_equals_numpy(float64, method):
+    """weight 0.1, alpha 0.3 (the gradient of the MSE of a linear model is affine, so the
+    finite difference is -H2 G1 for any alpha), uncapped, outer package SGD(0.1), 2 steps:
+    weights and the logged loss == NumPy at 1e-13."""
+    from tf_metaalign.trainers import DotProdTrainer
+
+    x, y = _data(16)
+    weight, alpha, lr = 0.1, 0.3, 0.1
+    trainer = DotProdTrainer(_linear(3), weight=weight, alpha=alpha, method=method,
+                             alignment="dot")
+    trainer.compile(optimizer=O.SGD(lr), loss="mse")
+    theta = _weights(trainer.model)
+    history = trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    losses = []
+    for s in (0, 8):
+        b1, b2 = (x[s:s + 4], y[s:s + 4]), (x[s + 4:s + 8], y[s + 4:s + 8])
+        g1, g2 = _grad(theta, *b1), _grad(theta, *b2)
+        if method == "exact":  # H2 G1 = G2(theta + G1) - G2(theta): affine gradient
+            reg = [-(a - b) for a, b in zip(_grad([t + g for t, g in zip(theta, g1)], *b2), g2)]
+        else:
+            g21 = _grad([t - alpha * g for t, g in zip(theta, g1)], *b2)
+            reg = [(a - b) / alpha for a, b in zip(g21, g2)]
+        losses.append(0.5 * (_mse(theta, *b1) + _mse(theta, *b2)))
+        theta = [t - lr * (a + b + weight * r) for t, a, b, r in zip(theta, g1, g2, reg)]
+    # The FD quotient divides rounding errors of G21 - G2 by alpha: 1e-12.
+    _assert_close(_weights(trainer.model), theta, dict(rtol=1e-12, atol=1e-15))
+    np.testing.assert_allclose(history.history["loss"][0], np.mean(losses), **TOL)
+
+
+def _mse(params, x, y):
+    w, b = params
+    return float(np.mean((x @ w + b - y) ** 2))
+
+
+def test_dotprod_two_replicas_uneven_batch_float64_equals_numpy(float64):
+    """Two replicas, a last global batch of 3 (2 + 1 examples: a plain step on (b, b),
+    each replica's gradient weighted by n_r * R / N = 4/3 and 2/3, not exact in
+    float32): NumPy to 1e-13."""
+    from conftest import two_cpu_strategy
+    from tf_metaalign.trainers import DotProdTrainer
+
+    x, y = _data(11)
+    weight, alpha, lr = 0.1, 0.3, 0.1
+    strategy = two_cpu_strategy()
+    with strategy.scope():
+        trainer = DotProdTrainer(_linear(4), weight=weight, alpha=alpha, alignment="dot")
+        trainer.compile(optimizer=O.SGD(lr), loss="mse")
+    theta = _weights(trainer.model)
+    trainer.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), verbose=0)
+    # Step 1: replica r splits its 4 rows [4r, 4r + 4): b1 = {0, 1, 4, 5}, b2 = {2, 3, 6, 7}.
+    b1 = (x[[0, 1, 4, 5]], y[[0, 1, 4, 5]])
+    b2 = (x[[2, 3, 6, 7]], y[[2, 3, 6, 7]])
+    g1, g2 = _grad(theta, *b1), _grad(theta, *b2)
+    g21 = _grad([t - alpha * g for t, g in zip(theta, g1)], *b2)
+    theta = [t - lr * (a + b + weight * (c - b) / alpha)
+             for t, a, b, c in zip(theta, g1, g2, g21)]
+    # Step 2: 3 examples, a plain step on (b, b): 2 * the gradient of the global mean.
+    theta = [t - lr * 2.0 * g for t, g in zip(theta, _grad(theta, x[8:], y[8:]))]
+    _assert_close(_weights(trainer.model), theta, dict(rtol=1e-12, atol=1e-15))

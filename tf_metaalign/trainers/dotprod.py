@@ -173,10 +173,12 @@ class DotProdTrainer(MetaTrainer):
         if replicas == 1:
             # A python bool when the size is static (a trace of its own: no tf.cond).
             return n, n < 2, None
-        n_t = tf.cast(n, tf.float32)
+        # In the weights' accumulation dtype: n_r * R / N is not exact in float32 (e.g. 1.2).
+        acc = F.accumulation_dtype(self.model.trainable_variables)
+        n_t = tf.cast(n, acc)
         # One scalar all-reduce: any replica too small, and the global example count.
         too_small, total = tf.unstack(F.all_reduce_sum(
-            tf.stack([tf.cast(n_t < 2.0, tf.float32), n_t])))
+            tf.stack([tf.cast(n_t < 2.0, acc), n_t])))
         # Replica r's share of a plain step: its mean gradient weighted by n_r * R / N, so
         # the optimizer's sum is the gradient of the global mean (empty replicas: 0).
         scale = tf.math.divide_no_nan(n_t * float(replicas), total)
@@ -230,10 +232,11 @@ class DotProdTrainer(MetaTrainer):
                 lambda a, b: tf.concat([a, b[skip_2:]], axis=0), r.aux_1[1], r.aux_2[1]
             )
             measured = tf.cast(apply, acc) if self.weight > 0 else tf.cast(split, acc)
-            size_1 = tf.cast(F.batch_size(batch_1[0]), tf.float32)
-            size_2 = tf.cast(F.batch_size(batch_2[0]), tf.float32)
+            # The logged loss in the accumulation dtype (float64 for float64 weights).
+            size_1 = tf.cast(F.batch_size(batch_1[0]), acc)
+            size_2 = tf.cast(F.batch_size(batch_2[0]), acc)
             loss = tf.math.divide_no_nan(
-                size_1 * tf.cast(r.loss_1, tf.float32) + size_2 * tf.cast(r.loss_2, tf.float32),
+                size_1 * tf.cast(r.loss_1, acc) + size_2 * tf.cast(r.loss_2, acc),
                 size_1 + size_2,
             )
             return (r.gradient, loss, y_pred, r.aux_2[0],
@@ -247,9 +250,9 @@ class DotProdTrainer(MetaTrainer):
                 self.split_loss_fn(n_1, loss_scale=loss_scale), params, state,
                 (x, y, sample_weight),
             )
-            n_f, n_1f = tf.cast(n, tf.float32), tf.cast(n_1, tf.float32)
+            n_f, n_1f = tf.cast(n, acc), tf.cast(n_1, acc)
             loss = tf.math.divide_no_nan(
-                n_1f * tf.cast(loss_1, tf.float32) + (n_f - n_1f) * tf.cast(loss_2, tf.float32),
+                n_1f * tf.cast(loss_1, acc) + (n_f - n_1f) * tf.cast(loss_2, acc),
                 n_f,
             )
             if not isinstance(small, bool):
@@ -273,7 +276,7 @@ class DotProdTrainer(MetaTrainer):
             gradient = [g * tf.cast(factor, g.dtype) for g in gradient]
 
         # The loss of the whole batch: the size-weighted mean of the two halves.
-        loss = loss / tf.cast(loss_scale, tf.float32)
+        loss = loss / tf.cast(loss_scale, loss.dtype)
         # Skipped pairs (every > 1) do not measure G1.G2: weight 0 keeps them out of the mean.
         return self.finish_step(
             data, y_pred, loss, new_state=new_state, gradients=gradient,
