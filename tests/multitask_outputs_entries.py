@@ -22,6 +22,7 @@ import numpy as np
 
 from trainer_entries import TrainerEntry, regression_data
 
+
 def two_head_mlp(dtype="float64", dropout=0.0, seed=0):
     """Input(4) -> Dense(5, tanh) -> [Dropout] -> heads "a" Dense(3, tanh) -> Dense(1)
     and "b" Dense(1): a shared trunk, a two-layer head and a one-layer head."""
@@ -37,8 +38,8 @@ def two_head_mlp(dtype="float64", dropout=0.0, seed=0):
 
 
 def two_output_data(n, dtype="float64", seed=0):
-    """`regression_data`'s two target columns as two outputs; "b" is negated on the first
-    half of every 8 rows' pattern so that the tasks' trunk gradients conflict."""
+    """`regression_data`'s two target columns as two outputs; "b" is scaled by -3 on the
+    even rows and shifted by x_0, so that the tasks' trunk gradients conflict."""
     x, y = regression_data(n, dtype=dtype, seed=seed)
     flip = np.where(np.arange(n) % 2 == 0, -3.0, 1.0).astype(dtype)
     return x, {"a": y[:, :1], "b": (y[:, 1:] * flip[:, None] + x[:, :1]).astype(dtype)}
