@@ -374,3 +374,47 @@ def test_save_reload_and_resume(float64, tmp_path, rep_grad):
     assert set(h1) == set(h2)
     for key in h1:
         np.testing.assert_allclose(h1[key], h2[key], rtol=1e-6, err_msg=key)
+
+
+# ------------------------------------------------- the _compat functions this uses
+
+
+@pytest.mark.parametrize("built", [False, True])
+def test_compat_recorded_loss_terms(built):
+    """Keras's per-output terms, recorded without changing the compiled loss's result;
+    the compiled loss is given back as it was (built or not)."""
+    from tf_metaalign import _compat
+
+    model = two_head_model()
+    model.compile(loss={"priority": "mse", "department": "mse"},
+                  loss_weights={"priority": 2.0, "department": 0.5})
+    compile_loss = _compat.compiled_loss(model)
+    x = np.random.default_rng(0).normal(size=(6, 4)).astype("float32")
+    y = [np.ones((6, 1), "float32"), np.zeros((6, 3), "float32")]
+    y_pred = model(x)
+    if built:
+        compile_loss(y, y_pred)
+    terms_before = None if not built else list(compile_loss._flat_losses)
+    with _compat.recorded_loss_terms(compile_loss) as terms:
+        total = compile_loss(y, y_pred)
+    assert [w for _, w in terms] == [2.0, 0.5]
+    expected = [np.mean((y_pred[0].numpy() - 1) ** 2), np.mean(y_pred[1].numpy() ** 2)]
+    np.testing.assert_allclose([float(v) for v, _ in terms], expected, rtol=1e-6)
+    np.testing.assert_allclose(float(total), 2 * expected[0] + 0.5 * expected[1], rtol=1e-6)
+    assert _compat.compile_loss_names(compile_loss) == ["priority", "department"]
+    assert "build" not in vars(compile_loss)
+    if built:
+        assert compile_loss._flat_losses == terms_before
+    with _compat.recorded_loss_terms(compile_loss) as again:
+        pass
+    assert again == [] and len(terms) == 2  # nothing recorded outside the block
+
+
+def test_compat_producing_node():
+    from tf_metaalign import _compat
+
+    model = two_head_model()
+    trunk = model.get_layer("trunk")
+    node, operation, inputs = _compat.producing_node(model.outputs[0])
+    assert operation is model.get_layer("priority") and inputs[0] is trunk.output
+    assert _compat.producing_node(model.inputs[0]) is None
