@@ -103,14 +103,12 @@ def task_specific_variables(model: keras.Model):
     variables of its task-specific layers that no other layer of the graph holds)."""
     heads = task_specific_layers(model)
     holders = collections.defaultdict(set)  # id(variable) -> owners
-    variables = {}
     specific_ops = {id(op): o for o, ops in enumerate(heads) for op in ops}
     for nodes in output_nodes(model):
         for _, operation, _ in nodes.values():
             owner = specific_ops.get(id(operation), "shared")
             for v in getattr(operation, "trainable_variables", []):
                 holders[id(v)].add(owner)
-                variables[id(v)] = v
     result = [[] for _ in heads]
     for v in model.trainable_variables:
         who = holders.get(id(v), set())

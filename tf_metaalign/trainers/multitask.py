@@ -57,8 +57,8 @@ class MultiTaskTrainer(MetaTrainer):
       `model_takes_task_id=True` (per-task heads). `evaluate` / `predict` take the same
       dicts (or plain model inputs). The rest of this doc describes how rows are masked.
 
-    Per-task losses (tasks="rows"). One forward pass over the whole batch; task t's loss is the trainer's
-    compiled loss (`functional.compute_loss`, the loss `fit` uses) evaluated with the
+    Per-task losses (tasks="rows"). One forward pass over the whole batch; task t's loss
+    is the trainer's compiled loss (`functional.compute_loss`, the loss `fit` uses) evaluated with the
     sample weights `sample_weight * [task_id == t]` and rescaled to the task's MEAN:
     with Keras's default "sum_over_batch_size" reduction, the masked loss is
     `sum_{i in t} w_i l_i / B`, so it is multiplied by `B / n_t`, where n_t is the number of
@@ -434,7 +434,7 @@ class MultiTaskTrainer(MetaTrainer):
             # backward passes through the heads, the method on the Gram matrix of
             # r_t = sum over the batch of dL_t/dz, ONE backward pass of
             # sum_t c_t dL_t/dz through the encoder.
-            (losses, rep_vectors, combination, cosine, gradient, new_state, y_pred,
+            (losses, _, combination, cosine, gradient, new_state, y_pred,
              regularizer) = self._rep_grad_step(params, state, model_x, y, task_losses_of,
                                                 loss_scale, acc, task_inputs, method_state)
             cosine_weight = tf.cast(tf.reduce_sum(present) >= 2, tf.float32)
