@@ -215,7 +215,7 @@ def _one_replica_reference(entry, replicas=2):
     rows = np.concatenate([start + order for start in range(0, B.num_rows(x), size)])
     trainer = B.build(entry)
     initial = B.snapshot(entry, trainer)
-    logs, _ = B.fit(entry, trainer, B.take_rows(x, rows), y[rows])
+    logs, _ = B.fit(entry, trainer, B.take_rows(x, rows), B.take_rows(y, rows))
     return initial, B.snapshot(entry, trainer), logs
 
 
@@ -293,7 +293,7 @@ def test_keras_file_round_trip_and_continue(entry, exact, tmp_path):
     cut = 3 * entry.batch_size  # 3 steps first: an odd step count (phase of schedules)
     trainer = B.build(entry)
     initial = B.snapshot(entry, trainer)
-    B.fit(entry, trainer, B.take_rows(x, slice(None, cut)), y[:cut], epochs=1)
+    B.fit(entry, trainer, B.take_rows(x, slice(None, cut)), B.take_rows(y, slice(None, cut)), epochs=1)
     path = str(tmp_path / f"{entry.name}.keras")
     trainer.save(path)
     loaded = keras.models.load_model(path)
@@ -305,8 +305,8 @@ def test_keras_file_round_trip_and_continue(entry, exact, tmp_path):
     B.assert_trained(entry, initial, saved)
     B.assert_same(B.snapshot(entry, loaded), saved, 0.0, 0.0, "reloaded vs saved")
 
-    B.fit(entry, trainer, B.take_rows(x, slice(cut, None)), y[cut:], epochs=2)
-    B.fit(entry, loaded, B.take_rows(x, slice(cut, None)), y[cut:], epochs=2)
+    B.fit(entry, trainer, B.take_rows(x, slice(cut, None)), B.take_rows(y, slice(cut, None)), epochs=2)
+    B.fit(entry, loaded, B.take_rows(x, slice(cut, None)), B.take_rows(y, slice(cut, None)), epochs=2)
     rtol, atol = B.tolerance(entry, "keras_round_trip")
     B.assert_same(B.snapshot(entry, loaded), B.snapshot(entry, trainer), rtol, atol,
                   "continued from the reloaded vs the original trainer")
@@ -335,7 +335,8 @@ def test_wrapped_model_evaluates_predicts_and_saves_as_itself(entry, exact, tmp_
     plain = keras.models.clone_model(model)
     plain.set_weights(model.get_weights())
     compile_kwargs = entry.compile_kwargs()
-    plain.compile(loss=compile_kwargs["loss"], metrics=compile_kwargs.get("metrics"))
+    plain.compile(loss=compile_kwargs["loss"], loss_weights=compile_kwargs.get("loss_weights"),
+                  metrics=compile_kwargs.get("metrics"))
     assert_same_logs(got, plain.evaluate(x_model, y_eval, batch_size=8, verbose=0,
                                          return_dict=True), "model.evaluate vs a plain copy")
     path = str(tmp_path / "model.keras")
@@ -373,7 +374,7 @@ def test_ragged_last_batch_trains_on_one_and_two_replicas(entry, exact):
         for rows in (B.N_ROWS, B.N_ROWS + 1):
             trainer = B.build(entry, strategy=strategy)
             run = lambda: trainer.fit(  # noqa: E731
-                B.take_rows(x, slice(None, rows)), y[:rows], batch_size=entry.batch_size,
+                B.take_rows(x, slice(None, rows)), B.take_rows(y, slice(None, rows)), batch_size=entry.batch_size,
                 epochs=1, shuffle=False, verbose=0)
             if rows > B.N_ROWS and entry.ragged_last_batch != "trained":
                 with pytest.raises(ValueError, match=entry.ragged_last_batch):

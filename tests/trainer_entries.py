@@ -400,7 +400,8 @@ ENTRIES += [
         # Solvers iterate to convergence: rounding differs between XLA and graph code at
         # 1e-12 and the steps then agree to ~1e-9.
         tolerances={"jit_compile": (1e-6, 1e-9)} if method in ("nash_mtl",) else {},
-        logged_loss_tracks_progress=method != "nash_mtl",
+        # Nash-MTL's alpha and RLW's random weights move the logged weighted loss.
+        logged_loss_tracks_progress=method not in ("nash_mtl", "rlw"),
     )
     for method in ("sum", "rlw", "uw", "dwa", "famo", "mgda", "cagrad", "imtl", "nash_mtl",
                    "aligned_mtl")
@@ -589,5 +590,10 @@ ENTRIES += [
               "steps_per_execution", "ragged_last_batch"),
     ),
 ]
+
+# MultiTaskTrainer(tasks="outputs"): a two-output model compiled with a loss per output.
+from multitask_outputs_entries import OUTPUT_ENTRIES  # noqa: E402
+
+ENTRIES += OUTPUT_ENTRIES
 
 BY_NAME = {e.name: e for e in ENTRIES}  # rebuilt with the entries appended above
