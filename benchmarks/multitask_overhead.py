@@ -449,6 +449,9 @@ def main(argv):
     def mean(c):
         return float(np.mean(times[c])) if c in times else None
 
+    def p20(c):
+        return float(np.percentile(times[c], 20)) if c in times else None
+
     mtl = "sum" if "sum" in times else None
     rows, results = [], {}
     for config in configs:
@@ -463,6 +466,12 @@ def main(argv):
             "ratio_to_plain": common.ratio(m, med("plain")) if "plain" in times else None,
             "ratio_to_plain_mean": common.ratio(a, mean("plain")) if "plain" in times else None,
             "ratio_to_mtl": common.ratio(m, med(mtl)) if mtl else None,
+            # Other processes' load only ever adds time: the ratio of the 20th
+            # percentiles is the less contended reading (the targets are judged on medians).
+            "p20_step_ms": 1000 * p20(config),
+            "ratio_to_plain_p20": common.ratio(p20(config), p20("plain"))
+            if "plain" in times else None,
+            "step_ms": [1000 * t for t in times[config]],
             "first_step_s": first_step[config],
             "timed_steps": len(times[config]),
         }
@@ -477,6 +486,7 @@ def main(argv):
         if kind is not None and r["ratio_to_plain"] is not None:
             r["target_ratio_to_plain"] = TARGETS_TO_PLAIN[kind]
             r["meets_target"] = bool(r["ratio_to_plain"] <= TARGETS_TO_PLAIN[kind])
+            r["meets_target_p20"] = bool(r["ratio_to_plain_p20"] <= TARGETS_TO_PLAIN[kind])
             if config in REFERENCE:
                 r["target_note"] = ("reference step, not library code: judged against "
                                     "the target its library counterpart would have")
@@ -496,8 +506,10 @@ def main(argv):
         ("ratio_to_plain", "/ plain (median)", ".3f"),
         ("ratio_to_plain_mean", "/ plain (mean)", ".3f"),
         ("ratio_to_plain_median_of_rounds", "/ plain (rounds)", ".3f"),
+        ("ratio_to_plain_p20", "/ plain (p20)", ".3f"),
         ("ratio_to_mtl", "/ sum", ".3f"),
         ("target_ratio_to_plain", "target", ".2f"), ("meets_target", "met", "s"),
+        ("meets_target_p20", "met (p20)", "s"),
     ])
     print(table)
     summary = {}
@@ -508,7 +520,9 @@ def main(argv):
                              "met": [c for c in members if results[c].get("meets_target")],
                              "missed": {c: round(results[c]["ratio_to_plain"], 3)
                                         for c in members
-                                        if results[c].get("meets_target") is False}}
+                                        if results[c].get("meets_target") is False},
+                             "met_p20": [c for c in members
+                                         if results[c].get("meets_target_p20")]}
     T, b = FLAGS.num_tasks, FLAGS.per_task_batch
     if FLAGS.arch == "mlp":
         model_info = {"kind": "mlp_per_task_heads", "input_dim": FLAGS.input_dim,

@@ -54,6 +54,10 @@ def _check_common(data, timed_steps):
         if r.get("target_ratio_to_plain") is not None:
             # Honest pass/fail: exactly "median ratio <= target".
             assert r["meets_target"] is (r["ratio_to_plain"] <= r["target_ratio_to_plain"])
+            assert r["meets_target_p20"] is (
+                r["ratio_to_plain_p20"] <= r["target_ratio_to_plain"])
+        assert len(r["step_ms"]) == timed_steps
+        assert math.isfinite(r["ratio_to_plain_p20"]) and r["ratio_to_plain_p20"] > 0
     # The summary lists every target-bearing library configuration as met or missed.
     for kind, s in data["summary"].items():
         members = {c for c, r in results.items()
