@@ -214,13 +214,36 @@ def test_learning_rate_is_float64_under_float64(float64):
     assert float(opt.current_hyperparameters()["learning_rate"]) == 0.1
 
 
-def test_learning_rate_stays_float32_under_float32():
+def test_fixed_learning_rate_is_held_in_float64_under_float32():
+    """Keras would hold 0.1 in a float32 variable; the package's optimizers hold a fixed
+    rate in float64 whatever floatx (as their other hyperparameters), so float64 values
+    updated under floatx float32 (guided learning's raw values) see the exact rate. A
+    float32 variable's SGD update is still Keras's, bit for bit (the rule rounds the rate
+    to float32 as Keras does). Schedules and the scale stay float32 under float32."""
     opt = O.SGD(0.1)
-    assert opt.learning_rate_at(tf.constant(0, tf.int64)).dtype == tf.float32
-    var = keras.Variable(np.ones(3, "float32"))
-    opt.build([var])
-    assert opt.current_hyperparameters()["learning_rate"].dtype == tf.float32
-    assert opt.learning_rate_scale.dtype == "float32"
+    assert opt.learning_rate.dtype == "float64"
+    assert float(opt.learning_rate_at(tf.constant(0, tf.int64))) == 0.1
+    assert [v.name for v in opt.variables] == ["iteration", "learning_rate"]
+    opt.learning_rate = 0.3  # Keras's setter (callbacks such as ReduceLROnPlateau)
+    assert float(opt.learning_rate.numpy()) == 0.3
+    assert O.SGD(0.1).get_config()["learning_rate"] == 0.1
+    scheduled = O.Adam(O.BertSchedule(0.1, num_train_steps=10))
+    assert scheduled.learning_rate_at(tf.constant(1, tf.int64)).dtype == tf.float32
+    ours, theirs = O.SGD(0.1), keras.optimizers.SGD(0.1)
+    a = keras.Variable(np.linspace(-1, 1, 5).astype("float32"))
+    b = keras.Variable(np.linspace(-1, 1, 5).astype("float32"))
+    g = tf.constant(np.linspace(0.3, 2.0, 5).astype("float32"))
+    for _ in range(3):
+        ours.apply_gradients([(g, a)])
+        theirs.apply_gradients([(g, b)])
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert ours.learning_rate_scale.dtype == "float32"
+    # A float64 tensor step under floatx float32 (e.g. guided learning's raw values).
+    p = [tf.constant([1.0, 2.0], tf.float64)]
+    var = keras.Variable(np.zeros(2), dtype="float64")
+    new, _ = O.SGD(0.1).apply_on_tensors([tf.constant([1.0, 3.0], tf.float64)], p,
+                                         O.SGD(0.1).initial_state([var]), [var])
+    np.testing.assert_array_equal(new[0].numpy(), [1.0 - 0.1 * 1.0, 2.0 - 0.1 * 3.0])
 
 
 def test_schedules_are_float64_under_float64(float64):
@@ -362,3 +385,121 @@ def test_dotprod_two_replicas_uneven_batch_float64_equals_numpy(float64):
     # Step 2: 3 examples, a plain step on (b, b): 2 * the gradient of the global mean.
     theta = [t - lr * 2.0 * g for t, g in zip(theta, _grad(theta, x[8:], y[8:]))]
     _assert_close(_weights(trainer.model), theta, dict(rtol=1e-12, atol=1e-15))
+
+
+# ------------------------------------------------------------------ guided learning
+
+
+def _sigmoid(z):
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+@pytest.mark.parametrize("momentum", [None, 0.3])
+def test_guided_trainer_float64_equals_numpy(float64, momentum):
+    """SGD(0.1) (with momentum 0.3: learned as beta_1 through the capped sigmoid) whose
+    learning-rate scale (and momentum) a meta SGD(0.3) learns on a guidance batch, 3
+    steps: the weights and raw values == NumPy at 1e-13."""
+    from tf_metaalign.trainers.guided import GuidedTrainer
+
+    x, y = _data(24)
+    xg, yg = _data(6, seed=5)
+    lr, meta_lr = 0.1, 0.3
+    trainer = GuidedTrainer(_linear(2), (xg, yg), meta_optimizer=O.SGD(meta_lr))
+    trainer.compile(O.SGD(lr) if momentum is None else O.SGD(lr, momentum=momentum),
+                    loss="mse")
+    theta = _weights(trainer.model)
+    trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    m = [np.zeros_like(t) for t in theta]
+    raw_lr = 0.0
+    raw_mu = None if momentum is None else np.log(momentum) - np.log1p(-momentum)
+    for s in range(0, 24, 8):
+        g = _grad(theta, x[s:s + 8], y[s:s + 8])
+        lr_eff = lr * np.exp(raw_lr)
+        if raw_mu is None:
+            new = [t - lr_eff * a for t, a in zip(theta, g)]
+        else:
+            mu = min(_sigmoid(raw_mu), 1.0 - 1e-5)
+            m_new = [mu * b - lr_eff * a for b, a in zip(m, g)]
+            new = [t + b for t, b in zip(theta, m_new)]
+        v = _grad(new, xg, yg)
+        h_lr = sum(np.sum(a * (-lr_eff * b)) for a, b in zip(v, g))
+        if raw_mu is not None:
+            h_mu = sum(np.sum(a * (mu * (1 - mu) * b)) for a, b in zip(v, m))
+            raw_mu = raw_mu - meta_lr * h_mu
+            m = m_new
+        raw_lr = raw_lr - meta_lr * h_lr
+        theta = new
+    _assert_close(_weights(trainer.model), theta)
+    np.testing.assert_allclose(trainer.guided.raw["learning_rate"].numpy(), raw_lr, **TOL)
+    if raw_mu is not None:
+        np.testing.assert_allclose(trainer.guided.raw["beta_1"].numpy(), raw_mu, **TOL)
+        assert raw_mu != np.log(momentum) - np.log1p(-momentum)  # it moved
+
+
+def test_guided_activation_cap_is_exact(float64):
+    from tf_metaalign.algorithms import guided as G
+
+    capped = G.activate("beta_1", tf.constant(30.0, tf.float64))
+    assert float(capped) == 1.0 - 1e-5
+
+
+# ------------------------------------------------------------------ gradient surgery
+
+
+def test_combine_takes_python_coefficients_exactly():
+    from tf_metaalign.algorithms import gradient_surgery as S
+
+    g = [[tf.constant([1.0, 3.0], tf.float64)], [tf.constant([-2.0, 5.0], tf.float64)]]
+    out = S.combine(g, [0.1, 0.4])
+    assert out[0].dtype == tf.float64
+    np.testing.assert_array_equal(out[0].numpy(),
+                                  0.1 * np.array([1.0, 3.0]) + 0.4 * np.array([-2.0, 5.0]))
+
+
+def test_gradnorm_update_takes_python_lists_exactly():
+    from tf_metaalign.algorithms import gradient_surgery as S
+
+    w = np.array([1.3, 0.7])
+    norms, losses, initial = [0.3, 0.9], [0.7, 0.2], [1.1, 0.6]
+    out = S.gradnorm_update(tf.constant(w), norms, losses, initial, alpha=1.5,
+                            learning_rate=0.1).numpy()
+    ratio = np.array(losses) / np.array(initial)
+    r = ratio / ratio.mean()
+    target = (w * np.array(norms)).mean() * r ** 1.5
+    new = w - 0.1 * np.sign(w * np.array(norms) - target) * np.array(norms)
+    np.testing.assert_allclose(out, new * 2 / new.sum(), **TOL)
+
+
+def test_gradient_sharing_gates_take_python_logits_exactly():
+    from tf_metaalign.algorithms.gradient_sharing import GradientSharing
+
+    h = [tf.constant([1.0, -2.0], tf.float64)]
+    g = [tf.constant([0.5, 3.0], tf.float64)]
+    s = _sigmoid(0.4)
+    out = GradientSharing.combine(h, g, 0.4)[0].numpy()
+    np.testing.assert_allclose(out, s * np.array([1.0, -2.0]) + (1 - s) * np.array([0.5, 3.0]),
+                               **TOL)
+    out = GradientSharing.update_g_hat(g, h, 0.4, True)[0].numpy()
+    np.testing.assert_allclose(out, s * np.array([0.5, 3.0]) + (1 - s) * np.array([1.0, -2.0]),
+                               **TOL)
+
+
+def test_dotprod_gradient_scale_is_exact(float64):
+    """A python `gradient_scale` of 0.3 unscales G1 for the diagnostics exactly."""
+    from tf_metaalign.algorithms.dotprod import dotprod_gradient
+
+    x, y = _data(8)
+    model = _linear(5)
+    loss = F.make_loss_fn(model, keras.losses.MeanSquaredError())
+
+    def scaled(p, s, b):
+        value, aux = loss(p, s, b)
+        return value * 0.3, aux
+
+    params = F.current_params(model)
+    r = dotprod_gradient(scaled, params, F.current_state(model), (x[:4], y[:4]),
+                         (x[4:], y[4:]), weight=0.1, alpha=0.3, gradient_scale=0.3)
+    theta = [p.numpy() for p in params]
+    g1, g2 = _grad(theta, x[:4], y[:4]), _grad(theta, x[4:], y[4:])
+    np.testing.assert_allclose(float(r.grad_dot), sum(np.sum(a * b) for a, b in zip(g1, g2)),
+                               **TOL)

@@ -234,12 +234,11 @@ def dotprod_gradient(
     """
     validate_options(weight, alpha, 1, method, alignment, cap)
     params = list(params)
-    gradient_scale = tf.convert_to_tensor(gradient_scale)
 
     loss_1, g1, aux_1 = F.value_and_grad(loss_fn, params, state, batch_1)
     state_1 = aux_1[0] if isinstance(aux_1, (tuple, list)) else None
     acc = F.accumulation_dtype(params)
-    unscale = 1.0 / tf.cast(gradient_scale, acc)
+    unscale = 1.0 / F.scalar(gradient_scale, acc)  # a python scale exact in acc
 
     def perturbation_direction(g1_global):
         # The true (unscaled) global mean gradient G1, in each parameter's dtype.

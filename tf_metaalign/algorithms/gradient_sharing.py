@@ -100,7 +100,7 @@ class GradientSharing:
         """g_hat_k = g_k if not `initialized`, else sigmoid(m_k) g_k + (1 - sigmoid(m_k)) g_hat_k."""
         out = []
         for gi, hi in zip(g, g_hat):
-            s = tf.cast(tf.sigmoid(m_k), gi.dtype)
+            s = tf.sigmoid(F.scalar(m_k, gi.dtype))  # a python m_k exact in gi's dtype
             mixed = s * gi + (1 - s) * tf.cast(hi, gi.dtype)
             if isinstance(initialized, bool):
                 out.append(mixed if initialized else gi)
@@ -113,7 +113,7 @@ class GradientSharing:
         """Delta = sigmoid(lambda_k) g_hat_k + (1 - sigmoid(lambda_k)) grad L_t."""
         out = []
         for h, g in zip(g_hat, task_grad):
-            s = tf.cast(tf.sigmoid(lambda_k), g.dtype)
+            s = tf.sigmoid(F.scalar(lambda_k, g.dtype))
             out.append(s * tf.cast(h, g.dtype) + (1 - s) * g)
         return out
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tf_metaalign import functional as F
@@ -74,7 +75,10 @@ def gram_matrix(task_grads) -> tf.Tensor:
 def combine(task_grads, coefficients) -> list[tf.Tensor]:
     """`sum_t coefficients[t] * task_grads[t]`, variable by variable (in each gradient's dtype)."""
     T = _check_task_grads(task_grads, "combine")
-    coefficients = tf.convert_to_tensor(coefficients)
+    # A python / NumPy list is converted in the gradients' accumulation dtype (a list of
+    # python floats would otherwise become float32: 0.1 -> 0.10000000149011612).
+    acc = F.accumulation_dtype([g for grads in task_grads for g in grads])
+    coefficients = tf.convert_to_tensor(coefficients, dtype_hint=acc)
     if coefficients.shape.rank != 1 or coefficients.shape[0] != T:
         raise ValueError(
             f"combine: `coefficients` must have shape [{T}] (one per task); got "
@@ -142,10 +146,8 @@ def random_order(num_tasks, seed, step) -> tf.Tensor:
 
 def _scalar(value, dtype):
     """A python number as an exact `dtype` constant (`tf.cast` of a python float would
-    round it through float32 first); tensors are cast."""
-    if isinstance(value, (int, float)):
-        return tf.constant(float(value), dtype)
-    return tf.cast(value, dtype)
+    round it through float32 first); tensors are cast (`functional.scalar`)."""
+    return F.scalar(value, dtype)
 
 
 def _one_hot(j, T, dtype):
@@ -288,8 +290,10 @@ def gradnorm_update(weights, layer_norms, losses, initial_losses, present=None,
     T = int(weights.shape[0])
 
     def cast(v):
-        return _scalar(v, dtype) if isinstance(v, (int, float)) else tf.cast(
-            tf.convert_to_tensor(v), dtype)
+        # Numbers and python lists converted in `dtype` directly (not via float32).
+        if isinstance(v, (int, float, np.integer, np.floating)):
+            return _scalar(v, dtype)
+        return tf.cast(tf.convert_to_tensor(v, dtype_hint=dtype), dtype)
 
     layer_norms, losses, initial_losses = cast(layer_norms), cast(losses), cast(initial_losses)
     present = tf.ones([T], dtype) if present is None else cast(present)

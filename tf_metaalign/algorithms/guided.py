@@ -79,7 +79,8 @@ def activate(name: str, raw):
         raw = tf.convert_to_tensor(raw)
     if activation_name(name) == "exp":
         return tf.exp(raw)
-    return tf.minimum(tf.sigmoid(raw), tf.cast(1.0 - SIGMOID_CAP_MARGIN, raw.dtype))
+    # F.scalar: 1 - 1e-5 exact in raw's dtype (tf.cast would round it through float32).
+    return tf.minimum(tf.sigmoid(raw), F.scalar(1.0 - SIGMOID_CAP_MARGIN, raw.dtype))
 
 
 def initial_raw(name: str, value: float | None) -> float:
@@ -112,8 +113,10 @@ def hyperparameters_from_raw(
       raw: name -> raw scalar (e.g. {"learning_rate": r1, "beta_1": r2}).
       dtype: dtype of the activated values handed to the rule (default: raw's dtype), or
         a dict name -> dtype. The trainer uses the dtypes of the optimizer's own variables
-        (float32 learning-rate scale, float64 coefficients), so the rule sees exactly the
-        values `BaseOptimizer` computes with.
+        (the learning-rate scale in floatx, float64 coefficients), so the rule sees exactly
+        the values `BaseOptimizer` computes with: the learning rate is the schedule value
+        times the scale, in the schedule value's dtype (float64 for a package optimizer's
+        fixed rate), as `BaseOptimizer` multiplies them.
     """
     hparams = dict(base_hparams)
     for name, r in raw.items():
@@ -122,8 +125,10 @@ def hyperparameters_from_raw(
         if d is not None:
             value = tf.cast(value, d)
         if name == "learning_rate":
-            schedule = tf.cast(base_hparams["learning_rate"], value.dtype)
-            hparams["learning_rate"] = schedule * value
+            schedule = base_hparams["learning_rate"]
+            if not isinstance(schedule, tf.Tensor):
+                schedule = F.scalar(schedule, value.dtype)
+            hparams["learning_rate"] = schedule * tf.cast(value, schedule.dtype)
         else:
             hparams[name] = value
     return hparams
@@ -467,6 +472,8 @@ def guided_step(
     if commit is not None and apply is not True:
         raise ValueError("guided_step: `commit` needs apply=True (every step takes the update).")
     holder = {}
+    # The guidance loss in the parameters' accumulation dtype (float64 for float64 weights).
+    loss_dtype = F.accumulation_dtype(list(params))
 
     def compute():
         result = hypergradients(
@@ -475,13 +482,13 @@ def guided_step(
             hparam_dtype=hparam_dtype, commit=commit,
         )
         holder["update"] = UpdateWithTangents(result.new_params, result.new_slots, [])
-        return [result.hypergradients[n] for n in names], tf.cast(result.guidance_loss, tf.float32)
+        return [result.hypergradients[n] for n in names], tf.cast(result.guidance_loss, loss_dtype)
 
     # No cross-replica communication inside (reduce_and_sanitize comes after): a plain
     # conditional under any strategy.
     h_local, loss_local = F.replica_safe_cond(
         apply, compute,
-        lambda: ([tf.zeros((), raw[n].dtype) for n in names], tf.zeros((), tf.float32)),
+        lambda: ([tf.zeros((), raw[n].dtype) for n in names], tf.zeros((), loss_dtype)),
         communicates=False,
     )
     if apply is not True:

@@ -25,11 +25,25 @@ Computation happens in float32, or in float64 when the variable is float64 (so d
 be checked by finite differences). Slots are float32 whatever the variable dtype (float64 for a
 float64 variable); `new_var` has the variable's dtype.
 
+Hyperparameters are exact in float64. A python hyperparameter becomes
+`tf.constant(float(x), tf.float64)` (`tf.cast(0.1, tf.float64)` would convert 0.1 to float32
+first: 0.10000000149011612). Keras's own optimizers keep a fixed learning rate in a variable of
+the floatx of their construction (float32 usually) and cast it to the variable's dtype; the
+package's optimizers keep it in a float64 variable whatever floatx (as their
+`variable_hyperparameters`), so a float64 variable -- or guided learning's float64 raw values
+under floatx float32 -- is updated with the python rate exactly, while a float32 variable's
+SGD step is Keras's bit for bit (the rule rounds the rate to float32 as Keras does). Where a
+rate cannot be exact: a Keras `LearningRateSchedule` computes in float32 (this package's
+schedules compute in float64 under `floatx="float64"`, float32 otherwise), and
+`learning_rate_scale` (the learned scale of guided learning) is float32 under floatx float32
+(float64 under float64). `learning_rate_tensor` says which dtype a rate is handed on in.
+
 One optimizer step on tensors (nothing assigned, differentiable, for MAML/Reptile inner loops
 and guided learning): `apply_rule` (the rule on every variable) and, with the optimizer's
 hyperparameters, clipping and per-variable options, `BaseOptimizer.apply_on_tensors` on an
 `OptimizerState`.
 """
+import contextlib
 import numbers
 import re
 from typing import NamedTuple
@@ -142,11 +156,10 @@ def _to_float64(value):
 def learning_rate_tensor(value):
     """A learning rate (schedule value, fixed rate, callable rate's value) as a tensor.
 
-    float64 when the rate is held in float64 -- Keras keeps a fixed rate in a variable of
-    the floatx of the optimizer's construction, so under `floatx="float64"` it is the
-    exact python value -- or when it is a python number under floatx float64; float32
-    otherwise (a float32 rate, as Keras's own optimizers hold it under float32). Never
-    rounds a float64 rate through float32.
+    float64 when the rate is held in float64 -- a package optimizer's fixed rate always
+    is (see the module doc), a package schedule's value under `floatx="float64"` -- or
+    when it is a python number under floatx float64; float32 otherwise (a Keras schedule's
+    value, a float32 rate). Never rounds a float64 rate through float32.
     """
     if isinstance(value, numbers.Number) and not isinstance(value, bool):
         dtype = tf.float64 if keras.backend.floatx() == "float64" else tf.float32
@@ -306,6 +319,16 @@ def _tf_variable(variable):
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
+@contextlib.contextmanager
+def _floatx(dtype):
+    old = keras.backend.floatx()
+    keras.backend.set_floatx(dtype)
+    try:
+        yield
+    finally:
+        keras.backend.set_floatx(old)
+
+
 def _schedule_or_none(learning_rate):
     if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
         return learning_rate
@@ -372,7 +395,15 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         )
         if aggregated_clipnorm is not None and kwargs.get("global_clipnorm") is not None:
             raise ValueError("Set at most one of `aggregated_clipnorm` and `global_clipnorm`.")
-        super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        # Keras keeps a fixed rate in a variable of the current floatx (float32 usually: 0.1
+        # would become 0.10000000149011612). The rules compute their scalar coefficients in
+        # float64 (`UpdateRule._prepare`), and float64 values -- float64 variables, guided
+        # learning's raw values, updated by a meta-optimizer under any floatx -- must get
+        # the python rate exactly: Keras creates it in float64 here (the only variable
+        # its constructor sizes by floatx), as `variable_hyperparameters` are. A float32
+        # variable's update is unchanged but for coefficients computed from the rate.
+        with _floatx("float64"):
+            super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.aggregated_clipnorm = aggregated_clipnorm
         # Kept to evaluate the schedule at any iteration (`learning_rate_at`): Keras's public
         # `learning_rate` evaluates it only at the optimizer's own `iterations`.

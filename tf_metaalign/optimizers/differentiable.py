@@ -239,6 +239,15 @@ def _learning_rate_from_config(config, optimizer):
     """The learning rate in a Keras optimizer's config: a float, or the deserialized
     schedule (a `LearningRateSchedule`) or callable."""
     value = config["learning_rate"]
+    if isinstance(value, float):
+        held = getattr(optimizer, "_learning_rate", None)
+        if isinstance(held, keras.Variable) and held.dtype == "float32":
+            # Keras held the rate in float32 (its config reads 0.0010000000474974513 for
+            # 1e-3); the package's optimizers hold it in float64: take the shortest decimal
+            # that rounds to the same float32 (the number the user wrote), so the converted
+            # optimizer's float32 steps are Keras's and its float64 uses are exact.
+            value = float(np.format_float_scientific(np.float32(value), unique=True))
+        return value
     if not isinstance(value, dict):
         return value
     try:

@@ -347,16 +347,17 @@ def guided_update(hyper, model, optimizer, guide_loss_fn, grads, new_state, guid
     weight = tf.cast(apply, tf.float32)
     scale = tf.convert_to_tensor(inner.learning_rate_scale.value)
     if "learning_rate" in keys:
-        scale = tf.cast(r.values["learning_rate"], tf.float32)
+        scale = tf.cast(r.values["learning_rate"], scale.dtype)
     logs = {
         "learning_rate_scale": scale,
-        "effective_learning_rate": schedule_lr * scale,
+        # As the optimizer multiplies them (`BaseOptimizer`): in the rate's dtype.
+        "effective_learning_rate": schedule_lr * tf.cast(scale, schedule_lr.dtype),
         "guidance_loss": (guidance_loss, weight),
         "nonfinite_hypergrads": tf.convert_to_tensor(hyper.nonfinite_hypergrads.value),
     }
     for n, k in zip(names, keys):
         if n != "learning_rate":
-            logs[n] = tf.cast(r.values[k], tf.float32)
+            logs[n] = tf.cast(r.values[k], scale.dtype)  # floatx, as the scale
         logs[f"hypergrad_{n}"] = (h[k], weight)
     return logs
 
@@ -584,7 +585,8 @@ class GuidanceData:
         rid = tf.distribute.get_replica_context().replica_id_in_sync_group
         start, end = alg.guidance_shard_bounds(self.batch_size, rid, replicas)
         shard = tf.nest.map_structure(lambda t: t[start:end], batch)
-        weight = tf.cast((end - start) * replicas, tf.float32) / float(self.batch_size)
+        # float64: n_r * R / N is not exact in float32 (cast to the loss's dtype later).
+        weight = tf.cast((end - start) * replicas, tf.float64) / float(self.batch_size)
         return shard, weight
 
 
