@@ -208,7 +208,7 @@ def _run_program(tmp_path, methods, extra=()):
     ("single_task", "cagrad", "sequential_reptile"),
     pytest.param(None, marks=pytest.mark.slow),  # the default run's eight methods (~2 min)
     pytest.param(("zoo",), marks=pytest.mark.slow),  # every registry method
-])
+], ids=["cagrad_with_option", "default_methods", "zoo"])
 def test_program_end_to_end_on_two_languages(tmp_path, methods):
     """One seed, a few steps: the table, per-language scores and JSON; a registry method
     with an option given by flag (CAGrad's calpha), recorded with the run."""
@@ -237,3 +237,20 @@ def test_program_end_to_end_on_two_languages(tmp_path, methods):
         {"cagrad": {"calpha": 0.4}} if "cagrad" in methods else {})
     assert "zero-shot acc" in out.stdout and methods[-1] in out.stdout
     assert f"s] run 1/{len(methods)}" in out.stdout  # progress lines
+
+
+def test_docs_table_has_a_row_for_every_registry_method():
+    """docs/multitask.md's "Method x reference x cost" table names every registry method
+    (its row's first cell ends with (`name`...)), and the class's `reference` attribute is
+    set: a method added to the registry without its docs row fails here."""
+    import re
+
+    from tf_metaalign.algorithms.multitask import base, method_names
+
+    text = (ROOT / "docs" / "multitask.md").read_text()
+    section = text.split("### Method x reference x cost", 1)[1].split("\n### ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")][1:]  # no header
+    names = [re.search(r"\(`([a-z_]+)`", row.split("|")[1]).group(1) for row in rows]
+    assert names == list(method_names())
+    for name in names:
+        assert base._REGISTRY[name].reference
