@@ -110,10 +110,12 @@ def test_heads_are_task_specific_and_the_old_rule_is_reachable(float64):
     behaviour), which gives another step on this conflicting data."""
     x, y = _data()
     trainer = _trainer("pcgrad")
-    names = [trainer.model.trainable_variables[i].path for i in trainer._variable_split()[1]]
+    names = [v.path for v in trainer.task_specific_variables]
     assert names and all(n.startswith("heads/") for n in names), names
+    assert {v.path for v in trainer.shared_variables} == {
+        "trunk/kernel", "trunk/bias", "trunk_2/kernel", "trunk_2/bias"}
     old = _trainer("pcgrad", task_specific_variables="none")
-    assert not old._variable_split()[1]
+    assert not old.task_specific_variables
     for t in (trainer, old):
         t.fit(x, y, batch_size=len(y), epochs=1, shuffle=False, verbose=0)
     heads = trainer.model.get_layer("heads").kernel.numpy()

@@ -325,6 +325,20 @@ class MultiTaskTrainer(MetaTrainer):
             self.model(self.model_inputs(x), training=False)
         return x, y, sample_weight
 
+    @property
+    def shared_variables(self):
+        """The model's trainable variables the method combines (surgery / weighting)."""
+        shared, _ = self._variable_split()
+        return [self.model.trainable_variables[i] for i in shared]
+
+    @property
+    def task_specific_variables(self):
+        """The model's trainable variables that receive their own task's gradient
+        (`PerTaskHead` layers, heads found from a multi-output graph, and those named in
+        `task_specific_variables=`)."""
+        _, specific = self._variable_split()
+        return [self.model.trainable_variables[i] for i in specific]
+
     def _variable_split(self):
         """(shared, task-specific) positions in `model.trainable_variables`."""
         variables = self.model.trainable_variables

@@ -16,9 +16,11 @@ def imtl_g_weights(gram, present=None) -> tf.Tensor:
     D_t = g_1 - g_t, U_t = u_1 - u_t, alpha_1 = 1 - sum alpha_{2..T}), as one T x T
     linear system on the Gram matrix. Absent tasks, and present tasks whose gradient is
     exactly 0 (u_t undefined), get alpha_t = 0; the reference task is the first of the
-    rest. A singular system (gradients affinely dependent in that sense, e.g. more tasks
-    than gradient dimensions; LibMTL's inverse fails there) falls back to equal weights
-    over those tasks."""
+    rest. A singular system (gradients affinely dependent in that sense; LibMTL's inverse
+    fails there) falls back to equal weights over those tasks. More tasks than gradient
+    dimensions need not be singular: there the only g with equal projections on every
+    u_t is often g = 0, and IMTL-G then returns weights whose combination is zero (no
+    update; measured on the 2-D synthetic problem with 3 tasks, ||g|| ~ 1e-15)."""
     gram = tf.convert_to_tensor(gram)
     dtype = gram.dtype
     T = int(gram.shape[0])
