@@ -96,8 +96,14 @@ Reading (the JSON's "summary" lists what met and missed, with the ratios):
   pass) meets 1.2 for every method on MiniLM (0.95-1.11x); on the MLP, whose heads are a
   large share of a small model, the medians spread 1.01-2.34x (pcgrad and imtl met) under
   the load, the same scatter as the weighting methods'.
-* Not run here (in the time): `--jit_compile` (XLA: "auto" then picks the masked passes),
-  the full MiniLM encoder (`--trainable_layers=6`: the embedding's gradient is dense
+* XLA (`--jit_compile`, MLP, a subset: results/multitask_overhead_xla.json, load 4.5-6.7):
+  sum 0.93x and uw 0.88x (met), pcgrad+rep_grad 1.05x (met), pcgrad 7.24x (auto ->
+  "masked": T full-batch backward passes), ref_vmap_sum 0.99x, ref_vmap_pcgrad 2.76x
+  (vectorized_map gains nothing under XLA here); MGDA is 6.9 s/step (168x) and
+  mgda+rep_grad 6.0 s/step (147x), steady over every round, against 2.1x without XLA:
+  the min-norm solver (algorithms/multitask/solvers.py, a `tf.while_loop` of up to 250
+  iterations) compiled by XLA on CPU is the whole step -- a finding for that module.
+* Not run here (in the time): XLA on MiniLM and on every method, the full MiniLM encoder (`--trainable_layers=6`: the embedding's gradient is dense
   per task), Sequential Reptile (`--configs=...,sequential_reptile`; see
   results/multitask_overhead_sequential_reptile.json).
 
