@@ -17,7 +17,8 @@ class GradNorm(MultiTaskMethod):
 
     W: `variable`, a path of a shared variable or an index into the shared variables;
     default the LAST shared variable of rank >= 2 (the paper's "last shared layer"; a
-    per-task head is task-specific and never picked). Task-specific variables receive
+    per-task head is task-specific and never picked), else the last shared one (with
+    `rep_grad`, the shared representation). Task-specific variables receive
     w_t times their task's gradient (the task's loss weight, as LibMTL's GradNorm
     back-propagates the weighted loss sum). L_t(0) is the loss of task t at the first step
     it appears in. State: `gradnorm_weights`, `gradnorm_initial_losses`, `gradnorm_seen`.
@@ -55,11 +56,14 @@ class GradNorm(MultiTaskMethod):
         choice = self.variable
         if choice is None:
             ranked = [i for i, v in enumerate(shared_variables) if len(v.shape) >= 2]
-            if not ranked:
-                raise ValueError(
-                    "GradNorm: no shared trainable variable has rank >= 2; pass "
-                    "`variable` (a shared variable's index or path).")
-            return ranked[-1]
+            if ranked:
+                return ranked[-1]
+            if not shared_variables:
+                raise ValueError("GradNorm: there is no shared variable to measure; pass "
+                                 "`variable` (a shared variable's index or path).")
+            # No kernel (rep_grad: the shared representation is the one "variable"): the
+            # last shared one.
+            return len(shared_variables) - 1
         if isinstance(choice, int):
             if not -len(shared_variables) <= choice < len(shared_variables):
                 raise ValueError(f"GradNorm `variable` (gradnorm_variable)={choice} is out of range: there are "
