@@ -218,7 +218,8 @@ class DivergenceGuard(keras.callbacks.Callback):
         cause = None
         if not math.isfinite(loss):
             cause = f"the loss is {loss}"
-        elif (self._best_loss is not None and loss > self.loss_ratio * self._best_loss
+        elif (self._best_loss is not None and self._best_loss > 0
+              and loss > self.loss_ratio * self._best_loss
               and self._last_loss is not None and loss > self._last_loss
               and (self._first_loss is None or loss > self._first_loss)):
             cause = (f"the loss {loss:.4g} is {loss / self._best_loss:.3g}x its best value "
@@ -229,12 +230,15 @@ class DivergenceGuard(keras.callbacks.Callback):
             if not math.isfinite(dot) or abs(dot) > self.grad_dot_ratio * self._first_dot:
                 cause = (f"{self.monitor} grew from {self._first_dot:.4g} (first epoch) to "
                          f"{dot:.4g}")
-        if math.isfinite(loss):
+        # A loss of exactly 0 is not a reference: a fit resumed by BackupAndRestore logs
+        # the reset metrics (0) for the batches it skips.
+        usable = math.isfinite(loss) and loss != 0.0
+        if usable:
             self._best_loss = loss if self._best_loss is None else min(self._best_loss, loss)
         if at_epoch_end:
             if dot is not None and self._first_dot is None and math.isfinite(float(dot)):
                 self._first_dot = abs(float(dot)) or None
-        if math.isfinite(loss):
+        if usable:
             self._last_loss = loss
         if cause is None:
             return
@@ -248,7 +252,7 @@ class DivergenceGuard(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self._first_loss is None and logs and "loss" in logs:
             first = float(logs["loss"])  # the loss at the start: the first reference
-            if math.isfinite(first):
+            if math.isfinite(first) and first != 0.0:
                 self._first_loss = self._best_loss = self._last_loss = first
         if self.every_n_batches and (batch + 1) % self.every_n_batches == 0:
             self._check(logs, f"epoch {self._epoch + 1}, batch {batch + 1}", False)

@@ -265,7 +265,10 @@ class MultiTaskTrainer(MetaTrainer):
             name = spec.name or f"{self.method}_{key}"
             initializer = spec.initializer
             if isinstance(initializer, (int, float)):
-                initializer = keras.initializers.Constant(float(initializer))
+                # Exact in the variable's dtype (Keras's Constant rounds through float32).
+                value = float(initializer)
+                initializer = (lambda v: lambda shape, dtype=None: tf.fill(
+                    shape, F.scalar(v, dtype or "float32")))(value)
             if spec.trainable:
                 # Trained by the compiled optimizer beside the model: in the dtype of the
                 # model's variables (float32 under mixed precision), like its slots.

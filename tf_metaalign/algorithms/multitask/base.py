@@ -37,6 +37,8 @@ from typing import Any, ClassVar, Mapping, Optional
 
 import tensorflow as tf
 
+from tf_metaalign import functional as F
+
 _REGISTRY: dict[str, type] = {}
 
 
@@ -205,10 +207,11 @@ def serialize_method(method: MultiTaskMethod) -> dict:
 
 def scalar(value, dtype) -> tf.Tensor:
     """A python number as an exact `dtype` constant (`tf.cast` of a python float rounds
-    it through float32 first); tensors are cast."""
-    if isinstance(value, (bool, int, float)):
-        return tf.constant(float(value), dtype)
-    return tf.cast(value, dtype)
+    it through float32 first), a list of numbers an exact vector; tensors are cast.
+    (`functional.scalar`.)"""
+    if isinstance(value, (list, tuple)):
+        return tf.constant([float(v) for v in value], dtype)
+    return F.scalar(value, dtype)
 
 
 def check_number(name, value, low=None, high=None, low_open=False, integer=False):
