@@ -74,7 +74,7 @@ def test_maml_and_gradient_sharing_fit_history_and_plots(executed):
     out = NB.stdout(NB.cell(nb, "def meta_train("))
     for method in METHODS:
         line = next(l for l in out.splitlines() if l.startswith(method + " "))
-        assert re.search(rf"{method}\s+200 meta-batches in {NUMBER} s", line), line
+        assert re.search(rf"{method}\s+200 meta-batches in\s+{NUMBER} s", line), line
         train, val = map(float, re.search(
             rf"train ({NUMBER}), validation ({NUMBER})", line).groups())
         assert 0.0 <= train <= 1.0 and 0.0 <= val <= 1.0, line
