@@ -141,11 +141,11 @@ flags.DEFINE_integer("trainable_layers", 6, "MiniLM: fine-tuned transformer laye
 flags.DEFINE_integer("inner_steps", 10, "Sequential Reptile's K.")
 flags.DEFINE_bool("reptile_k1", True, "Also time Sequential Reptile with K=1 (an outer "
                   "update every step).")
-flags.DEFINE_list("configs", ["plain", "methods", "rep_grad", "pcgrad+masked",
+flags.DEFINE_list("configs", ["plain", "methods", "rep_grad", "pcgrad+masked", "pcgrad+gathered",
                               "ref_per_task_pcgrad", "ref_vmap_sum", "ref_vmap_pcgrad"],
                   "Configurations: 'plain' (model.fit); a method name of the registry "
                   "(MultiTaskTrainer(method=...)), optionally '+rep_grad' and/or "
-                  "'+masked' / '+gathered' (task_passes); 'methods' = every registered "
+                  "'+masked' / '+gathered' / '+vectorized' (task_passes); 'methods' = every registered "
                   "method; 'rep_grad' = every gradient method with rep_grad=True; 'mtl' = "
                   "'sum' (old name); 'sequential_reptile' (K=--inner_steps and, with "
                   "--reptile_k1, K=1); reference steps 'ref_per_task_sum', "
@@ -156,10 +156,10 @@ flags.DEFINE_integer("steps_per_round", 4, "Timed steps per configuration and ro
 flags.DEFINE_integer("warmup", 3, "Untimed steps first (tracing, compilation).")
 flags.DEFINE_float("learning_rate", 1e-3, "Adam learning rate (every configuration).")
 flags.DEFINE_bool("jit_compile", False, "XLA-compile the train step (all configurations).")
-flags.DEFINE_enum("task_passes", "auto", ["auto", "gathered", "masked"],
+flags.DEFINE_enum("task_passes", "auto", ["auto", "vectorized", "gathered", "masked"],
                   "MultiTaskTrainer's task_passes for the method configurations without a "
-                  "'+masked' / '+gathered' suffix (auto: gathered, masked under "
-                  "--jit_compile).")
+                  "suffix (auto: vectorized for a stateless model, gathered for one with "
+                  "state (dropout), masked under --jit_compile).")
 flags.DEFINE_string("output", None, "Where the JSON goes (default results/"
                     "multitask_overhead[_minilm][_xla].json).")
 FLAGS = flags.FLAGS
@@ -189,11 +189,11 @@ def parse_method_config(config):
     for s in suffixes:
         if s == "rep_grad":
             rep_grad = True
-        elif s in ("masked", "gathered", "auto"):
+        elif s in ("masked", "gathered", "vectorized", "auto"):
             passes = s
         else:
             raise ValueError(f"`--configs`: unknown suffix {s!r} in {config!r} (expected "
-                             "'+rep_grad', '+masked', '+gathered').")
+                             "'+rep_grad', '+masked', '+gathered', '+vectorized').")
     return name, rep_grad, passes
 
 
@@ -395,10 +395,12 @@ def path_of(config, runner):
         used = "one_weighted_pass"
         path = "one forward and ONE backward pass of sum_t w_t L_t"
     else:
-        gathered = runner._gathered_passes() if hasattr(runner, "_gathered_passes") else None
-        used = {True: "gathered", False: "masked", None: "unknown"}[gathered]
-        path = ("T forward+backward passes over each task's gathered rows" if gathered
-                else "one forward pass, T masked backward passes over the whole batch")
+        used = runner._task_passes_used()
+        path = {"vectorized": "ONE tf.vectorized_map forward+backward pass over the batch "
+                              "laid out [T, m, ...] (each task's own rows)",
+                "gathered": "T forward+backward passes over each task's gathered rows",
+                "masked": "one forward pass, T masked backward passes over the whole "
+                          "batch"}[used]
     return {"path": path, "method": name, "uses_gradients": uses,
             "task_passes": runner.task_passes, "task_passes_used": used,
             "rep_grad": rep_grad, "measure_task_cosine": runner.measure_task_cosine,

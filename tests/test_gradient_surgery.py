@@ -248,19 +248,20 @@ def _np_trainer(method, steps, lr, batch, options):
     # Keras rounds a regulariser's factor: 0.05 would differ by 4e-9 relative)
     ("pcgrad", {"seed": 1, "l2": 0.0625}),
 ])
-@pytest.mark.parametrize("task_passes", ["gathered", "masked"])
+@pytest.mark.parametrize("task_passes", ["vectorized", "gathered", "masked"])
 def test_trainer_three_steps_equal_numpy_rederivation(float64, method, options, task_passes):
     lr, batch = 0.1, 9
     x, y, task = _batches()
     kwargs = {k: v for k, v in options.items() if k != "l2"}
-    if options.get("l2"):  # the model's own losses: "gathered" refuses them, "auto" masks
+    if options.get("l2") and task_passes != "masked":
+        # the model's own losses: "gathered" and "vectorized" refuse them, "auto" masks
         with pytest.raises(ValueError, match="task_passes='masked'"):
             trainer = MultiTaskTrainer(_linear_model(options["l2"]), num_tasks=3,
-                                       method=method, task_passes="gathered", **kwargs)
+                                       method=method, task_passes=task_passes, **kwargs)
             trainer.compile(optimizer=keras.optimizers.SGD(lr),
                             loss=keras.losses.MeanSquaredError())
             trainer.fit({"inputs": x, "task_id": task}, y, batch_size=batch, verbose=0)
-        task_passes = "auto" if task_passes == "gathered" else task_passes
+        task_passes = "auto"
     kwargs["task_passes"] = task_passes
     trainer = MultiTaskTrainer(_linear_model(options.get("l2", 0.0)), num_tasks=3,
                                method=method, **kwargs)
@@ -306,7 +307,9 @@ def test_sum_is_T_times_plain_fit_on_balanced_batches(float64):
 
 
 @pytest.mark.parametrize("method, task_passes", [("gradvac", "masked"), ("sum", "masked"),
-                                                 ("gradvac", "gathered"), ("pcgrad", "gathered")])
+                                                 ("gradvac", "gathered"), ("pcgrad", "gathered"),
+                                                 ("gradvac", "vectorized"),
+                                                 ("pcgrad", "vectorized")])
 def test_two_replicas_equal_one(float64, method, task_passes):
     """The per-task losses and gradients are all-reduced before the surgery: 2 replicas
     (each seeing other task counts) take the step 1 replica takes on the global batch."""
@@ -370,7 +373,7 @@ def test_model_takes_task_id_with_per_task_heads(float64):
     (dict(num_tasks=2, gradnorm_learning_rate="fast"), "gradnorm_learning_rate"),
     (dict(num_tasks=2, method="gradnorm", gradnorm_variable=9), "gradnorm_variable"),
     (dict(num_tasks=2, method="gradnorm", gradnorm_variable="dense/nope"), "gradnorm_variable"),
-    (dict(num_tasks=2, task_passes="vectorized"), "task_passes"),
+    (dict(num_tasks=2, task_passes="vmap"), "task_passes"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, argument):
     with pytest.raises(ValueError, match=argument):
@@ -400,23 +403,81 @@ def test_pure_functions_reject_bad_shapes():
         GS.pcgrad_coefficients(GS.gram_matrix(grads), [0, 1, 2])
 
 
-def test_gathered_and_masked_passes_give_the_same_training_and_metrics(float64):
-    """The two ways of computing per-task gradients are the same computation for a
-    stateless model; the compiled metrics see the predictions in batch order."""
+@pytest.mark.parametrize("weighted", [False, True])
+def test_vectorized_gathered_and_masked_passes_give_the_same_training_and_metrics(
+        float64, weighted):
+    """The three ways of computing per-task gradients are the same computation for a
+    stateless model (unbalanced tasks, a task absent from a batch, sample weights); the
+    compiled metrics see the predictions in batch order."""
     x, y, task = _batches()
+    weights = np.linspace(0.5, 2.0, len(x)) if weighted else None
     runs = {}
-    for passes in ("gathered", "masked"):
-        trainer = MultiTaskTrainer(_linear_model(), num_tasks=3, method="pcgrad",
-                                   task_passes=passes)
+    for passes in ("vectorized", "gathered", "masked"):
+        inner = keras.Sequential([keras.Input((4,), dtype="float64"),
+                                  keras.layers.Dense(5, activation="tanh", dtype="float64"),
+                                  keras.layers.Dense(2, dtype="float64")])
+        keras.utils.set_random_seed(3)
+        inner.set_weights([np.random.default_rng(i).normal(size=w.shape)
+                           for i, w in enumerate(inner.get_weights())])
+        trainer = MultiTaskTrainer(inner, num_tasks=3, method="pcgrad", task_passes=passes)
         trainer.compile(optimizer=keras.optimizers.Adam(0.05),
-                        loss=keras.losses.MeanSquaredError(), metrics=["mae"])
-        h = trainer.fit({"inputs": x, "task_id": task}, y, batch_size=9, epochs=2,
-                        shuffle=False, verbose=0)
+                        loss=keras.losses.MeanSquaredError(), metrics=["mae"],
+                        weighted_metrics=["mse"] if weighted else None)
+        h = trainer.fit({"inputs": x, "task_id": task}, y, sample_weight=weights, batch_size=9,
+                        epochs=2, shuffle=False, verbose=0)
         runs[passes] = ([v.numpy() for v in trainer.model.trainable_variables], h.history)
-    for a, b in zip(runs["gathered"][0], runs["masked"][0]):
-        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
-    for key in ("loss", "mae", "task_cosine"):
-        np.testing.assert_allclose(runs["gathered"][1][key], runs["masked"][1][key], rtol=1e-6)
+    for passes in ("gathered", "masked"):
+        for a, b in zip(runs["vectorized"][0], runs[passes][0]):
+            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+        for key in runs[passes][1]:
+            np.testing.assert_allclose(runs["vectorized"][1][key], runs[passes][1][key],
+                                       rtol=1e-6)
+    assert set(runs["vectorized"][1]) >= {"loss", "mae", "task_cosine"}
+
+
+def _dropout_model(batch_norm=False):
+    keras.utils.set_random_seed(2)
+    layers = [keras.Input((4,)), keras.layers.Dense(16, activation="relu")]
+    layers.append(keras.layers.BatchNormalization() if batch_norm
+                  else keras.layers.Dropout(0.5))
+    return keras.Sequential(layers + [keras.layers.Dense(2)])
+
+
+def test_auto_picks_the_per_task_pass_by_model():
+    assert MultiTaskTrainer(_linear_model(), num_tasks=2)._task_passes_used() == "vectorized"
+    assert MultiTaskTrainer(_dropout_model(), num_tasks=2)._task_passes_used() == "gathered"
+    assert MultiTaskTrainer(_linear_model(0.1), num_tasks=2)._task_passes_used() == "masked"
+    trainer = MultiTaskTrainer(_linear_model(), num_tasks=2)
+    trainer.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    assert trainer._task_passes_used() == "masked"
+    assert MultiTaskTrainer(_linear_model(), num_tasks=2,
+                            task_passes="gathered")._task_passes_used() == "gathered"
+
+
+def test_vectorized_passes_share_dropout_masks_across_tasks_and_refuse_batch_norm():
+    """The documented difference: with dropout, "vectorized" gives the T tasks the same
+    masks for their j-th rows, so two tasks with the same rows at the same positions have
+    identical gradients (cosine 1), where "gathered" draws each task's masks in turn."""
+    rng = np.random.default_rng(0)
+    rows = rng.normal(size=(4, 4)).astype("float32")
+    x = np.concatenate([rows, rows])
+    y = np.concatenate([rng.normal(size=(4, 2))] * 2).astype("float32")
+    task = np.array([0] * 4 + [1] * 4, "int32")
+    cosines = {}
+    for passes in ("vectorized", "gathered"):
+        trainer = MultiTaskTrainer(_dropout_model(), num_tasks=2, method="pcgrad",
+                                   task_passes=passes)
+        trainer.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+        h = trainer.fit({"inputs": x, "task_id": task}, y, batch_size=8, epochs=3,
+                        shuffle=False, verbose=0)
+        cosines[passes] = np.asarray(h.history["task_cosine"])
+    np.testing.assert_allclose(cosines["vectorized"], 1.0, rtol=1e-6)
+    assert np.all(cosines["gathered"] < 0.999)
+    trainer = MultiTaskTrainer(_dropout_model(batch_norm=True), num_tasks=2, method="pcgrad",
+                               task_passes="vectorized")
+    trainer.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="(?s)moving_mean.*task_passes='gathered'"):
+        trainer.fit({"inputs": x, "task_id": task}, y, batch_size=8, verbose=0)
 
 
 @pytest.mark.parametrize("dtypes", [("float32", "float32"), ("float64", "float64"),

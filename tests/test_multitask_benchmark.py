@@ -69,7 +69,7 @@ def _check_common(data, timed_steps):
 @pytest.mark.slow  # runs the benchmark script over every registered method (2-3 min)
 def test_multitask_overhead_every_method(tmp_path):
     data = _run(tmp_path, TINY_MLP + [
-        "--configs=plain,methods,rep_grad,pcgrad+masked,ref_per_task_sum,"
+        "--configs=plain,methods,rep_grad,pcgrad+masked,pcgrad+gathered,ref_per_task_sum,"
         "ref_per_task_pcgrad,ref_vmap_sum,ref_vmap_pcgrad,sequential_reptile"])
     _check_common(data, timed_steps=2)
     assert data["num_tasks"] == 3 and data["global_batch"] == 12
@@ -77,7 +77,7 @@ def test_multitask_overhead_every_method(tmp_path):
     results = data["results"]
     registry = _registry()
     assert len(registry) >= 13
-    expected = ({"plain", "pcgrad+masked", "sequential_reptile_k=2", "sequential_reptile_k=1",
+    expected = ({"plain", "pcgrad+masked", "pcgrad+gathered", "sequential_reptile_k=2", "sequential_reptile_k=1",
                  "ref_per_task_sum", "ref_per_task_pcgrad", "ref_vmap_sum", "ref_vmap_pcgrad"}
                 | set(registry) | {f"{m}+rep_grad" for m, g in registry.items() if g})
     assert set(results) == expected
@@ -91,7 +91,7 @@ def test_multitask_overhead_every_method(tmp_path):
         elif not uses_gradients:
             kind, used = "weighting", "one_weighted_pass"
         else:
-            kind, used = "gradient", "gathered"  # "auto" without XLA
+            kind, used = "gradient", "vectorized"  # "auto": no XLA, no model state
         assert r["kind"] == kind and r["task_passes_used"] == used, method
         assert r["target_ratio_to_plain"] == targets[kind]
         if uses_gradients:
@@ -99,6 +99,7 @@ def test_multitask_overhead_every_method(tmp_path):
             assert rr["rep_grad"] is True and rr["task_passes_used"] == "rep_grad"
             assert rr["kind"] == "gradient_rep_grad" and rr["target_ratio_to_plain"] == 1.2
     assert results["pcgrad+masked"]["task_passes_used"] == "masked"
+    assert results["pcgrad+gathered"]["task_passes_used"] == "gathered"
     assert results["ref_vmap_pcgrad"]["task_passes_used"] == "vmap"
     assert results["ref_per_task_pcgrad"]["task_passes_used"] == "loop"
     assert results["ref_vmap_sum"]["target_ratio_to_plain"] == 1.05
@@ -118,16 +119,18 @@ def test_multitask_overhead_minilm(tmp_path):
     data = _run(tmp_path, [
         "--arch=minilm", "--num_tasks=3", "--per_task_batch=2", "--sequence_length=5",
         "--trainable_layers=1", "--num_classes=3", "--rounds=2", "--steps_per_round=1",
-        "--warmup=1", "--configs=plain,sum,uw,pcgrad,pcgrad+rep_grad,ref_vmap_pcgrad"],
+        "--warmup=1",
+        "--configs=plain,sum,uw,pcgrad,pcgrad+vectorized,pcgrad+rep_grad,ref_vmap_pcgrad"],
         name="multitask_overhead_minilm.json")
     _check_common(data, timed_steps=2)
     assert data["arch"] == "minilm"
     assert data["model"]["kind"] == "minilm_per_task_heads"
     assert data["model"]["trainable_layers"] == 1 and data["model"]["sequence_length"] == 5
     results = data["results"]
-    assert set(results) == {"plain", "sum", "uw", "pcgrad", "pcgrad+rep_grad",
-                            "ref_vmap_pcgrad"}
-    assert results["pcgrad"]["task_passes_used"] == "gathered"
+    assert set(results) == {"plain", "sum", "uw", "pcgrad", "pcgrad+vectorized",
+                            "pcgrad+rep_grad", "ref_vmap_pcgrad"}
+    assert results["pcgrad"]["task_passes_used"] == "gathered"  # dropout: model state
+    assert results["pcgrad+vectorized"]["task_passes_used"] == "vectorized"
     assert results["pcgrad+rep_grad"]["task_passes_used"] == "rep_grad"
     assert results["uw"]["task_passes_used"] == "one_weighted_pass"
 
@@ -184,16 +187,17 @@ def test_reference_steps_equal_the_trainer(float64, method):
     y = rng.integers(0, classes, size=T * b).astype("int32")
     start = _model(T, d, classes, 0).get_weights()
     weights = {}
-    for name in ("vmap", "loop", "trainer", "sum"):
+    for name in ("vmap", "loop", "trainer", "vectorized", "sum"):
         model = _model(T, d, classes, 0)
         model.set_weights(start)
         if name == "sum":
             runner = MultiTaskTrainer(model, num_tasks=T, method="sum",
                                       model_takes_task_id=True)
-        elif name == "trainer":
+        elif name in ("trainer", "vectorized"):
+            passes = "auto" if method == "sum" else (
+                "gathered" if name == "trainer" else "vectorized")
             runner = MultiTaskTrainer(model, num_tasks=T, method=method,
-                                      model_takes_task_id=True,
-                                      task_passes="gathered" if method == "pcgrad" else "auto")
+                                      model_takes_task_id=True, task_passes=passes)
         else:
             runner = PerTaskPasses(model, T, method, vectorized=name == "vmap")
         _one_step(runner, x, y)
@@ -201,8 +205,9 @@ def test_reference_steps_equal_the_trainer(float64, method):
     for a, c, w0 in zip(weights["vmap"], weights["trainer"], start):
         assert np.max(np.abs(a - w0)) > 1e-3  # the step moved every variable
         np.testing.assert_allclose(a, c, rtol=0, atol=1e-12)
-    for a, c in zip(weights["loop"], weights["trainer"]):
-        np.testing.assert_allclose(a, c, rtol=0, atol=1e-12)
+    for other in ("loop", "vectorized"):
+        for a, c in zip(weights[other], weights["trainer"]):
+            np.testing.assert_allclose(a, c, rtol=0, atol=1e-12)
     # PCGrad's surgery acted on this batch (else the check would not tell it from sum).
     gap = max(np.max(np.abs(a - c)) for a, c in zip(weights["vmap"], weights["sum"]))
     assert (gap > 1e-4) if method == "pcgrad" else (gap < 1e-12), gap

@@ -65,11 +65,37 @@ def gram_matrix(task_grads) -> tf.Tensor:
     """
     T = _check_task_grads(task_grads, "gram_matrix")
     acc = F.accumulation_dtype([g for grads in task_grads for g in grads])
+    if not task_grads[0]:
+        return tf.zeros([T, T], acc)
+    return stacked_gram_matrix(
+        [tf.stack([tf.cast(grads[v], acc) for grads in task_grads])
+         for v in range(len(task_grads[0]))])
+
+
+def stacked_gram_matrix(stacked) -> tf.Tensor:
+    """`gram_matrix` of gradients given STACKED by variable: `stacked[v]` is [T, *shape
+    of variable v]` (task t's gradient in row t), as a vectorized per-task pass returns
+    them; no copy is made. [T, T] in the accumulation dtype, exactly symmetric."""
+    if not stacked:
+        raise ValueError("stacked_gram_matrix: `stacked` holds no variable's gradients.")
+    T = stacked[0].shape[0]
+    if T is None or any(g.shape[0] != T for g in stacked):
+        raise ValueError("stacked_gram_matrix: every `stacked[v]` must have the same static "
+                         f"leading dimension T; got {[g.shape for g in stacked]}.")
+    acc = F.accumulation_dtype(stacked)
     total = tf.zeros([T, T], acc)
-    for v in range(len(task_grads[0])):
-        rows = tf.stack([tf.reshape(tf.cast(grads[v], acc), [-1]) for grads in task_grads])
-        total += tf.einsum("in,jn->ij", rows, rows)
+    for g in stacked:
+        rows = tf.reshape(tf.cast(g, acc), [T, -1])
+        total += tf.matmul(rows, rows, transpose_b=True)
     return 0.5 * (total + tf.transpose(total))
+
+
+def stacked_combine(stacked, coefficients) -> list[tf.Tensor]:
+    """`combine` of gradients given stacked by variable ([T, ...] each): one
+    contraction of the task dimension per variable (in each gradient's dtype)."""
+    acc = F.accumulation_dtype(stacked)
+    coefficients = tf.convert_to_tensor(coefficients, dtype_hint=acc)
+    return [tf.tensordot(tf.cast(coefficients, g.dtype), g, axes=1) for g in stacked]
 
 
 def combine(task_grads, coefficients) -> list[tf.Tensor]:
