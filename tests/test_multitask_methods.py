@@ -248,3 +248,39 @@ def test_method_objects_and_config_round_trip():
         methods.get_method("pcgrad", beta=0.3)
     with pytest.raises(ValueError, match="constructor"):
         methods.get_method(methods.PCGrad(), beta=0.3)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_combination_compiles_once_under_xla(method):
+    """The combination under XLA does not bake a data-dependent value into the program (a
+    strided slice at a tensor index, a shape from the data): XLA would then recompile the
+    train step on every new value (MGDA's simplex projection did: 1.9 s per step). The
+    HLO compiled for three different sets of task gradients and losses is the same."""
+    trainer = _trainer(method)
+    variables = trainer.model.trainable_variables
+    head_ids = {id(v) for v in trainer.model.get_layer("heads").trainable_variables}
+    shared = [v for v in variables if id(v) not in head_ids]
+    method_object = trainer.method_object
+    if isinstance(method_object, methods.GradNorm):
+        method_object.variable_index(shared)
+
+    @tf.function(jit_compile=True)
+    def combine(flat_grads, losses, step):
+        task_grads = [flat_grads[t * len(shared):(t + 1) * len(shared)] for t in range(T)]
+        inputs = methods.TaskInputs(
+            losses=losses, present=tf.ones([T], tf.float64), step=step,
+            epoch=tf.constant(0, tf.int64), seed=5, gram=GS.gram_matrix(task_grads),
+            task_grads=task_grads, shared_variables=shared)
+        state = {k: tf.convert_to_tensor(v.value) for k, v in trainer.method_state.items()}
+        c = method_object.combine(inputs, state)
+        return c.shared, c.state
+
+    programs = set()
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        flat = [tf.constant(rng.normal(size=v.shape)) for _ in range(T) for v in shared]
+        args = (flat, tf.constant(rng.uniform(0.5, 2.0, size=T)), tf.constant(seed, tf.int64))
+        shared_c, _ = combine(*args)
+        assert np.all(np.isfinite(shared_c.numpy()))
+        programs.add(combine.experimental_get_compiler_ir(*args)(stage="hlo"))
+    assert len(programs) == 1

@@ -82,7 +82,10 @@ def project_to_simplex(y, present=None):
     s_next = tf.concat([s[1:], low[None]], axis=0)
     cond = tf.logical_or(tf.logical_and(k < m - 1, tmax > s_next), tf.equal(k, m - 1))
     kk = tf.minimum(_first_true(cond), T - 1)
-    return tf.where(on, tf.maximum(y - tmax[kk], tf.zeros_like(y)), tf.zeros_like(y))
+    # a gather, not tmax[kk]: a strided slice at a tensor index is a compile-time
+    # constant for XLA, which would recompile the step for every new kk
+    threshold = tf.gather(tmax, kk)
+    return tf.where(on, tf.maximum(y - threshold, tf.zeros_like(y)), tf.zeros_like(y))
 
 
 def _next_point(cur, grad, mask, n):
