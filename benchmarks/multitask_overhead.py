@@ -20,9 +20,10 @@ Configurations (`--configs`; names from the method registry, not a hand list):
 * `plain`: `model.fit` on the mixed batches (the model takes `task_id` for its heads):
   one forward+backward of the batch's loss, the reference of every target;
 * every registered method (`methods`: `tf_metaalign.algorithms.multitask.method_names()`)
-  as `MultiTaskTrainer(method=...)`, `task_passes=--task_passes` ("auto": gathered
-  without XLA); `rep_grad`: every gradient method with `rep_grad=True`; `<method>+masked`
-  / `+gathered` force the per-task passes (default set: `pcgrad+masked`);
+  as `MultiTaskTrainer(method=...)`, `task_passes=--task_passes` ("auto": vectorized
+  for a stateless model, gathered with dropout, masked under XLA); `rep_grad`: every gradient method with `rep_grad=True`; `<method>+masked`
+  / `+gathered` / `+vectorized` force the per-task passes (default set: `pcgrad+masked`,
+  `pcgrad+gathered`);
 * `sequential_reptile` (optional): `SequentialReptileTrainer` on single-task batches,
   target 1.05 against `sum` (issue 9);
 * reference train steps (NOT library code, `benchmarks/multitask_reference.py`, tested
@@ -46,66 +47,54 @@ are judged on these); also recorded: the ratio of means, the median over rounds 
 round's ratio, and the ratio of 20th percentiles (other processes' load only adds
 time, so it is the less contended reading), the raw step times, and the load average.
 
-Measured (CPU, 2 cores shared with other work: load average 6.7-7.5 during the MLP run,
-5.1-6.8 during MiniLM's, so single ratios move by +-0.3 between runs; T = 8; medians of
-32 timed steps (MLP, b = 32, global batch 256) / 15 (MiniLM, 2 fine-tuned layers,
-sequence length 16, b = 4, global batch 32); ratio to plain fit, median [p20]):
+Measured (CPU, 2 quiet cores: load average 0.3-1.9; T = 8; MLP: b = 32, global batch
+256, 32 timed steps; MiniLM: 2 fine-tuned layers, sequence length 16, b = 4, global
+batch 32, `--task_passes=vectorized`, 15 timed steps; ratio to plain fit, median [p20]):
 
     config                path                MLP           MiniLM        target
-    sum                   one_weighted_pass   1.31 [1.39]   1.03 [1.11]   1.05
-    rlw / uw              one_weighted_pass   1.40 / 2.01   1.09 / 0.99   1.1
-    dwa / famo            one_weighted_pass   1.10 / 1.62   0.98 / 1.04   1.1
-    pcgrad                gathered            3.30 [2.61]   1.50 [1.64]   1.5
-    gradvac / gradnorm    gathered            4.14 / 2.96   1.62 / 1.76   1.5
-    mgda / cagrad         gathered            2.11 / 2.71   1.75 / 1.53   1.5
-    imtl / nash_mtl       gathered            2.69 / 3.75   1.55 / 1.42   1.5
-    aligned_mtl           gathered            3.07          1.64          1.5
-    pcgrad+masked         masked              5.34          -             1.5
-    <8 methods>+rep_grad  rep_grad            1.01 - 2.34   0.95 - 1.11   1.2
-      (pcgrad, imtl met on MLP; every one met on MiniLM)
-    ref_per_task_pcgrad   loop (reference)    3.77          1.34          (1.5)
-    ref_vmap_pcgrad       vmap (reference)    1.36 [1.57]   1.05 [1.11]   (1.5)
-    ref_vmap_sum          vmap (reference)    1.15          1.05          (1.05)
+    sum                   one_weighted_pass   0.99 [1.04]   1.03 [1.05]   1.05
+    rlw / uw              one_weighted_pass   1.05 / 1.04   1.03 / 1.03   1.1
+    dwa / famo            one_weighted_pass   1.02 / 1.04   1.06 / 1.08   1.1
+    gradnorm / pcgrad     vectorized          1.49 / 1.54   1.28 / 1.15   1.5
+    gradvac / mgda        vectorized          1.62 / 1.57   1.18 / 1.24   1.5
+    cagrad / imtl         vectorized          1.59 / 1.55   1.19 / 1.24   1.5
+    nash_mtl / aligned    vectorized          1.54 / 1.63   1.23 / 1.28   1.5
+    pcgrad+gathered       gathered            2.51          1.58          1.5
+    pcgrad+masked         masked              4.33          -             1.5
+    <8 methods>+rep_grad  rep_grad            1.21 - 1.39   1.04 / 1.16   1.2
+                                                            (pcgrad, mgda)
+    ref_vmap_pcgrad       vmap (reference)    1.44 [1.51]   1.09 [1.11]   (1.5)
+    ref_per_task_pcgrad   loop (reference)    2.33          -             (1.5)
 
 Reading (the JSON's "summary" lists what met and missed, with the ratios):
-* `sum` and the loss-weighting methods now take ONE forward and ONE backward pass of
+* `sum` and the loss-weighting methods take ONE forward and ONE backward pass of
   sum_t w_t L_t (the task_cosine diagnostic, which needs T passes, only with
-  `measure_task_cosine=True`): on MiniLM, where a step is 120 ms of encoder work, they
-  are at plain fit's cost (0.98-1.09x: every weighting target met, sum 1.03 <= 1.05).
-  On the MLP (a 48 ms step) the medians scatter from 1.10 to 2.01 for the SAME path
-  (sum, rlw, uw, dwa, famo differ only by a few scalar ops), i.e. they measure the
-  machine's load, not the methods; what is systematic is a fixed per-step cost of the
-  trainer over plain fit's step (T masked compiled-loss evaluations, the finite check and
-  finish_step's bookkeeping) of a few ms, which a 48 ms step shows and a 120 ms step
-  hides. Misses on the MLP: sum 1.31, rlw 1.40, uw 2.01, famo 1.62 (dwa 1.10 met).
-* Per-parameter gradient methods ("gathered": T forward+backward passes over each
-  task's rows) miss 1.5 on the MLP (2.1-4.1x) and sit at it on MiniLM (1.42-1.76x;
-  pcgrad 1.50 and nash_mtl 1.42 met). T backward passes over sub-batches cannot be 1.5x
-  of one on CPU: eight b = 32 matmul chains use the cores less well than one of 256
-  (ref_per_task_pcgrad, the same passes with static shapes, is 3.8x on the MLP), plus T
-  copies of the gradients that the Gram matrix and the combination read. On MiniLM the sequence work per example dominates,
-  so the T sub-batch passes cost little more than one. "masked" (what XLA gets: T
-  backward passes over the whole batch) is 5.3x on the MLP.
-* Batching the task dimension is what brings them to target: `ref_vmap_pcgrad` (ONE
-  `tf.vectorized_map` pass over the batch reshaped to [T, b, ...], each task's loss and
-  gradient at the same weights: batched matmuls, the FLOPs of one pass) is 1.36x on the
-  MLP (2.4x faster than the gathered path's 3.30) and 1.05x on MiniLM (1.4x faster), and
-  gives the trainer's PCGrad step to 1e-12 (tests/test_multitask_benchmark.py). What
-  remains over plain on the MLP is writing and reading T copies of the 2.4M gradients.
+  `measure_task_cosine=True`): every target met on both models (0.99-1.08x). (The
+  previous run's 1.3-2.0x on the MLP were the machine's load of 5-7, not the methods.)
+* Per-parameter gradient methods take the "vectorized" per-task pass ("auto" for a
+  stateless model; MiniLM has dropout, so "auto" takes "gathered" there and the run
+  asks for "vectorized"): ONE `tf.vectorized_map` forward+backward pass over the batch
+  laid out [T, m, ...], the gradients stacked [T, ...] per variable and read in place by
+  the Gram matrix and the combination. MiniLM: every method 1.15-1.28x (met; gathered
+  1.55-1.58x). MLP: 1.49-1.63x, at the floor of the reference vmap step (1.44x [1.51]):
+  what remains over plain is writing and reading T = 8 copies of the 2.4M-parameter
+  gradient (the Gram matrix and the combination each read them once); gradnorm meets 1.5,
+  the other seven miss it by 0.04-0.13. The gathered path (T sub-batch passes) is 2.5x,
+  masked (T full-batch backward passes) 4.3x.
 * rep_grad (one forward, T backward passes through the heads only, ONE encoder backward
-  pass) meets 1.2 for every method on MiniLM (0.95-1.11x); on the MLP, whose heads are a
-  large share of a small model, the medians spread 1.01-2.34x (pcgrad and imtl met) under
-  the load, the same scatter as the weighting methods'.
-* XLA (`--jit_compile`, MLP, a subset: results/multitask_overhead_xla.json, load 4.5-6.7):
-  sum 0.93x and uw 0.88x (met), pcgrad+rep_grad 1.05x (met), pcgrad 7.24x (auto ->
-  "masked": T full-batch backward passes), ref_vmap_sum 0.99x, ref_vmap_pcgrad 2.76x
-  (vectorized_map gains nothing under XLA here); MGDA is 6.9 s/step (168x) and
-  mgda+rep_grad 6.0 s/step (147x), steady over every round, against 2.1x without XLA:
-  the min-norm solver (algorithms/multitask/solvers.py, a `tf.while_loop` of up to 250
-  iterations) compiled by XLA on CPU is the whole step -- a finding for that module.
-* Not run here (in the time): XLA on MiniLM and on every method, the full MiniLM encoder (`--trainable_layers=6`: the embedding's gradient is dense
-  per task), Sequential Reptile (`--configs=...,sequential_reptile`; see
-  results/multitask_overhead_sequential_reptile.json).
+  pass): MiniLM 1.04 / 1.16 (met); MLP 1.21-1.39 (missed: the per-task heads are a
+  large share of this small model, and each head backward pass runs over the batch).
+* XLA (`--jit_compile`, MLP, a subset: results/multitask_overhead_xla.json): sum 1.04x,
+  uw 1.01x (met), pcgrad/mgda+rep_grad 1.23/1.27x; the gradient methods take "masked"
+  (the vectorized pass has a data-dependent m: no static shape): 6.2-7.0x;
+  ref_vmap_pcgrad (static, task-major batches) 2.6x: vectorized_map gains nothing under
+  XLA on CPU here. MGDA, 168x before (XLA recompiled the step every time: the simplex
+  projection read `tmax[kk]`, a strided slice at a data-dependent index, which XLA takes
+  as a compile-time constant), is now 6.2x like the others (tests/test_multitask_methods
+  `test_combination_compiles_once_under_xla` checks one HLO per method).
+* Not run here: XLA on MiniLM, the full MiniLM encoder (`--trainable_layers=6`),
+  Sequential Reptile (`--configs=...,sequential_reptile`; see
+  results/multitask_overhead_sequential_reptile.json), a GPU (none lent to this issue).
 
 Writes `benchmarks/results/multitask_overhead[_minilm][_xla].json`.
 """
@@ -611,9 +600,15 @@ def main(argv):
                                  "forward and one backward pass of sum_t w_t L_t; the "
                                  "task_cosine diagnostic (T passes) is off unless "
                                  "measure_task_cosine=True.",
-            "gathered": "gradient methods without XLA: T forward+backward passes over "
-                        "each task's gathered rows (dynamic shapes), plus the T x T Gram "
-                        "matrix and the combination over the shared variables.",
+            "vectorized": "gradient methods without XLA on a model without state "
+                          "('auto'): ONE tf.vectorized_map forward+backward pass over "
+                          "the batch laid out [T, m, ...] (each task's own rows, padded), "
+                          "gradients stacked [T, ...] per variable, read in place by the "
+                          "T x T Gram matrix and the combination.",
+            "gathered": "gradient methods without XLA on a model with state (dropout, "
+                        "BatchNorm; 'auto'): T forward+backward passes over each task's "
+                        "gathered rows (dynamic shapes), plus the T x T Gram matrix and "
+                        "the combination over the shared variables.",
             "masked": "one forward pass over the whole batch, T masked backward passes "
                       "(static shapes; what 'auto' picks under XLA).",
             "rep_grad": "one forward, T backward passes through the heads only, one "
