@@ -47,50 +47,55 @@ are judged on these); also recorded: the ratio of means, the median over rounds 
 round's ratio, and the ratio of 20th percentiles (other processes' load only adds
 time, so it is the less contended reading), the raw step times, and the load average.
 
-Measured (CPU, 2 quiet cores: load average 0.3-1.9; T = 8; MLP: b = 32, global batch
-256, 32 timed steps; MiniLM: 2 fine-tuned layers, sequence length 16, b = 4, global
-batch 32, `--task_passes=vectorized`, 15 timed steps; ratio to plain fit, median [p20]):
+Measured (CPU, 2 quiet cores: load average 1.1-1.8; T = 8; MLP: b = 32, global batch
+256, 12 rounds x 4 steps; MiniLM: 2 fine-tuned layers, sequence length 16, b = 4,
+global batch 32, `--task_passes=vectorized`, 6 rounds x 3 steps; ratio to plain fit,
+median; the committed JSONs; an earlier run of the same code on the MLP gave sum 0.99,
+1.10, i.e. +-0.05 between runs):
 
     config                path                MLP           MiniLM        target
-    sum                   one_weighted_pass   0.99 [1.04]   1.03 [1.05]   1.05
-    rlw / uw              one_weighted_pass   1.05 / 1.04   1.03 / 1.03   1.1
-    dwa / famo            one_weighted_pass   1.02 / 1.04   1.06 / 1.08   1.1
-    gradnorm / pcgrad     vectorized          1.49 / 1.54   1.28 / 1.15   1.5
-    gradvac / mgda        vectorized          1.62 / 1.57   1.18 / 1.24   1.5
-    cagrad / imtl         vectorized          1.59 / 1.55   1.19 / 1.24   1.5
-    nash_mtl / aligned    vectorized          1.54 / 1.63   1.23 / 1.28   1.5
-    pcgrad+gathered       gathered            2.51          1.58          1.5
-    pcgrad+masked         masked              4.33          -             1.5
-    <8 methods>+rep_grad  rep_grad            1.21 - 1.39   1.04 / 1.16   1.2
-                                                            (pcgrad, mgda)
-    ref_vmap_pcgrad       vmap (reference)    1.44 [1.51]   1.09 [1.11]   (1.5)
-    ref_per_task_pcgrad   loop (reference)    2.33          -             (1.5)
+    sum                   one_weighted_pass   1.07          1.03          1.05
+    rlw / uw              one_weighted_pass   1.04 / 1.05   1.09 / 1.06   1.1
+    dwa / famo            one_weighted_pass   1.05 / 1.04   1.09 / 1.01   1.1
+    gradnorm / pcgrad     vectorized          1.58 / 1.55   1.23 / 1.27   1.5
+    gradvac / mgda        vectorized          1.53 / 1.48   1.18 / 1.26   1.5
+    cagrad / imtl         vectorized          1.62 / 1.58   1.19 / 1.23   1.5
+    nash_mtl / aligned    vectorized          1.54 / 1.56   1.23 / 1.21   1.5
+    pcgrad+gathered       gathered            2.48          1.80          1.5
+    pcgrad+masked         masked              4.49          -             1.5
+    <8 methods>+rep_grad  rep_grad            1.08 - 1.17   0.98 - 1.13   1.2
+    ref_vmap_pcgrad       vmap (reference)    1.47          1.13          (1.5)
+    ref_per_task_pcgrad   loop (reference)    2.41          -             (1.5)
 
 Reading (the JSON's "summary" lists what met and missed, with the ratios):
 * `sum` and the loss-weighting methods take ONE forward and ONE backward pass of
   sum_t w_t L_t (the task_cosine diagnostic, which needs T passes, only with
-  `measure_task_cosine=True`): every target met on both models (0.99-1.08x). (The
-  previous run's 1.3-2.0x on the MLP were the machine's load of 5-7, not the methods.)
+  `measure_task_cosine=True`): 1.01-1.09x on both models (every weighting target
+  met; sum 1.03 on MiniLM, 0.99-1.10 on the MLP over three runs: at the 1.05 target
+  within the noise; what it adds over fit is T masked loss evaluations and the finite
+  check, ~1 ms). (The previous run's 1.3-2.0x on the MLP were the load of 5-7.)
 * Per-parameter gradient methods take the "vectorized" per-task pass ("auto" for a
   stateless model; MiniLM has dropout, so "auto" takes "gathered" there and the run
   asks for "vectorized"): ONE `tf.vectorized_map` forward+backward pass over the batch
   laid out [T, m, ...], the gradients stacked [T, ...] per variable and read in place by
-  the Gram matrix and the combination. MiniLM: every method 1.15-1.28x (met; gathered
-  1.55-1.58x). MLP: 1.49-1.63x, at the floor of the reference vmap step (1.44x [1.51]):
-  what remains over plain is writing and reading T = 8 copies of the 2.4M-parameter
-  gradient (the Gram matrix and the combination each read them once); gradnorm meets 1.5,
-  the other seven miss it by 0.04-0.13. The gathered path (T sub-batch passes) is 2.5x,
-  masked (T full-batch backward passes) 4.3x.
-* rep_grad (one forward, T backward passes through the heads only, ONE encoder backward
-  pass): MiniLM 1.04 / 1.16 (met); MLP 1.21-1.39 (missed: the per-task heads are a
-  large share of this small model, and each head backward pass runs over the batch).
+  the Gram matrix and the combination, the combination itself one XLA-compiled function
+  (`compile_combination`). MiniLM: 1.18-1.27x (met; gathered 1.80x). MLP: 1.48-1.62x,
+  at the floor of the reference vmap step (1.47x): what remains over plain is writing
+  and reading T = 8 copies of the 2.4M-parameter gradient (the Gram matrix and the
+  combination each read them once); MGDA meets 1.5, the others miss it by 0.03-0.12.
+  The gathered path (T sub-batch passes) is 2.5x, masked (T full-batch backward passes)
+  4.5x.
+* rep_grad: one forward, ONE backward pass through the heads for every task's rows of
+  dL_t/dz (tasks as rows are disjoint; T passes when a layer after z mixes rows), one
+  more for the heads' gradient and ONE encoder backward pass: 1.08-1.17x on the MLP
+  (was 1.21-1.39x with T head passes), 0.98-1.13x on MiniLM: met everywhere.
 * XLA (`--jit_compile`, MLP, a subset: results/multitask_overhead_xla.json): sum 1.04x,
-  uw 1.01x (met), pcgrad/mgda+rep_grad 1.23/1.27x; the gradient methods take "masked"
-  (the vectorized pass has a data-dependent m: no static shape): 6.2-7.0x;
+  uw 1.05x, pcgrad/mgda+rep_grad 1.03/1.07x (met); the per-parameter gradient methods
+  take "masked" (the vectorized pass has a data-dependent m: no static shape): 6.5-7.3x;
   ref_vmap_pcgrad (static, task-major batches) 2.6x: vectorized_map gains nothing under
-  XLA on CPU here. MGDA, 168x before (XLA recompiled the step every time: the simplex
+  XLA on this CPU. MGDA, 168x before (XLA recompiled the step every time: the simplex
   projection read `tmax[kk]`, a strided slice at a data-dependent index, which XLA takes
-  as a compile-time constant), is now 6.2x like the others (tests/test_multitask_methods
+  as a compile-time constant), is now 6.7x like the others (tests/test_multitask_methods
   `test_combination_compiles_once_under_xla` checks one HLO per method).
 * Not run here: XLA on MiniLM, the full MiniLM encoder (`--trainable_layers=6`),
   Sequential Reptile (`--configs=...,sequential_reptile`; see

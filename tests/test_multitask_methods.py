@@ -284,3 +284,22 @@ def test_combination_compiles_once_under_xla(method):
         assert np.all(np.isfinite(shared_c.numpy()))
         programs.add(combine.experimental_get_compiler_ir(*args)(stage="hlo"))
     assert len(programs) == 1
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if methods.get_method(m).uses_gradients])
+def test_compiled_combination_equals_graph_ops(float64, method):
+    """`compile_combination=True` (the default: the T x T algebra as one XLA function)
+    trains as the plain graph ops do, state and logged task cosine included."""
+    x, y = _data(absent=2)
+    runs = []
+    for compiled in (True, False):
+        trainer = _trainer(method, compile_combination=compiled)
+        h = trainer.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+        runs.append(([v.numpy() for v in trainer.model.trainable_variables]
+                     + [v.numpy() for v in trainer.method_state.values()], h.history))
+    for a, b in zip(runs[0][0], runs[1][0]):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+    for key in runs[0][1]:
+        np.testing.assert_allclose(runs[0][1][key], runs[1][1][key], rtol=1e-6, atol=1e-9)
+    with pytest.raises(ValueError, match="compile_combination"):
+        _trainer(method, compile_combination="yes")

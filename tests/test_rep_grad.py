@@ -22,7 +22,7 @@ from test_mtl_solvers import np_min_norm_element_from2
 from test_multitask_outputs import (LOSS_WEIGHTS, _softmax, compiled, data, losses,
                                     two_head_model)
 from tf_metaalign.algorithms import multitask as methods
-from tf_metaalign.data.multitask import one_head_per_task_model
+from tf_metaalign.data.multitask import PerTaskHead, one_head_per_task_model
 from tf_metaalign.trainers.multitask import MultiTaskTrainer
 
 
@@ -206,6 +206,46 @@ def test_rows_setting_per_task_head(float64):
     rep = run("mgda", True)
     assert all(np.isfinite(v).all() for v in rep)
     assert np.abs(rep[0] - run("mgda", False)[0]).max() > 1e-6
+
+
+@pytest.mark.parametrize("method", ["pcgrad", "mgda", "gradnorm", "imtl", "nash_mtl"])
+def test_rows_one_head_pass_equals_one_pass_per_task(float64, method):
+    """tasks='rows': every task's dL_t/dz from ONE backward pass of sum_t L_t (the rows
+    are disjoint) and the heads' sum_t s_t g_t from one more == the T per-task backward
+    passes (taken when a layer after z mixes rows), with task-specific coefficients
+    s_t != 1 (GradNorm, IMTL, Nash-MTL) and a task absent from a batch."""
+    rng = np.random.default_rng(1)
+    task = rng.integers(0, 3, 27).astype("int32")
+    task[18:] = np.where(task[18:] == 2, 0, task[18:])
+    x = {"inputs": rng.normal(size=(27, 4)), "task_id": task}
+    y = rng.normal(size=(27, 2))
+    runs = []
+    for heads_mix_rows in (False, True):
+        trainer = MultiTaskTrainer(rows_model(), num_tasks=3, method=method,
+                                   model_takes_task_id=True, rep_grad=True)
+        trainer.compile(optimizer=keras.optimizers.SGD(0.25), loss="mse")
+        assert trainer._rep_plan().heads_mix_rows is False
+        trainer._rep_plan().heads_mix_rows = heads_mix_rows
+        h = trainer.fit(x, y, batch_size=9, epochs=2, shuffle=False, verbose=0)
+        runs.append(([v.numpy() for v in trainer.model.trainable_variables], h.history))
+    assert_same(runs[0][0], runs[1][0], 1e-11)
+    for key in runs[0][1]:
+        np.testing.assert_allclose(runs[0][1][key], runs[1][1][key], rtol=1e-9)
+
+
+def test_rows_heads_with_batch_norm_take_one_pass_per_task():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,), name="inputs")
+    task_id = keras.Input((), dtype="int32", name="task_id")
+    z = keras.layers.Dense(5, activation="tanh", name="trunk")(inputs)
+    h = keras.layers.BatchNormalization(center=False, scale=False)(z)
+    out = PerTaskHead([2, 2], name="heads")([h, task_id])
+    model = keras.Model({"inputs": inputs, "task_id": task_id}, out)
+    trainer = MultiTaskTrainer(model, num_tasks=2, method="pcgrad", model_takes_task_id=True,
+                               rep_grad=True, representation="trunk")
+    assert trainer._rep_plan().heads_mix_rows is True
+    assert MultiTaskTrainer(rows_model(), num_tasks=3, method="pcgrad", model_takes_task_id=True,
+                            rep_grad=True)._rep_plan().heads_mix_rows is False
 
 
 def test_rep_grad_errors():

@@ -1,6 +1,8 @@
 """`MultiTaskTrainer`: multi-task learning on mixed batches with gradient surgery."""
 from __future__ import annotations
 
+import dataclasses
+
 import keras
 import tensorflow as tf
 
@@ -100,6 +102,12 @@ class MultiTaskTrainer(MetaTrainer):
         (benchmarks/multitask_overhead.py, MLP, T = 8, quiet 2-core CPU): PCGrad
         vectorized 1.6x plain `fit`, gathered 2.7x, masked 5x. With tasks="outputs"
         every row belongs to every task: the passes are "masked" (or `rep_grad`).
+    `compile_combination` (default True): the method's combination (its algebra on the
+    T x T Gram matrix: projections, solvers, an eigen-decomposition; hundreds of tiny
+    ops) and the task cosine run as one XLA-compiled function inside the step, which
+    saves 0.3-2.6 ms of op dispatch per step on a CPU at T = 8 (methods whose
+    `compiles_well` is False, CAGrad and GradNorm, keep graph ops). Equal to the graph
+    ops to rounding (tested); False turns it off (a platform without XLA).
     Under a strategy the per-task losses and gradients are all-reduced BEFORE the
     combination (PCGrad, GradVac and GradNorm are non-linear in the gradients: combining
     per-replica gradients would not give the global batch's update), so the combination
@@ -136,7 +144,10 @@ class MultiTaskTrainer(MetaTrainer):
     (the output of the last shared layer, found from the graph; with tasks="rows" the
     input of the `PerTaskHead` layer; or the output of the layer named by
     `representation=`): one forward pass, T backward passes through the heads only
-    (dL_t/dz [B, ...] and the heads' own gradients), the method run on the Gram matrix of
+    (dL_t/dz [B, ...] and the heads' own gradients; with tasks="rows" ONE backward pass
+    of sum_t L_t gives every task's rows of dL_t/dz at once, and one more the heads'
+    sum_t s_t g_t, unless a layer after z has state, e.g. BatchNorm, which mixes the
+    rows), the method run on the Gram matrix of
     r_t = sum over the batch of dL_t/dz (LibMTL sums over the batch), then ONE backward
     pass of sum_t c_t dL_t/dz through the encoder: with c held fixed that is the encoder
     gradient of sum_t c_t L_t, J^T sum_t c_t dL_t/dz. Heads get sum_t s_t g_t as
@@ -188,6 +199,7 @@ class MultiTaskTrainer(MetaTrainer):
         tasks=None,
         rep_grad: bool = False,
         representation=None,
+        compile_combination: bool = True,
         **kwargs,
     ):
         if num_tasks is not None and (isinstance(num_tasks, bool)
@@ -198,6 +210,9 @@ class MultiTaskTrainer(MetaTrainer):
             raise ValueError(f"`tasks` must be None, 'rows' or 'outputs'; got {tasks!r}.")
         if not isinstance(rep_grad, bool):
             raise ValueError(f"`rep_grad` must be a bool; got {rep_grad!r}.")
+        if not isinstance(compile_combination, bool):
+            raise ValueError(f"`compile_combination` must be a bool; got "
+                             f"{compile_combination!r}.")
         if representation is not None and not isinstance(representation, str):
             raise ValueError(f"`representation` must be None or a layer name; got "
                              f"{representation!r}.")
@@ -265,6 +280,7 @@ class MultiTaskTrainer(MetaTrainer):
         self.tasks = setting
         self.rep_grad = rep_grad
         self.representation = representation
+        self.compile_combination = compile_combination
         self._cache = _Untracked()
         if setting == "outputs" and model_graph.has_graph(model):
             # Keras's compile names per-output losses and metrics by the output names.
@@ -474,7 +490,8 @@ class MultiTaskTrainer(MetaTrainer):
             # sum_t c_t dL_t/dz through the encoder.
             (losses, _, combination, cosine, gradient, new_state, y_pred,
              regularizer) = self._rep_grad_step(params, state, model_x, y, task_losses_of,
-                                                loss_scale, acc, task_inputs, method_state)
+                                                loss_scale, acc, task_inputs, method_state,
+                                                task_id if self.tasks == "rows" else None)
             cosine_weight = tf.cast(tf.reduce_sum(present) >= 2, tf.float32)
             shared_c, _ = _coefficients(combination, acc)
         elif self._needs_task_gradients():
@@ -495,9 +512,8 @@ class MultiTaskTrainer(MetaTrainer):
             # identical on every replica.
             losses, stacked = F.all_reduce_sum((tf.stack(task_losses), stacked))
             inputs = task_inputs(losses, stacked)
-            cosine = GS.mean_pairwise_cosine(inputs.gram, present)
+            combination, cosine = self._combine(inputs, method_state)
             cosine_weight = tf.cast(tf.reduce_sum(present) >= 2, tf.float32)
-            combination = method.combine(inputs, method_state)
             shared_c, specific_c = _coefficients(combination, acc)
             specific_positions = set(specific_index)
             combined = []
@@ -559,6 +575,39 @@ class MultiTaskTrainer(MetaTrainer):
 
         return self.finish_step(data, y_pred, loss, new_state=new_state, update=update,
                                 diagnostics=diagnostics, where="the multi-task loss")
+
+    def _combine(self, inputs, method_state):
+        """The method's combination and the task cosine, from the T x T quantities.
+
+        A gradient method's combination is hundreds of tiny ops on T x T matrices (T^2
+        projections, a min-norm or Newton solver, an eigen-decomposition), whose
+        per-op dispatch costs 0.3-2.9 ms a step on a CPU at T = 8: with
+        `compile_combination=True` (the default) they run as ONE XLA-compiled function
+        (0.2-0.3 ms) for the methods whose `compiles_well` is True (not CAGrad, whose
+        face enumeration is slower under XLA on CPU, nor GradNorm, which reads the task
+        gradients themselves). No collective sits inside (the inputs are already all-reduced), so
+        it runs the same in a replica context and under an XLA-compiled step."""
+        method = self.method_object
+
+        def run(losses, present, step, epoch, gram, state):
+            fields = dataclasses.replace(inputs, losses=losses, present=present, step=step,
+                                         epoch=epoch, gram=gram)
+            c = method.combine(fields, state)
+            cosine = GS.mean_pairwise_cosine(gram, present)
+            return (c.shared, c.specific, c.loss_weights, dict(c.state),
+                    dict(c.state_gradients)), cosine
+
+        args = (inputs.losses, inputs.present, inputs.step, inputs.epoch, inputs.gram,
+                dict(method_state))
+        if self.compile_combination and method.compiles_well:
+            # A new function per trace of the step: `run` closes over this trace's
+            # tensors (GradNorm reads one variable's task gradients).
+            parts, cosine = tf.function(run, jit_compile=True)(*args)
+        else:
+            parts, cosine = run(*args)
+        shared, specific, loss_weights, state, state_gradients = parts
+        return methods.Combination(shared=shared, specific=specific, loss_weights=loss_weights,
+                                   state=state, state_gradients=state_gradients), cosine
 
     def _weighted_loss_pass(self, params, state, model_x, y, task_losses_of, loss_scale, acc,
                             task_inputs, method_state):
@@ -720,11 +769,21 @@ class MultiTaskTrainer(MetaTrainer):
         if len(tap_state) != len(model.non_trainable_variables):
             raise ValueError("`rep_grad=True`: the model has state outside its graph.")
         plan = _RepPlan(tap, tap_params, tap_state, encoder, heads, rep)
+        # Tasks as rows: dL_t/dz is nonzero on task t's rows only, so ONE backward pass of
+        # sum_t L_t through the heads gives every task's rows at once -- unless a layer
+        # after z mixes the rows of the batch (BatchNorm: a layer with state, seeds aside).
+        upstream = {id(v) for layer in _compat.flatten_layers(model)
+                    for v in layer.non_trainable_variables
+                    if set(map(id, layer.trainable_variables)) & {
+                        id(variables[i]) for i in encoder}}
+        seeds = _seed_states(model)
+        plan.heads_mix_rows = any(id(v) not in upstream and id(v) not in seeds
+                                  for v in model.non_trainable_variables)
         self._cache.plan = plan
         return plan
 
     def _rep_grad_step(self, params, state, model_x, y, task_losses_of, loss_scale, acc,
-                       task_inputs, method_state):
+                       task_inputs, method_state, task_id=None):
         T = self.num_tasks
         plan = self._rep_plan()
         model = self.model
@@ -745,27 +804,43 @@ class MultiTaskTrainer(MetaTrainer):
         for j, i in enumerate(plan.tap_state):
             new_state[i] = tap_state[j]
         head_params = [params[i] for i in plan.heads]
-        rep_grads, head_grads = [], []
-        for t in range(T):
-            # Through the heads only (the encoder's part of this graph is never used).
-            g = tape.gradient(scaled[t], [z] + head_params,
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            g = F.densify(g)
-            rep_grads.append(tf.cast(g[0], acc) / scale)
-            head_grads.append([gi / tf.cast(scale, gi.dtype) for gi in g[1:]])
-        # LibMTL: the representation gradient of each task summed over the batch.
-        vectors = tf.stack([tf.reshape(tf.reduce_sum(r, axis=0), [-1]) for r in rep_grads])
+        rows_disjoint = task_id is not None and not plan.heads_mix_rows
+        if rows_disjoint:
+            # ONE backward pass through the heads: row r of d(sum_t L_t)/dz is
+            # dL_task(r)/dz_r (the other tasks' losses weigh row r by 0).
+            # (A list of targets: the gradient of their sum, on the recorded losses.)
+            rep_rows = tf.cast(tape.gradient(scaled, z,
+                                             unconnected_gradients=tf.UnconnectedGradients.ZERO),
+                               acc) / scale
+            flat_rows = tf.reshape(rep_rows, [tf.shape(rep_rows)[0], -1])
+            vectors = tf.math.unsorted_segment_sum(flat_rows, task_id, T)
+        else:
+            rep_grads, head_grads = [], []
+            for t in range(T):
+                # Through the heads only (the encoder's part of this graph is never used).
+                g = tape.gradient(scaled[t], [z] + head_params,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                g = F.densify(g)
+                rep_grads.append(tf.cast(g[0], acc) / scale)
+                head_grads.append([gi / tf.cast(scale, gi.dtype) for gi in g[1:]])
+            # LibMTL: the representation gradient of each task summed over the batch.
+            vectors = tf.stack([tf.reshape(tf.reduce_sum(r, axis=0), [-1])
+                                for r in rep_grads])
         losses, vectors = F.all_reduce_sum((tf.stack(task_losses), vectors))
         gram = tf.matmul(vectors, vectors, transpose_b=True)
         inputs = task_inputs(losses, [[vectors[t]] for t in range(T)], gram=gram,
                              shared_variables=[_Representation(plan.rep)])
-        cosine = GS.mean_pairwise_cosine(gram, inputs.present)
-        combination = self.method_object.combine(inputs, method_state)
+        combination, cosine = self._combine(inputs, method_state)
         shared_c, specific_c = _coefficients(combination, acc)
         # ONE backward pass through the encoder of sum_t c_t dL_t/dz (c held fixed): the
         # encoder's gradient sum_t c_t J^T dL_t/dz. Per replica: the optimizer's
         # cross-replica sum of these local parts is the global gradient.
-        combined_rep = tf.add_n([shared_c[t] * rep_grads[t] for t in range(T)]) * scale
+        if rows_disjoint:
+            row_c = tf.reshape(tf.gather(shared_c, task_id),
+                               tf.concat([[-1], tf.ones([tf.rank(rep_rows) - 1], tf.int32)], 0))
+            combined_rep = rep_rows * row_c * scale
+        else:
+            combined_rep = tf.add_n([shared_c[t] * rep_grads[t] for t in range(T)]) * scale
         encoder_params = [params[i] for i in plan.encoder]
         encoder_grads = F.densify(tape.gradient(
             z, encoder_params, output_gradients=tf.cast(combined_rep, z.dtype),
@@ -773,7 +848,15 @@ class MultiTaskTrainer(MetaTrainer):
         gradient = [None] * len(params)
         for i, g in zip(plan.encoder, encoder_grads):
             gradient[i] = g
-        for k, i in enumerate(plan.heads):
+        if rows_disjoint and plan.heads:
+            # The heads' sum_t s_t g_t: one more backward pass through the heads only.
+            head_gradient = F.densify(tape.gradient(
+                scaled, head_params, output_gradients=[tf.cast(specific_c[t], v.dtype)
+                                                       for t, v in enumerate(scaled)],
+                unconnected_gradients=tf.UnconnectedGradients.ZERO))
+            for i, g in zip(plan.heads, head_gradient):
+                gradient[i] = g
+        for k, i in enumerate(plan.heads if not rows_disjoint else []):
             gradient[i] = GS.combine([[h[k]] for h in head_grads], specific_c)[0] * tf.cast(
                 scale, head_grads[0][k].dtype)
         if regularizer is not None:
@@ -802,10 +885,7 @@ class MultiTaskTrainer(MetaTrainer):
         updates threaded, as "gathered" does)."""
         if self._cache.vectorizable:
             return
-        seeds = set()
-        for layer in [self.model, *_compat.flatten_layers(self.model)]:
-            for generator in getattr(layer, "_seed_generators", None) or []:
-                seeds.add(id(generator.state))
+        seeds = _seed_states(self.model)
         other = [v.path for v in self.model.non_trainable_variables if id(v) not in seeds]
         if other:
             raise ValueError(
@@ -837,7 +917,6 @@ class MultiTaskTrainer(MetaTrainer):
         self._check_vectorizable()
         T = self.num_tasks
         tf.debugging.assert_less(task_id, T, message="MultiTaskTrainer: a task_id is >= num_tasks")
-        inv_scale = 1.0 / tf.cast(loss_scale, acc)
         weight_dtype = _loss_weight_dtype(y)
         rows = tf.shape(task_id)[0]
         local_counts = tf.math.bincount(task_id, minlength=T, maxlength=T)
@@ -859,23 +938,8 @@ class MultiTaskTrainer(MetaTrainer):
         factor = tf.math.divide_no_nan(tf.cast(m, acc) * replicas, counts)
 
         def one_task(args):
-            x_i, y_i, w_i, factor_i = args
-            with tf.GradientTape() as tape:
-                tape.watch(params)
-                y_pred_i, state_i, model_losses = F.stateless_forward(
-                    self.model, params, state, x_i, training=True)
-                if model_losses:
-                    raise ValueError(
-                        "MultiTaskTrainer(task_passes='vectorized'): the model has its own "
-                        "losses (regularisers, add_loss), which are not task losses; use "
-                        "task_passes='masked' (or 'auto', which picks it for such models).")
-                value = F.compute_loss(self.model, x_i, y_i, y_pred_i, w_i, [],
-                                       training=True, loss=compiled)
-                value = tf.cast(value, acc) * factor_i
-                scaled = value * tf.cast(loss_scale, acc)
-            g = F.densify(tape.gradient(scaled, params,
-                                        unconnected_gradients=tf.UnconnectedGradients.ZERO))
-            return value, [gi * tf.cast(inv_scale, gi.dtype) for gi in g], state_i, y_pred_i
+            return self._sub_batch_pass(params, state, *args, loss_scale, compiled, acc,
+                                        "vectorized")
 
         values, stacked, states, preds = tf.vectorized_map(one_task,
                                                           (x_t, y_t, weight, factor))
@@ -893,6 +957,29 @@ class MultiTaskTrainer(MetaTrainer):
         y_pred = tf.nest.map_structure(unpad, preds)
         return task_losses, list(stacked), new_state, y_pred
 
+    def _sub_batch_pass(self, params, state, x, y, weight, factor, loss_scale, compiled, acc,
+                        passes):
+        """One task's loss (Keras's mean over the sub-batch times `factor`, the task's
+        share of the global batch) and its gradient (unscaled), from a forward and a
+        backward pass over its rows: (loss, gradients, new state, predictions)."""
+        with tf.GradientTape() as tape:
+            tape.watch(params)
+            y_pred, new_state, model_losses = F.stateless_forward(
+                self.model, params, state, x, training=True)
+            if model_losses:
+                raise ValueError(
+                    f"MultiTaskTrainer(task_passes={passes!r}): the model has its own "
+                    "losses (regularisers, add_loss), which are not task losses; use "
+                    "task_passes='masked' (or 'auto', which picks it for such models).")
+            value = F.compute_loss(self.model, x, y, y_pred, weight, [], training=True,
+                                   loss=compiled)
+            value = tf.cast(value, acc) * factor
+            scaled = value * tf.cast(loss_scale, acc)
+        g = F.densify(tape.gradient(scaled, params,
+                                    unconnected_gradients=tf.UnconnectedGradients.ZERO))
+        inv_scale = 1.0 / tf.cast(loss_scale, acc)
+        return value, [gi * tf.cast(inv_scale, gi.dtype) for gi in g], new_state, y_pred
+
     def _gathered_task_passes(self, params, state, model_x, y, sample_weight, task_id,
                               counts, replicas, loss_scale, compiled, acc):
         """Task t's loss and gradient from a forward and backward pass over its own rows.
@@ -906,7 +993,6 @@ class MultiTaskTrainer(MetaTrainer):
         """
         T = self.num_tasks
         tf.debugging.assert_less(task_id, T, message="MultiTaskTrainer: a task_id is >= num_tasks")
-        inv_scale = 1.0 / tf.cast(loss_scale, acc)
         weight_dtype = _loss_weight_dtype(y)
         pad_row = tf.cast(tf.shape(task_id)[0], tf.int64)  # the appended zero row
         padded = tf.nest.map_structure(
@@ -924,23 +1010,10 @@ class MultiTaskTrainer(MetaTrainer):
             weight = tf.cast(tf.fill([m], tf.cast(present_here, tf.float32)), weight_dtype)
             if sample_weight is not None:
                 weight = weight * tf.cast(tf.reshape(w_t, [-1]), weight_dtype)
-            with tf.GradientTape() as tape:
-                tape.watch(params)
-                y_pred_t, state_t, model_losses = F.stateless_forward(
-                    self.model, params, state, x_t, training=True)
-                if model_losses:
-                    raise ValueError(
-                        "MultiTaskTrainer(task_passes='gathered'): the model has its own "
-                        "losses (regularisers, add_loss), which are not task losses; use "
-                        "task_passes='masked' (or 'auto', which picks it for such models).")
-                value = F.compute_loss(self.model, x_t, y_t, y_pred_t, weight, [],
-                                       training=True, loss=compiled)
-                value = tf.cast(value, acc) * tf.math.divide_no_nan(
-                    tf.cast(m, acc) * replicas, counts[t])
-                scaled = value * tf.cast(loss_scale, acc)
-            g = F.densify(tape.gradient(scaled, params,
-                                        unconnected_gradients=tf.UnconnectedGradients.ZERO))
-            task_grads.append([gi * tf.cast(inv_scale, gi.dtype) for gi in g])
+            factor = tf.math.divide_no_nan(tf.cast(m, acc) * replicas, counts[t])
+            value, g, state_t, y_pred_t = self._sub_batch_pass(
+                params, state, x_t, y_t, weight, factor, loss_scale, compiled, acc, "gathered")
+            task_grads.append(g)
             task_losses.append(value)
             state = [tf.where(present_here, new, old) for new, old in zip(state_t, state)]
             rows_list.append(tf.cast(rows, tf.int32))
@@ -966,6 +1039,7 @@ class MultiTaskTrainer(MetaTrainer):
             tasks=self.tasks,
             rep_grad=self.rep_grad,
             representation=self.representation,
+            compile_combination=self.compile_combination,
         )
         return config
 
@@ -997,6 +1071,12 @@ def _coefficients(combination, acc):
     shared = tf.cast(combination.shared, acc)
     specific = shared if combination.specific is None else tf.cast(combination.specific, acc)
     return shared, specific
+
+
+def _seed_states(model):
+    """ids of the state variables of the model's random-seed generators (dropout)."""
+    return {id(generator.state) for layer in [model, *_compat.flatten_layers(model)]
+            for generator in getattr(layer, "_seed_generators", None) or []}
 
 
 def _with_zero_row(a):

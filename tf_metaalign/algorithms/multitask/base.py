@@ -129,6 +129,11 @@ class MultiTaskMethod:
     #: the method reads `inputs.epoch` (the trainer then counts epochs in a checkpointed
     #: variable, `epochs_done`; else `inputs.epoch` is 0).
     uses_epoch: ClassVar[bool] = False
+    #: the trainer may run `combine` as one XLA-compiled function (its T x T algebra
+    #: is many tiny ops; see MultiTaskTrainer(compile_combination=)). False for a method
+    #: that reads the task gradients themselves (GradNorm: XLA would take the large
+    #: tensors in and out) or runs slower under XLA (CAGrad's face enumeration on CPU).
+    compiles_well: ClassVar[bool] = True
 
     def state_spec(self, num_tasks: int) -> dict[str, StateSpec]:
         return {}

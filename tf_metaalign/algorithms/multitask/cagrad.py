@@ -52,6 +52,7 @@ class CAGrad(MultiTaskMethod):
     kind = "gradient"
     uses_gradients = True
     reference = "LibMTL CAGrad; Cranial-XIX/CAGrad (SLSQP replaced by an exact in-graph solver)"
+    compiles_well = False  # its face enumeration is slower under XLA on CPU
 
     def __init__(self, calpha: float = 0.5, rescale: int = 1, solver: str = "auto",
                  iterations: int = 500):
