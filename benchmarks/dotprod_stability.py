@@ -50,7 +50,8 @@ def convnet(seed=0, logits=False):
 
 
 def wordnet_minilm(seed, steps, batch, sequence_length=24, n_test=384):
-    from tf_metaalign.data import load_wordnet_supersenses, text_encoder
+    from trainers.experiments.wordnet import load_wordnet_supersenses
+    from trainers.experiments import text_encoder
 
     text = load_wordnet_supersenses(seed=seed, relabel=True)
     tokenizer = text_encoder.load_minilm_tokenizer()

@@ -258,7 +258,7 @@ def minilm_encoder():
     if "backbone" not in _MINILM:
         import keras
 
-        from tf_metaalign.data import text_encoder as TE
+        from trainers.experiments import text_encoder as TE
 
         backbone = TE.load_minilm_backbone()
         cached = len(backbone.transformer_layers) - FLAGS.trainable_layers

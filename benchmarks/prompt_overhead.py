@@ -17,7 +17,7 @@ Models (every configuration its own model, the same initial weights, its own com
 step; random token ids, the same batch at every step; no padding):
 
 * T5: a `keras_hub.models.T5Backbone` built from a config (no pretrained T5 exists
-  offline): `--t5_size` of `tf_metaalign.data.small_t5.T5_SIZES` ("small": 4 layers, hidden
+  offline): `--t5_size` of `trainers.experiments.small_t5.T5_SIZES` ("small": 4 layers, hidden
   128, the promptability experiment's model; T5 v1.1 style) with the LM head of
   `T5Seq2SeqLM` (`PromptedT5.lm_logits`), teacher-forced
   cross-entropy over `--decoder_length` target tokens, encoder input `--encoder_length`
@@ -35,7 +35,7 @@ step; random token ids, the same batch at every step; no padding):
     carried. Per meta-step and per task; `per_task / (inner_steps x prompt step + both
     step)` compares a task with what its pieces cost as ordinary steps.
 * BERT (`--bert`, if the pretrained MiniLM loads offline through
-  `tf_metaalign.data.text_encoder`): all-MiniLM-L6-v2 with a Dense classification head on
+  `trainers.experiments.text_encoder`): all-MiniLM-L6-v2 with a Dense classification head on
   the pooled output, `--bert_sequence_length` tokens: `bert_full` (backbone + head train)
   vs `bert_shallow_prompt` (`prompt_bert(train="prompt")`: prompt + head train; the head
   is not part of the transformer).
@@ -93,7 +93,7 @@ def define_flags():
     module (tests use `check_configs`) adds no flag that collides with another program's
     (`--batch_size` is also `trainers.finetune`'s)."""
     flags.DEFINE_enum("t5_size", "small", ["tiny", "small", "base-ish"],
-                      "Named T5 size of `tf_metaalign.data.small_t5` (T5 v1.1 style: gated GELU, "
+                      "Named T5 size of `trainers.experiments.small_t5` (T5 v1.1 style: gated GELU, "
                       "untied embeddings, no dropout): the promptability experiment's model.")
     flags.DEFINE_integer("t5_vocabulary_size", 4000, "T5 vocabulary size (the experiment's "
                          "SentencePiece vocabulary: 4000).")
@@ -209,7 +209,7 @@ def bert_head_class():
 
 
 def t5_config():
-    from tf_metaalign.data.small_t5 import t5_config as named_config
+    from trainers.experiments.small_t5 import t5_config as named_config
 
     return named_config(FLAGS.t5_size, FLAGS.t5_vocabulary_size)
 
@@ -292,7 +292,7 @@ def build(config):
     else:
         import numpy as np
 
-        from tf_metaalign.data import text_encoder
+        from trainers.experiments import text_encoder
 
         backbone = text_encoder.load_minilm_backbone()
         params = int(backbone.count_params())
@@ -355,7 +355,7 @@ def main(argv):
     configs = check_configs(FLAGS.configs, FLAGS.bert)
     skipped = {}
     if any(c in BERT_CONFIGS for c in configs):
-        from tf_metaalign.data import text_encoder
+        from trainers.experiments import text_encoder
 
         try:
             text_encoder.minilm_path()

@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 
 from tf_metaalign import data  # noqa: E402
 from tf_metaalign.data import splits as splits_lib  # noqa: E402
-from tf_metaalign.data import text_encoder, wordnet  # noqa: E402
+from trainers.experiments import text_encoder, wordnet  # noqa: E402
 
 HAVE_WORDNET = os.path.isfile(os.path.join(wordnet.DEFAULT_WORDNET_DIR, "data.noun"))
 needs_wordnet = pytest.mark.skipif(
@@ -86,7 +86,7 @@ def test_bad_batch_size_and_empty_split():
 
 @needs_wordnet
 def test_wordnet_all_parts_of_speech():
-    s = data.load_wordnet_supersenses(test_fraction=0.2, seed=0)
+    s = wordnet.load_wordnet_supersenses(test_fraction=0.2, seed=0)
     n = len(s.y_train) + len(s.y_test)
     assert n == 117659  # WordNet 3.0 synsets: 82115 + 13767 + 18156 + 3621
     assert s.num_classes == 45 and len(s.class_names) == 45
@@ -103,33 +103,33 @@ def test_wordnet_all_parts_of_speech():
 
 @needs_wordnet
 def test_wordnet_tasks_per_part_of_speech_and_determinism():
-    tasks = data.wordnet_tasks(max_examples=400, seed=1)
+    tasks = wordnet.wordnet_tasks(max_examples=400, seed=1)
     assert set(tasks) == {"noun", "verb", "adj", "adv"}
     assert [tasks[p].num_classes for p in ("noun", "verb", "adj", "adv")] == [26, 15, 3, 1]
     assert tasks["verb"].class_names[0] == "verb.body"
     for t in tasks.values():
         assert set(np.unique(t.y_train)) <= set(range(t.num_classes))
-    again = data.load_wordnet_supersenses("verb", max_examples=400, seed=1, relabel=True)
+    again = wordnet.load_wordnet_supersenses("verb", max_examples=400, seed=1, relabel=True)
     np.testing.assert_array_equal(again.x_train, tasks["verb"].x_train)
     n = len(again.y_train) + len(again.y_test)
     assert abs(n - 400) <= 15  # stratified: per-class rounding, >= 1 per class
-    lemma = data.load_wordnet_supersenses("adv", max_examples=50, include_lemma=True)
+    lemma = wordnet.load_wordnet_supersenses("adv", max_examples=50, include_lemma=True)
     assert all(": " in t for t in lemma.x_train)
 
 
 @needs_wordnet
 def test_wordnet_bad_arguments():
     with pytest.raises(ValueError, match="parts_of_speech"):
-        data.load_wordnet_supersenses("nouns")
+        wordnet.load_wordnet_supersenses("nouns")
     with pytest.raises(ValueError, match="parts_of_speech"):
-        data.load_wordnet_supersenses([])
+        wordnet.load_wordnet_supersenses([])
     with pytest.raises(ValueError, match="max_examples"):
-        data.load_wordnet_supersenses("adv", max_examples=0)
+        wordnet.load_wordnet_supersenses("adv", max_examples=0)
 
 
 def test_wordnet_missing_files_names_argument(tmp_path):
     with pytest.raises(FileNotFoundError, match="wordnet_dir.*wordnet-base"):
-        data.load_wordnet_supersenses("noun", wordnet_dir=tmp_path)
+        wordnet.load_wordnet_supersenses("noun", wordnet_dir=tmp_path)
 
 
 # ----------------------------------------------------------------------- text encoder

@@ -70,7 +70,7 @@ def metric(stdout, label):
 
 
 def wordnet_or_skip():
-    from tf_metaalign.data.wordnet import wordnet_dir
+    from trainers.experiments.wordnet import wordnet_dir
     if not (wordnet_dir() / "data.noun").exists():
         pytest.skip(f"WordNet not found in {wordnet_dir()} (apt-get install wordnet-base)")
 

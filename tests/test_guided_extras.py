@@ -25,7 +25,7 @@ def test_schedule_plot_callback_writes_png(tmp_path):
 
 def test_django_pairs_and_char_arrays():
     pytest.importorskip("django", reason="pip install django (the translation pairs)")
-    from tf_metaalign.data import translation
+    from trainers.experiments import translation
 
     pairs = translation.load_django_pairs("de", max_chars=40)
     assert len(pairs) > 300

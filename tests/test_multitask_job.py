@@ -1,5 +1,5 @@
 """The real multilingual multi-task experiment: Django's catalogs as tasks
-(`tf_metaalign.data.django_catalogs`) and the program `trainers/multitask.py`."""
+(`trainers.experiments.django_catalogs`) and the program `trainers/multitask.py`."""
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +9,7 @@ import pytest
 
 django = pytest.importorskip("django", reason="pip install django (the catalogs ship with it)")
 
-from tf_metaalign.data import django_catalogs as D  # noqa: E402
+from trainers.experiments import django_catalogs as D  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ sweep in docs/multitask.md it is not robust, which the docs report."""
 import numpy as np
 import pytest
 
-from tf_metaalign.data import synthetic as S
+from trainers.experiments import synthetic as S
 from trainers import multitask_synthetic as program
 
 

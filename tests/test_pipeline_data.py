@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tf_metaalign.data import text_encoder  # noqa: E402
+from trainers.experiments import text_encoder  # noqa: E402
 from tf_metaalign.trainers import DotProdTrainer, pipeline  # noqa: E402
 
 HAVE_MINILM = importlib.util.find_spec(text_encoder.PACKAGE_IMPORT_NAME) is not None

@@ -86,7 +86,7 @@ def test_meta_batches_draw_each_task_from_one_dataset_and_template():
     assert qx["decoder_token_ids"].shape == (m, 2, config.decoder_length)
     assert qy.shape == (m, 2, config.decoder_length)
     # Every task's examples come from the mixture draw's dataset and template.
-    from tf_metaalign.data.prompted_tasks import PromptedMixture
+    from trainers.experiments.prompted_tasks import PromptedMixture
 
     mixture = PromptedMixture(tasks.training, cap=config.mixture_cap, seed=config.seed)
     for k in range(m):
@@ -395,7 +395,7 @@ def test_rank_classification_scores_are_the_teacher_forced_training_loss(mode, l
     evaluation artefact (docs/promptability.md)."""
     import keras
 
-    from tf_metaalign.data import small_t5
+    from trainers.experiments import small_t5
     from tf_metaalign.prompts.templates import PromptedExample
 
     config = tiny_config(encoder_length=12, decoder_length=6)

@@ -27,7 +27,7 @@ L, HIDDEN, LAYERS, HEADS, KEY_VALUE_DIM = 8, 32, 2, 2, 16  # the notebook's tiny
 
 @pytest.fixture(scope="module")
 def executed():
-    from tf_metaalign.data import wordnet
+    from trainers.experiments import wordnet
 
     folder = wordnet.wordnet_dir()
     if not (folder / "data.noun").is_file():

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_metaalign.data import prompted_tasks as pt
-from tf_metaalign.data import wordnet
+from trainers.experiments import prompted_tasks as pt
+from trainers.experiments import wordnet
 from tf_metaalign.prompts.templates import Template
 
 HAVE_WORDNET = os.path.isfile(os.path.join(wordnet.DEFAULT_WORDNET_DIR, "data.noun"))

@@ -1,10 +1,10 @@
-"""The synthetic 2-D problem of Sequential Reptile (tf_metaalign.data.synthetic)."""
+"""The synthetic 2-D problem of Sequential Reptile (trainers.experiments.synthetic)."""
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tf_metaalign import functional as F
-from tf_metaalign.data import synthetic as S
+from trainers.experiments import synthetic as S
 
 
 def test_loss_has_its_minimum_at_each_optimum_and_decays_away():

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from tf_metaalign.data import text_pretraining as tp
+from trainers.experiments import text_pretraining as tp
 
 WORDNET = os.path.isfile("/usr/share/wordnet/data.noun") or bool(os.environ.get("WORDNET_DIR"))
 needs_wordnet = pytest.mark.skipif(not WORDNET, reason="WordNet (`apt-get install "
@@ -263,7 +263,7 @@ def test_vocabulary_cache_and_errors(small_corpus, tmp_path):
 # ---------------------------------------------------------------------- the tiny T5 learns
 
 def test_tiny_t5_pretraining_beats_unigram_baseline(vocabulary, small_corpus):
-    from tf_metaalign.data import small_t5
+    from trainers.experiments import small_t5
 
     _, tokenizer = vocabulary
     vocab = tokenizer.vocabulary_size()
@@ -296,7 +296,7 @@ def test_tiny_t5_pretraining_beats_unigram_baseline(vocabulary, small_corpus):
 
 
 def test_cached_pretrained_t5_round_trips_weights_bit_exactly(small_corpus, tmp_path):
-    from tf_metaalign.data import small_t5
+    from trainers.experiments import small_t5
 
     kwargs = dict(corpus=small_corpus[:800], size="tiny", vocabulary_size=400, steps=2,
                   batch_size=4, sequence_length=16, learning_rate=0.1, seed=3, progress=False)
@@ -316,7 +316,7 @@ def test_cached_pretrained_t5_round_trips_weights_bit_exactly(small_corpus, tmp_
 
 
 def test_small_t5_bad_arguments(vocabulary):
-    from tf_metaalign.data import small_t5
+    from trainers.experiments import small_t5
 
     with pytest.raises(ValueError, match="size"):
         small_t5.t5_config("xl", 1000)

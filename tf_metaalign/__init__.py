@@ -1,15 +1,29 @@
 """tf_metaalign: gradient-alignment and meta-learning algorithms for Keras 3 on TensorFlow.
 
-Layers (each a subpackage or module):
+What a user imports (each subpackage lists its API in `__all__`):
+
+  trainers     -- keras.Model wrappers whose train_step runs an algorithm (compile + fit):
+                  DotProdTrainer (Meta DotProd), SequentialReptileTrainer,
+                  MultiTaskTrainer (the multi-task method zoo), ReptileTrainer,
+                  FOMAMLTrainer, MultiTaskReptileTrainer, MAMLTrainer (gradient sharing),
+                  PromptFOMAMLTrainer, PromptReptileTrainer, GuidedTrainer.
+  algorithms   -- the same algorithms as pure functions for a custom training loop:
+                  dotprod_gradient, reptile_gradient / fomaml_gradient / inner_loop,
+                  maml.meta_gradient / adapt, GradientSharing, guided hypergradients,
+                  prompt_meta, gradient_surgery (PCGrad, GradVac, GradNorm on a Gram
+                  matrix) and multitask (PCGrad(), CAGrad(), NashMTL(), MGDA(), ...).
+  optimizers   -- T5/Pegasus/BERT-faithful optimizers, each rule a pure function: Adafactor,
+                  Adam, AdamW, AdamWeightDecay, Lamb, RecAdam, SGD and their schedules.
+  prompts      -- soft prompts for keras-hub T5 / BERT, templates, rank classification, ARG.
+  callbacks    -- DivergenceGuard, MultiTaskDiagnostics.
+  data         -- MultiTaskStream, PerTaskHead, EpisodeSampler, stacked meta-batches, and
+                  the standard loaders (Omniglot, sinusoid, digits, TFDS).
   functional   -- a Keras model evaluated at *given* weights, and gradient-list algebra.
   forward_mode -- forward-mode tangents of pure TF functions (the optimizer rules).
-  algorithms   -- the algorithms as pure functions usable from a custom training loop.
-  optimizers   -- T5/Pegasus/BERT-faithful optimizers, each rule a pure function.
-  trainers     -- keras.Model wrappers whose train_step runs an algorithm (compile + fit).
-  callbacks    -- Keras callbacks (multi-task diagnostics).
-  data         -- offline dataset loaders.
-  prompts      -- soft prompts for keras-hub T5/BERT, templates, rank classification, ARG.
   plotting     -- learned-hyperparameter schedule plots (matplotlib, imported lazily).
+
+The repository's `trainers/` (the programs, and `trainers/experiments/`: our paper
+reproductions' data and models) is not part of the installed package.
 """
 __version__ = "0.1.0"
 

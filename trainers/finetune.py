@@ -127,8 +127,9 @@ def load_task(dataset: str, seed: int):
     """`(splits, build_model)`: data as numpy arrays and a function building a fresh model."""
     import keras
 
-    from tf_metaalign.data import load_digits, load_wordnet_supersenses
-    from tf_metaalign.data import text_encoder
+    from tf_metaalign.data import load_digits
+    from trainers.experiments.wordnet import load_wordnet_supersenses
+    from trainers.experiments import text_encoder
 
     if dataset == "digits":
         splits = load_digits(seed=seed)

@@ -102,7 +102,7 @@ def main(argv):
     import tensorflow as tf
 
     from tf_metaalign import optimizers as O
-    from tf_metaalign.data import translation
+    from trainers.experiments import translation
     from tf_metaalign.plotting import ScheduleRecorder, plot_schedules
     from tf_metaalign.trainers.guided import GuidedTrainer
     from trainers.common import StepTimer, format_table, prepare_output_dir, write_json

@@ -9,14 +9,14 @@ method zoo, on real data offline.
         --method_options=cagrad.calpha=0.4,nash_mtl.optim_niter=10
     python -m trainers.multitask --full                # whole encoder, 5 seeds, 4x the steps
 
-Data (`tf_metaalign.data.django_catalogs`): Django's gettext catalogs, one task per
+Data (`trainers.experiments.django_catalogs`): Django's gettext catalogs, one task per
 language: a translated UI string -> the part of Django it belongs to (8 classes). The
 training languages are imbalanced (de/fr/es/pl ~520 training strings, lb 117); the
 zero-shot languages are never trained on (the paper's Table 3). The held-out strings are
 the same English messages in every language (split by msgid), so no score comes from
 having seen a message's translation in another language.
 
-Model: the pretrained all-MiniLM-L6-v2 encoder (`tf_metaalign.data.text_encoder`), masked
+Model: the pretrained all-MiniLM-L6-v2 encoder (`trainers.experiments.text_encoder`), masked
 mean pooling, dropout and a new linear head. By default only its top
 `--trainable_layers=1` transformer layer is fine-tuned (with the head): the frozen layers'
 outputs are computed once and cached, which is what makes 24 runs fit in minutes on 2
@@ -228,8 +228,8 @@ def prepare_data(config: Config, log=print) -> Data:
     import keras
     import numpy as np
 
-    from tf_metaalign.data import django_catalogs as D
-    from tf_metaalign.data import text_encoder as TE
+    from trainers.experiments import django_catalogs as D
+    from trainers.experiments import text_encoder as TE
 
     languages = tuple(config.train_languages) + tuple(config.zero_shot_languages)
     log(f"loading Django catalogs for {len(languages)} languages")
@@ -273,7 +273,7 @@ def build_model(data: Data, seed: int):
     import keras
     import keras_hub
 
-    from tf_metaalign.data import text_encoder as TE
+    from trainers.experiments import text_encoder as TE
 
     num_classes = len(data.class_names)
     if not data.cached_layers:

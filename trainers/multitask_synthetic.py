@@ -5,7 +5,7 @@ r"""The synthetic experiment of Sequential Reptile (Lee et al., Fig. 3) with eve
     python -m trainers.multitask_synthetic --methods=zoo,sequential_reptile   # every registry method
 
 Three tasks in 2-D (optima (0, 10), (0, 0), (10, 0)), phi starts at (20, 5), task loss
--200 exp(-0.2 ||phi - x_i||) (`tf_metaalign.data.synthetic`; the paper prints the exponent
+-200 exp(-0.2 ||phi - x_i||) (`trainers.experiments.synthetic`; the paper prints the exponent
 with the wrong sign). Every method starts from the same phi and sees batches drawn by the
 same `MultiTaskStream` (seed `--seed`), and takes `--steps` task gradients in all:
 
@@ -95,7 +95,7 @@ TAIL = 0.2
 
 
 def _stream(seed):
-    from tf_metaalign.data import synthetic as S
+    from trainers.experiments import synthetic as S
     from tf_metaalign.data.multitask import MultiTaskStream
 
     return MultiTaskStream(S.synthetic_tasks(8), batch_size=1, q=1.0, seed=seed)
@@ -129,7 +129,7 @@ def run_method(method, steps, inner_steps=3, learning_rate=0.1, outer_learning_r
     import tensorflow as tf
 
     from tf_metaalign import optimizers as O
-    from tf_metaalign.data import synthetic as S
+    from trainers.experiments import synthetic as S
     from tf_metaalign.trainers import (
         MultiTaskReptileTrainer,
         MultiTaskTrainer,
@@ -195,7 +195,7 @@ def tail_averages(points, fraction=TAIL):
     `fraction` of a trajectory."""
     import numpy as np
 
-    from tf_metaalign.data import synthetic as S
+    from trainers.experiments import synthetic as S
 
     tail = points[-max(1, int(len(points) * fraction)):]
     loss = float(np.mean([np.mean([S.task_loss(p, o) for o in S.OPTIMA]) for p in tail]))
@@ -206,7 +206,7 @@ def tail_averages(points, fraction=TAIL):
 def summarise(method, phi, points, seconds):
     import numpy as np
 
-    from tf_metaalign.data import synthetic as S
+    from trainers.experiments import synthetic as S
 
     losses = [float(S.task_loss(phi, o)) for o in S.OPTIMA]
     tail_loss, tail_cosine = tail_averages(points)
@@ -231,7 +231,7 @@ def plot(trajectories, path):
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from tf_metaalign.data import synthetic as S
+    from trainers.experiments import synthetic as S
 
     grid = np.linspace(-5, 25, 200)
     xx, yy = np.meshgrid(grid, grid)

@@ -8,13 +8,13 @@ allenai/better-promptability).
 
 No pretrained T5 exists offline, so the paper's pipeline is rebuilt small:
 
-1. Pre-training (`tf_metaalign.data.small_t5.cached_pretrained_t5`): a keras-hub T5 of a
+1. Pre-training (`trainers.experiments.small_t5.cached_pretrained_t5`): a keras-hub T5 of a
    named size built from a config, a SentencePiece vocabulary trained on the offline English
    corpus (WordNet definitions and examples, Django's UI strings), pre-trained with
    `--pretrain_objective` (span corruption, LM adaptation or both mixed; the paper starts from
    T5 v1.1 LM-adapted). Cached by a content hash under `--cache_dir` (outside the repository).
 2. Continued pre-training on the TRAINING task types' prompted mixture
-   (`data.prompted_tasks`: supersense, component, language_id; examples-proportional mixing
+   (`trainers.experiments.prompted_tasks`: supersense, component, language_id; examples-proportional mixing
    capped at `--mixture_cap`), one run per configuration and prompt mode:
      none     no continued pre-training
      mtl_t    the transformer trained, no prompt (T0's recipe)
@@ -254,8 +254,8 @@ def config_from_flags() -> Config:
 def pretrained_t5(config: Config, log=None):
     """`(model, tokenizer, info)`: the cached pre-trained `T5Seq2SeqLM` (trained on a miss,
     with a progress line through `log` every `log_every` steps)."""
-    from tf_metaalign.data import small_t5
-    from tf_metaalign.data import text_pretraining as tp
+    from trainers.experiments import small_t5
+    from trainers.experiments import text_pretraining as tp
     from trainers import common
 
     callbacks = () if log is None else (common.ProgressCallback(
@@ -319,7 +319,7 @@ class Tasks:
 def prepare_tasks(config: Config) -> Tasks:
     import numpy as np
 
-    from tf_metaalign.data import prompted_tasks as PT
+    from trainers.experiments import prompted_tasks as PT
     from tf_metaalign.prompts.evaluation import sample_few_shot
 
     datasets = PT.offline_prompted_tasks(max_train=config.max_train,
@@ -349,7 +349,7 @@ def prepare_tasks(config: Config) -> Tasks:
 def training_mixture(tasks: Tasks, config: Config):
     """The training datasets' prompted mixture (size-proportional, capped), seeded: the one
     stream that MTL batches, meta-learning tasks and the fit draws all come from."""
-    from tf_metaalign.data.prompted_tasks import PromptedMixture
+    from trainers.experiments.prompted_tasks import PromptedMixture
 
     return PromptedMixture(tasks.training, cap=config.mixture_cap, seed=config.seed)
 
@@ -763,7 +763,7 @@ def minilm_experiment(tasks: Tasks, config: Config, log=print) -> dict:
     import numpy as np
 
     from tf_metaalign import prompts
-    from tf_metaalign.data import text_encoder as TE
+    from trainers.experiments import text_encoder as TE
     from tf_metaalign.prompts import evaluation as E
 
     tokenizer, backbone = TE.load_minilm_tokenizer(), TE.load_minilm_backbone()

@@ -2,7 +2,7 @@
 
 IMDB (a download) is not available offline. The binary task here is real text with two
 balanced classes, as IMDB's: is a WordNet 3.0 gloss (definition) the gloss of a NOUN
-(label 0) or of a VERB (label 1)? Glosses are read by `tf_metaalign.data.wordnet` from
+(label 0) or of a VERB (label 1)? Glosses are read by `trainers.experiments.wordnet` from
 /usr/share/wordnet (`apt-get install wordnet-base`; or $WORDNET_DIR). `examples` glosses
 of each part of speech are drawn with `seed` (stratified over their supersenses), split
 80/20 stratified, and turned into integer sequences as `imdb.load_data` returns them:
@@ -14,7 +14,7 @@ import numpy as np
 import keras
 
 from tf_metaalign.data.splits import stratified_split
-from tf_metaalign.data.wordnet import load_wordnet_supersenses
+from trainers.experiments.wordnet import load_wordnet_supersenses
 
 
 def load_texts(examples=4000, seed=0):

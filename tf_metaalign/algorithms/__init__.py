@@ -72,3 +72,10 @@ from tf_metaalign.algorithms.prompt_meta import (  # noqa: E402
 
 __all__ += ["prompt_meta", "PromptMetaResult", "prompt_fomaml", "prompt_indices",
             "prompt_inner_loop", "prompt_reptile"]
+
+# The multi-task method zoo (one class per method on one engine; MultiTaskTrainer's
+# `method=`): PCGrad, GradVac, GradNorm, MGDA, CAGrad, IMTL, Nash-MTL, Aligned-MTL, UW,
+# DWA, RLW, FAMO, equal weighting; `multitask.method_names()` lists them.
+from tf_metaalign.algorithms import multitask  # noqa: E402
+
+__all__ += ["multitask"]

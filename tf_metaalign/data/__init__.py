@@ -1,45 +1,33 @@
-"""Offline datasets: loaders returning numpy splits / `tf.data.Dataset`s with fixed seeds.
+"""Reusable data pieces: multi-task streams, episodes, per-task heads, standard loaders.
 
-  load_digits               scikit-learn's 8x8 digits (1,797 images, 10 classes)
-  load_wordnet_supersenses  WordNet gloss -> supersense (45 classes; `apt-get install wordnet-base`)
-  wordnet_tasks             one WordNet task per part of speech
-  text_encoder              the pretrained all-MiniLM-L6-v2 encoder through keras-hub, offline
-  load_tfds                 a TFDS dataset already on disk (never downloads)
-  translation               Django's gettext catalogs as English -> X translation pairs
-  django_catalogs           Django's catalogs as multilingual tasks (UI string -> part of Django)
-  multitask                 multi-task batches (p_t ∝ N_t^q), deterministic and resumable
+  multitask                 multi-task batches (p_t ∝ N_t^q), deterministic and resumable;
+                            `PerTaskHead` and `one_head_per_task_model`
   episodes                  N-way K-shot episodes with a task dimension, deterministic and resumable
   meta_batches              stacked [k, B, ...] elements for ReptileTrainer / FOMAMLTrainer
   omniglot                  Omniglot from the official zips (cached), class splits, rotations,
                             Lake's 20 runs of 20-way 1-shot
+  sinusoid                  the MAML paper's sinusoid regression tasks
+  load_digits               scikit-learn's 8x8 digits (1,797 images, 10 classes)
+  load_tfds                 a TFDS dataset already on disk (never downloads)
+  Splits, make_dataset      numpy splits and their `tf.data.Dataset`s
+
+Our experiments' task builders and pipelines (WordNet, Django catalogs, translation,
+prompted tasks, the small T5 and its pre-training, the MiniLM encoder, the synthetic
+problems) are not library code: they live in the repository's `trainers/experiments/`.
 """
+from tf_metaalign.data import episodes, meta_batches, multitask, omniglot, sinusoid
 from tf_metaalign.data.digits import load_digits
-from tf_metaalign.data.splits import Splits, make_dataset
-from tf_metaalign.data.tfds import load_tfds
-from tf_metaalign.data.wordnet import (
-    SUPERSENSES,
-    load_wordnet_supersenses,
-    wordnet_tasks,
-)
-from tf_metaalign.data import django_catalogs, multitask, text_encoder, translation
+from tf_metaalign.data.episodes import EpisodeSampler, mean_confidence_interval
+from tf_metaalign.data.meta_batches import stack_task, stacked_batches
 from tf_metaalign.data.multitask import (
     MultiTaskStream,
+    PerTaskHead,
     model_inputs,
     one_head_per_task_model,
     task_ids,
     task_probabilities,
 )
-
-__all__ = [
-    "Splits", "make_dataset", "load_digits", "load_wordnet_supersenses", "wordnet_tasks",
-    "SUPERSENSES", "text_encoder", "load_tfds", "translation",
-    "django_catalogs", "multitask", "MultiTaskStream", "task_probabilities", "model_inputs", "task_ids",
-    "one_head_per_task_model",
-]
-# Few-shot episodes (N-way K-shot, deterministic and resumable) and Omniglot.
-from tf_metaalign.data import episodes, omniglot  # noqa: E402
-from tf_metaalign.data.episodes import EpisodeSampler, mean_confidence_interval  # noqa: E402
-from tf_metaalign.data.omniglot import (  # noqa: E402
+from tf_metaalign.data.omniglot import (
     augment_rotations,
     evaluate_official_runs,
     load_official_runs,
@@ -47,19 +35,19 @@ from tf_metaalign.data.omniglot import (  # noqa: E402
     official_runs_dataset,
     split_classes,
 )
+from tf_metaalign.data.splits import Splits, make_dataset
+from tf_metaalign.data.tfds import load_tfds
 
-__all__ += [
-    "episodes", "omniglot", "EpisodeSampler", "mean_confidence_interval", "load_omniglot",
-    "split_classes", "augment_rotations", "load_official_runs", "evaluate_official_runs",
-    "official_runs_dataset",
+__all__ = [
+    # modules
+    "episodes", "meta_batches", "multitask", "omniglot", "sinusoid",
+    # multi-task streams and heads
+    "MultiTaskStream", "PerTaskHead", "model_inputs", "one_head_per_task_model", "task_ids",
+    "task_probabilities",
+    # episodes and meta-batches
+    "EpisodeSampler", "mean_confidence_interval", "stack_task", "stacked_batches",
+    # standard datasets
+    "load_digits", "load_omniglot", "split_classes", "augment_rotations",
+    "load_official_runs", "evaluate_official_runs", "official_runs_dataset", "load_tfds",
+    "Splits", "make_dataset",
 ]
-
-# Stacked [k, B, ...] elements (ReptileTrainer / FOMAMLTrainer) from a task sampler.
-from tf_metaalign.data import meta_batches  # noqa: E402
-from tf_metaalign.data.meta_batches import stack_task, stacked_batches  # noqa: E402
-
-__all__ += ["meta_batches", "stack_task", "stacked_batches"]
-
-from tf_metaalign.data import prompted_tasks, small_t5, text_pretraining  # noqa: E402
-
-__all__ += ["prompted_tasks", "small_t5", "text_pretraining"]

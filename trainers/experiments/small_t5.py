@@ -4,7 +4,7 @@ promptability experiment; no pretrained T5 exists here).
   T5_SIZES / build_t5        `keras_hub.models.T5Seq2SeqLM` (T5 v1.1 style: gated GELU,
                              untied embeddings, no dropout in pre-training) of a named size
   pretrain_t5                `model.fit` on span corruption / LM adaptation / both
-                             (`tf_metaalign.data.text_pretraining`) with the package's Adafactor
+                             (`trainers.experiments.text_pretraining`) with the package's Adafactor
                              (T5's settings) or Adam; returns the history
   heldout_loss               nats per target token on fixed held-out examples
   cached_pretrained_t5       corpus -> SentencePiece -> T5 -> pre-training, each stage cached
@@ -37,7 +37,7 @@ from typing import Sequence
 import keras
 import numpy as np
 
-from tf_metaalign.data import text_pretraining as tp
+from trainers.experiments import text_pretraining as tp
 from tf_metaalign.data.splits import check_positive_int
 
 #: Named sizes. "tiny" is for tests; "small" pre-trains in minutes on 2 CPU cores; "base-ish"

@@ -30,7 +30,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from tf_metaalign.data.translation import django_locale_root
+from trainers.experiments.translation import django_locale_root
 
 #: The catalogs, as paths under the `django` package, in a fixed order.
 COMPONENTS = (

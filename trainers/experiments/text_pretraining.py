@@ -3,7 +3,7 @@ T5's two unsupervised objectives (span corruption, LM adaptation) on token ids.
 
 No pretrained T5 and no C4 exist offline, so the promptability experiment (Wu et al.,
 "Continued Pretraining for Better Zero- and Few-Shot Promptability", EMNLP 2022) starts from
-a small keras-hub T5 pre-trained here (see `tf_metaalign.data.small_t5`):
+a small keras-hub T5 pre-trained here (see `trainers.experiments.small_t5`):
 
   english_corpus          WordNet glosses and example sentences + Django's English UI strings
   train_sentencepiece     a unigram SentencePiece model with T5's conventions (pad=0, eos=1,
@@ -76,11 +76,11 @@ def english_corpus(sources: Sequence[str] = CORPUS_SOURCES, include_lemma: bool 
 
     Sources (`CORPUS_SOURCES`):
       "wordnet_definitions": every WordNet 3.0 synset's definition (117,659 synsets, via
-          `tf_metaalign.data.wordnet.read_synsets`), as "lemma: definition" with
+          `trainers.experiments.wordnet.read_synsets`), as "lemma: definition" with
           `include_lemma`;
       "wordnet_examples": the quoted example sentences of the glosses;
       "django_msgids": Django's English UI strings (the msgids of its gettext catalogs,
-          via `tf_metaalign.data.django_catalogs.load_component_strings`).
+          via `trainers.experiments.django_catalogs.load_component_strings`).
     Texts keep source order (parts of speech noun, verb, adj, adv; file order); duplicates
     keep their first occurrence. `max_texts` keeps a random subset of that size drawn with
     `seed` (in corpus order). With all sources (measured): 166,621 texts, 1,613,876 words,
@@ -95,7 +95,7 @@ def english_corpus(sources: Sequence[str] = CORPUS_SOURCES, include_lemma: bool 
                          f"got {sources!r}.")
     texts: list[str] = []
     if "wordnet_definitions" in sources or "wordnet_examples" in sources:
-        from tf_metaalign.data.wordnet import PARTS_OF_SPEECH, read_synsets
+        from trainers.experiments.wordnet import PARTS_OF_SPEECH, read_synsets
 
         for pos in PARTS_OF_SPEECH:
             glosses, _, lemmas = read_synsets(pos, wordnet_dir)
@@ -106,7 +106,7 @@ def english_corpus(sources: Sequence[str] = CORPUS_SOURCES, include_lemma: bool 
                 if "wordnet_examples" in sources:
                     texts.extend(examples)
     if "django_msgids" in sources:
-        from tf_metaalign.data.django_catalogs import load_component_strings
+        from trainers.experiments.django_catalogs import load_component_strings
 
         for lang in django_languages:
             texts.extend(src for src, _, _ in load_component_strings(lang))

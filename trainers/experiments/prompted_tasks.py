@@ -10,7 +10,7 @@ saying where it looked and what to use instead.
 
 The offline substitute (`offline_prompted_tasks`) builds P3-like prompted datasets from the
 sources of ../shared/DATA.md (WordNet 3.0 and Django's gettext catalogs, through the
-package's loaders `data.wordnet` and `data.django_catalogs`), 2-3 templates each, and
+loaders `trainers.experiments.wordnet` and `.django_catalogs`), 2-3 templates each, and
 splits them as P3/T0 do: whole TASK TYPES are held out (T0 trains on e.g. QA, sentiment,
 topic classification and evaluates on NLI, coreference, sentence completion, word sense).
 
@@ -119,7 +119,7 @@ def load_p3(name: str, split: str = "validation", data_dir: str | os.PathLike | 
         "no network at run time). On a machine with network access run `git lfs clone "
         "https://huggingface.co/datasets/bigscience/P3` and pass `data_dir=<that folder>` "
         "(or set P3_DATA_DIR); offline, use "
-        "`tf_metaalign.data.prompted_tasks.offline_prompted_tasks()` instead.")
+        "`trainers.experiments.prompted_tasks.offline_prompted_tasks()` instead.")
 
 
 def _read_examples(files) -> list[dict]:
@@ -216,7 +216,7 @@ def _subsample(rows: list, limit: int, rng: np.random.Generator) -> list:
 
 def _wordnet_split(wordnet_dir, test_fraction, seed):
     """`{pos: (train_synsets, test_synsets)}`, each a list of (gloss, lexname, word)."""
-    from tf_metaalign.data.wordnet import PARTS_OF_SPEECH, SUPERSENSES, read_synsets
+    from trainers.experiments.wordnet import PARTS_OF_SPEECH, SUPERSENSES, read_synsets
 
     out = {}
     for k, pos in enumerate(PARTS_OF_SPEECH):
@@ -308,7 +308,7 @@ COMPONENT_CHOICES = {"core": "core", "admin": "admin", "admindocs": "admin docum
 
 
 def _django_datasets(languages, limits, seed, rng, root) -> list[PromptedDataset]:
-    from tf_metaalign.data.django_catalogs import component_tasks
+    from trainers.experiments.django_catalogs import component_tasks
 
     tasks = component_tasks(list(languages), seed=seed, root=root)
     choices = [COMPONENT_CHOICES[c] for c in tasks.class_names]
