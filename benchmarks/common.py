@@ -10,6 +10,7 @@
   statistics: the process RSS sampled by a thread (psutil), peak minus start
   (approximate; dominated by tracing/compilation).
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,14 @@ def warm_fit_timing(model, dataset, steps: int, warmup: int = 3, **fit_kwargs) -
     if steps < 1:
         raise ValueError(f"`steps` must be >= 1; got {steps}.")
     timer = StepTimer(warmup=warmup)
-    model.fit(dataset, steps_per_epoch=steps + warmup, epochs=1, verbose=0,
-              callbacks=[timer], **fit_kwargs)
+    model.fit(
+        dataset,
+        steps_per_epoch=steps + warmup,
+        epochs=1,
+        verbose=0,
+        callbacks=[timer],
+        **fit_kwargs,
+    )
     t = timer.warm_times
     return {
         "mean_s": float(np.mean(t)),
@@ -134,8 +141,9 @@ def relu_mlp(input_dim: int, width: int, depth: int, num_classes: int, seed: int
     return keras.Sequential(layers, name="mlp")
 
 
-def interleaved_rounds(configs, run, rounds: int, steps_per_round: int, seed: int = 0,
-                       on_step_times=None):
+def interleaved_rounds(
+    configs, run, rounds: int, steps_per_round: int, seed: int = 0, on_step_times=None
+):
     """Time every configuration in `rounds` rounds; each round runs every configuration for
     `steps_per_round` steps in a shuffled order, so load from other processes on a shared
     machine falls on all of them alike.
@@ -161,6 +169,10 @@ def interleaved_rounds(configs, run, rounds: int, steps_per_round: int, seed: in
             round_medians[config].append(float(np.median(timer.times)))
             if on_step_times is not None:
                 on_step_times(config, timer.times)
-        print(f"round {r}: " + ", ".join(f"{c} {1000 * np.median(times[c]):.1f}"
-                                          for c in configs) + " ms", flush=True)
+        print(
+            f"round {r}: "
+            + ", ".join(f"{c} {1000 * np.median(times[c]):.1f}" for c in configs)
+            + " ms",
+            flush=True,
+        )
     return times, round_medians

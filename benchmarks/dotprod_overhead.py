@@ -21,6 +21,7 @@ Targets (the floor at every=1 is 1.5x: three half-batch forward+backward passes 
 plain training does two, i.e. one full-batch pass): every=1 <= 1.6x, every=10 <= 1.15x,
 method=exact <= 2.5x. Writes `benchmarks/results/dotprod_overhead.json`.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,12 +44,18 @@ flags.DEFINE_bool("memory", True, "CPU: measure peak RSS in a fresh process per 
 flags.DEFINE_string("memory_child", None, "Internal: run one configuration for the memory probe.")
 flags.DEFINE_float("learning_rate", 1e-3, "Adam learning rate.")
 flags.DEFINE_bool("jit_compile", False, "XLA-compile the train step (all configurations).")
-flags.DEFINE_string("output", str(Path(__file__).resolve().parent / "results" / "dotprod_overhead.json"),
-                    "Where the JSON goes.")
-flags.DEFINE_list("configs", ["plain", "plain_half", "weight0", "every=1", "every=2", "every=10", "exact"],
-                  "Configurations: plain, plain_half (plain fit at batch_size/2: what one "
-                  "half-batch pass costs), weight0 (DotProdTrainer(weight=0), regulariser pass off: "
-                  "G1+G2 from two half-batch passes), every=N (weight 0.1), exact (every=1, method=exact).")
+flags.DEFINE_string(
+    "output",
+    str(Path(__file__).resolve().parent / "results" / "dotprod_overhead.json"),
+    "Where the JSON goes.",
+)
+flags.DEFINE_list(
+    "configs",
+    ["plain", "plain_half", "weight0", "every=1", "every=2", "every=10", "exact"],
+    "Configurations: plain, plain_half (plain fit at batch_size/2: what one "
+    "half-batch pass costs), weight0 (DotProdTrainer(weight=0), regulariser pass off: "
+    "G1+G2 from two half-batch passes), every=N (weight 0.1), exact (every=1, method=exact).",
+)
 FLAGS = flags.FLAGS
 
 TARGETS = {"every=1": 1.6, "every=10": 1.15, "exact": 2.5}
@@ -75,9 +82,11 @@ def make_runner(config, model):
         runner = DotProdTrainer(model, weight=0.1, every=int(config.split("=", 1)[1]))
     else:
         raise ValueError(f"`--configs`: unknown configuration {config!r}.")
-    runner.compile(keras.optimizers.Adam(FLAGS.learning_rate),
-                   keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                   jit_compile=FLAGS.jit_compile)
+    runner.compile(
+        keras.optimizers.Adam(FLAGS.learning_rate),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=FLAGS.jit_compile,
+    )
     return runner
 
 
@@ -89,8 +98,12 @@ def make_dataset(batch_size=None):
     n = FLAGS.batch_size * 8
     x = rng.normal(size=(n, FLAGS.input_dim)).astype("float32")
     y = rng.integers(0, FLAGS.num_classes, size=n).astype("int32")
-    return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(
-        batch_size or FLAGS.batch_size, drop_remainder=True).prefetch(2)
+    return (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .repeat()
+        .batch(batch_size or FLAGS.batch_size, drop_remainder=True)
+        .prefetch(2)
+    )
 
 
 def memory_child(config):
@@ -110,8 +123,12 @@ def memory_child(config):
     with common.PeakMemory() as steady:  # RSS sampled during warm steps only
         runner.fit(dataset, steps_per_epoch=4, epochs=1, verbose=0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    print("MEMORY_JSON " + json.dumps({"rss_before_fit": before, "peak_rss": peak,
-                                       "steady_delta": steady.peak_bytes}))
+    print(
+        "MEMORY_JSON "
+        + json.dumps(
+            {"rss_before_fit": before, "peak_rss": peak, "steady_delta": steady.peak_bytes}
+        )
+    )
 
 
 def memory_in_subprocesses(configs):
@@ -122,11 +139,22 @@ def memory_in_subprocesses(configs):
     out = {}
     for config in configs:
         args = [sys.executable, "-m", "benchmarks.dotprod_overhead", f"--memory_child={config}"]
-        args += [f"--{k}={getattr(FLAGS, k)}" for k in
-                 ("input_dim", "width", "depth", "num_classes", "batch_size", "warmup",
-                  "learning_rate", "jit_compile")]
-        proc = subprocess.run(args, capture_output=True, text=True,
-                              cwd=str(Path(__file__).resolve().parents[1]))
+        args += [
+            f"--{k}={getattr(FLAGS, k)}"
+            for k in (
+                "input_dim",
+                "width",
+                "depth",
+                "num_classes",
+                "batch_size",
+                "warmup",
+                "learning_rate",
+                "jit_compile",
+            )
+        ]
+        proc = subprocess.run(
+            args, capture_output=True, text=True, cwd=str(Path(__file__).resolve().parents[1])
+        )
         line = [l for l in proc.stdout.splitlines() if l.startswith("MEMORY_JSON ")]
         if proc.returncode or not line:
             raise RuntimeError(f"memory child for {config!r} failed:\n{proc.stderr[-2000:]}")
@@ -159,8 +187,13 @@ def main(argv):
         runners[config] = make_runner(config, build_model() if config == "plain_half" else model)
         with common.PeakMemory() as mem:
             timer = common.StepTimer(warmup=0)
-            runners[config].fit(data_for(config), steps_per_epoch=FLAGS.warmup, epochs=1, verbose=0,
-                                callbacks=[timer])
+            runners[config].fit(
+                data_for(config),
+                steps_per_epoch=FLAGS.warmup,
+                epochs=1,
+                verbose=0,
+                callbacks=[timer],
+            )
         first_step[config] = timer.first()
         if mem.kind.endswith("allocator_peak"):
             alloc_peak[config], memory_kind = mem.peak_bytes, mem.kind
@@ -168,29 +201,43 @@ def main(argv):
     # Timed: `--rounds` rounds, each running every configuration for `--steps_per_round`
     # steps in a shuffled order, so load from other processes hits all of them alike.
     def run(config, steps, timer):
-        runners[config].fit(data_for(config), steps_per_epoch=steps, epochs=1, verbose=0,
-                            callbacks=[timer])
+        runners[config].fit(
+            data_for(config), steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[timer]
+        )
 
-    times, _ = common.interleaved_rounds(FLAGS.configs, run, FLAGS.rounds,
-                                         FLAGS.steps_per_round)
+    times, _ = common.interleaved_rounds(FLAGS.configs, run, FLAGS.rounds, FLAGS.steps_per_round)
 
     if len(alloc_peak) == len(FLAGS.configs):
-        memory = {c: {"peak_mb": alloc_peak[c] / 2**20,
-                      "peak_ratio": alloc_peak[c] / alloc_peak["plain"] if alloc_peak.get("plain") else None}
-                  for c in FLAGS.configs}
-        memory_kind = (f"{memory_kind} ({gpu or 'CPU:0'}): TensorFlow allocator peak during the "
-                       "configuration's warm-up steps (optimizer build, tracing, first steps) "
-                       "minus what was allocated before; tensors only")
+        memory = {
+            c: {
+                "peak_mb": alloc_peak[c] / 2**20,
+                "peak_ratio": alloc_peak[c] / alloc_peak["plain"]
+                if alloc_peak.get("plain")
+                else None,
+            }
+            for c in FLAGS.configs
+        }
+        memory_kind = (
+            f"{memory_kind} ({gpu or 'CPU:0'}): TensorFlow allocator peak during the "
+            "configuration's warm-up steps (optimizer build, tracing, first steps) "
+            "minus what was allocated before; tensors only"
+        )
     elif FLAGS.memory:
         mem = memory_in_subprocesses(FLAGS.configs)
-        memory = {c: {"peak_mb": m["peak_rss"] / 2**20,
-                      "delta_mb": (m["peak_rss"] - m["rss_before_fit"]) / 2**20,
-                      "steady_delta_mb": m["steady_delta"] / 2**20}
-                  for c, m in mem.items()}
-        memory_kind = ("cpu_rss: a fresh process per configuration; peak = its peak RSS "
-                       "(ru_maxrss); delta = peak minus RSS after building model and data "
-                       "(tracing + optimizer slots + activations); steady = RSS growth "
-                       "during 4 warm steps after compilation (psutil sampling every 5 ms)")
+        memory = {
+            c: {
+                "peak_mb": m["peak_rss"] / 2**20,
+                "delta_mb": (m["peak_rss"] - m["rss_before_fit"]) / 2**20,
+                "steady_delta_mb": m["steady_delta"] / 2**20,
+            }
+            for c, m in mem.items()
+        }
+        memory_kind = (
+            "cpu_rss: a fresh process per configuration; peak = its peak RSS "
+            "(ru_maxrss); delta = peak minus RSS after building model and data "
+            "(tracing + optimizer slots + activations); steady = RSS growth "
+            "during 4 warm steps after compilation (psutil sampling every 5 ms)"
+        )
     else:
         memory, memory_kind = {c: {} for c in FLAGS.configs}, "not measured"
 
@@ -226,27 +273,42 @@ def main(argv):
             "two_half_passes_over_plain": 2 * half / plain,
             "three_half_passes_over_plain": 3 * half / plain,
             "note": "The 1.5x floor assumes a half-batch pass costs half a full-batch pass; "
-                    "here it costs half_batch_step_over_full of one, so the measured floor "
-                    "for every=1 is about three_half_passes_over_plain.",
+            "here it costs half_batch_step_over_full of one, so the measured floor "
+            "for every=1 is about three_half_passes_over_plain.",
         }
-    table = format_table(rows, [
-        ("config", "config", "s"), ("median_step_ms", "median ms/step", ".1f"),
-        ("mean_step_ms", "mean ms/step", ".1f"), ("ratio_median", "ratio (median)", ".3f"),
-        ("ratio_mean", "ratio (mean)", ".3f"), ("target_ratio", "target", ".2f"),
-        ("peak_mb", "peak MB", ".0f"), ("delta_mb", "delta MB", ".0f"),
-        ("steady_delta_mb", "steady MB", ".0f"), ("peak_ratio", "memory ratio", ".2f"),
-    ])
+    table = format_table(
+        rows,
+        [
+            ("config", "config", "s"),
+            ("median_step_ms", "median ms/step", ".1f"),
+            ("mean_step_ms", "mean ms/step", ".1f"),
+            ("ratio_median", "ratio (median)", ".3f"),
+            ("ratio_mean", "ratio (mean)", ".3f"),
+            ("target_ratio", "target", ".2f"),
+            ("peak_mb", "peak MB", ".0f"),
+            ("delta_mb", "delta MB", ".0f"),
+            ("steady_delta_mb", "steady MB", ".0f"),
+            ("peak_ratio", "memory ratio", ".2f"),
+        ],
+    )
     print(table)
     print(f"memory: {memory_kind}")
     out = {
         "description": "DotProdTrainer vs plain model.fit: same MLP, Adam, global batch; warm "
-                       "per-step wall time (compilation excluded), ratio = config / plain "
-                       "(median over all timed steps; configurations interleaved).",
-        "model": {"kind": "mlp", "input_dim": FLAGS.input_dim, "width": FLAGS.width,
-                  "depth": FLAGS.depth, "num_classes": FLAGS.num_classes,
-                  "params": int(model.count_params())},
-        "batch_size": FLAGS.batch_size, "rounds": FLAGS.rounds,
-        "steps_per_round": FLAGS.steps_per_round, "warmup": FLAGS.warmup,
+        "per-step wall time (compilation excluded), ratio = config / plain "
+        "(median over all timed steps; configurations interleaved).",
+        "model": {
+            "kind": "mlp",
+            "input_dim": FLAGS.input_dim,
+            "width": FLAGS.width,
+            "depth": FLAGS.depth,
+            "num_classes": FLAGS.num_classes,
+            "params": int(model.count_params()),
+        },
+        "batch_size": FLAGS.batch_size,
+        "rounds": FLAGS.rounds,
+        "steps_per_round": FLAGS.steps_per_round,
+        "warmup": FLAGS.warmup,
         "jit_compile": FLAGS.jit_compile,
         "memory_kind": memory_kind,
         "environment": common.environment(),
@@ -255,8 +317,10 @@ def main(argv):
         "table": table,
     }
     if derived:
-        print("half-batch pass cost: " + ", ".join(f"{k} {v:.3f}" for k, v in derived.items()
-                                                      if k != "note"))
+        print(
+            "half-batch pass cost: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in derived.items() if k != "note")
+        )
     path = write_json(FLAGS.output, out)
     print(f"wrote {path}")
 

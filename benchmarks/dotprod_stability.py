@@ -15,6 +15,7 @@ per-epoch loss / grad_dot / reg_ratio and the final test loss / accuracy; `--out
 writes the rows as JSON. `plain` is the model's own `fit` (Adam ignores the factor 2 of
 G1 + G2, so plain fit is the reference for the learning rate).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,13 +41,18 @@ def digits_28(seed=0):
 
 def convnet(seed=0, logits=False):
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Conv2D(32, 3, activation="relu"), keras.layers.MaxPooling2D(2),
-        keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.MaxPooling2D(2),
-        keras.layers.Flatten(), keras.layers.Dropout(0.5),
-        keras.layers.Dense(10, activation=None if logits else "softmax"),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(32, 3, activation="relu"),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Conv2D(64, 3, activation="relu"),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Flatten(),
+            keras.layers.Dropout(0.5),
+            keras.layers.Dense(10, activation=None if logits else "softmax"),
+        ]
+    )
 
 
 def wordnet_minilm(seed, steps, batch, sequence_length=24, n_test=384):
@@ -61,8 +67,9 @@ def wordnet_minilm(seed, steps, batch, sequence_length=24, n_test=384):
 
     def build():
         keras.utils.set_random_seed(seed)
-        return text_encoder.build_text_classifier(text.num_classes,
-                                                  sequence_length=sequence_length, seed=seed)
+        return text_encoder.build_text_classifier(
+            text.num_classes, sequence_length=sequence_length, seed=seed
+        )
 
     return (x, text.y_train[:n], xt, text.y_test[:n_test]), build
 
@@ -98,16 +105,29 @@ def run(spec, data, epochs, batch, lr, seed, build=None, from_logits=False):
     t0 = time.time()
     if build:  # fine-tuning: one pass, logged every 10 steps (as `epochs`)
         n = len(y)
-        h = trainer.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat(),
-                        steps_per_epoch=10, epochs=n // (10 * batch), verbose=0)
+        h = trainer.fit(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat(),
+            steps_per_epoch=10,
+            epochs=n // (10 * batch),
+            verbose=0,
+        )
     else:
         h = trainer.fit(x, y, batch_size=batch, epochs=epochs, verbose=0, shuffle=True)
     ev = model.evaluate(xt, yt, verbose=0, return_dict=True)
     hist = {k: [float(v) for v in vals] for k, vals in h.history.items()}
-    row = dict(run=spec, test_loss=ev["loss"], test_acc=ev["accuracy"],
-               train_loss=hist["loss"][-1], history=hist, seconds=time.time() - t0)
-    print(f"{spec:40s} test_acc={ev['accuracy']:.4f} test_loss={ev['loss']:.4f} "
-          f"time={row['seconds']:.0f}s", flush=True)
+    row = dict(
+        run=spec,
+        test_loss=ev["loss"],
+        test_acc=ev["accuracy"],
+        train_loss=hist["loss"][-1],
+        history=hist,
+        seconds=time.time() - t0,
+    )
+    print(
+        f"{spec:40s} test_acc={ev['accuracy']:.4f} test_loss={ev['loss']:.4f} "
+        f"time={row['seconds']:.0f}s",
+        flush=True,
+    )
     for k in ("loss", "grad_dot", "reg_ratio", "accuracy"):
         if k in hist:
             print(f"   {k:10s} " + " ".join(f"{v:.4g}" for v in hist[k]), flush=True)
@@ -124,16 +144,19 @@ def main():
     p.add_argument("--output", default=None)
     p.add_argument("--task", default="convnet", choices=["convnet", "minilm"])
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--logits", action="store_true",
-                   help="convnet: a logits output and from_logits=True")
+    p.add_argument(
+        "--logits", action="store_true", help="convnet: a logits output and from_logits=True"
+    )
     a = p.parse_args()
     if a.task == "minilm":
         data, build = wordnet_minilm(a.seed, a.steps, a.batch)
         rows = [run(s, data, 0, a.batch, a.lr, a.seed, build, True) for s in a.runs.split(";")]
     else:
         data = digits_28(a.seed)
-        rows = [run(s, data, a.epochs, a.batch, a.lr, a.seed, from_logits=a.logits)
-                for s in a.runs.split(";")]
+        rows = [
+            run(s, data, a.epochs, a.batch, a.lr, a.seed, from_logits=a.logits)
+            for s in a.runs.split(";")
+        ]
     if a.output:
         with open(a.output, "w") as f:
             json.dump(dict(args=vars(a), rows=rows), f, indent=1)

@@ -17,6 +17,7 @@ the time ratio (the optimizer update is a larger share of a step). The
 target is peak(guided) <= peak(plain) + 2 parameter copies (theta_{t+1} and the guidance
 gradient), and step time <= 2.1x plain. Writes `benchmarks/results/guided_overhead.json`.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,10 +28,14 @@ from pathlib import Path  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-flags.DEFINE_enum("model", "mlp", ["mlp", "transformer"],
-                  "mlp: dense layers on vectors (the optimizer update is a large share of a "
-                  "step: the worst case); transformer: a keras-hub encoder-decoder on token "
-                  "sequences (the setting of the paper).")
+flags.DEFINE_enum(
+    "model",
+    "mlp",
+    ["mlp", "transformer"],
+    "mlp: dense layers on vectors (the optimizer update is a large share of a "
+    "step: the worst case); transformer: a keras-hub encoder-decoder on token "
+    "sequences (the setting of the paper).",
+)
 flags.DEFINE_integer("vocab_size", 4000, "transformer: vocabulary (embeddings and logits).")
 flags.DEFINE_integer("seq_len", 32, "transformer: tokens per source and target sequence.")
 flags.DEFINE_integer("dim", 128, "transformer: width.")
@@ -45,13 +50,22 @@ flags.DEFINE_integer("warmup", 3, "Untimed steps first (tracing, compilation).")
 flags.DEFINE_integer("repeats", 2, "Interleaved repeats of all configurations.")
 flags.DEFINE_list("optimizers", ["adam", "lamb"], "adam, lamb, adafactor, sgd_momentum.")
 flags.DEFINE_list("guidance_every", ["1"], "GuidedTrainer guidance_every values to time.")
-flags.DEFINE_list("hyperparameters", ["learning_rate", "beta_1"],
-                  "What GuidedTrainer learns (beta_1 is dropped for an optimizer without one).")
-flags.DEFINE_bool("recompute", True,
-                  "Also time GuidedTrainer(commit_forward_update=False) (config 'guided_recompute').")
+flags.DEFINE_list(
+    "hyperparameters",
+    ["learning_rate", "beta_1"],
+    "What GuidedTrainer learns (beta_1 is dropped for an optimizer without one).",
+)
+flags.DEFINE_bool(
+    "recompute",
+    True,
+    "Also time GuidedTrainer(commit_forward_update=False) (config 'guided_recompute').",
+)
 flags.DEFINE_bool("jit_compile", False, "XLA-compile the train step (all configurations).")
-flags.DEFINE_string("output", str(Path(__file__).resolve().parent / "results" / "guided_overhead.json"),
-                    "Where the JSON goes.")
+flags.DEFINE_string(
+    "output",
+    str(Path(__file__).resolve().parent / "results" / "guided_overhead.json"),
+    "Where the JSON goes.",
+)
 FLAGS = flags.FLAGS
 
 TARGET_RATIO = 2.1
@@ -91,8 +105,10 @@ def synthetic_data(rng, n):
     """(x, y) numpy arrays of n examples for the chosen model."""
     if FLAGS.model == "transformer":
         shape = (n, FLAGS.seq_len)
-        x = (rng.integers(1, FLAGS.vocab_size, size=shape).astype("int32"),
-             rng.integers(1, FLAGS.vocab_size, size=shape).astype("int32"))
+        x = (
+            rng.integers(1, FLAGS.vocab_size, size=shape).astype("int32"),
+            rng.integers(1, FLAGS.vocab_size, size=shape).astype("int32"),
+        )
         return x, rng.integers(1, FLAGS.vocab_size, size=shape).astype("int32")
     x = rng.normal(size=(n, FLAGS.input_dim)).astype("float32")
     return x, rng.integers(0, FLAGS.num_classes, size=n).astype("int32")
@@ -124,8 +140,12 @@ def main(argv):
 
     rng = np.random.default_rng(0)
     x, y = synthetic_data(rng, FLAGS.batch_size * 8)
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(
-        FLAGS.batch_size, drop_remainder=True).prefetch(2)
+    dataset = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .repeat()
+        .batch(FLAGS.batch_size, drop_remainder=True)
+        .prefetch(2)
+    )
     guidance = synthetic_data(rng, FLAGS.batch_size)
     model = build_model()
     initial = model.get_weights()
@@ -146,26 +166,44 @@ def main(argv):
             if kind == "plain":
                 runner = model
             elif kind == "guided_recompute":
-                runner = GuidedTrainer(model, guidance, hyperparameters=tuple(FLAGS.hyperparameters),
-                                       commit_forward_update=False)
+                runner = GuidedTrainer(
+                    model,
+                    guidance,
+                    hyperparameters=tuple(FLAGS.hyperparameters),
+                    commit_forward_update=False,
+                )
             else:
-                runner = GuidedTrainer(model, guidance, hyperparameters=tuple(FLAGS.hyperparameters),
-                                       guidance_every=int(kind.split("=")[1]))
-            runner.compile(make_optimizer(opt),
-                           keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                           jit_compile=FLAGS.jit_compile)
+                runner = GuidedTrainer(
+                    model,
+                    guidance,
+                    hyperparameters=tuple(FLAGS.hyperparameters),
+                    guidance_every=int(kind.split("=")[1]),
+                )
+            runner.compile(
+                make_optimizer(opt),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                jit_compile=FLAGS.jit_compile,
+            )
             with common.PeakMemory() as mem:
                 timer = common.StepTimer(warmup=FLAGS.warmup)
-                runner.fit(dataset, steps_per_epoch=FLAGS.warmup + FLAGS.steps, epochs=1,
-                           verbose=0, callbacks=[timer])
+                runner.fit(
+                    dataset,
+                    steps_per_epoch=FLAGS.warmup + FLAGS.steps,
+                    epochs=1,
+                    verbose=0,
+                    callbacks=[timer],
+                )
             memory_kind = mem.kind
             rec = per[(opt, kind)]
             rec["times"].extend(timer.warm_times)
             rec["memory"].append(mem.peak_bytes)
             rec["first"].append(timer.first())
             rec["repeat_medians"].append(timer.median())
-            print(f"repeat {repeat} {opt:12s} {kind:16s} median {1000 * timer.median():7.1f} ms "
-                  f"peak {mem.peak_bytes / 2**20:8.1f} MB", flush=True)
+            print(
+                f"repeat {repeat} {opt:12s} {kind:16s} median {1000 * timer.median():7.1f} ms "
+                f"peak {mem.peak_bytes / 2**20:8.1f} MB",
+                flush=True,
+            )
 
     rows, results = [], {}
     for opt, kind in configs:
@@ -177,8 +215,9 @@ def main(argv):
         extra_copies = (peak - plain_peak) / param_bytes
         # Ratios of runs taken next to each other (configurations are interleaved): robust
         # to the load of a shared machine drifting between repeats.
-        repeat_ratios = [common.ratio(a, b) for a, b in
-                         zip(rec["repeat_medians"], plain["repeat_medians"])]
+        repeat_ratios = [
+            common.ratio(a, b) for a, b in zip(rec["repeat_medians"], plain["repeat_medians"])
+        ]
         r = {
             "optimizer": opt,
             "config": kind,
@@ -190,7 +229,9 @@ def main(argv):
             "peak_memory_mb": peak / 2**20,
             "extra_memory_param_copies": extra_copies,
             "extra_memory_param_copies_median": (
-                float(np.median(rec["memory"])) - float(np.median(plain["memory"]))) / param_bytes,
+                float(np.median(rec["memory"])) - float(np.median(plain["memory"]))
+            )
+            / param_bytes,
             "first_step_s": max(rec["first"]),
             "timed_steps": len(rec["times"]),
         }
@@ -199,29 +240,51 @@ def main(argv):
             r["meets_memory_target"] = extra_copies <= TARGET_EXTRA_PARAM_COPIES
         results[f"{opt}/{kind}"] = r
         rows.append(r)
-    table = format_table(rows, [
-        ("optimizer", "optimizer", "s"), ("config", "config", "s"),
-        ("median_step_ms", "median ms/step", ".1f"),
-        ("ratio_median_of_repeats", "ratio (median of repeats)", ".3f"),
-        ("ratio_median", "ratio of medians", ".3f"),
-        ("peak_memory_mb", f"peak MB ({memory_kind})", ".1f"),
-        ("extra_memory_param_copies", "extra (param copies, max)", ".2f"),
-        ("extra_memory_param_copies_median", "extra (median)", ".2f"),
-    ])
+    table = format_table(
+        rows,
+        [
+            ("optimizer", "optimizer", "s"),
+            ("config", "config", "s"),
+            ("median_step_ms", "median ms/step", ".1f"),
+            ("ratio_median_of_repeats", "ratio (median of repeats)", ".3f"),
+            ("ratio_median", "ratio of medians", ".3f"),
+            ("peak_memory_mb", f"peak MB ({memory_kind})", ".1f"),
+            ("extra_memory_param_copies", "extra (param copies, max)", ".2f"),
+            ("extra_memory_param_copies_median", "extra (median)", ".2f"),
+        ],
+    )
     print(table)
     out = {
         "description": "GuidedTrainer (learning rate + beta_1, guidance batch = training batch "
-                       "size) vs plain model.fit with the same tf_metaalign optimizer; warm "
-                       "per-step wall time, ratio = guided / plain (medians).",
-        "targets": {"ratio_median": TARGET_RATIO, "extra_memory_param_copies": TARGET_EXTRA_PARAM_COPIES},
+        "size) vs plain model.fit with the same tf_metaalign optimizer; warm "
+        "per-step wall time, ratio = guided / plain (medians).",
+        "targets": {
+            "ratio_median": TARGET_RATIO,
+            "extra_memory_param_copies": TARGET_EXTRA_PARAM_COPIES,
+        },
         "model": dict(
             {"kind": FLAGS.model, "params": int(model.count_params()), "param_bytes": param_bytes},
-            **({"vocab_size": FLAGS.vocab_size, "seq_len": FLAGS.seq_len, "dim": FLAGS.dim,
-                "layers": FLAGS.layers} if FLAGS.model == "transformer" else
-               {"input_dim": FLAGS.input_dim, "width": FLAGS.width, "depth": FLAGS.depth,
-                "num_classes": FLAGS.num_classes})),
-        "batch_size": FLAGS.batch_size, "steps": FLAGS.steps, "warmup": FLAGS.warmup,
-        "repeats": FLAGS.repeats, "jit_compile": FLAGS.jit_compile,
+            **(
+                {
+                    "vocab_size": FLAGS.vocab_size,
+                    "seq_len": FLAGS.seq_len,
+                    "dim": FLAGS.dim,
+                    "layers": FLAGS.layers,
+                }
+                if FLAGS.model == "transformer"
+                else {
+                    "input_dim": FLAGS.input_dim,
+                    "width": FLAGS.width,
+                    "depth": FLAGS.depth,
+                    "num_classes": FLAGS.num_classes,
+                }
+            ),
+        ),
+        "batch_size": FLAGS.batch_size,
+        "steps": FLAGS.steps,
+        "warmup": FLAGS.warmup,
+        "repeats": FLAGS.repeats,
+        "jit_compile": FLAGS.jit_compile,
         "memory_kind": memory_kind,
         "environment": common.environment(),
         "results": results,

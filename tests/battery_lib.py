@@ -5,6 +5,7 @@ takes a *snapshot*: every number that defines the training state, as numpy array
 by kind (model weights, model state such as Dropout's seed, optimizer variables, the
 trainer's algorithm state), so two runs can be compared key by key.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -121,7 +122,8 @@ def check_entry_state(entry, trainer):
     base = base_class_state_names()
     problems += [
         f"not listed in state_variables: {n!r}"
-        for n in names if n not in entry.state_variables and n not in base
+        for n in names
+        if n not in entry.state_variables and n not in base
     ]
     return problems
 

@@ -25,6 +25,7 @@ Scenarios:
 
 The process uses the default single CPU device (no logical split, unlike conftest.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -100,6 +101,7 @@ def run_backup(entry, args, keras, np, B):
     if not args.backup_dir:
         sys.exit("backup: --backup-dir is required")
     marker = args.marker or args.out + ".killed"
+
     class Killer(keras.callbacks.Callback):
         epoch = None
 
@@ -166,10 +168,19 @@ def run_cluster(args):
     procs = []
     for index in range(args.workers):
         env = dict(os.environ)
-        env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
-        cmd = [sys.executable, os.path.abspath(__file__), args.entry, "mwms",
-               "--out", os.path.join(args.out, f"worker{index}.npz"),
-               "--rows", os.path.join(args.out, f"rows{index}.json")]
+        env["TF_CONFIG"] = json.dumps(
+            {"cluster": cluster, "task": {"type": "worker", "index": index}}
+        )
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            args.entry,
+            "mwms",
+            "--out",
+            os.path.join(args.out, f"worker{index}.npz"),
+            "--rows",
+            os.path.join(args.out, f"rows{index}.json"),
+        ]
         log = open(os.path.join(args.out, f"worker{index}.log"), "w+")
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     deadline = time.monotonic() + args.timeout
@@ -218,7 +229,8 @@ def record_rows(strategy, tf, keras, np, global_batch, n_rows):
     ids = np.arange(n_rows, dtype=np.float32)[:, None]
     probe.fit(
         tf.data.Dataset.from_tensor_slices((ids, ids)).batch(global_batch),
-        epochs=1, verbose=0,
+        epochs=1,
+        verbose=0,
     )
     return seen
 

@@ -3,6 +3,7 @@
 The logical-device split must happen before TensorFlow initialises its devices, so it
 lives here, imported by pytest before any test module.
 """
+
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -56,9 +57,12 @@ def _global_float_precision_is_restored():
     if (floatx, policy) != ("float32", "float32"):
         keras.config.set_dtype_policy("float32")  # so later tests run clean
         keras.backend.set_floatx("float32")
-        pytest.fail(f"this test left Keras's floatx {floatx!r} and global dtype policy "
-                    f"{policy!r} (both must be 'float32' after a test: use the `float64` "
-                    "fixture or `global_float_precision`)", pytrace=False)
+        pytest.fail(
+            f"this test left Keras's floatx {floatx!r} and global dtype policy "
+            f"{policy!r} (both must be 'float32' after a test: use the `float64` "
+            "fixture or `global_float_precision`)",
+            pytrace=False,
+        )
 
 
 class Recorder:

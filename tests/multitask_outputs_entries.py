@@ -3,6 +3,7 @@ a loss per output and loss weights) and its rep_grad option (MGDA-UB), for
 `tests/trainer_entries.py`, which appends them at its end (their targets are a dict per
 output: the battery slices targets with `B.take_rows`).
 """
+
 from __future__ import annotations
 
 import keras
@@ -34,10 +35,12 @@ def two_output_data(n, dtype="float64", seed=0):
 
 
 def _compile():
-    return dict(optimizer=keras.optimizers.Adam(0.01),
-                loss={"a": keras.losses.MeanSquaredError(),
-                      "b": keras.losses.MeanSquaredError()},
-                loss_weights={"a": 1.0, "b": 0.5}, metrics={"a": ["mae"]})
+    return dict(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss={"a": keras.losses.MeanSquaredError(), "b": keras.losses.MeanSquaredError()},
+        loss_weights={"a": 1.0, "b": 0.5},
+        metrics={"a": ["mae"]},
+    )
 
 
 def _trainer(method, **options):
@@ -72,7 +75,15 @@ OUTPUT_ENTRIES = [
         make_eval_data=two_output_data,
         # the default suite runs the checks where rep_grad's own path matters (XLA,
         # 2 replicas, save/reload); the rest under -m slow (the suite's budget)
-        slow=("multi_worker", "backup_machinery", "backup_and_restore", "mixed_float16",
-              "steps_per_execution", "eager", "ragged_last_batch", "model_after_fit"),
+        slow=(
+            "multi_worker",
+            "backup_machinery",
+            "backup_and_restore",
+            "mixed_float16",
+            "steps_per_execution",
+            "eager",
+            "ragged_last_batch",
+            "model_after_fit",
+        ),
     ),
 ]

@@ -1,6 +1,7 @@
 """What every notebook test does: execute a notebook offline in a fresh kernel (timed),
 find a code cell by a marker, read its stdout and PNG outputs, and check the stored file
 and the run the same way for every notebook of `colab/`."""
+
 from __future__ import annotations
 
 import time
@@ -22,8 +23,9 @@ def execute(notebook: Path, timeout: int, needs=()):
         pytest.importorskip(module, reason=reason)
     nb = nbformat.read(notebook, as_version=4)
     start = time.perf_counter()
-    nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                            resources={"metadata": {"path": str(ROOT)}}).execute()
+    nbclient.NotebookClient(
+        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+    ).execute()
     return nb, time.perf_counter() - start
 
 
@@ -35,8 +37,11 @@ def cell(nb, marker):
 
 
 def stdout(c):
-    return "".join(o.get("text", "") for o in c.get("outputs", [])
-                   if o.get("output_type") == "stream" and o.get("name") == "stdout")
+    return "".join(
+        o.get("text", "")
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "stream" and o.get("name") == "stdout"
+    )
 
 
 def has_png(c):

@@ -12,6 +12,7 @@ oracle in test_optimizers.py that re-derives its update from the reference formu
 the number of updates already applied; "clipnorm": the aggregated gradient is clipped to
 this global norm first).
 """
+
 import dataclasses
 from typing import Callable
 
@@ -39,11 +40,29 @@ def _bert_schedule_numpy(init_lr, num_train_steps, num_warmup_steps):
     return rate
 
 
-def _mesh_adafactor(lr, b1=None, min_dim=128, wd=None, offset=0, exclude_ps=(), factored=True,
-                    parameter_scale=True, clipping=1.0):
-    return dict(kind="mesh_adafactor", lr=lr, b1=b1, min_dim=min_dim, wd=wd, offset=offset,
-                exclude_ps=exclude_ps, factored=factored, parameter_scale=parameter_scale,
-                clipping=clipping)
+def _mesh_adafactor(
+    lr,
+    b1=None,
+    min_dim=128,
+    wd=None,
+    offset=0,
+    exclude_ps=(),
+    factored=True,
+    parameter_scale=True,
+    clipping=1.0,
+):
+    return dict(
+        kind="mesh_adafactor",
+        lr=lr,
+        b1=b1,
+        min_dim=min_dim,
+        wd=wd,
+        offset=offset,
+        exclude_ps=exclude_ps,
+        factored=factored,
+        parameter_scale=parameter_scale,
+        clipping=clipping,
+    )
 
 
 _CONFIGS = [
@@ -88,27 +107,63 @@ _CONFIGS = [
             weight_decay_rate=0.01,
             aggregated_clipnorm=1.0,
         ),
-        dict(kind="bert_adam", lr=_bert_schedule_numpy(0.01, 10, 2), wd=0.01, b1=0.9,
-             b2=0.999, eps=1e-6, exclude=BERT_EXCLUDE, clipnorm=1.0),
+        dict(
+            kind="bert_adam",
+            lr=_bert_schedule_numpy(0.01, 10, 2),
+            wd=0.01,
+            b1=0.9,
+            b2=0.999,
+            eps=1e-6,
+            exclude=BERT_EXCLUDE,
+            clipnorm=1.0,
+        ),
     ),
     OptimizerConfig(
         "lamb",
         lambda: O.Lamb(0.01, weight_decay_rate=0.05),
-        dict(kind="lamb", lr=0.01, wd=0.05, b1=0.9, b2=0.999, eps=1e-6, exclude=BERT_EXCLUDE,
-             exclude_la=None, bc=False),
+        dict(
+            kind="lamb",
+            lr=0.01,
+            wd=0.05,
+            b1=0.9,
+            b2=0.999,
+            eps=1e-6,
+            exclude=BERT_EXCLUDE,
+            exclude_la=None,
+            bc=False,
+        ),
     ),
     OptimizerConfig(
         "lamb_tfa",
-        lambda: O.Lamb(0.01, weight_decay_rate=0.05, bias_correction=True,
-                       exclude_from_layer_adaptation=("scalar",)),
-        dict(kind="lamb", lr=0.01, wd=0.05, b1=0.9, b2=0.999, eps=1e-6, exclude=BERT_EXCLUDE,
-             exclude_la=("scalar",), bc=True),
+        lambda: O.Lamb(
+            0.01,
+            weight_decay_rate=0.05,
+            bias_correction=True,
+            exclude_from_layer_adaptation=("scalar",),
+        ),
+        dict(
+            kind="lamb",
+            lr=0.01,
+            wd=0.05,
+            b1=0.9,
+            b2=0.999,
+            eps=1e-6,
+            exclude=BERT_EXCLUDE,
+            exclude_la=("scalar",),
+            bc=True,
+        ),
     ),
     OptimizerConfig("adafactor_t5", lambda: O.Adafactor.t5(0.01), _mesh_adafactor(0.01)),
     OptimizerConfig(
         "adafactor_t5_momentum",
-        lambda: O.Adafactor(0.01, beta_1=0.9, decay_offset=2, weight_decay_rate=1e-3,
-                            min_dim_size_to_factor=16, exclude_from_parameter_scale=("bias",)),
+        lambda: O.Adafactor(
+            0.01,
+            beta_1=0.9,
+            decay_offset=2,
+            weight_decay_rate=1e-3,
+            min_dim_size_to_factor=16,
+            exclude_from_parameter_scale=("bias",),
+        ),
         _mesh_adafactor(0.01, b1=0.9, min_dim=16, wd=1e-3, offset=2, exclude_ps=("bias",)),
     ),
     OptimizerConfig(
@@ -131,17 +186,48 @@ _CONFIGS = [
     # steps, a pull lr * pretrain_cof small enough to stay stable, decoupled decay.
     OptimizerConfig(
         "recadam",
-        lambda: O.RecAdam(0.01, anneal_k=0.8, anneal_t0=3, pretrain_cof=4.0,
-                          weight_decay_rate=0.02),
-        dict(kind="recadam", lr=0.01, b1=0.9, b2=0.999, eps=1e-6, wd=0.02, bias=True,
-             fun="sigmoid", k=0.8, t0=3.0, w=1.0, cof=4.0),
+        lambda: O.RecAdam(
+            0.01, anneal_k=0.8, anneal_t0=3, pretrain_cof=4.0, weight_decay_rate=0.02
+        ),
+        dict(
+            kind="recadam",
+            lr=0.01,
+            b1=0.9,
+            b2=0.999,
+            eps=1e-6,
+            wd=0.02,
+            bias=True,
+            fun="sigmoid",
+            k=0.8,
+            t0=3.0,
+            w=1.0,
+            cof=4.0,
+        ),
     ),
     OptimizerConfig(
         "recadam_linear_uncorrected",
-        lambda: O.RecAdam(0.01, correct_bias=False, anneal_fun="linear", anneal_t0=4,
-                          anneal_w=0.8, pretrain_cof=10.0),
-        dict(kind="recadam", lr=0.01, b1=0.9, b2=0.999, eps=1e-6, wd=0.0, bias=False,
-             fun="linear", k=0.0, t0=4.0, w=0.8, cof=10.0),
+        lambda: O.RecAdam(
+            0.01,
+            correct_bias=False,
+            anneal_fun="linear",
+            anneal_t0=4,
+            anneal_w=0.8,
+            pretrain_cof=10.0,
+        ),
+        dict(
+            kind="recadam",
+            lr=0.01,
+            b1=0.9,
+            b2=0.999,
+            eps=1e-6,
+            wd=0.0,
+            bias=False,
+            fun="linear",
+            k=0.0,
+            t0=4.0,
+            w=0.8,
+            cof=10.0,
+        ),
     ),
     OptimizerConfig(
         "adafactor_pegasus", lambda: O.Adafactor.pegasus(0.01), dict(kind="t2t_adafactor", lr=0.01)

@@ -1,5 +1,6 @@
 """Keras's global float precision for tests (a module of its own: conftest.py, the
 trainer battery and its subprocess workers, which do not import conftest, all use it)."""
+
 import contextlib
 
 import keras

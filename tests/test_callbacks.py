@@ -1,10 +1,10 @@
 """tf_metaalign.callbacks.MultiTaskDiagnostics against NumPy closed forms."""
+
 import itertools
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from tf_metaalign.callbacks import MultiTaskDiagnostics
 from tf_metaalign.trainers import DotProdTrainer
@@ -42,27 +42,36 @@ def test_cosine_and_distance_equal_closed_forms():
     model.trainable_variables[0].assign(w1)
     values = callback.measure()
     grads = [_numpy_grad(w1, x.astype(np.float64), y.astype(np.float64)) for x, y in tasks.values()]
-    cos = [np.sum(a * b) / np.linalg.norm(a) / np.linalg.norm(b)
-           for a, b in itertools.combinations(grads, 2)]
+    cos = [
+        np.sum(a * b) / np.linalg.norm(a) / np.linalg.norm(b)
+        for a, b in itertools.combinations(grads, 2)
+    ]
     np.testing.assert_allclose(values["task_gradient_cosine"], np.mean(cos), rtol=1e-5)
     np.testing.assert_allclose(values["distance_from_initial"], np.linalg.norm(w1 - w0), rtol=1e-5)
 
 
 def test_in_history_with_a_trainer_and_with_multitask_dict_batches(tmp_path):
     tasks = _tasks()
-    batches = {name: ({"inputs": x, "task_id": np.full(len(x), t, "int32")}, y)
-               for t, (name, (x, y)) in enumerate(tasks.items())}
+    batches = {
+        name: ({"inputs": x, "task_id": np.full(len(x), t, "int32")}, y)
+        for t, (name, (x, y)) in enumerate(tasks.items())
+    }
     trainer = DotProdTrainer(_linear(), weight=0.0)
     trainer.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     callback = MultiTaskDiagnostics(batches, every_n_batches=2, log_dir=tmp_path)
     x = np.concatenate([v[0] for v in tasks.values()])
     y = np.concatenate([v[1] for v in tasks.values()])
-    history = trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
-                          callbacks=[callback])
+    history = trainer.fit(
+        x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[callback]
+    )
     for key in ("task_gradient_cosine", "distance_from_initial"):
         assert len(history.history[key]) == 2 and np.isfinite(history.history[key]).all()
     # Distance grows from 0 as training moves the weights; 12 batches -> 6 periodic + 2 epoch ends.
-    assert 0 < history.history["distance_from_initial"][0] < history.history["distance_from_initial"][1]
+    assert (
+        0
+        < history.history["distance_from_initial"][0]
+        < history.history["distance_from_initial"][1]
+    )
     assert len(callback.history) == 8
     assert list((tmp_path / "diagnostics").iterdir())
 

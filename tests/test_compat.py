@@ -3,6 +3,7 @@
 Each fails, after a Keras or TensorFlow upgrade that removes or changes the API, with a
 message naming the API and what to change in tf_metaalign/_compat.py.
 """
+
 import inspect
 
 import keras
@@ -110,7 +111,9 @@ def test_all_reduce_sum_gradients():
         "gradients and the cross-replica context).",
     )
     assert _parameters(keras.optimizers.SGD._all_reduce_sum_gradients) == (
-        "self", "grads_and_vars"), message
+        "self",
+        "grads_and_vars",
+    ), message
     strategy = two_cpu_strategy()
     with strategy.scope():
         v = keras.Variable(np.zeros((2,), "float32"), name="v")
@@ -129,7 +132,9 @@ def test_all_reduce_sum_gradients():
         np.testing.assert_array_equal(value.numpy(), [3.0, 3.0], err_msg=message)
     # one replica (the default strategy): the gradient itself
     w = keras.Variable(np.zeros((2,), "float32"), name="w")
-    reduced = _compat.all_reduce_sum_gradients(keras.optimizers.SGD(0.1), [(tf.ones((2,)), w.value)])
+    reduced = _compat.all_reduce_sum_gradients(
+        keras.optimizers.SGD(0.1), [(tf.ones((2,)), w.value)]
+    )
     np.testing.assert_array_equal(reduced[0][0].numpy(), [1.0, 1.0], err_msg=message)
 
 
@@ -137,14 +142,17 @@ def test_distributed_update_step():
     message = _broken(
         "keras.optimizers.Optimizer._distributed_tf_update_step(distribution, "
         "grads_and_vars, learning_rate)",
-        "the per-variable update after aggregated clipping in "
-        "BaseOptimizer._backend_update_step",
+        "the per-variable update after aggregated clipping in BaseOptimizer._backend_update_step",
         "call what Keras's TF _backend_update_step now calls after its all-reduce, or "
         "distribution.extended.update(var, update_step, args=(grad, learning_rate), "
         "group=False) per variable.",
     )
     assert _parameters(keras.optimizers.SGD._distributed_tf_update_step) == (
-        "self", "distribution", "grads_and_vars", "learning_rate"), message
+        "self",
+        "distribution",
+        "grads_and_vars",
+        "learning_rate",
+    ), message
     v = keras.Variable(np.ones((2,), "float32"), name="v")
     opt = keras.optimizers.SGD(0.5)
     opt.build([v])
@@ -211,8 +219,9 @@ def test_no_other_private_api_in_optimizers_and_forward_mode():
 
 
 def _compiled_model():
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(
-        2, activity_regularizer=keras.regularizers.L2(0.1))])
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(2, activity_regularizer=keras.regularizers.L2(0.1))]
+    )
     model.compile(loss="mse")
     return model
 
@@ -256,7 +265,9 @@ def test_flatten_layers_lists_nested_layers():
     inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="deep")])
     outer = keras.Sequential([keras.Input((3,)), inner])
     names = [layer.name for layer in _compat.flatten_layers(outer)]
-    assert "deep" in names, "Layer._flatten_layers changed: update tf_metaalign._compat.flatten_layers."
+    assert "deep" in names, (
+        "Layer._flatten_layers changed: update tf_metaalign._compat.flatten_layers."
+    )
 
 
 def test_loss_scaling_for_distribution_matches_replica_count():
@@ -277,7 +288,9 @@ def test_unlocked_state_allows_adding_weights_to_a_built_layer():
         layer.add_weight(shape=(), name="late")
     with _compat.unlocked_state(layer):
         layer.add_weight(shape=(), name="late")
-    assert len(layer.weights) == 3, "Layer._tracker lock/unlock changed: update _compat.unlocked_state."
+    assert len(layer.weights) == 3, (
+        "Layer._tracker lock/unlock changed: update _compat.unlocked_state."
+    )
     with pytest.raises(ValueError):  # locked again
         layer.add_weight(shape=(), name="later")
 
@@ -307,8 +320,14 @@ def test_keras_multi_worker_fit_internals_are_still_there():
         assert callable(getattr(tf_trainer, name, None)), _broken(
             f"keras.src.backend.tensorflow.trainer.{name}",
             "fit under MultiWorkerMirroredStrategy (patch_keras_multi_worker_fit)",
-            "check whether Keras fixed keras-team/keras#20585 and drop the patch, or adapt it.")
+            "check whether Keras fixed keras-team/keras#20585 and drop the patch, or adapt it.",
+        )
     assert _parameters(tf_trainer.TensorFlowTrainer._maybe_symbolic_build) == (
-        "self", "iterator", "data_batch"), _broken(
-        "TensorFlowTrainer._maybe_symbolic_build", "fit under MultiWorkerMirroredStrategy",
-        "adapt patch_keras_multi_worker_fit to the new signature.")
+        "self",
+        "iterator",
+        "data_batch",
+    ), _broken(
+        "TensorFlowTrainer._maybe_symbolic_build",
+        "fit under MultiWorkerMirroredStrategy",
+        "adapt patch_keras_multi_worker_fit to the new signature.",
+    )

@@ -1,4 +1,5 @@
 """Offline data loaders: shapes, class counts, determinism, clear errors."""
+
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # proves the encoder loads with no network
@@ -38,7 +39,8 @@ def test_digits_shapes_classes_and_split():
     assert set(np.unique(d.y_train)) == set(range(10)) == set(np.unique(d.y_test))
     # Stratified: every class has about 25% of its images in test.
     counts = np.bincount(d.y_test, minlength=10) / (
-        np.bincount(d.y_test, minlength=10) + np.bincount(d.y_train, minlength=10))
+        np.bincount(d.y_test, minlength=10) + np.bincount(d.y_train, minlength=10)
+    )
     assert np.all(np.abs(counts - 0.25) < 0.02)
     assert data.load_digits(flatten=False).x_train.shape == (1347, 8, 8, 1)
 
@@ -96,8 +98,10 @@ def test_wordnet_all_parts_of_speech():
     # The gloss of a known synset is labelled with its supersense.
     glosses = list(s.x_train) + list(s.x_test)
     labels = list(s.y_train) + list(s.y_test)
-    i = glosses.index("that which is perceived or known or inferred to have its own "
-                      "distinct existence (living or nonliving)")
+    i = glosses.index(
+        "that which is perceived or known or inferred to have its own "
+        "distinct existence (living or nonliving)"
+    )
     assert s.class_names[labels[i]] == "noun.Tops"
 
 

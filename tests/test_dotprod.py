@@ -1,4 +1,5 @@
 """Meta DotProd: numerical oracles and equivalences for the algorithm and DotProdTrainer."""
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -20,7 +21,10 @@ def _mse(dtype):
 
 def _mlp(dtype="float32", seed=0, dropout=0.0, hidden=16):
     keras.utils.set_random_seed(seed)
-    layers = [keras.Input((6,), dtype=dtype), keras.layers.Dense(hidden, activation="tanh", dtype=dtype)]
+    layers = [
+        keras.Input((6,), dtype=dtype),
+        keras.layers.Dense(hidden, activation="tanh", dtype=dtype),
+    ]
     if dropout:
         layers.append(keras.layers.Dropout(dropout, dtype=dtype))
     layers.append(keras.layers.Dense(2, dtype=dtype))
@@ -110,18 +114,27 @@ def test_quadratic_dotprod_equals_first_order_two_step_reptile():
 
     def loss_fn(params, state, batch):
         t = params[0]
-        return 0.5 * tf.tensordot(t, tf.linalg.matvec(a[batch], t), 1) - tf.tensordot(c[batch], t, 1), (state, None)
+        return 0.5 * tf.tensordot(t, tf.linalg.matvec(a[batch], t), 1) - tf.tensordot(
+            c[batch], t, 1
+        ), (state, None)
 
     theta = tf.constant(rng.normal(size=(d,)))
     beta = 0.05
     for method in ("finite_difference", "exact"):
-        r = dotprod_gradient(loss_fn, [theta], None, 1, 2, weight=beta, alpha=1e-3, method=method,
-                             alignment="dot")  # the paper's objective
-        # Reptile: two SGD steps with step beta on b1 then b2; pseudo-gradient (theta - theta_2)/beta.
-        g = lambda t, b: tf.linalg.matvec(a[b], t) - c[b]
+        r = dotprod_gradient(
+            loss_fn, [theta], None, 1, 2, weight=beta, alpha=1e-3, method=method, alignment="dot"
+        )  # the paper's objective
+
+        # Reptile: two SGD steps with step beta on b1 then b2; pseudo-gradient (theta -
+        # theta_2)/beta.
+        def g(t, b):
+            return tf.linalg.matvec(a[b], t) - c[b]
+
         t1 = theta - beta * g(theta, 1)
         t2 = t1 - beta * g(t1, 2)
-        np.testing.assert_allclose(r.gradient[0].numpy(), ((theta - t2) / beta).numpy(), rtol=1e-8, atol=1e-9)
+        np.testing.assert_allclose(
+            r.gradient[0].numpy(), ((theta - t2) / beta).numpy(), rtol=1e-8, atol=1e-9
+        )
 
 
 # ---------------------------------------------------------------------- the trainer
@@ -144,17 +157,22 @@ def _assert_weights_close(a, b, rtol=1e-5, atol=1e-6):
 
 
 def _manual_dotprod_sgd(model, x, y, batch_size, lr, schedule, **kwargs):
-    """The reference loop: dotprod_gradient per batch, theta -= lr * G, regulariser on `schedule(k)`."""
+    """The reference loop: dotprod_gradient per batch, theta -= lr * G, regulariser on
+    `schedule(k)`."""
     loss_fn = F.make_loss_fn(model, _mse(model.trainable_variables[0].dtype))
     k = 0
     for epoch_batches in schedule["epochs"]:
         for start in range(0, len(x), batch_size)[:epoch_batches]:
-            bx, by = x[start:start + batch_size], y[start:start + batch_size]
+            bx, by = x[start : start + batch_size], y[start : start + batch_size]
             n1 = len(bx) // 2
             r = dotprod_gradient(
-                loss_fn, F.current_params(model), F.current_state(model),
-                (bx[:n1], by[:n1]), (bx[n1:], by[n1:]),
-                apply_regularizer=schedule["apply"](k), **kwargs,
+                loss_fn,
+                F.current_params(model),
+                F.current_state(model),
+                (bx[:n1], by[:n1]),
+                (bx[n1:], by[n1:]),
+                apply_regularizer=schedule["apply"](k),
+                **kwargs,
             )
             for v, g in zip(model.trainable_variables, r.gradient):
                 v.assign_sub(lr * g)
@@ -180,19 +198,30 @@ def test_weight_zero_equals_plain_training_with_g1_plus_g2(float64):
 
 
 def test_every_schedule_counts_across_epochs_and_steps_per_execution(float64):
-    x, y = _data(40, dtype="float64")  # 5 batches of 8 per epoch: the phase of `every=3` shifts between epochs
-    trainer = _compile(DotProdTrainer(_mlp("float64", seed=1), weight=0.5, every=3), steps_per_execution=2)
+    x, y = _data(
+        40, dtype="float64"
+    )  # 5 batches of 8 per epoch: the phase of `every=3` shifts between epochs
+    trainer = _compile(
+        DotProdTrainer(_mlp("float64", seed=1), weight=0.5, every=3), steps_per_execution=2
+    )
     trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert int(trainer.pairs_seen.numpy()) == 10
 
     ref = _mlp("float64", seed=1)
-    _manual_dotprod_sgd(ref, x, y, 8, 0.05, {"epochs": [5, 5], "apply": lambda k: k % 3 == 0}, weight=0.5)
+    _manual_dotprod_sgd(
+        ref, x, y, 8, 0.05, {"epochs": [5, 5], "apply": lambda k: k % 3 == 0}, weight=0.5
+    )
     _assert_weights_close(_weights(trainer.model), _weights(ref))
 
     # The test can fail: a schedule that restarts every epoch gives other weights.
     wrong = _mlp("float64", seed=1)
-    _manual_dotprod_sgd(wrong, x, y, 8, 0.05, {"epochs": [5, 5], "apply": lambda k: (k % 5) % 3 == 0}, weight=0.5)
-    assert not all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(_weights(trainer.model), _weights(wrong)))
+    _manual_dotprod_sgd(
+        wrong, x, y, 8, 0.05, {"epochs": [5, 5], "apply": lambda k: (k % 5) % 3 == 0}, weight=0.5
+    )
+    assert not all(
+        np.allclose(a, b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(_weights(trainer.model), _weights(wrong))
+    )
 
 
 @pytest.mark.parametrize("every", [1, 2])
@@ -200,7 +229,9 @@ def test_one_replica_equals_two(float64, every):
     x, y = _data(32, dtype="float64")
     # A global batch of 8 reaches replica r as rows [4r, 4r+4); each replica splits its own
     # shard, so the global b1 is rows {0,1,4,5} and b2 {2,3,6,7}. Feed one replica that order.
-    order = np.concatenate([[s + 0, s + 1, s + 4, s + 5, s + 2, s + 3, s + 6, s + 7] for s in range(0, 32, 8)])
+    order = np.concatenate(
+        [[s + 0, s + 1, s + 4, s + 5, s + 2, s + 3, s + 6, s + 7] for s in range(0, 32, 8)]
+    )
 
     single = _compile(DotProdTrainer(_mlp("float64", seed=2), weight=0.3, every=every))
     h1 = single.fit(x[order], y[order], batch_size=8, epochs=1, shuffle=False, verbose=0)
@@ -219,7 +250,11 @@ def test_one_replica_equals_two(float64, every):
 def test_jit_compile_equals_graph_and_run_eagerly(float64):
     x, y = _data(32, dtype="float64")
     results = {}
-    for mode, kwargs in {"graph": {"jit_compile": False}, "xla": {"jit_compile": True}, "eager": {"run_eagerly": True}}.items():
+    for mode, kwargs in {
+        "graph": {"jit_compile": False},
+        "xla": {"jit_compile": True},
+        "eager": {"run_eagerly": True},
+    }.items():
         trainer = _compile(DotProdTrainer(_mlp("float64", seed=4), weight=0.2, every=2), **kwargs)
         h = trainer.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
         results[mode] = (_weights(trainer.model), h.history["grad_dot"][0])
@@ -229,11 +264,13 @@ def test_jit_compile_equals_graph_and_run_eagerly(float64):
 
 
 def test_same_dropout_masks_for_g2_and_g21():
-    """With dropout, G21 must be taken with G2's masks: then alpha->small gives -H2 G1 of that mask."""
+    """With dropout, G21 is taken with G2's masks: alpha->small gives -H2 G1 of that mask."""
     model = _mlp(dropout=0.5)
     b1, b2 = _halves(*_data())
     loss_fn = F.make_loss_fn(model, MSE)
-    r = dotprod_gradient(loss_fn, F.current_params(model), F.current_state(model), b1, b2, method="exact")
+    r = dotprod_gradient(
+        loss_fn, F.current_params(model), F.current_state(model), b1, b2, method="exact"
+    )
     fd = dotprod_gradient(loss_fn, F.current_params(model), F.current_state(model), b1, b2)
     assert F.cosine(fd.regularizer, r.regularizer).numpy() > 0.99
 
@@ -248,9 +285,17 @@ def test_accumulation_steps_apply_the_mean_of_the_pairs_gradients(float64):
     for s in range(0, 32, 16):
         gs = []
         for t in (s, s + 8):
-            bx, by = x[t:t + 8], y[t:t + 8]
-            gs.append(dotprod_gradient(loss_fn, F.current_params(ref), F.current_state(ref),
-                                       (bx[:4], by[:4]), (bx[4:], by[4:]), weight=0.4).gradient)
+            bx, by = x[t : t + 8], y[t : t + 8]
+            gs.append(
+                dotprod_gradient(
+                    loss_fn,
+                    F.current_params(ref),
+                    F.current_state(ref),
+                    (bx[:4], by[:4]),
+                    (bx[4:], by[4:]),
+                    weight=0.4,
+                ).gradient
+            )
         for v, a, b in zip(ref.trainable_variables, *gs):
             v.assign_sub(0.05 * (a + b) / 2)
     _assert_weights_close(_weights(trainer.model), _weights(ref))
@@ -280,7 +325,9 @@ def test_model_saves_and_reloads_as_itself_and_trainer_resumes_identically(tmp_p
     x, y = _data(48, dtype="float64")
     model = _mlp("float64", seed=7)
     trainer = _compile(DotProdTrainer(model, weight=0.3, every=2), lr=0.05)
-    trainer.fit(x[:24], y[:24], batch_size=8, epochs=1, shuffle=False, verbose=0)  # 3 pairs: odd phase
+    trainer.fit(
+        x[:24], y[:24], batch_size=8, epochs=1, shuffle=False, verbose=0
+    )  # 3 pairs: odd phase
     assert trainer.model is model
 
     model.save(tmp_path / "model.keras")
@@ -365,11 +412,19 @@ def test_custom_loop_example_under_strategy_equals_fit(float64):
         def step(batch):
             bx, by = batch
             b1, b2 = F.split_batch((bx, by), tf.shape(bx)[0] // 2)
-            r = dotprod_gradient(loss_fn, F.current_params(model), F.current_state(model), b1, b2,
-                                 weight=0.3, alpha="auto")
+            r = dotprod_gradient(
+                loss_fn,
+                F.current_params(model),
+                F.current_state(model),
+                b1,
+                b2,
+                weight=0.3,
+                alpha="auto",
+            )
             F.assign_state(model, r.aux_2[0])
             optimizer.apply_gradients(zip(r.gradient, model.trainable_variables))
             return r.grad_dot
+
         return strategy.run(step, args=(batch,))
 
     for batch in strategy.experimental_distribute_dataset(ds):

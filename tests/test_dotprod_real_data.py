@@ -14,6 +14,7 @@ huge, aligned gradients (G1.G2 ~ 50, accuracy 10%) -- on this model that happens
 weight ~0.5 on some seeds. 0.3 was above the baseline on all 8 seeds tried (margins
 1-12%, the smallest on seed 4); 0.1 is too weak to show in 40 steps.
 """
+
 import numpy as np
 import pytest
 
@@ -27,9 +28,13 @@ STEPS, BATCH, LR, WEIGHT = 40, 128, 0.05, 0.3
 
 def _model(seed):
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([
-        keras.Input((64,)), keras.layers.Dense(64, activation="tanh"), keras.layers.Dense(10),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(64, activation="tanh"),
+            keras.layers.Dense(10),
+        ]
+    )
 
 
 def _train(digits, initial, weight, seed):
@@ -74,13 +79,21 @@ def test_weight_zero_baseline_is_plain_training_on_g1_plus_g2():
     a.set_weights(initial)
     t = DotProdTrainer(a, weight=0.0, every=2**31 - 1)
     t.compile(keras.optimizers.SGD(LR), loss)
-    t.fit(digits.train_dataset(BATCH, seed=0, repeat=True, drop_remainder=True),
-          steps_per_epoch=5, epochs=1, verbose=0)
+    t.fit(
+        digits.train_dataset(BATCH, seed=0, repeat=True, drop_remainder=True),
+        steps_per_epoch=5,
+        epochs=1,
+        verbose=0,
+    )
 
     b = _model(0)
     b.set_weights(initial)
     b.compile(keras.optimizers.SGD(2 * LR), loss)
-    b.fit(digits.train_dataset(BATCH, seed=0, repeat=True, drop_remainder=True),
-          steps_per_epoch=5, epochs=1, verbose=0)
+    b.fit(
+        digits.train_dataset(BATCH, seed=0, repeat=True, drop_remainder=True),
+        steps_per_epoch=5,
+        epochs=1,
+        verbose=0,
+    )
     for x, y in zip(a.get_weights(), b.get_weights()):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)

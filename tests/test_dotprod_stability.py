@@ -8,6 +8,7 @@
   step on (b, b) = 2 * grad L(b); under MirroredStrategy (2 logical CPUs) the same, with
   replicas that get 1 or 0 examples.
 """
+
 import logging
 import warnings
 
@@ -17,8 +18,15 @@ import pytest
 import tensorflow as tf
 
 from conftest import two_cpu_strategy
-from test_dotprod import (MSE, MSE64, _assert_weights_close, _data, _mlp,
-                          _reference_minus_h2_g1, _weights)
+from test_dotprod import (
+    MSE,
+    MSE64,
+    _assert_weights_close,
+    _data,
+    _mlp,
+    _reference_minus_h2_g1,
+    _weights,
+)
 from tf_metaalign import functional as F
 from tf_metaalign.algorithms.dotprod import dotprod_gradient
 from tf_metaalign.callbacks import DivergenceGuard
@@ -39,7 +47,10 @@ def _quadratic(rng, d=6):
     def loss_fn(params, state, batch):
         t = params[0]
         aa, cc = tf.constant(a[batch]), tf.constant(c[batch])
-        return 0.5 * tf.tensordot(t, tf.linalg.matvec(aa, t), 1) - tf.tensordot(cc, t, 1), (state, None)
+        return 0.5 * tf.tensordot(t, tf.linalg.matvec(aa, t), 1) - tf.tensordot(cc, t, 1), (
+            state,
+            None,
+        )
 
     return a, c, loss_fn
 
@@ -60,8 +71,18 @@ def test_capped_and_dot_equal_numpy_oracle_on_quadratics(method, weight, cap):
     expected = {"dot": pair + weight * reg, "capped": pair + s * weight * reg}
     results = {}
     for alignment in ("dot", "capped"):
-        r = dotprod_gradient(loss_fn, [tf.constant(theta)], None, 1, 2, weight=weight, alpha=1e-4,
-                             method=method, alignment=alignment, cap=cap)
+        r = dotprod_gradient(
+            loss_fn,
+            [tf.constant(theta)],
+            None,
+            1,
+            2,
+            weight=weight,
+            alpha=1e-4,
+            method=method,
+            alignment=alignment,
+            cap=cap,
+        )
         np.testing.assert_allclose(r.gradient[0].numpy(), expected[alignment], rtol=1e-6, atol=1e-9)
         np.testing.assert_allclose(r.reg_ratio.numpy(), ratio, rtol=1e-6)
         results[alignment] = r.gradient[0].numpy()
@@ -86,15 +107,27 @@ def test_capped_on_a_float64_mlp_equals_numpy_from_an_independent_hessian(float6
     for bx, by in (b1, b2):
         with tf.GradientTape() as tape:
             loss = MSE64(by, model(bx, training=True))
-        grads.append(np.concatenate([g.numpy().ravel() for g in tape.gradient(loss, model.trainable_variables)]))
+        grads.append(
+            np.concatenate(
+                [g.numpy().ravel() for g in tape.gradient(loss, model.trainable_variables)]
+            )
+        )
     reg = np.concatenate([r.numpy().ravel() for r in _reference_minus_h2_g1(model, b1, b2)])
     weight, cap = 2.0, 0.5
     pair = grads[0] + grads[1]
     ratio = weight * np.linalg.norm(reg) / np.linalg.norm(pair)
     assert ratio > cap  # the cap binds
     expected = pair + min(1.0, cap / ratio) * weight * reg
-    r = dotprod_gradient(F.make_loss_fn(model, MSE64), F.current_params(model), F.current_state(model),
-                         b1, b2, weight=weight, cap=cap, method=method)
+    r = dotprod_gradient(
+        F.make_loss_fn(model, MSE64),
+        F.current_params(model),
+        F.current_state(model),
+        b1,
+        b2,
+        weight=weight,
+        cap=cap,
+        method=method,
+    )
     got = np.concatenate([g.numpy().ravel() for g in r.gradient])
     np.testing.assert_allclose(got, expected, rtol=rtol, atol=rtol * np.abs(expected).max())
     np.testing.assert_allclose(r.reg_ratio.numpy(), ratio, rtol=rtol)
@@ -104,19 +137,30 @@ def test_capped_equals_dot_bit_for_bit_where_the_cap_does_not_bind():
     model = _mlp()
     x, y = _data()
     loss_fn = F.make_loss_fn(model, MSE)
-    args = (loss_fn, F.current_params(model), F.current_state(model), (x[:32], y[:32]), (x[32:], y[32:]))
+    args = (
+        loss_fn,
+        F.current_params(model),
+        F.current_state(model),
+        (x[:32], y[:32]),
+        (x[32:], y[32:]),
+    )
     dot = dotprod_gradient(*args, weight=0.1, alignment="dot")
     capped = dotprod_gradient(*args, weight=0.1, alignment="capped", cap=1e6)
     for a, b in zip(dot.gradient, capped.gradient):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
-    binding = dotprod_gradient(*args, weight=0.1, alignment="capped",
-                               cap=0.5 * float(dot.reg_ratio))
-    assert not all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(dot.gradient, binding.gradient))
+    binding = dotprod_gradient(
+        *args, weight=0.1, alignment="capped", cap=0.5 * float(dot.reg_ratio)
+    )
+    assert not all(
+        np.array_equal(a.numpy(), b.numpy()) for a, b in zip(dot.gradient, binding.gradient)
+    )
 
 
 def test_one_replica_equals_two_with_a_binding_cap(float64):
     x, y = _data(32, dtype="float64")
-    order = np.concatenate([[s + 0, s + 1, s + 4, s + 5, s + 2, s + 3, s + 6, s + 7] for s in range(0, 32, 8)])
+    order = np.concatenate(
+        [[s + 0, s + 1, s + 4, s + 5, s + 2, s + 3, s + 6, s + 7] for s in range(0, 32, 8)]
+    )
     kwargs = dict(weight=5.0, cap=0.3)  # reg_ratio >> 0.3: the cap binds on every pair
     single = DotProdTrainer(_mlp("float64", seed=2), **kwargs)
     single.compile(optimizer=keras.optimizers.SGD(0.05), loss=MSE64)
@@ -132,8 +176,12 @@ def test_one_replica_equals_two_with_a_binding_cap(float64):
 
 
 def test_bad_alignment_options_name_the_argument():
-    for kwargs, name in [({"alignment": "cosine"}, "alignment"), ({"cap": 0.0}, "cap"),
-                         ({"cap": float("nan")}, "cap"), ({"on_divergence": "raise"}, "on_divergence")]:
+    for kwargs, name in [
+        ({"alignment": "cosine"}, "alignment"),
+        ({"cap": 0.0}, "cap"),
+        ({"cap": float("nan")}, "cap"),
+        ({"on_divergence": "raise"}, "on_divergence"),
+    ]:
         with pytest.raises(ValueError, match=f"`{name}`"):
             DotProdTrainer(_mlp(), **kwargs)
 
@@ -162,8 +210,12 @@ def _feed(guard, epochs):
 
 
 def test_guard_rules_on_logged_values():
-    healthy = [{"loss": 2.0, "grad_dot": 0.1}, {"loss": 1.0, "grad_dot": 5.0},
-               {"loss": 0.5, "grad_dot": 2.0}, {"loss": 0.6, "grad_dot": 1.0}]
+    healthy = [
+        {"loss": 2.0, "grad_dot": 0.1},
+        {"loss": 1.0, "grad_dot": 5.0},
+        {"loss": 0.5, "grad_dot": 2.0},
+        {"loss": 0.6, "grad_dot": 1.0},
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _feed(DivergenceGuard(), healthy).fired is None
@@ -231,16 +283,20 @@ def _digits_mlp_data():
 
 def _digits_mlp(seed=0):
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="tanh"),
-                             keras.layers.Dense(10)])
+    return keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(64, activation="tanh"), keras.layers.Dense(10)]
+    )
 
 
 def _fit_digits(weight, alignment, on_divergence="warn", epochs=6):
     x, y = _digits_mlp_data()
-    trainer = DotProdTrainer(_digits_mlp(), weight=weight, alignment=alignment,
-                             on_divergence=on_divergence)
-    trainer.compile(optimizer=keras.optimizers.SGD(0.05),
-                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    trainer = DotProdTrainer(
+        _digits_mlp(), weight=weight, alignment=alignment, on_divergence=on_divergence
+    )
+    trainer.compile(
+        optimizer=keras.optimizers.SGD(0.05),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     keras.utils.set_random_seed(1)
     h = trainer.fit(x, y, batch_size=64, epochs=epochs, verbose=0)
     return trainer, h
@@ -249,7 +305,9 @@ def _fit_digits(weight, alignment, on_divergence="warn", epochs=6):
 def test_trainer_guard_fires_on_a_forced_divergence_and_stops_on_request():
     # The paper's objective with a large weight runs away (loss 11 -> 26 -> 36 over the
     # first epochs, from 2.3 at the first batch; measured).
-    with pytest.warns(RuntimeWarning, match="Training is diverging.*alignment='dot'.*Lower `weight`"):
+    with pytest.warns(
+        RuntimeWarning, match="Training is diverging.*alignment='dot'.*Lower `weight`"
+    ):
         _, h = _fit_digits(3.0, "dot")
     assert len(h.history["loss"]) == 6
     with pytest.warns(RuntimeWarning, match="Training is diverging"):
@@ -278,9 +336,14 @@ def test_readme_call_on_a_from_scratch_convnet_trains_like_plain_fit():
         if name == "plain":
             trainer = model
         else:
-            trainer = DotProdTrainer(model, weight=0.1, **({"alignment": "dot"} if name == "dot" else {}))
-        trainer.compile(optimizer=keras.optimizers.Adam(1e-3),
-                        loss=keras.losses.SparseCategoricalCrossentropy(), metrics=["accuracy"])
+            trainer = DotProdTrainer(
+                model, weight=0.1, **({"alignment": "dot"} if name == "dot" else {})
+            )
+        trainer.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(),
+            metrics=["accuracy"],
+        )
         keras.utils.set_random_seed(1)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
@@ -313,9 +376,16 @@ def _reference(model, batches, lr, weight, every=1, **kwargs):
     for k, (bx, by) in enumerate(batches):
         if len(bx) >= 2:
             n1 = len(bx) // 2
-            g = dotprod_gradient(loss_fn, F.current_params(model), F.current_state(model),
-                                 (bx[:n1], by[:n1]), (bx[n1:], by[n1:]), weight=weight,
-                                 apply_regularizer=k % every == 0, **kwargs).gradient
+            g = dotprod_gradient(
+                loss_fn,
+                F.current_params(model),
+                F.current_state(model),
+                (bx[:n1], by[:n1]),
+                (bx[n1:], by[n1:]),
+                weight=weight,
+                apply_regularizer=k % every == 0,
+                **kwargs,
+            ).gradient
         else:
             with tf.GradientTape() as tape:
                 loss = MSE64(by, model(bx, training=True))
@@ -325,13 +395,15 @@ def _reference(model, batches, lr, weight, every=1, **kwargs):
 
 
 def _batches(x, y, size):
-    return [(x[s:s + size], y[s:s + size]) for s in range(0, len(x), size)]
+    return [(x[s : s + size], y[s : s + size]) for s in range(0, len(x), size)]
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_numpy_last_batch_of_one_is_a_plain_step(float64, caplog, jit_compile):
     x, y = _data(33, dtype="float64")
-    trainer = _compile(DotProdTrainer(_mlp("float64", seed=11), weight=0.3), jit_compile=jit_compile)
+    trainer = _compile(
+        DotProdTrainer(_mlp("float64", seed=11), weight=0.3), jit_compile=jit_compile
+    )
     with caplog.at_level(logging.WARNING):
         h = trainer.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     np.testing.assert_allclose(h.history["unsplit_fraction"], [0.5, 0.5])
@@ -343,7 +415,9 @@ def test_numpy_last_batch_of_one_is_a_plain_step(float64, caplog, jit_compile):
     # The test can fail: a step of 1 * grad (or skipping the example) gives other weights.
     wrong = _mlp("float64", seed=11)
     _reference(wrong, [_batches(x, y, 32)[0]] * 2, 0.05, 0.3)
-    assert not all(np.allclose(a, b, rtol=1e-5) for a, b in zip(_weights(trainer.model), _weights(wrong)))
+    assert not all(
+        np.allclose(a, b, rtol=1e-5) for a, b in zip(_weights(trainer.model), _weights(wrong))
+    )
     # The logged loss is the example-weighted mean of the epoch (finite, not NaN).
     assert np.isfinite(h.history["loss"]).all()
 
@@ -371,8 +445,9 @@ def test_two_replicas_with_one_and_zero_examples_equal_one_replica(float64, ever
     take the plain step, weighted by their examples: == one replica's 2 * grad L(b). With
     every=2 the small batch falls on a regularised pair (pair 2)."""
     x, y = _data(17, dtype="float64")
-    order = np.concatenate([[s + 0, s + 1, s + 4, s + 5, s + 2, s + 3, s + 6, s + 7]
-                            for s in range(0, 16, 8)] + [[16]])
+    order = np.concatenate(
+        [[s + 0, s + 1, s + 4, s + 5, s + 2, s + 3, s + 6, s + 7] for s in range(0, 16, 8)] + [[16]]
+    )
     single = _compile(DotProdTrainer(_mlp("float64", seed=13), weight=0.3, every=every))
     h1 = single.fit(x[order], y[order], batch_size=8, epochs=1, shuffle=False, verbose=0)
     with two_cpu_strategy().scope():
@@ -388,8 +463,9 @@ def test_two_replicas_with_two_and_one_examples_take_the_plain_step(float64):
     so both take the plain step: theta -= lr * 2 * grad of the mean over the 3 examples.
     (One replica would split 3 examples into 1 + 2: the rule is per replica.)"""
     x, y = _data(19, dtype="float64")
-    order = np.concatenate([[s + 0, s + 1, s + 4, s + 5, s + 2, s + 3, s + 6, s + 7]
-                            for s in range(0, 16, 8)])
+    order = np.concatenate(
+        [[s + 0, s + 1, s + 4, s + 5, s + 2, s + 3, s + 6, s + 7] for s in range(0, 16, 8)]
+    )
     with two_cpu_strategy().scope():
         double = _compile(DotProdTrainer(_mlp("float64", seed=14), weight=0.3))
     h = double.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, verbose=0)

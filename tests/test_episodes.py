@@ -1,4 +1,5 @@
 """tf_metaalign.data.episodes: N-way K-shot episode batches and the CI helper."""
+
 import math
 
 import numpy as np
@@ -14,8 +15,10 @@ SIZES = [6, 7, 8, 9, 10, 6, 7, 8, 9, 10, 11, 12]
 
 
 def make_classes(sizes=SIZES):
-    return {f"class{c}": np.stack([np.full(n, c), np.arange(n)], axis=1).astype(np.float32)
-            for c, n in enumerate(sizes)}
+    return {
+        f"class{c}": np.stack([np.full(n, c), np.arange(n)], axis=1).astype(np.float32)
+        for c, n in enumerate(sizes)
+    }
 
 
 def flat(nest):
@@ -62,16 +65,18 @@ def check_episode(sx, sy, qx, qy, ways, shots, queries, class_major):
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_every_episode_is_a_valid_n_way_k_shot_task(shuffle):
     ways, shots, queries, tasks = 5, 2, 4, 3
-    sampler = EpisodeSampler(make_classes(), ways, shots, queries, tasks_per_batch=tasks,
-                             seed=7, shuffle=shuffle)
+    sampler = EpisodeSampler(
+        make_classes(), ways, shots, queries, tasks_per_batch=tasks, seed=7, shuffle=shuffle
+    )
     orders = set()
     for (sx, sy, qx), qy in sampler.numpy_batches(num_batches=40):
         assert sx.shape == (tasks, ways * shots, 2) and sx.dtype == np.float32
         assert sy.shape == (tasks, ways * shots)
         assert qx.shape == (tasks, ways * queries, 2) and qy.shape == (tasks, ways * queries)
         for t in range(tasks):
-            mapping = check_episode(sx[t], sy[t], qx[t], qy[t], ways, shots, queries,
-                                    class_major=not shuffle)
+            mapping = check_episode(
+                sx[t], sy[t], qx[t], qy[t], ways, shots, queries, class_major=not shuffle
+            )
             orders.add(tuple(mapping[j] for j in range(ways)))
             if shuffle:
                 # shuffled: not class-major (almost surely, over 40 x 3 episodes)
@@ -142,8 +147,7 @@ def test_class_example_and_label_frequencies_are_uniform():
             if 0 in cls:
                 label_of_class0[sy[t][cls == 0][0]] += 1
                 both = np.concatenate([sx[t], qx[t]])
-                example_counts += np.bincount(both[both[:, 0] == 0, 1].astype(int),
-                                              minlength=10)
+                example_counts += np.bincount(both[both[:, 0] == 0, 1].astype(int), minlength=10)
     n_tasks = 150 * 8
     # Each class is in an episode with probability ways / num_classes.
     assert class_counts.sum() == n_tasks * 4
@@ -171,8 +175,11 @@ def test_evaluation_dataset_is_fixed_finite_and_not_the_training_stream():
     first, second = list(ev.as_numpy_iterator()), list(ev.as_numpy_iterator())
     for a, b in zip(first, second):
         assert_same(a, b)
-    again = list(EpisodeSampler(make_classes(), 5, 1, 2, tasks_per_batch=4, seed=0)
-                 .evaluation_dataset(6).as_numpy_iterator())
+    again = list(
+        EpisodeSampler(make_classes(), 5, 1, 2, tasks_per_batch=4, seed=0)
+        .evaluation_dataset(6)
+        .as_numpy_iterator()
+    )
     for a, b in zip(first, again):
         assert_same(a, b)
     assert not np.array_equal(first[0][0][0], flat(sampler.batch(0))[0])
@@ -190,8 +197,7 @@ def test_list_of_class_arrays_and_from_labelled():
     x = np.concatenate(list(classes.values()))
     y = x[:, 0].astype(np.int64)
     perm = np.random.default_rng(0).permutation(len(y))
-    from_xy = EpisodeSampler.from_labelled(x[perm], y[perm], ways=3, shots=1, queries=1,
-                                           seed=5)
+    from_xy = EpisodeSampler.from_labelled(x[perm], y[perm], ways=3, shots=1, queries=1, seed=5)
     assert from_xy.class_names == [str(i) for i in range(len(SIZES))]
     np.testing.assert_array_equal(from_xy.class_sizes, SIZES)
     sx, sy, qx, qy = (a[0] for a in flat(from_xy.batch(0)))
@@ -201,8 +207,9 @@ def test_list_of_class_arrays_and_from_labelled():
     np.testing.assert_array_equal(from_ds.class_sizes, SIZES)
     # Same classes in another order inside each class: the same episodes' classes.
     np.testing.assert_array_equal(from_ds.episode_indices(0)[0], from_xy.episode_indices(0)[0])
-    strings = EpisodeSampler.from_labelled(x, np.asarray([f"c{int(v)}" for v in y]), ways=2,
-                                           shots=1, queries=1)
+    strings = EpisodeSampler.from_labelled(
+        x, np.asarray([f"c{int(v)}" for v in y]), ways=2, shots=1, queries=1
+    )
     assert strings.class_names[:3] == ["c0", "c1", "c10"]
 
 
@@ -239,8 +246,8 @@ def test_errors_name_the_argument():
         EpisodeSampler.from_labelled(np.zeros((3, 2)), np.zeros(4), ways=1, shots=1, queries=1)
     with pytest.raises(ValueError, match="infinite"):
         EpisodeSampler.from_labelled(
-            tf.data.Dataset.from_tensors((np.zeros(2), 0)).repeat(), ways=1, shots=1,
-            queries=1)
+            tf.data.Dataset.from_tensors((np.zeros(2), 0)).repeat(), ways=1, shots=1, queries=1
+        )
 
 
 # ----------------------------------------------------------------------------- the CI helper
@@ -259,8 +266,9 @@ def test_mean_confidence_interval_equals_the_t_interval():
     # Closed form for n = 2, 95%: t_{0.975, 1} = tan(pi * 0.475) = 12.706...
     mean, half = mean_confidence_interval([0.0, 1.0])
     assert mean == 0.5
-    assert half == pytest.approx(math.tan(math.pi * 0.475) * (math.sqrt(0.5) / math.sqrt(2)),
-                                 rel=1e-10)
+    assert half == pytest.approx(
+        math.tan(math.pi * 0.475) * (math.sqrt(0.5) / math.sqrt(2)), rel=1e-10
+    )
     assert math.isnan(mean_confidence_interval([0.3])[1])
     assert mean_confidence_interval([0.3, 0.3, 0.3]) == (pytest.approx(0.3), 0.0)
 
@@ -269,8 +277,7 @@ def test_student_t_ppf_matches_scipy():
     stats = pytest.importorskip("scipy.stats")
     for df in (1, 2, 3.5, 19, 1000):
         for p in (0.001, 0.025, 0.3, 0.5, 0.975, 0.9995):
-            assert student_t_ppf(p, df) == pytest.approx(stats.t.ppf(p, df), rel=1e-9,
-                                                         abs=1e-12)
+            assert student_t_ppf(p, df) == pytest.approx(stats.t.ppf(p, df), rel=1e-9, abs=1e-12)
 
 
 def test_mean_confidence_interval_errors():
@@ -294,5 +301,6 @@ def test_batches_split_along_the_task_axis_under_mirrored_strategy():
     parts = strategy.experimental_local_results(sx)
     assert [tuple(p.shape) for p in parts] == [(2, 3, 2), (2, 3, 2)]
     qparts = strategy.experimental_local_results(qy)
-    np.testing.assert_array_equal(np.concatenate([p.numpy() for p in qparts]),
-                                  flat(sampler.batch(0))[3])
+    np.testing.assert_array_equal(
+        np.concatenate([p.numpy() for p in qparts]), flat(sampler.batch(0))[3]
+    )

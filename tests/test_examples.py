@@ -19,6 +19,7 @@ Data: scikit-learn's digits (always there); WordNet (/usr/share/wordnet) and Omn
 (../shared/data/omniglot) skip their tests with the reason when absent. Results at larger
 budgets, and what had to change: docs/examples.md.
 """
+
 import difflib
 import os
 import re
@@ -54,11 +55,20 @@ def changed_lines(name):
 
 def run_example(name, which, *args, timeout=600):
     """Runs examples/<name>/<which>.py as a user does; returns its stdout."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, f"{which}.py", *map(str, args)],
-                          cwd=EXAMPLES / name, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    env = dict(
+        os.environ,
+        TF_CPP_MIN_LOG_LEVEL="3",
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run(
+        [sys.executable, f"{which}.py", *map(str, args)],
+        cwd=EXAMPLES / name,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, f"{name}/{which}.py failed:\n{proc.stderr[-4000:]}"
     return proc.stdout
 
@@ -71,12 +81,14 @@ def metric(stdout, label):
 
 def wordnet_or_skip():
     from trainers.experiments.wordnet import wordnet_dir
+
     if not (wordnet_dir() / "data.noun").exists():
         pytest.skip(f"WordNet not found in {wordnet_dir()} (apt-get install wordnet-base)")
 
 
 def omniglot_or_skip():
     from tf_metaalign.data.omniglot import SMALL_SETS, default_omniglot_root
+
     root = default_omniglot_root()
     if not all((root / f"{s}.zip").exists() or (root / s).is_dir() for s in SMALL_SETS):
         pytest.skip(f"the Omniglot small sets are not in {root}")
@@ -131,13 +143,15 @@ def test_text_classification_original_vs_dotprod():
     class the original stays at chance in 2 epochs, with 2,000 it reached 0.87 or 0.68."""
     wordnet_or_skip()
     args = ("--epochs", 2, "--examples", 4000, "--seed", 0)
-    original = metric(run_example("text_classification_with_transformer", "original", *args),
-                      "Validation accuracy")
-    ported = metric(run_example("text_classification_with_transformer", "ported", *args),
-                    "Validation accuracy")
+    original = metric(
+        run_example("text_classification_with_transformer", "original", *args),
+        "Validation accuracy",
+    )
+    ported = metric(
+        run_example("text_classification_with_transformer", "ported", *args), "Validation accuracy"
+    )
     assert original > 0.8
     assert abs(ported - original) <= 0.08, (original, ported)
-
 
 
 @pytest.mark.slow
@@ -225,16 +239,23 @@ def test_reptile_port_is_the_published_meta_step(inner_training):
     hand = _keras_io_reptile_model()
     initial = hand.get_weights()
     for meta_iter, (images, labels) in enumerate(steps):
-        _hand_meta_step(hand, list(zip(images, labels)), learning_rate,
-                        (1 - meta_iter / meta_iters) * meta_step_size)
+        _hand_meta_step(
+            hand,
+            list(zip(images, labels)),
+            learning_rate,
+            (1 - meta_iter / meta_iters) * meta_step_size,
+        )
 
     model = _keras_io_reptile_model()
     model.set_weights(initial)
-    trainer = ReptileTrainer(model, inner_steps=16, inner_optimizer=learning_rate,
-                             inner_training=inner_training)
+    trainer = ReptileTrainer(
+        model, inner_steps=16, inner_optimizer=learning_rate, inner_training=inner_training
+    )
     schedule = keras.optimizers.schedules.PolynomialDecay(meta_step_size, meta_iters, 0.0)
-    trainer.compile(optimizer=keras.optimizers.SGD(schedule),
-                    loss=keras.losses.SparseCategoricalCrossentropy(reduction="sum"))
+    trainer.compile(
+        optimizer=keras.optimizers.SGD(schedule),
+        loss=keras.losses.SparseCategoricalCrossentropy(reduction="sum"),
+    )
     for images, labels in steps:
         trainer.fit(tf.data.Dataset.from_tensors((images, labels)), verbose=0)
 

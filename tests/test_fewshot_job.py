@@ -1,6 +1,7 @@
 """trainers/fewshot.py and tf_metaalign/data/sinusoid.py: the sinusoid tasks' closed form,
 a real MAML sinusoid check, the paper's speed-up, config errors, and an end-to-end run of
 the program at tiny sizes (a subprocess)."""
+
 import json
 import os
 import subprocess
@@ -28,10 +29,12 @@ def test_sinusoid_batch_is_the_closed_form():
     assert all(a.dtype == np.float32 for a in (sx, sy, qx, qy))
     # y = A sin(x - phase), A ~ U[0.1, 5], phase ~ U[0, pi], x ~ U[-5, 5] (Finn et al.)
     for t in range(6):
-        np.testing.assert_allclose(sy[t, :, 0], amp[t] * np.sin(sx[t, :, 0] - phase[t]),
-                                   rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(qy[t, :, 0], amp[t] * np.sin(qx[t, :, 0] - phase[t]),
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            sy[t, :, 0], amp[t] * np.sin(sx[t, :, 0] - phase[t]), rtol=1e-5, atol=1e-5
+        )
+        np.testing.assert_allclose(
+            qy[t, :, 0], amp[t] * np.sin(qx[t, :, 0] - phase[t]), rtol=1e-5, atol=1e-5
+        )
     assert np.all((amp >= 0.1) & (amp <= 5.0)) and np.all((phase >= 0) & (phase <= np.pi))
     assert np.all(np.abs(np.concatenate([sx, qx], 1)) <= 5.0)
     # a pure function of (seed, i)
@@ -53,8 +56,9 @@ def test_sinusoid_arguments_are_checked():
 
 def test_maml_sinusoid_adaptation_beats_the_meta_initialisation():
     config = fewshot.Config(sinusoid_tasks_per_batch=10, sinusoid_test_tasks=30)
-    out = fewshot.run_sinusoid(config, seed=0, gradient_sharing=False, log=lambda m: None,
-                               steps=800)
+    out = fewshot.run_sinusoid(
+        config, seed=0, gradient_sharing=False, log=lambda m: None, steps=800
+    )
     # The meta-initialisation alone predicts about the mean wave: MSE ~ E[A^2]/2 ~ 4.
     assert out["mse_0"] > 1.0
     # Adapting on the 10 support points must lower the held-out query MSE, clearly.
@@ -84,12 +88,22 @@ def test_speed_up_is_the_papers_formula():
 
 def test_speed_ups_pairs_runs_of_the_same_setting():
     def run(method, tb, curve):
-        return {"method": method, "task_batch": tb, "inner_lr_scale": 1.0, "seed": 0,
-                "val_curve": curve, "best_epoch": fewshot.first_epoch_of_best(curve),
-                "best_val": max(curve)}
+        return {
+            "method": method,
+            "task_batch": tb,
+            "inner_lr_scale": 1.0,
+            "seed": 0,
+            "val_curve": curve,
+            "best_epoch": fewshot.first_epoch_of_best(curve),
+            "best_val": max(curve),
+        }
 
-    runs = [run("maml", 5, [0.1, 0.2, 0.3, 0.4]), run("maml_gs", 5, [0.1, 0.4, 0.3, 0.2]),
-            run("maml", 1, [0.3, 0.2]), run("metasgd_gs", 1, [0.1, 0.2])]
+    runs = [
+        run("maml", 5, [0.1, 0.2, 0.3, 0.4]),
+        run("maml_gs", 5, [0.1, 0.4, 0.3, 0.2]),
+        run("maml", 1, [0.3, 0.2]),
+        run("metasgd_gs", 1, [0.1, 0.2]),
+    ]
     speed = fewshot.speed_ups(runs)
     assert len(speed) == 1  # tb 1 has no maml_gs; metasgd_gs has no metasgd
     assert speed[0]["task_batch"] == 5 and speed[0]["speed_up"] == pytest.approx(1.0)
@@ -100,17 +114,19 @@ def test_speed_ups_pairs_runs_of_the_same_setting():
 
 
 def test_config_errors_name_the_argument():
-    cases = [(dict(methods=("maml", "nope")), "`methods`"),
-             (dict(methods=()), "`methods`"),
-             (dict(task_batch_sizes=(5, 0)), "`task_batch_sizes`"),
-             (dict(seeds=()), "`seeds`"),
-             (dict(inner_learning_rate_scales=(1.0, -10.0)), "`inner_learning_rate_scales`"),
-             (dict(inner_steps=0), "`inner_steps`"),
-             (dict(outer_learning_rate=0.0), "`outer_learning_rate`"),
-             (dict(test_classes=10), "`test_classes`"),
-             (dict(validation_classes=3), "`validation_classes`"),
-             (dict(shots=10, queries=15), "`shots`"),
-             (dict(filters=1.5), "`filters`")]
+    cases = [
+        (dict(methods=("maml", "nope")), "`methods`"),
+        (dict(methods=()), "`methods`"),
+        (dict(task_batch_sizes=(5, 0)), "`task_batch_sizes`"),
+        (dict(seeds=()), "`seeds`"),
+        (dict(inner_learning_rate_scales=(1.0, -10.0)), "`inner_learning_rate_scales`"),
+        (dict(inner_steps=0), "`inner_steps`"),
+        (dict(outer_learning_rate=0.0), "`outer_learning_rate`"),
+        (dict(test_classes=10), "`test_classes`"),
+        (dict(validation_classes=3), "`validation_classes`"),
+        (dict(shots=10, queries=15), "`shots`"),
+        (dict(filters=1.5), "`filters`"),
+    ]
     for kwargs, name in cases:
         with pytest.raises(ValueError, match=name):
             fewshot.Config(**kwargs).check()
@@ -124,16 +140,33 @@ def test_config_errors_name_the_argument():
 @pytest.mark.skipif(not OMNIGLOT.is_file(), reason="the Omniglot small sets are not here")
 def test_program_end_to_end(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "trainers.fewshot", "--methods=maml,maml_gs",
-           "--task_batch_sizes=1", "--epochs=2", "--steps_per_epoch=2", "--filters=4",
-           "--validation_episodes=4", "--test_episodes=4", "--nosinusoid",
-           "--log_every=2", f"--output_dir={out}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainers.fewshot",
+        "--methods=maml,maml_gs",
+        "--task_batch_sizes=1",
+        "--epochs=2",
+        "--steps_per_epoch=2",
+        "--filters=4",
+        "--validation_episodes=4",
+        "--test_episodes=4",
+        "--nosinusoid",
+        "--log_every=2",
+        f"--output_dir={out}",
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stdout
-    for needle in ("5-way 1-shot", "20-way 1-shot", "official 20 runs", "Speed-up",
-                   "maml vs maml_gs", "val acc"):
+    for needle in (
+        "5-way 1-shot",
+        "20-way 1-shot",
+        "official 20 runs",
+        "Speed-up",
+        "maml vs maml_gs",
+        "val acc",
+    ):
         assert needle in text, needle
     result = json.loads((out / "results.json").read_text())
     assert [r["method"] for r in result["runs"]] == ["maml", "maml_gs"]
@@ -148,7 +181,8 @@ def test_program_end_to_end(tmp_path):
     assert "sharing_m" not in result["runs"][0]
     (speed,) = result["speed_ups"]
     assert speed["speed_up"] == pytest.approx(
-        (speed["epoch_og"] - speed["epoch_gs"]) / speed["epoch_gs"])
+        (speed["epoch_og"] - speed["epoch_gs"]) / speed["epoch_gs"]
+    )
     # the sinusoid run is tested on its own above (run_sinusoid); here it is off
     assert result["sinusoid"] == [] and "Sinusoid" not in text
     for png in ("val_accuracy.png", "sharing.png"):

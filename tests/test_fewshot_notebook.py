@@ -7,6 +7,7 @@ accuracy and gates, plotted), and a table of 5-way 1-shot test accuracy (95% CI)
 
 Needs the Omniglot files in ../shared/data/omniglot (or $TF_METAALIGN_OMNIGLOT_DIR);
 skipped, with the reason, without them."""
+
 import math
 import re
 
@@ -55,18 +56,24 @@ def test_characters_split_and_drawn(executed):
 def test_one_five_way_one_shot_meta_batch(executed):
     nb, _ = executed
     out = NB.stdout(NB.cell(nb, "train_episodes.batch(0)"))
-    assert ("EpisodeSampler(num_classes=170, ways=5, shots=1, queries=5, tasks_per_batch=2, "
-            "seed=0)") in out, out
-    shapes = {m.group(1): (m.group(2), m.group(3)) for m in re.finditer(
-        r"^(\w+)\s+(\([\d, ]+\))\s+(\w+)$", out, flags=re.M)}
-    assert shapes == {"support_x": ("(2, 5, 28, 28, 1)", "float32"),
-                      "support_y": ("(2, 5)", "int32"),
-                      "query_x": ("(2, 25, 28, 28, 1)", "float32"),
-                      "query_y": ("(2, 25)", "int32")}, out
+    assert (
+        "EpisodeSampler(num_classes=170, ways=5, shots=1, queries=5, tasks_per_batch=2, seed=0)"
+    ) in out, out
+    shapes = {
+        m.group(1): (m.group(2), m.group(3))
+        for m in re.finditer(r"^(\w+)\s+(\([\d, ]+\))\s+(\w+)$", out, flags=re.M)
+    }
+    assert shapes == {
+        "support_x": ("(2, 5, 28, 28, 1)", "float32"),
+        "support_y": ("(2, 5)", "int32"),
+        "query_x": ("(2, 25, 28, 28, 1)", "float32"),
+        "query_y": ("(2, 25)", "int32"),
+    }, out
     # Class-major layout: one shot per way, then 5 queries per way.
     assert "support_y of task 0: [0 1 2 3 4]" in out, out
-    assert "query_y of task 0: [" + " ".join(str(j) for j in range(5) for _ in range(5)) + "]" \
-        in out, out
+    assert (
+        "query_y of task 0: [" + " ".join(str(j) for j in range(5) for _ in range(5)) + "]" in out
+    ), out
 
 
 def test_maml_and_gradient_sharing_fit_history_and_plots(executed):
@@ -75,8 +82,9 @@ def test_maml_and_gradient_sharing_fit_history_and_plots(executed):
     for method in METHODS:
         line = next(l for l in out.splitlines() if l.startswith(method + " "))
         assert re.search(rf"{method}\s+200 meta-batches in\s+{NUMBER} s", line), line
-        train, val = map(float, re.search(
-            rf"train ({NUMBER}), validation ({NUMBER})", line).groups())
+        train, val = map(
+            float, re.search(rf"train ({NUMBER}), validation ({NUMBER})", line).groups()
+        )
         assert 0.0 <= train <= 1.0 and 0.0 <= val <= 1.0, line
         keys = line.split("History: ")[1].split(", ")
         assert {"loss", "accuracy", "val_accuracy", "val_loss", "support_loss"} <= set(keys)
@@ -85,8 +93,12 @@ def test_maml_and_gradient_sharing_fit_history_and_plots(executed):
     # Validation accuracy of both methods and sigmoid(m), sigmoid(lambda), drawn inline.
     cell = NB.cell(nb, 'history["sharing_m"]')
     assert NB.has_png(cell)
-    gates = {name: [float(v) for v in re.findall(NUMBER, row)] for name, row in re.findall(
-        r"^sigmoid\((m|lambda)\) per epoch:\s+\[(.*)\]$", NB.stdout(cell), flags=re.M)}
+    gates = {
+        name: [float(v) for v in re.findall(NUMBER, row)]
+        for name, row in re.findall(
+            r"^sigmoid\((m|lambda)\) per epoch:\s+\[(.*)\]$", NB.stdout(cell), flags=re.M
+        )
+    }
     assert sorted(gates) == ["lambda", "m"], NB.stdout(cell)
     for values in gates.values():  # one per epoch, sigmoids that start near sigmoid(0)
         assert len(values) == 8 and all(0.0 < v < 1.0 for v in values), values
@@ -100,8 +112,11 @@ def test_evaluation_table_five_way_ci_and_lakes_runs(executed):
     assert lines[0].split()[:3] == ["method", "5-way", "val"], out
     for method in METHODS:
         row = next(l for l in lines if l.startswith(method + " "))
-        m = re.fullmatch(rf"{method}\s+({NUMBER})\s+({NUMBER}) ± ({NUMBER})\s+({NUMBER}) ± "
-                         rf"({NUMBER})\s+({NUMBER})", row.strip())
+        m = re.fullmatch(
+            rf"{method}\s+({NUMBER})\s+({NUMBER}) ± ({NUMBER})\s+({NUMBER}) ± "
+            rf"({NUMBER})\s+({NUMBER})",
+            row.strip(),
+        )
         assert m, row
         values = [float(v) for v in m.groups()]
         assert all(math.isfinite(v) for v in values), row

@@ -1,5 +1,6 @@
 """`python -m trainers.finetune` end to end (digits, tiny flags), the shared program
 helpers, and the Colab quick-start notebook executed top to bottom."""
+
 import json
 import math
 import os
@@ -17,13 +18,23 @@ def _run_job(*args, timeout=120):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
     return subprocess.run(
         [sys.executable, "-m", "trainers.finetune", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
 def test_finetune_digits_end_to_end(tmp_path):
-    proc = _run_job("--dataset=digits", "--steps=6", "--log_every=3", "--batch_size=32",
-                    "--weight=0.3", f"--output_dir={tmp_path}")
+    proc = _run_job(
+        "--dataset=digits",
+        "--steps=6",
+        "--log_every=3",
+        "--batch_size=32",
+        "--weight=0.3",
+        f"--output_dir={tmp_path}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     # The table: a header row and one row per run.
@@ -41,8 +52,9 @@ def test_finetune_digits_end_to_end(tmp_path):
         assert any(phase in l for l in progress), (phase, progress)
     for name in ("baseline", "dotprod"):
         for step in ("1/6", "3/6", "6/6"):
-            assert any(l.startswith("[") and f"] {name}: step {step}  loss " in l
-                       for l in progress), (name, step, progress)
+            assert any(
+                l.startswith("[") and f"] {name}: step {step}  loss " in l for l in progress
+            ), (name, step, progress)
         assert any(f"] {name}: test acc " in l for l in progress)
     assert "UserWarning" not in out + proc.stderr, proc.stderr[-3000:]
     assert "WARNING" not in proc.stderr, proc.stderr[-3000:]
@@ -51,8 +63,14 @@ def test_finetune_digits_end_to_end(tmp_path):
     assert results["flags"]["steps"] == 6 and results["flags"]["dataset"] == "digits"
     assert results["dataset"]["num_classes"] == 10 and results["dataset"]["test_examples"] == 450
     for r in results["runs"]:
-        for key in ("test_accuracy", "test_loss", "mean_grad_dot", "mean_grad_cosine",
-                    "step_time_s", "first_step_s"):
+        for key in (
+            "test_accuracy",
+            "test_loss",
+            "mean_grad_dot",
+            "mean_grad_cosine",
+            "step_time_s",
+            "first_step_s",
+        ):
             assert isinstance(r[key], float) and math.isfinite(r[key]), (key, r)
         assert 0.0 <= r["test_accuracy"] <= 1.0 and r["step_time_s"] > 0
     assert results["runs"][1]["weight"] == 0.3 and results["runs"][0]["weight"] == 0.0
@@ -65,12 +83,21 @@ def test_finetune_digits_end_to_end(tmp_path):
     # (they differ only through the regulariser's effect on steps 2-3).
     h = results["history"]
     assert abs(h["baseline"]["grad_dot"][0] - h["dotprod"]["grad_dot"][0]) < 0.5 * abs(
-        h["baseline"]["grad_dot"][0])
+        h["baseline"]["grad_dot"][0]
+    )
 
 
 def test_finetune_single_algorithm_and_bad_flags(tmp_path):
-    proc = _run_job("--dataset=digits", "--algorithm=dotprod", "--steps=2", "--log_every=2",
-                    "--batch_size=16", "--every=2", "--method=exact", f"--output_dir={tmp_path}")
+    proc = _run_job(
+        "--dataset=digits",
+        "--algorithm=dotprod",
+        "--steps=2",
+        "--log_every=2",
+        "--batch_size=16",
+        "--every=2",
+        "--method=exact",
+        f"--output_dir={tmp_path}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert [r["run"] for r in results["runs"]] == ["dotprod"]
@@ -82,8 +109,12 @@ def test_finetune_single_algorithm_and_bad_flags(tmp_path):
 
     flags.FLAGS.unparse_flags()
     try:
-        for argv, name in ((["--steps=0"], "--steps"), (["--batch_size=1"], "--batch_size"),
-                           (["--alpha=fast"], "--alpha"), (["--weight=-1"], "--weight")):
+        for argv, name in (
+            (["--steps=0"], "--steps"),
+            (["--batch_size=1"], "--batch_size"),
+            (["--alpha=fast"], "--alpha"),
+            (["--weight=-1"], "--weight"),
+        ):
             flags.FLAGS(["finetune", *argv])
             with pytest.raises(ValueError, match=name):
                 finetune.check_flags()
@@ -104,9 +135,10 @@ def test_common_helpers(tmp_path):
     assert table.splitlines()[0].split() == ["run", "x", "why"]
     assert table.splitlines()[2].split() == ["a", "1.23", "n/a"]
     assert table.splitlines()[3].split() == ["bb", "2.00", "-"]
-    path = common.write_json(tmp_path / "d" / "r.json",
-                             {"a": np.float32(1.5), "b": np.arange(2), "c": float("inf"),
-                              "p": tmp_path})
+    path = common.write_json(
+        tmp_path / "d" / "r.json",
+        {"a": np.float32(1.5), "b": np.arange(2), "c": float("inf"), "p": tmp_path},
+    )
     assert json.loads(path.read_text()) == {"a": 1.5, "b": [0, 1], "c": None, "p": str(tmp_path)}
     with pytest.raises(ValueError, match="output_dir"):
         common.prepare_output_dir("")
@@ -129,24 +161,31 @@ def test_startup_log_filter_and_progress_callback():
         "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
         "I0000 00:00:1795398117.552194    6243 port.cc:153] oneDNN custom operations are on.\n"
         "W0000 00:00:1795398117.6    6243 some_file.cc:12] a warning\n"
-        "E0000 00:00:1795398119.141297    6243 cuda_platform.cc:52] failed call to cuInit: INTERNAL\n"
+        "E0000 00:00:1795398119.141297    6243 cuda_platform.cc:52] failed call to cuInit: "
+        "INTERNAL\n"
         "E0000 00:00:1795398119.2    6243 other.cc:1] a real error\n"
         "a Python line\n"
     )
     assert startup.filter_startup_log(log, 2, have_gpu=False) == (
-        "E0000 00:00:1795398119.2    6243 other.cc:1] a real error\na Python line\n")
+        "E0000 00:00:1795398119.2    6243 other.cc:1] a real error\na Python line\n"
+    )
     kept = startup.filter_startup_log(log, 0, have_gpu=True).splitlines()
     assert len(kept) == 5 and not any("absl::InitializeLog" in l for l in kept)
     assert any("cuInit" in l for l in kept)  # with a GPU, a failed cuInit matters
 
     lines = []
-    callback = common.ProgressCallback(lines.append, "run", total_steps=5, every=2,
-                                       metrics=("loss", "grad_dot"))
+    callback = common.ProgressCallback(
+        lines.append, "run", total_steps=5, every=2, metrics=("loss", "grad_dot")
+    )
     callback.on_train_begin()
     for step in range(5):
         callback.on_train_batch_end(step, {"loss": 1.0 + step, "grad_dot": 0.5, "accuracy": 0.1})
-    assert [l.split("  ")[0] for l in lines] == ["run: step 1/5", "run: step 2/5",
-                                                  "run: step 4/5", "run: step 5/5"]
+    assert [l.split("  ")[0] for l in lines] == [
+        "run: step 1/5",
+        "run: step 2/5",
+        "run: step 4/5",
+        "run: step 5/5",
+    ]
     assert "loss 1.0000  grad_dot 0.5000  first step" in lines[0] and "accuracy" not in lines[0]
     assert "ms/step" in lines[1]
 
@@ -158,12 +197,18 @@ def test_colab_quickstart_notebook_runs_offline():
     pytest.importorskip("matplotlib", reason="pip install matplotlib")
     nb = nbformat.read(ROOT / "colab" / "dotprod_quickstart.ipynb", as_version=4)
     start = time.perf_counter()
-    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
-                            resources={"metadata": {"path": str(ROOT)}}).execute()
+    nbclient.NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+    ).execute()
     elapsed = time.perf_counter() - start
-    outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                      for o in c.get("outputs", []))
+    outputs = "".join(
+        o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+    )
     assert "baseline" in outputs and "dotprod" in outputs
-    assert any("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
-               for o in c.get("outputs", []))
+    assert any(
+        "image/png" in o.get("data", {})
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+    )
     assert elapsed < 60, f"notebook took {elapsed:.0f} s (budget: 60 s)"

@@ -7,6 +7,7 @@ way: a float64 run then differs from its float64 NumPy oracle by ~1e-9 relative 
 0.3, ...) and compares a float64 run with a NumPy re-derivation at ~1e-13, where any
 float32 rounding of a hyperparameter shows (relative error >= 1e-9).
 """
+
 import keras
 import numpy as np
 import pytest
@@ -81,8 +82,11 @@ def test_scalar_helper():
 # ------------------------------------------------------------------ Reptile family
 
 
-@pytest.mark.parametrize("make_optimizer", [lambda: keras.optimizers.SGD(0.1),
-                                            lambda: O.SGD(0.1)], ids=["keras_sgd", "ours"])
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [lambda: keras.optimizers.SGD(0.1), lambda: O.SGD(0.1)],
+    ids=["keras_sgd", "ours"],
+)
 def test_sequential_reptile_float64_equals_numpy(float64, make_optimizer):
     """6 steps, k = 3, eta = 0.4, inner SGD(0.1): NumPy to 1e-13 (was ~1e-9 off)."""
     x, y = _data(48)
@@ -93,7 +97,7 @@ def test_sequential_reptile_float64_equals_numpy(float64, make_optimizer):
     trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     theta = [p.copy() for p in phi]
     for step in range(6):
-        xb, yb = x[8 * step: 8 * step + 8], y[8 * step: 8 * step + 8]
+        xb, yb = x[8 * step : 8 * step + 8], y[8 * step : 8 * step + 8]
         theta = [t - lr * g for t, g in zip(theta, _grad(theta, xb, yb))]
         if (step + 1) % k == 0:
             phi = [p + eta * (t - p) for p, t in zip(phi, theta)]
@@ -106,7 +110,9 @@ def test_outer_update_takes_eta_exactly(float64):
     phi = [tf.constant([1.0, -2.0], tf.float64)]
     theta = [tf.constant([3.0, 5.0], tf.float64)]
     out = A.reptile.outer_update(phi, theta, 0.4)
-    np.testing.assert_array_equal(out[0].numpy(), np.array([1.0, -2.0]) + 0.4 * np.array([2.0, 7.0]))
+    np.testing.assert_array_equal(
+        out[0].numpy(), np.array([1.0, -2.0]) + 0.4 * np.array([2.0, 7.0])
+    )
 
 
 def _stacked(x, y, k, b):
@@ -124,15 +130,16 @@ def test_reptile_float64_equals_numpy(float64, inner, outer):
     k, eps, lr = 3, 0.3, 0.1
     inner_optimizer = O.SGD(lr) if inner == "ours" else lr
     trainer = ReptileTrainer(_linear(6), inner_steps=k, inner_optimizer=inner_optimizer)
-    trainer.compile(optimizer=O.SGD(eps) if outer == "ours" else keras.optimizers.SGD(eps),
-                    loss="mse")
+    trainer.compile(
+        optimizer=O.SGD(eps) if outer == "ours" else keras.optimizers.SGD(eps), loss="mse"
+    )
     phi = _weights(trainer.model)
     trainer.fit(_stacked(x, y, k, 8), verbose=0, shuffle=False)
     for element in range(2):
         theta = [p.copy() for p in phi]
         for i in range(k):
             s = 8 * (k * element + i)
-            theta = [t - lr * g for t, g in zip(theta, _grad(theta, x[s:s + 8], y[s:s + 8]))]
+            theta = [t - lr * g for t, g in zip(theta, _grad(theta, x[s : s + 8], y[s : s + 8]))]
         phi = [p + eps * (t - p) for p, t in zip(phi, theta)]
     _assert_close(_weights(trainer.model), phi)
 
@@ -148,9 +155,11 @@ def test_fomaml_float64_equals_numpy(float64):
         theta = [p.copy() for p in phi]
         for i in range(k):
             s = 8 * ((k + 1) * element + i)
-            theta = [t - inner_lr * g for t, g in zip(theta, _grad(theta, x[s:s + 8], y[s:s + 8]))]
+            theta = [
+                t - inner_lr * g for t, g in zip(theta, _grad(theta, x[s : s + 8], y[s : s + 8]))
+            ]
         s = 8 * ((k + 1) * element + k)
-        phi = [p - lr * g for p, g in zip(phi, _grad(theta, x[s:s + 8], y[s:s + 8]))]
+        phi = [p - lr * g for p, g in zip(phi, _grad(theta, x[s : s + 8], y[s : s + 8]))]
     _assert_close(_weights(trainer.model), phi)
 
 
@@ -191,15 +200,17 @@ def test_optimizer_float64_update_equals_numpy(float64, case, how):
         if how == "apply_gradients":
             opt.apply_gradients(zip([tf.constant(g) for g in grads], variables))
         else:
-            params, state = opt.apply_on_tensors([tf.constant(g) for g in grads], params,
-                                                 state, variables)
+            params, state = opt.apply_on_tensors(
+                [tf.constant(g) for g in grads], params, state, variables
+            )
         if config.oracle.get("clipnorm") is not None:
             c = config.oracle["clipnorm"]
             norm = np.sqrt(sum(np.sum(np.square(g)) for g in grads))
             grads = [g * c / max(norm, c) for g in grads]
         ws = [oracle(config.oracle, p, w, g, s, t) for p, w, g, s in zip(paths, ws, grads, states)]
-    got = [v.numpy() for v in variables] if how == "apply_gradients" else [
-        p.numpy() for p in params]
+    got = (
+        [v.numpy() for v in variables] if how == "apply_gradients" else [p.numpy() for p in params]
+    )
     for path, a, b in zip(paths, got, ws):
         assert a.dtype == np.float64
         np.testing.assert_allclose(a, b, **RULE_TOL, err_msg=f"{case} {path}")
@@ -241,8 +252,9 @@ def test_fixed_learning_rate_is_held_in_float64_under_float32():
     # A float64 tensor step under floatx float32 (e.g. guided learning's raw values).
     p = [tf.constant([1.0, 2.0], tf.float64)]
     var = keras.Variable(np.zeros(2), dtype="float64")
-    new, _ = O.SGD(0.1).apply_on_tensors([tf.constant([1.0, 3.0], tf.float64)], p,
-                                         O.SGD(0.1).initial_state([var]), [var])
+    new, _ = O.SGD(0.1).apply_on_tensors(
+        [tf.constant([1.0, 3.0], tf.float64)], p, O.SGD(0.1).initial_state([var]), [var]
+    )
     np.testing.assert_array_equal(new[0].numpy(), [1.0 - 0.1 * 1.0, 2.0 - 0.1 * 3.0])
 
 
@@ -283,12 +295,16 @@ def test_fomaml_trainer_float64_equals_numpy(float64, multi_step_loss):
 
     x, y = _maml_tasks(6, seed=8)
     k, alpha, lr = 3, 0.1, 0.3
-    trainer = MAMLTrainer(_linear(6), inner_steps=k, inner_learning_rate=alpha,
-                          first_order=True, multi_step_loss=multi_step_loss)
+    trainer = MAMLTrainer(
+        _linear(6),
+        inner_steps=k,
+        inner_learning_rate=alpha,
+        first_order=True,
+        multi_step_loss=multi_step_loss,
+    )
     trainer.compile(optimizer=O.SGD(lr), loss=keras.losses.MeanSquaredError())
     phi = _weights(trainer.model)
-    trainer.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(3, drop_remainder=True),
-                verbose=0)
+    trainer.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(3, drop_remainder=True), verbose=0)
     for start in (0, 3):
         grad = [np.zeros_like(p) for p in phi]
         for t in range(start, start + 3):
@@ -306,8 +322,9 @@ def test_fomaml_trainer_float64_equals_numpy(float64, multi_step_loss):
 def test_maml_learned_inner_learning_rates_start_exactly(float64, learn):
     from tf_metaalign.trainers import MAMLTrainer
 
-    trainer = MAMLTrainer(_linear(0), inner_steps=2, inner_learning_rate=0.1,
-                          learn_inner_learning_rates=learn)
+    trainer = MAMLTrainer(
+        _linear(0), inner_steps=2, inner_learning_rate=0.1, learn_inner_learning_rates=learn
+    )
     for v in trainer.inner_learning_rate_variables:
         assert v.dtype == "float64"
         np.testing.assert_array_equal(v.numpy(), np.full(v.shape, 0.1))
@@ -318,8 +335,7 @@ def test_multi_step_loss_weights_in_float64(float64):
 
     w = M.multi_step_loss_weights(3, 2, 10, dtype=tf.float64).numpy()
     decay = 1.0 / 3 / 10
-    np.testing.assert_allclose(w, [1 / 3 - 2 * decay] * 2 + [1 / 3 + 2 * 2 * decay],
-                               rtol=1e-15)
+    np.testing.assert_allclose(w, [1 / 3 - 2 * decay] * 2 + [1 / 3 + 2 * 2 * decay], rtol=1e-15)
 
 
 # ------------------------------------------------------------------ Meta DotProd
@@ -334,14 +350,13 @@ def test_dotprod_trainer_float64_equals_numpy(float64, method):
 
     x, y = _data(16)
     weight, alpha, lr = 0.1, 0.3, 0.1
-    trainer = DotProdTrainer(_linear(3), weight=weight, alpha=alpha, method=method,
-                             alignment="dot")
+    trainer = DotProdTrainer(_linear(3), weight=weight, alpha=alpha, method=method, alignment="dot")
     trainer.compile(optimizer=O.SGD(lr), loss="mse")
     theta = _weights(trainer.model)
     history = trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     losses = []
     for s in (0, 8):
-        b1, b2 = (x[s:s + 4], y[s:s + 4]), (x[s + 4:s + 8], y[s + 4:s + 8])
+        b1, b2 = (x[s : s + 4], y[s : s + 4]), (x[s + 4 : s + 8], y[s + 4 : s + 8])
         g1, g2 = _grad(theta, *b1), _grad(theta, *b2)
         if method == "exact":  # H2 G1 = G2(theta + G1) - G2(theta): affine gradient
             reg = [-(a - b) for a, b in zip(_grad([t + g for t, g in zip(theta, g1)], *b2), g2)]
@@ -380,8 +395,7 @@ def test_dotprod_two_replicas_uneven_batch_float64_equals_numpy(float64):
     b2 = (x[[2, 3, 6, 7]], y[[2, 3, 6, 7]])
     g1, g2 = _grad(theta, *b1), _grad(theta, *b2)
     g21 = _grad([t - alpha * g for t, g in zip(theta, g1)], *b2)
-    theta = [t - lr * (a + b + weight * (c - b) / alpha)
-             for t, a, b, c in zip(theta, g1, g2, g21)]
+    theta = [t - lr * (a + b + weight * (c - b) / alpha) for t, a, b, c in zip(theta, g1, g2, g21)]
     # Step 2: 3 examples, a plain step on (b, b): 2 * the gradient of the global mean.
     theta = [t - lr * 2.0 * g for t, g in zip(theta, _grad(theta, x[8:], y[8:]))]
     _assert_close(_weights(trainer.model), theta, dict(rtol=1e-12, atol=1e-15))
@@ -405,15 +419,14 @@ def test_guided_trainer_float64_equals_numpy(float64, momentum):
     xg, yg = _data(6, seed=5)
     lr, meta_lr = 0.1, 0.3
     trainer = GuidedTrainer(_linear(2), (xg, yg), meta_optimizer=O.SGD(meta_lr))
-    trainer.compile(O.SGD(lr) if momentum is None else O.SGD(lr, momentum=momentum),
-                    loss="mse")
+    trainer.compile(O.SGD(lr) if momentum is None else O.SGD(lr, momentum=momentum), loss="mse")
     theta = _weights(trainer.model)
     trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     m = [np.zeros_like(t) for t in theta]
     raw_lr = 0.0
     raw_mu = None if momentum is None else np.log(momentum) - np.log1p(-momentum)
     for s in range(0, 24, 8):
-        g = _grad(theta, x[s:s + 8], y[s:s + 8])
+        g = _grad(theta, x[s : s + 8], y[s : s + 8])
         lr_eff = lr * np.exp(raw_lr)
         if raw_mu is None:
             new = [t - lr_eff * a for t, a in zip(theta, g)]
@@ -452,8 +465,9 @@ def test_combine_takes_python_coefficients_exactly():
     g = [[tf.constant([1.0, 3.0], tf.float64)], [tf.constant([-2.0, 5.0], tf.float64)]]
     out = S.combine(g, [0.1, 0.4])
     assert out[0].dtype == tf.float64
-    np.testing.assert_array_equal(out[0].numpy(),
-                                  0.1 * np.array([1.0, 3.0]) + 0.4 * np.array([-2.0, 5.0]))
+    np.testing.assert_array_equal(
+        out[0].numpy(), 0.1 * np.array([1.0, 3.0]) + 0.4 * np.array([-2.0, 5.0])
+    )
 
 
 def test_gradnorm_update_takes_python_lists_exactly():
@@ -461,11 +475,12 @@ def test_gradnorm_update_takes_python_lists_exactly():
 
     w = np.array([1.3, 0.7])
     norms, losses, initial = [0.3, 0.9], [0.7, 0.2], [1.1, 0.6]
-    out = S.gradnorm_update(tf.constant(w), norms, losses, initial, alpha=1.5,
-                            learning_rate=0.1).numpy()
+    out = S.gradnorm_update(
+        tf.constant(w), norms, losses, initial, alpha=1.5, learning_rate=0.1
+    ).numpy()
     ratio = np.array(losses) / np.array(initial)
     r = ratio / ratio.mean()
-    target = (w * np.array(norms)).mean() * r ** 1.5
+    target = (w * np.array(norms)).mean() * r**1.5
     new = w - 0.1 * np.sign(w * np.array(norms) - target) * np.array(norms)
     np.testing.assert_allclose(out, new * 2 / new.sum(), **TOL)
 
@@ -477,11 +492,13 @@ def test_gradient_sharing_gates_take_python_logits_exactly():
     g = [tf.constant([0.5, 3.0], tf.float64)]
     s = _sigmoid(0.4)
     out = GradientSharing.combine(h, g, 0.4)[0].numpy()
-    np.testing.assert_allclose(out, s * np.array([1.0, -2.0]) + (1 - s) * np.array([0.5, 3.0]),
-                               **TOL)
+    np.testing.assert_allclose(
+        out, s * np.array([1.0, -2.0]) + (1 - s) * np.array([0.5, 3.0]), **TOL
+    )
     out = GradientSharing.update_g_hat(g, h, 0.4, True)[0].numpy()
-    np.testing.assert_allclose(out, s * np.array([0.5, 3.0]) + (1 - s) * np.array([1.0, -2.0]),
-                               **TOL)
+    np.testing.assert_allclose(
+        out, s * np.array([0.5, 3.0]) + (1 - s) * np.array([1.0, -2.0]), **TOL
+    )
 
 
 def test_dotprod_gradient_scale_is_exact(float64):
@@ -497,9 +514,16 @@ def test_dotprod_gradient_scale_is_exact(float64):
         return value * 0.3, aux
 
     params = F.current_params(model)
-    r = dotprod_gradient(scaled, params, F.current_state(model), (x[:4], y[:4]),
-                         (x[4:], y[4:]), weight=0.1, alpha=0.3, gradient_scale=0.3)
+    r = dotprod_gradient(
+        scaled,
+        params,
+        F.current_state(model),
+        (x[:4], y[:4]),
+        (x[4:], y[4:]),
+        weight=0.1,
+        alpha=0.3,
+        gradient_scale=0.3,
+    )
     theta = [p.numpy() for p in params]
     g1, g2 = _grad(theta, x[:4], y[:4]), _grad(theta, x[4:], y[4:])
-    np.testing.assert_allclose(float(r.grad_dot), sum(np.sum(a * b) for a, b in zip(g1, g2)),
-                               **TOL)
+    np.testing.assert_allclose(float(r.grad_dot), sum(np.sum(a * b) for a, b in zip(g1, g2)), **TOL)

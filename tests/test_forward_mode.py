@@ -4,6 +4,7 @@ The guided-learning hypergradient is <v, tangent>, so every optimizer rule's tan
 respect to every hyperparameter it reads is checked here, together with the promise that
 the primal is exactly `rule.update` (the committed update is the optimizer's update).
 """
+
 import keras
 import numpy as np
 import pytest
@@ -16,8 +17,12 @@ from tf_metaalign import optimizers as O
 #: variables of several ranks, with paths that switch the path-dependent options (a bias:
 #: no weight decay or layer adaptation in AdamWeightDecay/Lamb, no parameter scale in
 #: adafactor_t5_momentum).
-VARIABLES = [("dense/kernel", (6, 4)), ("einsum/kernel", (2, 3, 5)), ("dense/bias", (7,)),
-             ("scalar/w", ())]
+VARIABLES = [
+    ("dense/kernel", (6, 4)),
+    ("einsum/kernel", (2, 3, 5)),
+    ("dense/bias", (7,)),
+    ("scalar/w", ()),
+]
 
 
 def _linear_in_learning_rate(opt):
@@ -75,7 +80,9 @@ def test_rule_tangent_equals_central_difference_and_primal_is_the_update(key, va
         hp = {n: tf.constant(hv[n], tf.float64) for n in names}
         return rule.update(g, w, slots, hp, step, options)
 
-    duals = {n: fm.seed(tf.constant(values[n], tf.float64), len(names), k) for k, n in enumerate(names)}
+    duals = {
+        n: fm.seed(tf.constant(values[n], tf.float64), len(names), k) for k, n in enumerate(names)
+    }
     new_w, new_slots = rule.update(g, w, slots, duals, step, options)
     tangents = fm.tangents(new_w, len(names))
 
@@ -106,8 +113,10 @@ def test_primal_is_bitwise_the_float32_update_in_a_graph(key):
     w = tf.constant(rng.normal(size=shape), tf.float32)
     g = tf.constant(rng.normal(size=shape) * 1e-2, tf.float32)
     options = rule.default_options(shape)
-    slots = {n: tf.constant(rng.uniform(1e-6, 1e-3, size=s), tf.float32)
-             for n, s in rule.slot_shapes(shape, options).items()}
+    slots = {
+        n: tf.constant(rng.uniform(1e-6, 1e-3, size=s), tf.float32)
+        for n, s in rule.slot_shapes(shape, options).items()
+    }
     hp = {n: tf.constant(v, tf.float64) for n, v in _hyperparameters(rule).items()}
     hp["learning_rate"] = tf.constant(1e-3, tf.float32)
 
@@ -125,17 +134,22 @@ def test_elementary_chain_rules():
     x, y = 1.7, 0.6
 
     def f(a, b):
-        return (a ** b) * tf.sqrt(a) / tf.exp(b) - tf.math.rsqrt(a) + tf.square(b) * tf.sigmoid(a)
+        return (a**b) * tf.sqrt(a) / tf.exp(b) - tf.math.rsqrt(a) + tf.square(b) * tf.sigmoid(a)
 
     def f64(a, b):
         return f(tf.constant(a, tf.float64), tf.constant(b, tf.float64)).numpy()
 
-    out, (da, db) = fm.jvp(f, [tf.constant(x, tf.float64), tf.constant(y, tf.float64)],
-                           [[1.0, None], [None, 1.0]])
+    out, (da, db) = fm.jvp(
+        f, [tf.constant(x, tf.float64), tf.constant(y, tf.float64)], [[1.0, None], [None, 1.0]]
+    )
     eps = 1e-6
     np.testing.assert_allclose(out.numpy(), f64(x, y))
-    np.testing.assert_allclose(da.numpy(), (f64(x + eps, y) - f64(x - eps, y)) / (2 * eps), rtol=1e-8)
-    np.testing.assert_allclose(db.numpy(), (f64(x, y + eps) - f64(x, y - eps)) / (2 * eps), rtol=1e-8)
+    np.testing.assert_allclose(
+        da.numpy(), (f64(x + eps, y) - f64(x - eps, y)) / (2 * eps), rtol=1e-8
+    )
+    np.testing.assert_allclose(
+        db.numpy(), (f64(x, y + eps) - f64(x, y - eps)) / (2 * eps), rtol=1e-8
+    )
 
 
 def test_max_min_where_follow_tensorflow_gradient_conventions():
@@ -147,7 +161,9 @@ def test_max_min_where_follow_tensorflow_gradient_conventions():
     np.testing.assert_array_equal(db.numpy(), [0.0, 1.0, 0.0])
     _, (da, db) = fm.jvp(tf.minimum, [a, b], directions)
     np.testing.assert_array_equal(da.numpy(), [1.0, 1.0, 0.0])
-    _, (dw,) = fm.jvp(lambda s: tf.where(a > 1.5, s * a, 1.0), [tf.constant(2.0, tf.float64)], [[1.0]])
+    _, (dw,) = fm.jvp(
+        lambda s: tf.where(a > 1.5, s * a, 1.0), [tf.constant(2.0, tf.float64)], [[1.0]]
+    )
     np.testing.assert_array_equal(dw.numpy(), [0.0, 2.0, 3.0])
 
 
@@ -212,8 +228,13 @@ class _NormClippedAdam(O.BaseOptimizer):
     differentiable_hyperparameters = ("learning_rate", "beta_1")
 
     def __init__(self, learning_rate=0.1, name="NormClippedAdam", **kwargs):
-        super().__init__(learning_rate, _NormClippedAdamRule(),
-                         variable_hyperparameters={"beta_1": 0.9}, name=name, **kwargs)
+        super().__init__(
+            learning_rate,
+            _NormClippedAdamRule(),
+            variable_hyperparameters={"beta_1": 0.9},
+            name=name,
+            **kwargs,
+        )
 
 
 @pytest.mark.parametrize("key", sorted(REGISTRY))
@@ -236,7 +257,14 @@ def test_a_rule_with_an_op_without_forward_mode_is_reported_unsupported(make, op
 
 
 def test_supported_optimizers_come_from_the_probe():
-    assert O.supported_optimizers() == ("Adafactor", "Adam", "AdamW", "AdamWeightDecay", "Lamb",
-                                      "RecAdam", "SGD")
+    assert O.supported_optimizers() == (
+        "Adafactor",
+        "Adam",
+        "AdamW",
+        "AdamWeightDecay",
+        "Lamb",
+        "RecAdam",
+        "SGD",
+    )
     assert [c.__name__ for c in O.optimizer_classes()] == list(O.supported_optimizers())
     assert not O.supports_forward_mode(keras.optimizers.Adam(0.1))

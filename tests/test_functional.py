@@ -1,4 +1,5 @@
-"""The functional core: a model evaluated at given weights == the model with those weights assigned."""
+"""The functional core: a model evaluated at given weights == the model with them assigned."""
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -44,8 +45,13 @@ def _bert_classifier(dropout=0.2):
     import keras_hub
 
     backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=50, num_layers=1, num_heads=2, hidden_dim=8,
-        intermediate_dim=16, max_sequence_length=6, dropout=dropout,
+        vocabulary_size=50,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        max_sequence_length=6,
+        dropout=dropout,
     )
     inputs = {
         "token_ids": keras.Input((6,), dtype="int32", name="token_ids"),
@@ -84,7 +90,11 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 def _other_weights(model, seed=1):
     rng = np.random.default_rng(seed)
     return [
-        tf.constant(v.numpy() + 0.1 * rng.normal(size=v.shape).astype(v.dtype.name if hasattr(v.dtype, "name") else v.dtype))
+        tf.constant(
+            v.numpy()
+            + 0.1
+            * rng.normal(size=v.shape).astype(v.dtype.name if hasattr(v.dtype, "name") else v.dtype)
+        )
         for v in model.trainable_variables
     ]
 
@@ -156,6 +166,7 @@ def test_gradients_at_given_weights_under_mirrored_strategy(kind):
         def step(b):
             loss, grads, _ = F.value_and_grad(loss_fn, params, F.current_state(model), b)
             return loss, F.all_reduce_sum(grads)
+
         return strategy.run(step, args=(batch,))
 
     @tf.function
@@ -166,22 +177,29 @@ def test_gradients_at_given_weights_under_mirrored_strategy(kind):
                 loss = loss_obj(by, model(bx, training=True))
             grads = F.densify(tape.gradient(loss, model.trainable_variables))
             return loss, F.all_reduce_sum(grads)
+
         return strategy.run(step, args=(batch,))
 
     s_loss, s_grads = stateless(dist_batch)
     for v, p in zip(model.trainable_variables, params):
         v.assign(p)
     r_loss, r_grads = stateful(dist_batch)
-    for a, b in zip(strategy.experimental_local_results(s_loss), strategy.experimental_local_results(r_loss)):
+    for a, b in zip(
+        strategy.experimental_local_results(s_loss), strategy.experimental_local_results(r_loss)
+    ):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5)
     for g, r in zip(s_grads, r_grads):
-        for a, b in zip(strategy.experimental_local_results(g), strategy.experimental_local_results(r)):
+        for a, b in zip(
+            strategy.experimental_local_results(g), strategy.experimental_local_results(r)
+        ):
             np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6)
     # The all-reduced per-replica gradient equals the single-device full-batch gradient.
     single = _sequential() if kind == "sequential" else _bert_classifier(dropout=0.0)
     for v, p in zip(single.trainable_variables, params):
         v.assign(p)
-    full_loss_fn = F.make_loss_fn(single, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    full_loss_fn = F.make_loss_fn(
+        single, keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     _, full_grads, _ = F.value_and_grad(full_loss_fn, params, F.current_state(single), (x, y))
     for g, r in zip(s_grads, full_grads):
         np.testing.assert_allclose(
@@ -219,18 +237,24 @@ def test_unbuilt_model_gives_clear_error():
         F.stateless_forward(model, [], [], np.zeros((1, 3), "float32"))
 
 
-
 def _bn_model(dtype, image=True, **bn_kwargs):
     keras.utils.set_random_seed(3)
     if image:
-        body = [keras.Input((6, 6, 2), dtype=dtype),
-                keras.layers.Conv2D(4, 3, padding="same", dtype=dtype)]
+        body = [
+            keras.Input((6, 6, 2), dtype=dtype),
+            keras.layers.Conv2D(4, 3, padding="same", dtype=dtype),
+        ]
     else:
         body = [keras.Input((5,), dtype=dtype), keras.layers.Dense(4, dtype=dtype)]
-    return keras.Sequential(body + [
-        keras.layers.BatchNormalization(momentum=0.7, dtype=dtype, **bn_kwargs),
-        keras.layers.Activation("tanh", dtype=dtype), keras.layers.Flatten(dtype=dtype),
-        keras.layers.Dense(3, dtype=dtype)])
+    return keras.Sequential(
+        body
+        + [
+            keras.layers.BatchNormalization(momentum=0.7, dtype=dtype, **bn_kwargs),
+            keras.layers.Activation("tanh", dtype=dtype),
+            keras.layers.Flatten(dtype=dtype),
+            keras.layers.Dense(3, dtype=dtype),
+        ]
+    )
 
 
 def _bn_problem(dtype, image=True, **bn_kwargs):
@@ -250,8 +274,7 @@ def _loss_grad_hvp(model, x, y, state, params, v, exact):
     def gradient(params):
         with tf.GradientTape() as tape:
             tape.watch(params)
-            out, new_state, _ = F.stateless_forward(model, params, state, x,
-                                                    exact_batch_norm=exact)
+            out, new_state, _ = F.stateless_forward(model, params, state, x, exact_batch_norm=exact)
             loss = tf.reduce_sum(tf.square(out - y))
         return out, new_state, tape.gradient(loss, params)
 
@@ -279,7 +302,8 @@ def test_batch_norm_second_derivatives_equal_finite_differences(float64, image):
     for h, f in zip(hvp, fd):
         np.testing.assert_allclose(h.numpy(), f.numpy(), rtol=1e-6, atol=1e-7 * scale)
     keras_out, keras_state, keras_grads, keras_hvp, _ = _loss_grad_hvp(
-        model, x, y, state, params, v, False)
+        model, x, y, state, params, v, False
+    )
     for a, b in zip([out] + new_state + grads, [keras_out] + keras_state + keras_grads):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-10, atol=1e-12)
     assert max(float(tf.reduce_max(tf.abs(h - f))) for h, f in zip(keras_hvp, fd)) > 1e-3 * scale
@@ -293,18 +317,22 @@ def test_float32_batch_norm_pass_equals_the_float64_one(bn_kwargs):
     model64 = _bn_model("float64", True, **bn_kwargs)
     model64.set_weights([w.astype("float64") for w in model32.get_weights()])
     cast = lambda ts: [tf.cast(t, tf.float64) for t in ts]  # noqa: E731
-    want = _loss_grad_hvp(model64, cast([x])[0], cast([y])[0], cast(state),
-                          F.current_params(model64), v, True)[:4]
+    want = _loss_grad_hvp(
+        model64, cast([x])[0], cast([y])[0], cast(state), F.current_params(model64), v, True
+    )[:4]
 
-    got = tf.function(lambda: _loss_grad_hvp(model32, x, y, state, F.current_params(model32),
-                                             v, True)[:4])()
+    got = tf.function(
+        lambda: _loss_grad_hvp(model32, x, y, state, F.current_params(model32), v, True)[:4]
+    )()
     for got_item, want_item in zip(got, want):  # outputs, state, gradient, H v
         want_item = tf.nest.flatten(want_item)
         scale = max(float(tf.reduce_max(tf.abs(b))) for b in want_item)
         for a, b in zip(tf.nest.flatten(got_item), want_item):
             np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-5 * scale)
-    assert max(float(tf.reduce_max(tf.abs(a - tf.cast(b, tf.float32))))
-               for a, b in zip(got[1], state)) > 0.1  # the statistics moved
+    assert (
+        max(float(tf.reduce_max(tf.abs(a - tf.cast(b, tf.float32)))) for a, b in zip(got[1], state))
+        > 0.1
+    )  # the statistics moved
 
 
 def test_exact_batch_norm_leaves_other_passes_to_keras():
@@ -313,9 +341,10 @@ def test_exact_batch_norm_leaves_other_passes_to_keras():
     model, x, _, _, _ = _bn_problem("float32", True)
     layer = model.layers[1]
     params, state = F.current_params(model), F.current_state(model)
-    np.testing.assert_array_equal(model(x, training=False).numpy(),
-                                  F.stateless_forward(model, params, state, x,
-                                                      training=False)[0].numpy())
+    np.testing.assert_array_equal(
+        model(x, training=False).numpy(),
+        F.stateless_forward(model, params, state, x, training=False)[0].numpy(),
+    )
     F.stateless_forward(model, params, state, x, training=True)
     assert "call" not in vars(layer)
 

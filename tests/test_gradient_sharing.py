@@ -1,6 +1,7 @@
 """algorithms.GradientSharing on its own: the shared direction (normalised sum over every
 replica's tasks), the g_hat rule, the meta-test rule (Algorithm 2) and the trainer's
 evaluate with the stored g_hat, against NumPy."""
+
 import keras
 import numpy as np
 import pytest
@@ -28,9 +29,13 @@ def test_step_equals_numpy():
     grads = _grads(rng, 3)
     g_hat = [rng.normal(size=g.shape) for g in grads[0]]
     m, lam = 0.7, -0.4
-    s = GradientSharing().step(_tf(grads), tf.constant(m, tf.float64),
-                               tf.constant(lam, tf.float64), [tf.constant(h) for h in g_hat],
-                               initialized=True)
+    s = GradientSharing().step(
+        _tf(grads),
+        tf.constant(m, tf.float64),
+        tf.constant(lam, tf.float64),
+        [tf.constant(h) for h in g_hat],
+        initialized=True,
+    )
     total = [sum(t[i] for t in grads) for i in range(2)]
     norm = np.sqrt(sum(np.sum(x * x) for x in total))
     g = [x / norm for x in total]
@@ -41,12 +46,15 @@ def test_step_equals_numpy():
         np.testing.assert_allclose(a.numpy(), b, rtol=1e-12)
     for task, delta in zip(grads, s.deltas):
         for gt, h, d in zip(task, want_hat, delta):
-            np.testing.assert_allclose(d.numpy(), _sig(lam) * h + (1 - _sig(lam)) * gt,
-                                       rtol=1e-12)
+            np.testing.assert_allclose(d.numpy(), _sig(lam) * h + (1 - _sig(lam)) * gt, rtol=1e-12)
     # i = 1: g_hat = g (m unused).
-    first = GradientSharing().step(_tf(grads), tf.constant(m, tf.float64),
-                                   tf.constant(lam, tf.float64),
-                                   [tf.constant(h) for h in g_hat], initialized=False)
+    first = GradientSharing().step(
+        _tf(grads),
+        tf.constant(m, tf.float64),
+        tf.constant(lam, tf.float64),
+        [tf.constant(h) for h in g_hat],
+        initialized=False,
+    )
     for a, b in zip(first.g_hat, g):
         np.testing.assert_allclose(a.numpy(), b, rtol=1e-12)
 
@@ -62,16 +70,19 @@ def test_meta_test_rule_uses_the_stored_g_hat():
     grads = _grads(rng, 2)
     g_hat = [rng.normal(size=g.shape) for g in grads[0]]
     lam = 0.3
-    deltas = GradientSharing().test_deltas(_tf(grads), tf.constant(lam, tf.float64),
-                                           [tf.constant(h) for h in g_hat])
+    deltas = GradientSharing().test_deltas(
+        _tf(grads), tf.constant(lam, tf.float64), [tf.constant(h) for h in g_hat]
+    )
     for task, delta in zip(grads, deltas):
         for gt, h, d in zip(task, g_hat, delta):
-            np.testing.assert_allclose(d.numpy(), _sig(lam) * h + (1 - _sig(lam)) * gt,
-                                       rtol=1e-12)
+            np.testing.assert_allclose(d.numpy(), _sig(lam) * h + (1 - _sig(lam)) * gt, rtol=1e-12)
     # Never trained: g_hat is taken as 0.
-    deltas = GradientSharing().test_deltas(_tf(grads), tf.constant(lam, tf.float64),
-                                           [tf.constant(h) for h in g_hat],
-                                           initialized=tf.constant(False))
+    deltas = GradientSharing().test_deltas(
+        _tf(grads),
+        tf.constant(lam, tf.float64),
+        [tf.constant(h) for h in g_hat],
+        initialized=tf.constant(False),
+    )
     for task, delta in zip(grads, deltas):
         for gt, d in zip(task, delta):
             np.testing.assert_allclose(d.numpy(), (1 - _sig(lam)) * gt, rtol=1e-12)
@@ -85,14 +96,27 @@ def test_the_shared_direction_sums_every_replicas_tasks():
 
     def per_replica(ctx):
         r = ctx.replica_id_in_sync_group
-        mine = tf.gather(tf.stack([tf.stack([tf.constant(t[0]) for t in grads[:2]]),
-                                   tf.stack([tf.constant(t[0]) for t in grads[2:]])]), r)
-        mine_b = tf.gather(tf.stack([tf.stack([tf.constant(t[1]) for t in grads[:2]]),
-                                     tf.stack([tf.constant(t[1]) for t in grads[2:]])]), r)
+        mine = tf.gather(
+            tf.stack(
+                [
+                    tf.stack([tf.constant(t[0]) for t in grads[:2]]),
+                    tf.stack([tf.constant(t[0]) for t in grads[2:]]),
+                ]
+            ),
+            r,
+        )
+        mine_b = tf.gather(
+            tf.stack(
+                [
+                    tf.stack([tf.constant(t[1]) for t in grads[:2]]),
+                    tf.stack([tf.constant(t[1]) for t in grads[2:]]),
+                ]
+            ),
+            r,
+        )
         return GradientSharing.shared_direction([[mine[0], mine_b[0]], [mine[1], mine_b[1]]])
 
-    got = strategy.run(
-        tf.function(lambda: per_replica(tf.distribute.get_replica_context())))
+    got = strategy.run(tf.function(lambda: per_replica(tf.distribute.get_replica_context())))
     for i in range(2):
         for value in strategy.experimental_local_results(got[i]):
             np.testing.assert_allclose(value.numpy(), want[i].numpy(), rtol=1e-12)
@@ -111,8 +135,12 @@ def test_trainer_evaluate_uses_the_stored_g_hat(float64):
     qx, qy = rng.normal(size=(4, 5, 4)), rng.normal(size=(4, 5, 2))
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    trainer = MAMLTrainer(model, inner_steps=2, inner_learning_rate=0.2,
-                          gradient_sharing=GradientSharing(initial_lambda=0.5))
+    trainer = MAMLTrainer(
+        model,
+        inner_steps=2,
+        inner_learning_rate=0.2,
+        gradient_sharing=GradientSharing(initial_lambda=0.5),
+    )
     trainer.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     data = tf.data.Dataset.from_tensor_slices(((sx, sy, qx), qy)).batch(2, drop_remainder=True)
     trainer.fit(data, verbose=0)
@@ -127,8 +155,10 @@ def test_trainer_evaluate_uses_the_stored_g_hat(float64):
             w, b = theta
             r = 2.0 * (sx[t] @ w + b - sy[t]) / sy[t].size
             grad = [sx[t].T @ r, r.sum(0)]
-            theta = [p - 0.2 * (_sig(lam[k]) * h + (1 - _sig(lam[k])) * g)
-                     for p, h, g in zip(theta, g_hat_before[k], grad)]
+            theta = [
+                p - 0.2 * (_sig(lam[k]) * h + (1 - _sig(lam[k])) * g)
+                for p, h, g in zip(theta, g_hat_before[k], grad)
+            ]
         losses.append(np.mean((qx[t] @ theta[0] + theta[1] - qy[t]) ** 2))
     np.testing.assert_allclose(loss, np.mean(losses), rtol=1e-10)
     # evaluate neither changes g_hat nor anything else.

@@ -1,4 +1,5 @@
 """The greedy hypergradient (tf_metaalign.algorithms.guided) against float64 oracles."""
+
 import math
 
 import keras
@@ -62,15 +63,26 @@ def _setup(make_opt, warmup_steps=2):
     # A few real steps so the slots (momenta, second moments) are non-trivial.
     for step in range(1, warmup_steps + 1):
         _, g, _ = F.value_and_grad(loss_fn, params, state, _data(8, 100 + step))
-        new = [rule.update(gi, p, s, base, float(step), o) for gi, p, s, o in zip(g, params, slots, options)]
+        new = [
+            rule.update(gi, p, s, base, float(step), o)
+            for gi, p, s, o in zip(g, params, slots, options)
+        ]
         params = [n[0] for n in new]
         slots = [n[1] for n in new]
     _, g, _ = F.value_and_grad(loss_fn, params, state, _data(8, 7))
     guide_fn = F.make_loss_fn(model, _mse, training=False)
     return dict(
-        rule=rule, grads=g, params=params, slots=slots, options=options,
-        base_hparams=base, step=float(warmup_steps + 1), state=state,
-        guidance_batch=_data(6, 11), guide_fn=guide_fn, optimizer=optimizer,
+        rule=rule,
+        grads=g,
+        params=params,
+        slots=slots,
+        options=options,
+        base_hparams=base,
+        step=float(warmup_steps + 1),
+        state=state,
+        guidance_batch=_data(6, 11),
+        guide_fn=guide_fn,
+        optimizer=optimizer,
     )
 
 
@@ -95,8 +107,17 @@ def test_hypergradient_equals_central_finite_difference(key):
     s = _setup(make_opt)
     raw = _raw_point(names, s["rule"])
     result = guided.hypergradients(
-        s["guide_fn"], s["rule"], s["grads"], s["params"], s["slots"], s["options"],
-        s["base_hparams"], raw, s["step"], s["state"], s["guidance_batch"],
+        s["guide_fn"],
+        s["rule"],
+        s["grads"],
+        s["params"],
+        s["slots"],
+        s["options"],
+        s["base_hparams"],
+        raw,
+        s["step"],
+        s["state"],
+        s["guidance_batch"],
     )
     for name in names:
         eps = 1e-5
@@ -113,8 +134,17 @@ def test_sgd_closed_form():
     raw = {"learning_rate": tf.constant(0.4, tf.float64)}
     lr = float(s["base_hparams"]["learning_rate"])
     result = guided.hypergradients(
-        s["guide_fn"], s["rule"], s["grads"], s["params"], s["slots"], s["options"],
-        s["base_hparams"], raw, s["step"], s["state"], s["guidance_batch"],
+        s["guide_fn"],
+        s["rule"],
+        s["grads"],
+        s["params"],
+        s["slots"],
+        s["options"],
+        s["base_hparams"],
+        raw,
+        s["step"],
+        s["state"],
+        s["guidance_batch"],
     )
     new = [p - lr * math.exp(0.4) * g for p, g in zip(s["params"], s["grads"])]
     for a, b in zip(result.new_params, new):
@@ -129,20 +159,32 @@ def test_activations_and_initial_values():
     np.testing.assert_allclose(float(guided.activate("learning_rate", 0.0)), 1.0)
     for b in (0.1, 0.5, 0.9):
         np.testing.assert_allclose(
-            float(guided.activate("beta_1", tf.constant(guided.initial_raw("beta_1", b), tf.float64))),
-            b, rtol=1e-12,
+            float(
+                guided.activate("beta_1", tf.constant(guided.initial_raw("beta_1", b), tf.float64))
+            ),
+            b,
+            rtol=1e-12,
         )
     # Configured 0 / None: the floor, so the sigmoid has a gradient.
     np.testing.assert_allclose(
-        float(guided.activate("beta_1", tf.constant(guided.initial_raw("beta_1", 0.0), tf.float64))),
+        float(
+            guided.activate("beta_1", tf.constant(guided.initial_raw("beta_1", 0.0), tf.float64))
+        ),
         guided.SIGMOID_INIT_FLOOR,
     )
     # The cap.
-    assert float(guided.activate("beta_1", tf.constant(50.0, tf.float64))) == pytest.approx(1 - 1e-5)
+    assert float(guided.activate("beta_1", tf.constant(50.0, tf.float64))) == pytest.approx(
+        1 - 1e-5
+    )
 
 
 def test_sanitize_like_the_reference():
-    h = {"a": tf.constant(np.nan), "b": tf.constant(np.inf), "c": tf.constant(-np.inf), "d": tf.constant(3.0, tf.float64)}
+    h = {
+        "a": tf.constant(np.nan),
+        "b": tf.constant(np.inf),
+        "c": tf.constant(-np.inf),
+        "d": tf.constant(3.0, tf.float64),
+    }
     out, loss, n_bad = guided.reduce_and_sanitize(h, tf.constant(1.0))
     assert float(out["a"]) == 0.0 and float(out["b"]) == 10.0 and float(out["c"]) == -10.0
     assert float(out["d"]) == 3.0  # finite values are not clipped
@@ -153,8 +195,14 @@ def test_meta_update_is_adam_on_raw():
     rule = opt_lib.AdamRule()
     raw = {"learning_rate": tf.constant(0.0, tf.float64)}
     slots = {"learning_rate": rule.init_slots(raw["learning_rate"], None)}
-    out = guided.meta_update(rule, raw, slots, {"learning_rate": tf.constant(2.0, tf.float64)},
-                             {"learning_rate": 0.1}, 1.0)
+    out = guided.meta_update(
+        rule,
+        raw,
+        slots,
+        {"learning_rate": tf.constant(2.0, tf.float64)},
+        {"learning_rate": 0.1},
+        1.0,
+    )
     new_raw, _ = out["learning_rate"]
     # First Adam step moves by ~ -lr * sign(h).
     np.testing.assert_allclose(float(new_raw), -0.1, rtol=1e-5)

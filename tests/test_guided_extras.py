@@ -1,4 +1,5 @@
 """Schedule plots and the Django translation loader used by the guided experiment."""
+
 import keras
 import numpy as np
 import pytest
@@ -35,5 +36,7 @@ def test_django_pairs_and_char_arrays():
     (enc, dec), lab, mask = translation.make_char_seq2seq(train[:5], vocab, 40)
     assert enc.shape == (5, 40) and dec.shape == lab.shape == (5, 41)
     assert (dec[:, 0] == translation.BOS).all()
-    np.testing.assert_array_equal(dec[:, 1:], np.where(lab[:, :-1] == translation.EOS, 0, lab[:, :-1]))
+    np.testing.assert_array_equal(
+        dec[:, 1:], np.where(lab[:, :-1] == translation.EOS, 0, lab[:, :-1])
+    )
     assert vocab.decode(lab[0]) == train[0][1][:40]

@@ -1,4 +1,5 @@
 """GuidedTrainer: plain-training equivalence, replicas, save/restore, bad input, custom loop."""
+
 import keras
 import numpy as np
 import pytest
@@ -51,14 +52,19 @@ def test_meta_learning_rate_zero_equals_plain_training(key, commit_forward_updat
     plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
 
     model = _model(dropout=0.2)
-    trainer = GuidedTrainer(model, _data(16, seed=5), meta_optimizer=O.Adam(0.0),
-                            commit_forward_update=commit_forward_update)
+    trainer = GuidedTrainer(
+        model,
+        _data(16, seed=5),
+        meta_optimizer=O.Adam(0.0),
+        commit_forward_update=commit_forward_update,
+    )
     trainer.compile(OPTS[key](), loss="mse")
     hist = trainer.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     if not commit_forward_update:  # the same update path as plain training: bit-identical
         for a, b in zip(_weights(plain), _weights(model)):
             np.testing.assert_array_equal(a, b)
-    # commit_forward_update: the guided step commits its own lookahead update (the same rule on the same inputs,
+    # commit_forward_update: the guided step commits its own lookahead update (the same rule on the
+    # same inputs,
     # in another graph): bit-identical for most rules, within an ulp where the compiler
     # fuses LAMB's last multiply-subtract differently. Any real difference is >> 2 ulp.
     for a, b in zip(_weights(plain), _weights(model)):
@@ -150,7 +156,7 @@ def test_custom_loop_matches_trainer():
         return loss
 
     for i in range(2):
-        step((tf.constant(x[16 * i:16 * (i + 1)]), tf.constant(y[16 * i:16 * (i + 1)])))
+        step((tf.constant(x[16 * i : 16 * (i + 1)]), tf.constant(y[16 * i : 16 * (i + 1)])))
     for u, v in zip(_weights(trainer.model), _weights(model)):
         np.testing.assert_allclose(u, v, rtol=1e-6, atol=1e-7)
     got = {n: float(v) for n, v in hyper.values().items()}
@@ -182,9 +188,9 @@ def _ids(batch):
 @pytest.mark.parametrize(
     "make, holdout, repeats",
     [
-        (lambda ds: ds.shuffle(64).batch(8), "identity", 1),              # reshuffles per epoch
+        (lambda ds: ds.shuffle(64).batch(8), "identity", 1),  # reshuffles per epoch
         (lambda ds: ds.shuffle(64, seed=3).batch(8), "identity", 1),
-        (lambda ds: ds.batch(8).repeat(2), "identity", 2),                # examples come back
+        (lambda ds: ds.batch(8).repeat(2), "identity", 2),  # examples come back
         (lambda ds: ds.shuffle(64, reshuffle_each_iteration=False).batch(8), "position", 1),
         (lambda ds: ds.batch(8), "position", 1),
     ],
@@ -212,8 +218,9 @@ def test_split_guidance_batch_by_position_on_a_reshuffling_dataset_leaks():
     iteration (the behaviour before identity holdout; kept as holdout="position")."""
     ds = tf.data.Dataset.from_tensor_slices(_labelled_data()).shuffle(64, seed=1).batch(8)
     guidance, rest = split_guidance_batch(ds, holdout="position")
-    leaked = [len(_ids(guidance) & {int(i) for b in rest for i in b[1].numpy().ravel()})
-              for _ in range(3)]
+    leaked = [
+        len(_ids(guidance) & {int(i) for b in rest for i in b[1].numpy().ravel()}) for _ in range(3)
+    ]
     assert min(leaked) >= 4, leaked  # most of the 8 "held out" examples are trained on
 
 
@@ -232,14 +239,20 @@ def test_split_guidance_batch_trains_a_guided_trainer_on_a_shuffled_dataset():
 def test_split_guidance_batch_refuses_what_identity_cannot_hold_out():
     base = tf.data.Dataset.from_tensor_slices(_labelled_data())
     augmented = base.shuffle(64).map(lambda x, y: (x + tf.random.uniform(tf.shape(x)), y)).batch(8)
-    with pytest.raises(ValueError, match=r"reshuffles every epoch.*draw random numbers.*Split "
-                                         r"before shuffling.*reshuffle_each_iteration=False"):
+    with pytest.raises(
+        ValueError,
+        match=r"reshuffles every epoch.*draw random numbers.*Split "
+        r"before shuffling.*reshuffle_each_iteration=False",
+    ):
         split_guidance_batch(augmented)
     # augmentation on an unshuffled dataset: the same batches every epoch, held out by position
-    _, rest = split_guidance_batch(base.map(lambda x, y: (x + tf.random.uniform(tf.shape(x)), y)).batch(8))
+    _, rest = split_guidance_batch(
+        base.map(lambda x, y: (x + tf.random.uniform(tf.shape(x)), y)).batch(8)
+    )
     assert len(list(rest)) == 7
     texts = tf.data.Dataset.from_tensor_slices(
-        (tf.ragged.constant([[1], [2, 3], [4, 5, 6], [7]]), tf.range(4))).shuffle(4)
+        (tf.ragged.constant([[1], [2, 3], [4, 5, 6], [7]]), tf.range(4))
+    ).shuffle(4)
     padded = texts.map(lambda t, y: (t.to_tensor() if hasattr(t, "to_tensor") else t, y))
     with pytest.raises(ValueError, match="padded per batch"):
         split_guidance_batch(padded.padded_batch(2))
@@ -285,20 +298,30 @@ def _fit_guided(optimizer, x, y, epochs=2):
     [
         ("adam", lambda: O.Adam(1e-3, beta_1=0.9, beta_2=0.999, epsilon=1e-7)),
         (lambda: keras.optimizers.Adam(1e-3), lambda: O.Adam(1e-3)),
-        (lambda: keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(0.02, 3, 0.5),
-                                       beta_1=0.8, epsilon=1e-6),
-         lambda: O.Adam(keras.optimizers.schedules.ExponentialDecay(0.02, 3, 0.5), beta_1=0.8,
-                        epsilon=1e-6)),
+        (
+            lambda: keras.optimizers.Adam(
+                keras.optimizers.schedules.ExponentialDecay(0.02, 3, 0.5), beta_1=0.8, epsilon=1e-6
+            ),
+            lambda: O.Adam(
+                keras.optimizers.schedules.ExponentialDecay(0.02, 3, 0.5), beta_1=0.8, epsilon=1e-6
+            ),
+        ),
         ("adamw", lambda: O.AdamW(1e-3, weight_decay=0.004)),
-        (lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
-         lambda: O.AdamW(0.01, weight_decay=0.1)),
+        (
+            lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+            lambda: O.AdamW(0.01, weight_decay=0.1),
+        ),
         ("sgd", lambda: O.SGD(0.01)),
-        (lambda: keras.optimizers.SGD(0.05, momentum=0.5, nesterov=True),
-         lambda: O.SGD(0.05, momentum=0.5, nesterov=True)),
+        (
+            lambda: keras.optimizers.SGD(0.05, momentum=0.5, nesterov=True),
+            lambda: O.SGD(0.05, momentum=0.5, nesterov=True),
+        ),
     ],
     ids=["adam_name", "adam", "adam_schedule", "adamw_name", "adamw", "sgd_name", "sgd_nesterov"],
 )
-def test_keras_optimizer_is_converted_and_trains_like_the_packages_own(keras_optimizer, ours, caplog):
+def test_keras_optimizer_is_converted_and_trains_like_the_packages_own(
+    keras_optimizer, ours, caplog
+):
     """compile("adam") / compile(keras.optimizers.Adam(1e-3)) == compile(O.Adam(1e-3)),
     step for step: the same rule and hyperparameters (logged)."""
     x, y = _data()
@@ -319,11 +342,17 @@ def test_keras_optimizer_is_converted_and_trains_like_the_packages_own(keras_opt
 
 def test_unconvertible_optimizer_is_a_clear_error():
     trainer = GuidedTrainer(_model(), _data(16))
-    for optimizer, name in ((keras.optimizers.Adadelta(0.01), "Adadelta"), ("rmsprop", "RMSprop"),
-                            (keras.optimizers.Adam(0.01, amsgrad=True), "amsgrad")):
-        with pytest.raises(ValueError, match=rf"GuidedTrainer.compile: .*Keras's Adam, AdamW and "
-                                             rf"SGD .* converted.*{name}.*Supported: Adafactor, "
-                                             r"Adam, AdamW, AdamWeightDecay, Lamb, RecAdam, SGD"):
+    for optimizer, name in (
+        (keras.optimizers.Adadelta(0.01), "Adadelta"),
+        ("rmsprop", "RMSprop"),
+        (keras.optimizers.Adam(0.01, amsgrad=True), "amsgrad"),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=rf"GuidedTrainer.compile: .*Keras's Adam, AdamW and "
+            rf"SGD .* converted.*{name}.*Supported: Adafactor, "
+            r"Adam, AdamW, AdamWeightDecay, Lamb, RecAdam, SGD",
+        ):
             trainer.compile(optimizer, loss="mse")
     # converted, then refused for what the differentiated update cannot reproduce
     with pytest.raises(ValueError, match="`global_clipnorm`.*aggregated_clipnorm"):
@@ -394,8 +423,9 @@ def test_committed_and_recomputed_update_follow_one_trajectory(key):
 
 def test_trainer_saves_and_reloads_with_its_options_and_learned_values(tmp_path):
     x, y = _data()
-    trainer = GuidedTrainer(_model(), _data(16, seed=5), meta_optimizer=O.Adam(0.05),
-                            commit_forward_update=False)
+    trainer = GuidedTrainer(
+        _model(), _data(16, seed=5), meta_optimizer=O.Adam(0.05), commit_forward_update=False
+    )
     trainer.compile(O.Adam(0.02), loss="mse")
     trainer.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     trainer.save(tmp_path / "guided.keras")
@@ -404,7 +434,9 @@ def test_trainer_saves_and_reloads_with_its_options_and_learned_values(tmp_path)
     assert not loaded.guided.commit_forward_update
     for n, v in trainer.learned_values().items():
         np.testing.assert_allclose(loaded.learned_values()[n], v, rtol=1e-12)
-    np.testing.assert_allclose(loaded.model.predict(x, verbose=0), trainer.model.predict(x, verbose=0), rtol=1e-6)
+    np.testing.assert_allclose(
+        loaded.model.predict(x, verbose=0), trainer.model.predict(x, verbose=0), rtol=1e-6
+    )
 
 
 def test_mixed_float16_trains_finite_and_skips_overflowing_steps():
@@ -430,8 +462,12 @@ def test_mixed_float16_trains_finite_and_skips_overflowing_steps():
     # one skipped meta-step of Adam(0.05) on the raw value.
     ref = _make_trainer_with(O.Adam(0.02))
     ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    assert abs(np.log(values["learning_rate"]) - np.log(ref.learned_values()["learning_rate"])) < 0.1
-    assert np.sign(np.log(values["learning_rate"])) == np.sign(np.log(ref.learned_values()["learning_rate"]))
+    assert (
+        abs(np.log(values["learning_rate"]) - np.log(ref.learned_values()["learning_rate"])) < 0.1
+    )
+    assert np.sign(np.log(values["learning_rate"])) == np.sign(
+        np.log(ref.learned_values()["learning_rate"])
+    )
 
 
 def _make_trainer_with(optimizer):
@@ -470,9 +506,12 @@ def test_keras_builtin_meta_optimizer_gives_the_results_of_the_packages_own():
     scalars with the same rule as tf_metaalign.optimizers.Adam."""
     x, y = _data()
     runs = {}
-    for name, meta in {"keras": keras.optimizers.Adam(0.05), "ours": O.Adam(0.05),
-                       "keras_sgd": keras.optimizers.SGD(0.5, momentum=0.5),
-                       "ours_sgd": O.SGD(0.5, momentum=0.5)}.items():
+    for name, meta in {
+        "keras": keras.optimizers.Adam(0.05),
+        "ours": O.Adam(0.05),
+        "keras_sgd": keras.optimizers.SGD(0.5, momentum=0.5),
+        "ours_sgd": O.SGD(0.5, momentum=0.5),
+    }.items():
         trainer = GuidedTrainer(_model(), _data(16, seed=5), meta_optimizer=meta)
         trainer.compile(O.Adam(0.02), loss="mse")
         trainer.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
@@ -502,8 +541,12 @@ def test_last_batch_of_one_example_trains_like_plain_fit(replicas):
     runs = {}
     for meta_lr in (0.0, 0.05):
         with strategy.scope():
-            trainer = GuidedTrainer(_model(), _data(8, seed=5), meta_optimizer=O.Adam(meta_lr),
-                                    commit_forward_update=False)
+            trainer = GuidedTrainer(
+                _model(),
+                _data(8, seed=5),
+                meta_optimizer=O.Adam(meta_lr),
+                commit_forward_update=False,
+            )
             trainer.compile(O.Adam(0.02), loss="mse")
         hist = trainer.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
         assert int(trainer.guided.steps.numpy()) == 4 == int(trainer.guided.guided_steps.numpy())
@@ -521,8 +564,10 @@ def test_guidance_batch_smaller_than_the_replica_count_equals_one_replica():
     the hypergradients and learned values are the single-replica ones."""
     x, y = _data(32)
     results = {}
-    for name, strategy in (("one", tf.distribute.OneDeviceStrategy("/cpu:0")),
-                           ("two", two_cpu_strategy())):
+    for name, strategy in (
+        ("one", tf.distribute.OneDeviceStrategy("/cpu:0")),
+        ("two", two_cpu_strategy()),
+    ):
         with strategy.scope():
             trainer = GuidedTrainer(_model(), _data(1, seed=5), meta_optimizer=O.Adam(0.05))
             trainer.compile(O.Adam(0.02), loss="mse")

@@ -1,6 +1,7 @@
 """MAML / Meta-SGD / MAML++ / gradient sharing: the meta-gradient against central finite
 differences, first order against the FOMAML closed form, gradient sharing against a NumPy
 re-derivation and against plain MAML at a gate of exactly 0, then the trainer."""
+
 import keras
 import numpy as np
 import pytest
@@ -13,9 +14,13 @@ from tf_metaalign.algorithms.gradient_sharing import GradientSharing
 
 def _mlp(seed=0, dtype="float64"):
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((4,), dtype=dtype),
-                             keras.layers.Dense(5, activation="tanh", dtype=dtype),
-                             keras.layers.Dense(2, dtype=dtype)])
+    return keras.Sequential(
+        [
+            keras.Input((4,), dtype=dtype),
+            keras.layers.Dense(5, activation="tanh", dtype=dtype),
+            keras.layers.Dense(2, dtype=dtype),
+        ]
+    )
 
 
 def _linear(seed=0, dtype="float64"):
@@ -31,7 +36,9 @@ def _tasks(num_tasks, n_support=6, n_query=5, seed=0, dtype="float64"):
         a = rng.normal(size=(4, 2))
         xs, xq = rng.normal(size=(n_support, 4)), rng.normal(size=(n_query, 4))
         f = lambda x: np.tanh(x @ a) + 0.1 * x[:, :2]  # noqa: E731
-        out.append(((xs.astype(dtype), f(xs).astype(dtype)), (xq.astype(dtype), f(xq).astype(dtype))))
+        out.append(
+            ((xs.astype(dtype), f(xs).astype(dtype)), (xq.astype(dtype), f(xq).astype(dtype)))
+        )
     return out
 
 
@@ -51,7 +58,7 @@ def _unflat(v, like):
     out, i = [], 0
     for t in like:
         n = int(np.prod(t.shape))
-        out.append(tf.constant(np.reshape(v[i:i + n], t.shape), tf.float64))
+        out.append(tf.constant(np.reshape(v[i : i + n], t.shape), tf.float64))
         i += n
     return out
 
@@ -59,8 +66,15 @@ def _unflat(v, like):
 def _objective(model, params, tasks, lrs_fn, hyper, **kw):
     """The post-adaptation mean query loss (no tape: for finite differences)."""
     loss, *_ = M.adapt_and_evaluate(
-        _loss_fn(model), _loss_fn(model), params, F.current_state(model),
-        _const([t[0] for t in tasks]), _const([t[1] for t in tasks]), lrs_fn(hyper), **kw)
+        _loss_fn(model),
+        _loss_fn(model),
+        params,
+        F.current_state(model),
+        _const([t[0] for t in tasks]),
+        _const([t[1] for t in tasks]),
+        lrs_fn(hyper),
+        **kw,
+    )
     return float(loss)
 
 
@@ -85,19 +99,34 @@ def test_maml_meta_gradient_equals_finite_differences(float64):
     tasks = _tasks(3)
     params = F.current_params(model)
     lrs = _plain_lrs(0.3, 2, len(params))
-    r = M.meta_gradient(_loss_fn(model), _loss_fn(model), params, F.current_state(model),
-                        _const([t[0] for t in tasks]), _const([t[1] for t in tasks]),
-                        {}, lrs)
+    r = M.meta_gradient(
+        _loss_fn(model),
+        _loss_fn(model),
+        params,
+        F.current_state(model),
+        _const([t[0] for t in tasks]),
+        _const([t[1] for t in tasks]),
+        {},
+        lrs,
+    )
     fd = _central_difference(
-        lambda v: _objective(model, _unflat(v, params), tasks, lrs, {}), _flat(params))
+        lambda v: _objective(model, _unflat(v, params), tasks, lrs, {}), _flat(params)
+    )
     np.testing.assert_allclose(_flat(r.grads), fd, rtol=1e-6, atol=1e-9)
     # Second order differs from first order here (the test can tell them apart).
-    fo = M.meta_gradient(_loss_fn(model), _loss_fn(model), params, F.current_state(model),
-                         _const([t[0] for t in tasks]), _const([t[1] for t in tasks]),
-                         {}, lrs, first_order=True)
+    fo = M.meta_gradient(
+        _loss_fn(model),
+        _loss_fn(model),
+        params,
+        F.current_state(model),
+        _const([t[0] for t in tasks]),
+        _const([t[1] for t in tasks]),
+        {},
+        lrs,
+        first_order=True,
+    )
     assert np.max(np.abs(_flat(fo.grads) - fd)) > 1e-4
-    np.testing.assert_allclose(float(r.loss), _objective(model, params, tasks, lrs, {}),
-                               rtol=1e-12)
+    np.testing.assert_allclose(float(r.loss), _objective(model, params, tasks, lrs, {}), rtol=1e-12)
 
 
 def _np_grad(params, x, y):
@@ -112,9 +141,17 @@ def test_first_order_equals_the_fomaml_closed_form(float64):
     tasks = _tasks(3, seed=4)
     params = F.current_params(model)
     alpha, steps = 0.2, 3
-    r = M.meta_gradient(_loss_fn(model), _loss_fn(model), params, F.current_state(model),
-                        _const([t[0] for t in tasks]), _const([t[1] for t in tasks]),
-                        {}, _plain_lrs(alpha, steps, 2), first_order=True)
+    r = M.meta_gradient(
+        _loss_fn(model),
+        _loss_fn(model),
+        params,
+        F.current_state(model),
+        _const([t[0] for t in tasks]),
+        _const([t[1] for t in tasks]),
+        {},
+        _plain_lrs(alpha, steps, 2),
+        first_order=True,
+    )
     expected = [np.zeros_like(p.numpy()) for p in params]
     for (xs, ys), (xq, yq) in tasks:
         theta = [p.numpy() for p in params]
@@ -137,12 +174,22 @@ def test_meta_sgd_learning_rates_get_gradients_equal_to_finite_differences(float
     tasks = _tasks(2, seed=5)
     params = F.current_params(model)
     rng = np.random.default_rng(0)
-    hyper = {"lr_0": tf.constant(0.1 + 0.1 * rng.random((4, 2))),
-             "lr_1": tf.constant(0.1 + 0.1 * rng.random((2,)))}
+    hyper = {
+        "lr_0": tf.constant(0.1 + 0.1 * rng.random((4, 2))),
+        "lr_1": tf.constant(0.1 + 0.1 * rng.random((2,))),
+    }
     for first_order in (False, True):
-        r = M.meta_gradient(_loss_fn(model), _loss_fn(model), params, F.current_state(model),
-                            _const([t[0] for t in tasks]), _const([t[1] for t in tasks]),
-                            hyper, _meta_sgd_lrs, first_order=first_order)
+        r = M.meta_gradient(
+            _loss_fn(model),
+            _loss_fn(model),
+            params,
+            F.current_state(model),
+            _const([t[0] for t in tasks]),
+            _const([t[1] for t in tasks]),
+            hyper,
+            _meta_sgd_lrs,
+            first_order=first_order,
+        )
         got = _flat([r.hyper_grads["lr_0"], r.hyper_grads["lr_1"]])
         assert np.all(np.abs(got) > 0)
         if first_order:
@@ -170,12 +217,22 @@ def _sharing_setup(seed=0, tasks=3):
 def _sharing_objective(model, params, tasks, m, lam, g_hat, initialized):
     """The training-time objective (Algorithm 1's inner loop) without a tape."""
     sharing = GradientSharing()
-    r = M.adapt(_loss_fn(model), params, F.current_state(model), _const([t[0] for t in tasks]),
-                _plain_lrs(0.3, 2, len(params))({}), first_order=True, sharing=sharing,
-                sharing_m=tf.constant(m), sharing_lambda=tf.constant(lam), g_hat=g_hat,
-                g_hat_initialized=initialized)
-    obj, *_ = M.query_objective(_loss_fn(model), r.trajectories, r.state,
-                                _const([t[1] for t in tasks]))
+    r = M.adapt(
+        _loss_fn(model),
+        params,
+        F.current_state(model),
+        _const([t[0] for t in tasks]),
+        _plain_lrs(0.3, 2, len(params))({}),
+        first_order=True,
+        sharing=sharing,
+        sharing_m=tf.constant(m),
+        sharing_lambda=tf.constant(lam),
+        g_hat=g_hat,
+        g_hat_initialized=initialized,
+    )
+    obj, *_ = M.query_objective(
+        _loss_fn(model), r.trajectories, r.state, _const([t[1] for t in tasks])
+    )
     return float(obj)
 
 
@@ -183,16 +240,26 @@ def _sharing_objective(model, params, tasks, m, lam, g_hat, initialized):
 def test_sharing_m_and_lambda_gradients_equal_finite_differences(float64, initialized):
     model, tasks, params, g_hat = _sharing_setup(1)
     m0, lam0 = np.array([0.3, -0.2]), np.array([0.1, 0.4])
-    r = M.meta_gradient(_loss_fn(model), _loss_fn(model), params, F.current_state(model),
-                        _const([t[0] for t in tasks]), _const([t[1] for t in tasks]),
-                        {"sharing_m": tf.constant(m0), "sharing_lambda": tf.constant(lam0)},
-                        _plain_lrs(0.3, 2, len(params)), sharing=GradientSharing(),
-                        g_hat=g_hat, g_hat_initialized=initialized)
+    r = M.meta_gradient(
+        _loss_fn(model),
+        _loss_fn(model),
+        params,
+        F.current_state(model),
+        _const([t[0] for t in tasks]),
+        _const([t[1] for t in tasks]),
+        {"sharing_m": tf.constant(m0), "sharing_lambda": tf.constant(lam0)},
+        _plain_lrs(0.3, 2, len(params)),
+        sharing=GradientSharing(),
+        g_hat=g_hat,
+        g_hat_initialized=initialized,
+    )
     gm, gl = r.hyper_grads["sharing_m"].numpy(), r.hyper_grads["sharing_lambda"].numpy()
     fd_m = _central_difference(
-        lambda v: _sharing_objective(model, params, tasks, v, lam0, g_hat, initialized), m0)
+        lambda v: _sharing_objective(model, params, tasks, v, lam0, g_hat, initialized), m0
+    )
     fd_l = _central_difference(
-        lambda v: _sharing_objective(model, params, tasks, m0, v, g_hat, initialized), lam0)
+        lambda v: _sharing_objective(model, params, tasks, m0, v, g_hat, initialized), lam0
+    )
     np.testing.assert_allclose(gl, fd_l, rtol=1e-6, atol=1e-10)
     assert np.all(np.abs(gl) > 1e-6)
     np.testing.assert_allclose(gm, fd_m, rtol=1e-6, atol=1e-10)
@@ -202,23 +269,37 @@ def test_sharing_m_and_lambda_gradients_equal_finite_differences(float64, initia
         np.testing.assert_array_equal(gm, 0.0)  # i = 1: g_hat = g_k, m unused
     # theta through the shared direction too (second order).
     fd = _central_difference(
-        lambda v: _sharing_objective(model, _unflat(v, params), tasks, m0, lam0, g_hat,
-                                     initialized), _flat(params))
+        lambda v: _sharing_objective(
+            model, _unflat(v, params), tasks, m0, lam0, g_hat, initialized
+        ),
+        _flat(params),
+    )
     np.testing.assert_allclose(_flat(r.grads), fd, rtol=1e-6, atol=1e-9)
 
 
 def test_sharing_gate_exactly_zero_equals_plain_maml(float64):
     model, tasks, params, g_hat = _sharing_setup(2)
-    args = (_loss_fn(model), _loss_fn(model), params, F.current_state(model),
-            _const([t[0] for t in tasks]), _const([t[1] for t in tasks]))
+    args = (
+        _loss_fn(model),
+        _loss_fn(model),
+        params,
+        F.current_state(model),
+        _const([t[0] for t in tasks]),
+        _const([t[1] for t in tasks]),
+    )
     plain = M.meta_gradient(*args, {}, _plain_lrs(0.3, 2, len(params)))
     for initialized in (False, True):
         shared = M.meta_gradient(
-            *args, {"sharing_m": tf.constant([0.5, -1.0], tf.float64),
-                    "sharing_lambda": tf.constant([-np.inf, -np.inf], tf.float64)},
+            *args,
+            {
+                "sharing_m": tf.constant([0.5, -1.0], tf.float64),
+                "sharing_lambda": tf.constant([-np.inf, -np.inf], tf.float64),
+            },
             _plain_lrs(0.3, 2, len(params)),
-            sharing=GradientSharing(initial_lambda=float("-inf")), g_hat=g_hat,
-            g_hat_initialized=initialized)
+            sharing=GradientSharing(initial_lambda=float("-inf")),
+            g_hat=g_hat,
+            g_hat_initialized=initialized,
+        )
         assert float(shared.loss) == float(plain.loss)
         for a, b in zip(shared.grads, plain.grads):
             np.testing.assert_array_equal(a.numpy(), b.numpy())
@@ -236,8 +317,9 @@ def np_sharing_inner_loop(theta0, tasks, alpha, m, lam, g_hat, initialized):
         s = [sum(g[i] for g in grads) for i in range(2)]
         norm = np.linalg.norm(flat(s))
         g = [x / norm for x in s]
-        gh = ([sig(m[k]) * a + (1 - sig(m[k])) * b for a, b in zip(g, g_hat[k])]
-              if initialized else g)
+        gh = (
+            [sig(m[k]) * a + (1 - sig(m[k])) * b for a, b in zip(g, g_hat[k])] if initialized else g
+        )
         new_g_hat.append(gh)
         for t in range(len(tasks)):
             delta = [sig(lam[k]) * h + (1 - sig(lam[k])) * gt for h, gt in zip(gh, grads[t])]
@@ -253,13 +335,21 @@ def test_g_hat_update_equals_numpy(float64, initialized):
     rng = np.random.default_rng(3)
     g_hat = [[rng.normal(size=p.shape) for p in params] for _ in range(3)]
     m, lam = np.array([0.2, -0.7, 1.1]), np.array([-0.3, 0.5, 0.0])
-    r = M.adapt(_loss_fn(model), params, F.current_state(model), _const([t[0] for t in tasks]),
-                _plain_lrs(0.25, 3, 2)({}), sharing=GradientSharing(),
-                sharing_m=tf.constant(m), sharing_lambda=tf.constant(lam),
-                g_hat=[[tf.constant(x) for x in step] for step in g_hat],
-                g_hat_initialized=tf.constant(initialized))
-    thetas, new_g_hat = np_sharing_inner_loop([p.numpy() for p in params], tasks, 0.25, m, lam,
-                                              g_hat, initialized)
+    r = M.adapt(
+        _loss_fn(model),
+        params,
+        F.current_state(model),
+        _const([t[0] for t in tasks]),
+        _plain_lrs(0.25, 3, 2)({}),
+        sharing=GradientSharing(),
+        sharing_m=tf.constant(m),
+        sharing_lambda=tf.constant(lam),
+        g_hat=[[tf.constant(x) for x in step] for step in g_hat],
+        g_hat_initialized=tf.constant(initialized),
+    )
+    thetas, new_g_hat = np_sharing_inner_loop(
+        [p.numpy() for p in params], tasks, 0.25, m, lam, g_hat, initialized
+    )
     for got, want in zip(r.g_hat, new_g_hat):
         for a, b in zip(got, want):
             np.testing.assert_allclose(a.numpy(), b, rtol=1e-10, atol=1e-12)
@@ -303,26 +393,36 @@ def _dataset(x, y, tasks_per_batch):
 
 def _trainer(model, optimizer=None, **kwargs):
     trainer = MAMLTrainer(model, **kwargs)
-    trainer.compile(optimizer=optimizer or keras.optimizers.SGD(0.5),
-                    loss=keras.losses.MeanSquaredError(), metrics=["mae"])
+    trainer.compile(
+        optimizer=optimizer or keras.optimizers.SGD(0.5),
+        loss=keras.losses.MeanSquaredError(),
+        metrics=["mae"],
+    )
     return trainer
 
 
 def test_trainer_step_is_the_algorithms_meta_gradient(float64):
     x, y = _task_arrays(4, seed=7)
     for first_order in (False, True):
-        trainer = _trainer(_mlp(5), inner_steps=2, inner_learning_rate=0.3,
-                           first_order=first_order)
+        trainer = _trainer(_mlp(5), inner_steps=2, inner_learning_rate=0.3, first_order=first_order)
         phi = F.current_params(trainer.model)
         tasks = [((x[0][t], x[1][t]), (x[2][t], y[t])) for t in range(4)]
-        r = M.meta_gradient(_loss_fn(trainer.model), _loss_fn(trainer.model), phi,
-                            F.current_state(trainer.model), _const([t[0] for t in tasks]),
-                            _const([t[1] for t in tasks]), {}, _plain_lrs(0.3, 2, 4),
-                            first_order=first_order)
+        r = M.meta_gradient(
+            _loss_fn(trainer.model),
+            _loss_fn(trainer.model),
+            phi,
+            F.current_state(trainer.model),
+            _const([t[0] for t in tasks]),
+            _const([t[1] for t in tasks]),
+            {},
+            _plain_lrs(0.3, 2, 4),
+            first_order=first_order,
+        )
         history = trainer.fit(_dataset(x, y, 4), verbose=0)
         for v, p, g in zip(trainer.model.trainable_variables, phi, r.grads):
-            np.testing.assert_allclose(v.numpy(), p.numpy() - 0.5 * g.numpy(), rtol=1e-10,
-                                       atol=1e-12)
+            np.testing.assert_allclose(
+                v.numpy(), p.numpy() - 0.5 * g.numpy(), rtol=1e-10, atol=1e-12
+            )
         np.testing.assert_allclose(history.history["loss"][0], float(r.loss), rtol=1e-10)
         assert int(trainer.outer_steps.numpy()) == 1
 
@@ -351,9 +451,13 @@ def test_trainer_gate_exactly_zero_equals_plain_maml(float64, run_eagerly):
     # in the last bit; one lost or wrong term would differ by far more.
     x, y = _task_arrays(8, seed=9)
     plain = _trainer(_mlp(3), keras.optimizers.Adam(0.02), inner_steps=2, inner_learning_rate=0.3)
-    shared = _trainer(_mlp(3), keras.optimizers.Adam(0.02), inner_steps=2,
-                      inner_learning_rate=0.3,
-                      gradient_sharing=GradientSharing(initial_m=0.3, initial_lambda=-np.inf))
+    shared = _trainer(
+        _mlp(3),
+        keras.optimizers.Adam(0.02),
+        inner_steps=2,
+        inner_learning_rate=0.3,
+        gradient_sharing=GradientSharing(initial_m=0.3, initial_lambda=-np.inf),
+    )
     for trainer in (plain, shared):
         trainer.run_eagerly = run_eagerly
         trainer.fit(_dataset(x, y, 4), epochs=2, verbose=0)
@@ -371,15 +475,20 @@ def test_trainer_g_hat_and_gates_follow_numpy(float64):
     loop re-derived in NumPy from the weights, m, lambda and g_hat the trainer had before
     each iteration; m and lambda both move (non-zero outer gradients)."""
     x, y = _task_arrays(6, seed=10)
-    trainer = _trainer(_linear(7), keras.optimizers.SGD(0.5), inner_steps=2,
-                       inner_learning_rate=0.25, gradient_sharing=GradientSharing())
+    trainer = _trainer(
+        _linear(7),
+        keras.optimizers.SGD(0.5),
+        inner_steps=2,
+        inner_learning_rate=0.25,
+        gradient_sharing=GradientSharing(),
+    )
     g_hat = None
     for step, start in enumerate((0, 3)):
         theta = [v.numpy() for v in trainer.model.trainable_variables]
         m, lam = trainer.sharing_m.numpy(), trainer.sharing_lambda.numpy()
         tasks = [((x[0][t], x[1][t]), (x[2][t], y[t])) for t in range(start, start + 3)]
         _, want = np_sharing_inner_loop(theta, tasks, 0.25, m, lam, g_hat, step > 0)
-        sub = tuple(a[start:start + 3] for a in x), y[start:start + 3]
+        sub = tuple(a[start : start + 3] for a in x), y[start : start + 3]
         trainer.fit(_dataset(*sub, 3), verbose=0)
         for k in range(2):
             for v, w in zip(trainer.weights_copy(f"g_hat_{k}"), want[k]):
@@ -393,8 +502,13 @@ def test_trainer_g_hat_and_gates_follow_numpy(float64):
 @pytest.mark.parametrize("learn", ["per_parameter", "per_layer_per_step"])
 def test_learned_inner_learning_rates_receive_gradients(float64, learn):
     x, y = _task_arrays(4, seed=11)
-    trainer = _trainer(_mlp(2), keras.optimizers.SGD(0.5), inner_steps=2,
-                       inner_learning_rate=0.1, learn_inner_learning_rates=learn)
+    trainer = _trainer(
+        _mlp(2),
+        keras.optimizers.SGD(0.5),
+        inner_steps=2,
+        inner_learning_rate=0.1,
+        learn_inner_learning_rates=learn,
+    )
     before = [v.numpy() for v in trainer.inner_learning_rate_variables]
     phi = F.current_params(trainer.model)
     history = trainer.fit(_dataset(x, y, 4), verbose=0)
@@ -407,9 +521,16 @@ def test_learned_inner_learning_rates_receive_gradients(float64, learn):
         hyper = {"lslr": tf.constant(before[0])}
         fn = lambda h: [[h["lslr"][k, i] for i in range(4)] for k in range(2)]  # noqa: E731
     tasks = [((x[0][t], x[1][t]), (x[2][t], y[t])) for t in range(4)]
-    r = M.meta_gradient(_loss_fn(trainer.model), _loss_fn(trainer.model), phi,
-                        F.current_state(trainer.model), _const([t[0] for t in tasks]),
-                        _const([t[1] for t in tasks]), hyper, fn)
+    r = M.meta_gradient(
+        _loss_fn(trainer.model),
+        _loss_fn(trainer.model),
+        phi,
+        F.current_state(trainer.model),
+        _const([t[0] for t in tasks]),
+        _const([t[1] for t in tasks]),
+        hyper,
+        fn,
+    )
     for name, b, a in zip(sorted(r.hyper_grads, key=lambda n: (len(n), n)), before, after):
         g = r.hyper_grads[name].numpy()
         assert np.all(g != 0), name
@@ -419,17 +540,23 @@ def test_learned_inner_learning_rates_receive_gradients(float64, learn):
 
 def test_two_replicas_equal_one_with_gradient_sharing(float64):
     x, y = _task_arrays(8, seed=12)
-    kwargs = dict(inner_steps=2, inner_learning_rate=0.2, gradient_sharing=GradientSharing(),
-                  learn_inner_learning_rates="per_layer_per_step", multi_step_loss=True,
-                  multi_step_loss_epochs=2)
+    kwargs = dict(
+        inner_steps=2,
+        inner_learning_rate=0.2,
+        gradient_sharing=GradientSharing(),
+        learn_inner_learning_rates="per_layer_per_step",
+        multi_step_loss=True,
+        multi_step_loss_epochs=2,
+    )
     single = _trainer(_mlp(4), keras.optimizers.Adam(0.02), **kwargs)
     h1 = single.fit(_dataset(x, y, 4), epochs=2, verbose=0)
     with two_cpu_strategy().scope():
         double = _trainer(_mlp(4), keras.optimizers.Adam(0.02), **kwargs)
     h2 = double.fit(_dataset(x, y, 4), epochs=2, verbose=0)
     for a, b in zip(double.variables, single.variables):
-        np.testing.assert_allclose(np.asarray(a.numpy()), np.asarray(b.numpy()), rtol=1e-9,
-                                   atol=1e-12, err_msg=a.path)
+        np.testing.assert_allclose(
+            np.asarray(a.numpy()), np.asarray(b.numpy()), rtol=1e-9, atol=1e-12, err_msg=a.path
+        )
     for key in h1.history:
         np.testing.assert_allclose(h2.history[key], h1.history[key], rtol=1e-9, err_msg=key)
     assert int(double.epochs_done.numpy()) == 2
@@ -444,18 +571,27 @@ def test_derivative_order_annealing_is_first_order_then_second(float64):
         t.fit(_dataset(x, y, 4), epochs=1, verbose=0)
     for a, b in zip(annealed.model.trainable_variables, first.model.trainable_variables):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12, atol=1e-14)
-    assert not np.allclose(first.model.trainable_variables[0].numpy(),
-                           second.model.trainable_variables[0].numpy(), rtol=1e-8)
+    assert not np.allclose(
+        first.model.trainable_variables[0].numpy(),
+        second.model.trainable_variables[0].numpy(),
+        rtol=1e-8,
+    )
     # Epoch 2 is second order: one step from the same weights as `second` would take.
     phi = F.current_params(annealed.model)
     tasks = [((x[0][t], x[1][t]), (x[2][t], y[t])) for t in range(4)]
-    r = M.meta_gradient(_loss_fn(annealed.model), _loss_fn(annealed.model), phi,
-                        F.current_state(annealed.model), _const([t[0] for t in tasks]),
-                        _const([t[1] for t in tasks]), {}, _plain_lrs(0.3, 2, 4))
+    r = M.meta_gradient(
+        _loss_fn(annealed.model),
+        _loss_fn(annealed.model),
+        phi,
+        F.current_state(annealed.model),
+        _const([t[0] for t in tasks]),
+        _const([t[1] for t in tasks]),
+        {},
+        _plain_lrs(0.3, 2, 4),
+    )
     annealed.fit(_dataset(x, y, 4), epochs=1, verbose=0)
     for v, p, g in zip(annealed.model.trainable_variables, phi, r.grads):
-        np.testing.assert_allclose(v.numpy(), p.numpy() - 0.5 * g.numpy(), rtol=1e-10,
-                                   atol=1e-12)
+        np.testing.assert_allclose(v.numpy(), p.numpy() - 0.5 * g.numpy(), rtol=1e-10, atol=1e-12)
     assert int(annealed.epochs_done.numpy()) == 2
 
 
@@ -476,22 +612,25 @@ def test_evaluate_adapts_and_reports_query_accuracy(float64):
     x, y = _classification_tasks(4, seed=1)
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-    trainer = MAMLTrainer(model, inner_steps=2, inner_learning_rate=0.5,
-                          evaluation_inner_steps=3)
-    trainer.compile(optimizer=keras.optimizers.Adam(0.01),
-                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                    metrics=["accuracy"])
+    trainer = MAMLTrainer(model, inner_steps=2, inner_learning_rate=0.5, evaluation_inner_steps=3)
+    trainer.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     logs = trainer.evaluate(_dataset(x, y, 2), verbose=0, return_dict=True)
-    for steps, result in ((3, logs),
-                          (1, trainer.evaluate_tasks(_dataset(x, y, 2), inner_steps=1,
-                                                     verbose=0, return_dict=True))):
+    for steps, result in (
+        (3, logs),
+        (1, trainer.evaluate_tasks(_dataset(x, y, 2), inner_steps=1, verbose=0, return_dict=True)),
+    ):
         adapted = trainer.adapt(x[0], x[1], inner_steps=steps)
         correct, losses = [], []
         for t, weights in enumerate(adapted):
             logits = model.stateless_call(weights, model.non_trainable_variables, x[2][t])[0]
             correct.append(np.argmax(logits.numpy(), -1) == y[t])
-            losses.append(float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(
-                y[t], logits)))
+            losses.append(
+                float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y[t], logits))
+            )
         np.testing.assert_allclose(result["accuracy"], np.mean(correct), rtol=1e-12)
         np.testing.assert_allclose(result["loss"], np.mean(losses), rtol=1e-10)
     assert set(logs) == {"loss", "accuracy"}
@@ -520,8 +659,9 @@ def test_arguments_are_checked():
     with pytest.raises(ValueError, match="support_x, support_y, query_x"):
         trainer.fit(flat, np.zeros((8, 2), "float32"), verbose=0)
     with pytest.raises(ValueError, match="leading task dimension"):
-        trainer.fit(tf.data.Dataset.from_tensors(((flat, flat[:, :2], flat), flat[:, :2])),
-                    verbose=0)
+        trainer.fit(
+            tf.data.Dataset.from_tensors(((flat, flat[:, :2], flat), flat[:, :2])), verbose=0
+        )
     with pytest.raises(ValueError, match="drop_remainder|tasks_per_batch"):
         x, y = _task_arrays(4)
         trainer.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(2), verbose=0)
@@ -529,9 +669,15 @@ def test_arguments_are_checked():
 
 def _bn_model(seed=0):
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(5),
-                             keras.layers.BatchNormalization(momentum=0.5),
-                             keras.layers.Activation("tanh"), keras.layers.Dense(2)])
+    return keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(5),
+            keras.layers.BatchNormalization(momentum=0.5),
+            keras.layers.Activation("tanh"),
+            keras.layers.Dense(2),
+        ]
+    )
 
 
 def test_per_step_batch_norm_statistics(float64):
@@ -541,8 +687,9 @@ def test_per_step_batch_norm_statistics(float64):
     step's copy."""
     x, y = _task_arrays(2, seed=14)
     plain = _trainer(_bn_model(1), inner_steps=2, inner_learning_rate=0.3)
-    per_step = _trainer(_bn_model(1), inner_steps=2, inner_learning_rate=0.3,
-                        per_step_batch_norm_statistics=True)
+    per_step = _trainer(
+        _bn_model(1), inner_steps=2, inner_learning_rate=0.3, per_step_batch_norm_statistics=True
+    )
     model = per_step.model
     phi, s0 = F.current_params(model), F.current_state(model)
     assert len(s0) == 2 and len(per_step.step_statistics) == 2
@@ -551,8 +698,13 @@ def test_per_step_batch_norm_statistics(float64):
     for a, b in zip(per_step.model.trainable_variables, plain.model.trainable_variables):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     # The reference: the trajectories do not depend on the statistics (batch statistics).
-    r = M.adapt(_loss_fn(model), phi, s0, _const([(x[0][t], x[1][t]) for t in range(2)]),
-                _plain_lrs(0.3, 2, 6)({}))
+    r = M.adapt(
+        _loss_fn(model),
+        phi,
+        s0,
+        _const([(x[0][t], x[1][t]) for t in range(2)]),
+        _plain_lrs(0.3, 2, 6)({}),
+    )
 
     def run(state, passes):
         for weights, inputs in passes:
@@ -560,8 +712,11 @@ def test_per_step_batch_norm_statistics(float64):
         return state
 
     copy0 = run(s0, [(r.trajectories[t][0], x[0][t]) for t in range(2)])
-    copy1 = run(s0, [(r.trajectories[t][1], x[0][t]) for t in range(2)]
-                + [(r.trajectories[t][2], x[2][t]) for t in range(2)])
+    copy1 = run(
+        s0,
+        [(r.trajectories[t][1], x[0][t]) for t in range(2)]
+        + [(r.trajectories[t][2], x[2][t]) for t in range(2)],
+    )
     for got, want in zip(per_step.step_statistics, (copy0, copy1)):
         for v, w in zip(got, want):
             np.testing.assert_allclose(v.numpy(), w.numpy(), rtol=1e-12)
@@ -589,10 +744,14 @@ def test_per_step_batch_norm_statistics(float64):
 def test_validation_during_fit_is_the_adapted_query_loss(float64):
     x, y = _task_arrays(8, seed=15)
     val = _task_arrays(4, seed=16)
-    trainer = _trainer(_mlp(8), keras.optimizers.Adam(0.01), inner_steps=2,
-                       inner_learning_rate=0.3, gradient_sharing=GradientSharing())
-    history = trainer.fit(_dataset(x, y, 4), validation_data=_dataset(*val, 2), epochs=2,
-                          verbose=0)
+    trainer = _trainer(
+        _mlp(8),
+        keras.optimizers.Adam(0.01),
+        inner_steps=2,
+        inner_learning_rate=0.3,
+        gradient_sharing=GradientSharing(),
+    )
+    history = trainer.fit(_dataset(x, y, 4), validation_data=_dataset(*val, 2), epochs=2, verbose=0)
     after = trainer.evaluate(_dataset(*val, 2), verbose=0, return_dict=True)
     np.testing.assert_allclose(history.history["val_loss"][-1], after["loss"], rtol=1e-12)
     np.testing.assert_allclose(history.history["val_mae"][-1], after["mae"], rtol=1e-12)
@@ -612,8 +771,9 @@ def test_predict_adapts_each_task(float64):
         want = model.stateless_call(weights, model.non_trainable_variables, x[2][t])[0]
         np.testing.assert_allclose(predictions[t], want.numpy(), rtol=1e-12)
     # An ordinary model batch: the wrapped model.
-    np.testing.assert_allclose(trainer.predict(x[2][0], verbose=0),
-                               model.predict(x[2][0], verbose=0), rtol=1e-12)
+    np.testing.assert_allclose(
+        trainer.predict(x[2][0], verbose=0), model.predict(x[2][0], verbose=0), rtol=1e-12
+    )
 
 
 def test_evaluate_and_predict_on_two_replicas_equal_one(float64):
@@ -622,8 +782,12 @@ def test_evaluate_and_predict_on_two_replicas_equal_one(float64):
     # query loss and metrics are over ALL tasks and `predict` returns every task's
     # outputs in the order of the data.
     x, y = _task_arrays(8, seed=21)
-    kwargs = dict(inner_steps=2, inner_learning_rate=0.2, gradient_sharing=GradientSharing(),
-                  evaluation_inner_steps=3)
+    kwargs = dict(
+        inner_steps=2,
+        inner_learning_rate=0.2,
+        gradient_sharing=GradientSharing(),
+        evaluation_inner_steps=3,
+    )
     single = _trainer(_mlp(6), keras.optimizers.Adam(0.02), **kwargs)
     single.fit(_dataset(x, y, 4), verbose=0)  # g_hat initialised, gates moved
     with two_cpu_strategy().scope():
@@ -636,8 +800,9 @@ def test_evaluate_and_predict_on_two_replicas_equal_one(float64):
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=1e-10, err_msg=key)
     data = tf.data.Dataset.from_tensor_slices(x).batch(4, drop_remainder=True)
-    np.testing.assert_allclose(double.predict(data, verbose=0), single.predict(data, verbose=0),
-                               rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(
+        double.predict(data, verbose=0), single.predict(data, verbose=0), rtol=1e-10, atol=1e-12
+    )
     # A meaningful comparison: adaptation changed the outputs.
     model = single.model
     plain = np.stack([model.predict(x[2][t], verbose=0) for t in range(8)])

@@ -4,6 +4,7 @@ expected structure, and its ratios are finite and positive. No timing assertions
 The PyTorch peer is replaced by a stub script printing the peer's two result lines, run
 with this interpreter (so the subprocess path and the parsing are exercised without torch).
 """
+
 import json
 import math
 import subprocess
@@ -29,17 +30,46 @@ def test_maml_step_benchmark_tiny(tmp_path):
     peer = tmp_path / "fake_peer.py"
     peer.write_text(FAKE_PEER)
     out = tmp_path / "maml_step.json"
-    args = [sys.executable, "-m", "benchmarks.maml_step", "--configs=fomaml,fomaml_gs",
-            "--filters=4", "--image_size=8", "--conv_blocks=1", "--tasks=2", "--queries=2",
-            "--inner_steps=1", "--rounds=1", "--steps_per_round=1", "--warmup=1",
-            f"--torch_python={sys.executable}", f"--peer={peer}", "--peer_runs=2",
-            f"--output={out}"]
-    proc = subprocess.run(args, cwd=str(ROOT), capture_output=True, text=True, timeout=900,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    args = [
+        sys.executable,
+        "-m",
+        "benchmarks.maml_step",
+        "--configs=fomaml,fomaml_gs",
+        "--filters=4",
+        "--image_size=8",
+        "--conv_blocks=1",
+        "--tasks=2",
+        "--queries=2",
+        "--inner_steps=1",
+        "--rounds=1",
+        "--steps_per_round=1",
+        "--warmup=1",
+        f"--torch_python={sys.executable}",
+        f"--peer={peer}",
+        "--peer_runs=2",
+        f"--output={out}",
+    ]
+    proc = subprocess.run(
+        args,
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    for key in ("description", "episode", "model", "memory_kind", "targets", "environment",
-                "results", "torch", "table"):
+    for key in (
+        "description",
+        "episode",
+        "model",
+        "memory_kind",
+        "targets",
+        "environment",
+        "results",
+        "torch",
+        "table",
+    ):
         assert key in data, key
     assert data["episode"]["tasks"] == 2 and data["episode"]["inner_steps"] == 1
     assert set(data["results"]) == {"fomaml", "fomaml_gs"}

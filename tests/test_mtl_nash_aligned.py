@@ -3,6 +3,7 @@ of the references (LibMTL `Nash_MTL` / AvivNavon/nash-mtl, LibMTL `Aligned_MTL` 
 SamsungLabs/MTL `ProcrustesSolver`), closed forms and brute-force solutions.
 
 Oracles in float64 with tight tolerances; every combine also under XLA (== eager)."""
+
 import dataclasses
 
 import numpy as np
@@ -23,10 +24,15 @@ def inputs_from(G, present=None, step=0, losses=None):
     G = G * present[:, None]
     losses = np.abs(np.arange(1, T + 1, dtype=np.float64)) if losses is None else losses
     return base.TaskInputs(
-        losses=tf.constant(losses * present), present=tf.constant(present),
-        step=tf.constant(step, tf.int64), epoch=tf.constant(0, tf.int64), seed=3,
-        gram=tf.constant(G @ G.T), task_grads=[[tf.constant(g)] for g in G],
-        shared_variables=[])
+        losses=tf.constant(losses * present),
+        present=tf.constant(present),
+        step=tf.constant(step, tf.int64),
+        epoch=tf.constant(0, tf.int64),
+        seed=3,
+        gram=tf.constant(G @ G.T),
+        task_grads=[[tf.constant(g)] for g in G],
+        shared_variables=[],
+    )
 
 
 def xla_combine(method):
@@ -35,14 +41,23 @@ def xla_combine(method):
 
     @tf.function(jit_compile=True)
     def run(losses, present, step, gram, state):
-        out = method.combine(base.TaskInputs(losses=losses, present=present, step=step,
-                                             epoch=tf.constant(0, tf.int64), seed=3,
-                                             gram=gram), state)
+        out = method.combine(
+            base.TaskInputs(
+                losses=losses,
+                present=present,
+                step=step,
+                epoch=tf.constant(0, tf.int64),
+                seed=3,
+                gram=gram,
+            ),
+            state,
+        )
         return {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
 
     def call(inputs, state):
-        return base.Combination(**run(inputs.losses, inputs.present, inputs.step,
-                                      inputs.gram, state))
+        return base.Combination(
+            **run(inputs.losses, inputs.present, inputs.step, inputs.gram, state)
+        )
 
     return call
 
@@ -54,8 +69,7 @@ def random_grads(rng, T, D=12, conflict=True):
     return G * 10.0 ** rng.uniform(-1, 1, size=(T, 1))
 
 
-CASES = [(T, seed, absent) for T in (2, 3, 5) for seed in (0, 1, 2)
-         for absent in (None, 1)]
+CASES = [(T, seed, absent) for T in (2, 3, 5) for seed in (0, 1, 2) for absent in (None, 1)]
 
 
 def present_of(T, absent):
@@ -79,7 +93,7 @@ def numpy_nash(M, iters=200):
 
     for _ in range(iters):
         g = M @ a - 1.0 / a
-        H = M + np.diag(1.0 / a ** 2)
+        H = M + np.diag(1.0 / a**2)
         d = -np.linalg.solve(H, g)
         t = 1.0
         while np.any(a + t * d <= 0) or f(a + t * d) > f(a) + 0.25 * t * (g @ d):
@@ -131,8 +145,7 @@ def test_nash_matches_numpy_libmtl(T, seed, absent):
     alpha, shared = libmtl_nash_numpy(G, present)
     np.testing.assert_allclose(out.specific.numpy(), alpha, rtol=1e-11, atol=0)
     np.testing.assert_allclose(out.loss_weights.numpy(), alpha, rtol=1e-11, atol=0)
-    np.testing.assert_allclose(combined(G, out.shared.numpy()), shared, rtol=1e-10,
-                               atol=1e-13)
+    np.testing.assert_allclose(combined(G, out.shared.numpy()), shared, rtol=1e-10, atol=1e-13)
     # the solved alpha satisfies M alpha = 1/alpha on the present tasks
     idx = np.flatnonzero(present)
     M = G[idx] @ G[idx].T
@@ -141,8 +154,11 @@ def test_nash_matches_numpy_libmtl(T, seed, absent):
     if absent is not None:
         assert out.shared.numpy()[absent] == 0.0 and out.specific.numpy()[absent] == 0.0
     # clip: at the solution alpha^T M alpha = T, so the shared gradient has norm ~1
-    np.testing.assert_allclose(np.linalg.norm(combined(G, out.shared.numpy())),
-                               np.sqrt(len(idx)) / (np.sqrt(len(idx)) + 1e-6), rtol=1e-12)
+    np.testing.assert_allclose(
+        np.linalg.norm(combined(G, out.shared.numpy())),
+        np.sqrt(len(idx)) / (np.sqrt(len(idx)) + 1e-6),
+        rtol=1e-12,
+    )
 
 
 @pytest.mark.parametrize("T", [2, 3, 5, 8])
@@ -164,8 +180,7 @@ def test_nash_diagonal_closed_form_and_scale():
     # orthogonal gradients: M diagonal, alpha_i = 1/sqrt(M_ii) = 1/||g_i||
     norms = np.array([0.01, 1.0, 30.0, 4.0])
     G = np.diag(norms) @ np.eye(4, 6)
-    out = NM.NashMTL(max_norm=0.0).combine(inputs_from(G), {"prev_alpha": tf.ones([4],
-                                                                              tf.float64)})
+    out = NM.NashMTL(max_norm=0.0).combine(inputs_from(G), {"prev_alpha": tf.ones([4], tf.float64)})
     np.testing.assert_allclose(out.specific.numpy(), 1.0 / norms, rtol=1e-14)
     np.testing.assert_allclose(out.shared.numpy(), 1.0 / norms, rtol=1e-14)  # no clip
     # scaling all gradients by c scales alpha by 1/c (M by c^2)
@@ -203,8 +218,9 @@ def test_nash_opposite_gradients_stay_finite():
         alpha, _ = NM.nash_bargaining_weights(tf.constant(g @ g.T, dtype), tf.ones([3], dtype))
         assert np.all(np.isfinite(alpha.numpy())) and np.all(alpha.numpy()[:2] > 0)
     # all absent: zeros, no NaN
-    out = NM.NashMTL().combine(inputs_from(g, present=[0, 0, 0]),
-                               {"prev_alpha": tf.ones([3], tf.float64)})
+    out = NM.NashMTL().combine(
+        inputs_from(g, present=[0, 0, 0]), {"prev_alpha": tf.ones([3], tf.float64)}
+    )
     np.testing.assert_array_equal(out.shared.numpy(), 0.0)
 
 
@@ -246,17 +262,25 @@ def test_nash_xla_equals_eager():
             inputs = inputs_from(G, present, step=step)
             eager = method.combine(inputs, state)
             xla = compiled(inputs, state)
-            for a, b in ((eager.shared, xla.shared), (eager.specific, xla.specific),
-                         (eager.state["prev_alpha"], xla.state["prev_alpha"])):
+            for a, b in (
+                (eager.shared, xla.shared),
+                (eager.specific, xla.specific),
+                (eager.state["prev_alpha"], xla.state["prev_alpha"]),
+            ):
                 np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-12, atol=1e-300)
 
 
 def test_nash_float32():
     G = random_grads(np.random.default_rng(4), 3).astype(np.float32)
     T = 3
-    inputs = base.TaskInputs(losses=tf.ones([T]), present=tf.ones([T]),
-                             step=tf.constant(0, tf.int64), epoch=tf.constant(0, tf.int64),
-                             seed=0, gram=tf.constant(G @ G.T))
+    inputs = base.TaskInputs(
+        losses=tf.ones([T]),
+        present=tf.ones([T]),
+        step=tf.constant(0, tf.int64),
+        epoch=tf.constant(0, tf.int64),
+        seed=0,
+        gram=tf.constant(G @ G.T),
+    )
     out = NM.NashMTL().combine(inputs, {"prev_alpha": tf.ones([T], tf.float64)})
     assert out.shared.dtype == tf.float32 and out.state["prev_alpha"].dtype == tf.float64
     alpha, _ = libmtl_nash_numpy(G.astype(np.float64), np.ones(T))
@@ -288,8 +312,10 @@ def test_nash_against_cvxpy_reference():
             for _ in range(20):
                 a.value, prev.value = alpha, alpha
                 prob.solve(solver=cp.ECOS, warm_start=True, max_iters=100)
-                done = (np.linalg.norm(M / nf @ alpha - 1 / (alpha + 1e-10)) < 1e-3
-                        or np.linalg.norm(a.value - alpha) < 1e-6)
+                done = (
+                    np.linalg.norm(M / nf @ alpha - 1 / (alpha + 1e-10)) < 1e-3
+                    or np.linalg.norm(a.value - alpha) < 1e-6
+                )
                 if done:
                     break
                 alpha = a.value
@@ -367,8 +393,7 @@ def test_aligned_matches_numpy_libmtl(T, seed, absent):
     out = AM.AlignedMTL().combine(inputs_from(G, present), {})
     alpha = aligned_reference(G, present)
     np.testing.assert_allclose(out.shared.numpy(), alpha, rtol=1e-10, atol=1e-14)
-    np.testing.assert_allclose(combined(G, out.shared.numpy()), combined(G, alpha),
-                               rtol=1e-10)
+    np.testing.assert_allclose(combined(G, out.shared.numpy()), combined(G, alpha), rtol=1e-10)
     np.testing.assert_array_equal(out.specific.numpy(), np.ones(T))
     if absent is not None:
         assert out.shared.numpy()[absent] == 0.0
@@ -388,18 +413,24 @@ def test_aligned_matches_official_procrustes(scale_mode, T):
 def test_aligned_rank_deficient():
     rng = np.random.default_rng(3)
     g = rng.normal(size=(3, 10))
-    cases = [np.stack([g[0], g[1], g[0] + 2.0 * g[1]]),      # rank 2 of 3
-             np.stack([g[0], g[0], g[1]]),                    # duplicated task
-             np.stack([g[0], 3.0 * g[0], -g[0]]),             # rank 1
-             np.stack([g[0], g[1], g[2], g[0] - g[1]])[:, :3]]  # 4 tasks in 3-D
+    cases = [
+        np.stack([g[0], g[1], g[0] + 2.0 * g[1]]),  # rank 2 of 3
+        np.stack([g[0], g[0], g[1]]),  # duplicated task
+        np.stack([g[0], 3.0 * g[0], -g[0]]),  # rank 1
+        np.stack([g[0], g[1], g[2], g[0] - g[1]])[:, :3],
+    ]  # 4 tasks in 3-D
     for G in cases:
         for mode in AM.SCALE_MODES:
             out = AM.AlignedMTL(scale_mode=mode).combine(inputs_from(G), {}).shared.numpy()
             grad, weights = official_procrustes_numpy(G, mode)
             np.testing.assert_allclose(combined(G, out), grad, rtol=1e-9, atol=1e-12)
         out = AM.AlignedMTL().combine(inputs_from(G), {}).shared.numpy()
-        np.testing.assert_allclose(combined(G, out), combined(G, aligned_reference(
-            G, np.ones(len(G)))), rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(
+            combined(G, out),
+            combined(G, aligned_reference(G, np.ones(len(G)))),
+            rtol=1e-9,
+            atol=1e-12,
+        )
     # all gradients zero: nothing to align
     out = AM.AlignedMTL().combine(inputs_from(np.zeros((3, 4))), {}).shared.numpy()
     np.testing.assert_array_equal(out, 0.0)
@@ -418,7 +449,7 @@ def test_aligned_closed_forms():
     G = random_grads(np.random.default_rng(8), 4)
     M = G @ G.T
     lam, V = np.linalg.eigh(M)
-    B = np.sqrt(lam[0]) * V @ np.diag(lam ** -0.5) @ V.T
+    B = np.sqrt(lam[0]) * V @ np.diag(lam**-0.5) @ V.T
     aligned = G.T @ B
     np.testing.assert_allclose(aligned.T @ aligned, lam[0] * np.eye(4), atol=1e-10 * lam[0])
     out = AM.AlignedMTL().combine(inputs_from(G), {}).shared.numpy()
@@ -434,9 +465,12 @@ def test_aligned_xla_equals_eager():
         compiled = xla_combine(method)
         for g, present in ((G, [1, 0, 1, 1]), (G_def, [1, 1, 1, 1])):
             inputs = inputs_from(g, present)
-            np.testing.assert_allclose(compiled(inputs, {}).shared.numpy(),
-                                       method.combine(inputs, {}).shared.numpy(),
-                                       rtol=1e-11, atol=1e-14)
+            np.testing.assert_allclose(
+                compiled(inputs, {}).shared.numpy(),
+                method.combine(inputs, {}).shared.numpy(),
+                rtol=1e-11,
+                atol=1e-14,
+            )
 
 
 def test_aligned_bad_arguments():
@@ -472,8 +506,9 @@ def _numpy_step_weights(method, G, present, step, prev):
     return G.T @ aligned_reference(G, present), prev
 
 
-@pytest.mark.parametrize("method", [NM.NashMTL(update_weights_every=2),
-                                    AM.AlignedMTL()], ids=["nash_mtl", "aligned_mtl"])
+@pytest.mark.parametrize(
+    "method", [NM.NashMTL(update_weights_every=2), AM.AlignedMTL()], ids=["nash_mtl", "aligned_mtl"]
+)
 def test_multitask_trainer_equals_numpy_reference(float64, method):
     """MultiTaskTrainer(method=<object>) with SGD on a linear model (all variables shared)
     == the NumPy loop: per-task mean-MSE gradients of the batch, the method's combined
@@ -483,42 +518,38 @@ def test_multitask_trainer_equals_numpy_reference(float64, method):
     from tf_metaalign.trainers import MultiTaskTrainer
 
     keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((4,), dtype="float64"),
-                              keras.layers.Dense(2, dtype="float64")])
+    model = keras.Sequential(
+        [keras.Input((4,), dtype="float64"), keras.layers.Dense(2, dtype="float64")]
+    )
     x, y, task = _trainer_data()
     lr = 0.1
     trainer = MultiTaskTrainer(model, num_tasks=3, method=method, seed=0)
     W, b = [v.numpy().copy() for v in model.trainable_variables]
     W0 = W
     trainer.compile(optimizer=keras.optimizers.SGD(lr), loss=keras.losses.MeanSquaredError())
-    trainer.fit({"inputs": x, "task_id": task}, y, batch_size=8, epochs=2, shuffle=False,
-                verbose=0)
+    trainer.fit({"inputs": x, "task_id": task}, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     prev, step = np.ones(3), 0
     for _ in range(2):
         for i in range(0, 24, 8):
-            X, Y, t = x[i:i + 8], y[i:i + 8], task[i:i + 8]
+            X, Y, t = x[i : i + 8], y[i : i + 8], task[i : i + 8]
             grads = []
             for k in range(3):
                 R = X[t == k] @ W + b - Y[t == k]
-                grads.append(2.0 * np.concatenate([(X[t == k].T @ R).ravel(), R.sum(0)])
-                             / R.size)
-            shared, prev = _numpy_step_weights(method, np.stack(grads), np.ones(3), step,
-                                               prev)
+                grads.append(2.0 * np.concatenate([(X[t == k].T @ R).ravel(), R.sum(0)]) / R.size)
+            shared, prev = _numpy_step_weights(method, np.stack(grads), np.ones(3), step, prev)
             W = W - lr * shared[:8].reshape(4, 2)
             b = b - lr * shared[8:]
             step += 1
     assert np.abs(W - W0).max() > 0.05
-    np.testing.assert_allclose(model.trainable_variables[0].numpy(), W, rtol=1e-11,
-                               atol=1e-13)
-    np.testing.assert_allclose(model.trainable_variables[1].numpy(), b, rtol=1e-11,
-                               atol=1e-13)
+    np.testing.assert_allclose(model.trainable_variables[0].numpy(), W, rtol=1e-11, atol=1e-13)
+    np.testing.assert_allclose(model.trainable_variables[1].numpy(), b, rtol=1e-11, atol=1e-13)
     if isinstance(method, NM.NashMTL):
-        np.testing.assert_allclose(trainer.method_state["prev_alpha"].numpy(), prev,
-                                   rtol=1e-11)
+        np.testing.assert_allclose(trainer.method_state["prev_alpha"].numpy(), prev, rtol=1e-11)
 
 
-@pytest.mark.parametrize("method", [NM.NashMTL(update_weights_every=2),
-                                    AM.AlignedMTL()], ids=["nash_mtl", "aligned_mtl"])
+@pytest.mark.parametrize(
+    "method", [NM.NashMTL(update_weights_every=2), AM.AlignedMTL()], ids=["nash_mtl", "aligned_mtl"]
+)
 def test_two_replicas_equal_one(float64, method):
     """Global Gram matrix on every replica: 2 replicas take the steps 1 replica takes."""
     import keras
@@ -530,13 +561,16 @@ def test_two_replicas_equal_one(float64, method):
     def run(strategy):
         with strategy.scope():
             keras.utils.set_random_seed(1)
-            model = keras.Sequential([keras.Input((4,), dtype="float64"),
-                                      keras.layers.Dense(2, dtype="float64")])
+            model = keras.Sequential(
+                [keras.Input((4,), dtype="float64"), keras.layers.Dense(2, dtype="float64")]
+            )
             trainer = MultiTaskTrainer(model, num_tasks=3, method=method, seed=2)
-            trainer.compile(optimizer=keras.optimizers.Adam(0.05),
-                            loss=keras.losses.MeanSquaredError())
-        trainer.fit({"inputs": x, "task_id": task}, y, batch_size=8, epochs=2,
-                    shuffle=False, verbose=0)
+            trainer.compile(
+                optimizer=keras.optimizers.Adam(0.05), loss=keras.losses.MeanSquaredError()
+            )
+        trainer.fit(
+            {"inputs": x, "task_id": task}, y, batch_size=8, epochs=2, shuffle=False, verbose=0
+        )
         state = {k: v.numpy() for k, v in trainer.method_state.items()}
         return [v.numpy() for v in model.trainable_variables], state
 
@@ -550,6 +584,7 @@ def test_docstring_examples():
     import doctest
 
     for module in (NM, AM):
-        result = doctest.testmod(module, extraglobs={"NashMTL": NM.NashMTL,
-                                                     "AlignedMTL": AM.AlignedMTL})
+        result = doctest.testmod(
+            module, extraglobs={"NashMTL": NM.NashMTL, "AlignedMTL": AM.AlignedMTL}
+        )
         assert result.attempted >= 1 and result.failed == 0, module.__name__

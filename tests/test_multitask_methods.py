@@ -7,6 +7,7 @@ here the oracle computes each task's gradient with its own GradientTape on the m
 the trainer's plumbing (task losses, units, the variable split, the single-pass path of
 the loss-weighting methods) is what is tested.
 """
+
 import keras
 import numpy as np
 import pytest
@@ -44,8 +45,9 @@ def _data(n=12, seed=0, absent=None):
 
 
 def _trainer(method, model=None, **kwargs):
-    trainer = MultiTaskTrainer(model or _model(), num_tasks=T, method=method,
-                               model_takes_task_id=True, seed=5, **kwargs)
+    trainer = MultiTaskTrainer(
+        model or _model(), num_tasks=T, method=method, model_takes_task_id=True, seed=5, **kwargs
+    )
     trainer.compile(optimizer=keras.optimizers.SGD(1.0), loss=keras.losses.MeanSquaredError())
     return trainer
 
@@ -68,17 +70,21 @@ def _oracle_step(trainer, x, y):
             grads.append([tf.zeros_like(v) for v in variables])
             continue
         with tf.GradientTape() as tape:
-            out = model({"inputs": x["inputs"][rows], "task_id": x["task_id"][rows]},
-                        training=True)
+            out = model({"inputs": x["inputs"][rows], "task_id": x["task_id"][rows]}, training=True)
             loss = mse(y[rows], out)
         losses.append(tf.cast(loss, tf.float64))
         grads.append([tf.convert_to_tensor(g) for g in tape.gradient(loss, variables)])
     shared_grads = [[g[i] for i in shared] for g in grads]
     inputs = methods.TaskInputs(
-        losses=tf.stack(losses), present=tf.constant(present, tf.float64),
-        step=tf.constant(0, tf.int64), epoch=tf.constant(0, tf.int64), seed=5,
-        gram=GS.gram_matrix(shared_grads), task_grads=shared_grads,
-        shared_variables=[variables[i] for i in shared])
+        losses=tf.stack(losses),
+        present=tf.constant(present, tf.float64),
+        step=tf.constant(0, tf.int64),
+        epoch=tf.constant(0, tf.int64),
+        seed=5,
+        gram=GS.gram_matrix(shared_grads),
+        task_grads=shared_grads,
+        shared_variables=[variables[i] for i in shared],
+    )
     state = {k: tf.convert_to_tensor(v.value) for k, v in trainer.method_state.items()}
     c = trainer.method_object.combine(inputs, state)
     shared_c = tf.cast(c.shared, tf.float64)
@@ -113,7 +119,11 @@ def test_heads_are_task_specific_and_the_old_rule_is_reachable(float64):
     names = [v.path for v in trainer.task_specific_variables]
     assert names and all(n.startswith("heads/") for n in names), names
     assert {v.path for v in trainer.shared_variables} == {
-        "trunk/kernel", "trunk/bias", "trunk_2/kernel", "trunk_2/bias"}
+        "trunk/kernel",
+        "trunk/bias",
+        "trunk_2/kernel",
+        "trunk_2/bias",
+    }
     old = _trainer("pcgrad", task_specific_variables="none")
     assert not old.task_specific_variables
     for t in (trainer, old):
@@ -147,8 +157,10 @@ def _oracle_step_with_split(trainer, x, y, specific_paths):
     for t in range(T):
         rows = np.flatnonzero(x["task_id"] == t)
         with tf.GradientTape() as tape:
-            loss = mse(y[rows], model({"inputs": x["inputs"][rows],
-                                       "task_id": x["task_id"][rows]}, training=True))
+            loss = mse(
+                y[rows],
+                model({"inputs": x["inputs"][rows], "task_id": x["task_id"][rows]}, training=True),
+            )
         grads.append([tf.convert_to_tensor(g) for g in tape.gradient(loss, variables)])
     shared = [i for i, v in enumerate(variables) if v.path not in specific_paths]
     gs = np.stack([np.concatenate([np.ravel(g[i].numpy()) for i in shared]) for g in grads])
@@ -164,7 +176,7 @@ def _oracle_step_with_split(trainer, x, y, specific_paths):
     for v, var in enumerate(variables):
         if v in shared:
             n = int(np.prod(var.shape))
-            out.append(flat[start:start + n].reshape(var.shape))
+            out.append(flat[start : start + n].reshape(var.shape))
             start += n
         else:
             out.append(sum(g[v].numpy() for g in grads))
@@ -187,13 +199,16 @@ def test_two_replicas_equal_one(float64, method):
 
     def run(strategy):
         with strategy.scope():
-            trainer = MultiTaskTrainer(_model(), num_tasks=T, method=method,
-                                       model_takes_task_id=True, seed=5)
-            trainer.compile(optimizer=keras.optimizers.Adam(0.05),
-                            loss=keras.losses.MeanSquaredError())
+            trainer = MultiTaskTrainer(
+                _model(), num_tasks=T, method=method, model_takes_task_id=True, seed=5
+            )
+            trainer.compile(
+                optimizer=keras.optimizers.Adam(0.05), loss=keras.losses.MeanSquaredError()
+            )
         trainer.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
-        return ([v.numpy() for v in trainer.model.trainable_variables]
-                + [v.numpy() for v in trainer.method_state.values()])
+        return [v.numpy() for v in trainer.model.trainable_variables] + [
+            v.numpy() for v in trainer.method_state.values()
+        ]
 
     for a, b in zip(run(tf.distribute.get_strategy()), run(two_cpu_strategy())):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
@@ -222,7 +237,7 @@ def test_method_state_is_checkpointed(float64, method, tmp_path):
 
 
 def test_sum_takes_one_backward_pass_and_equals_plain_fit(float64):
-    """"sum" is one forward and one backward pass of the summed task losses: with B/T
+    """ "sum" is one forward and one backward pass of the summed task losses: with B/T
     rows per task and a mean loss, SGD(lr) on it == plain fit with SGD(T * lr)."""
     x, y = _data(n=12)
     trainer = _trainer("sum")
@@ -236,14 +251,16 @@ def test_sum_takes_one_backward_pass_and_equals_plain_fit(float64):
 
 
 def test_method_objects_and_config_round_trip():
-    trainer = MultiTaskTrainer(_model(), num_tasks=T, method=methods.GradVac(beta=0.3),
-                               model_takes_task_id=True)
+    trainer = MultiTaskTrainer(
+        _model(), num_tasks=T, method=methods.GradVac(beta=0.3), model_takes_task_id=True
+    )
     config = trainer.get_config()
     assert config["method"] == {"name": "gradvac", "config": {"beta": 0.3}}
     again = MultiTaskTrainer.from_config(config)
     assert again.method_object == methods.GradVac(beta=0.3)
-    assert MultiTaskTrainer(_model(), num_tasks=T, method="gradvac",
-                            method_options={"beta": 0.3}).method_object == methods.GradVac(0.3)
+    assert MultiTaskTrainer(
+        _model(), num_tasks=T, method="gradvac", method_options={"beta": 0.3}
+    ).method_object == methods.GradVac(0.3)
     with pytest.raises(ValueError, match="beta"):
         methods.get_method("pcgrad", beta=0.3)
     with pytest.raises(ValueError, match="constructor"):
@@ -266,11 +283,17 @@ def test_combination_compiles_once_under_xla(method):
 
     @tf.function(jit_compile=True)
     def combine(flat_grads, losses, step):
-        task_grads = [flat_grads[t * len(shared):(t + 1) * len(shared)] for t in range(T)]
+        task_grads = [flat_grads[t * len(shared) : (t + 1) * len(shared)] for t in range(T)]
         inputs = methods.TaskInputs(
-            losses=losses, present=tf.ones([T], tf.float64), step=step,
-            epoch=tf.constant(0, tf.int64), seed=5, gram=GS.gram_matrix(task_grads),
-            task_grads=task_grads, shared_variables=shared)
+            losses=losses,
+            present=tf.ones([T], tf.float64),
+            step=step,
+            epoch=tf.constant(0, tf.int64),
+            seed=5,
+            gram=GS.gram_matrix(task_grads),
+            task_grads=task_grads,
+            shared_variables=shared,
+        )
         state = {k: tf.convert_to_tensor(v.value) for k, v in trainer.method_state.items()}
         c = method_object.combine(inputs, state)
         return c.shared, c.state
@@ -295,8 +318,13 @@ def test_compiled_combination_equals_graph_ops(float64, method):
     for compiled in (True, False):
         trainer = _trainer(method, compile_combination=compiled)
         h = trainer.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
-        runs.append(([v.numpy() for v in trainer.model.trainable_variables]
-                     + [v.numpy() for v in trainer.method_state.values()], h.history))
+        runs.append(
+            (
+                [v.numpy() for v in trainer.model.trainable_variables]
+                + [v.numpy() for v in trainer.method_state.values()],
+                h.history,
+            )
+        )
     for a, b in zip(runs[0][0], runs[1][0]):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
     for key in runs[0][1]:

@@ -3,6 +3,7 @@ within a time budget, and showing what it exists to show: the three methods on t
 synthetic problem with their final inter-task cosines and the trajectory plot, the task
 probabilities at q = 0.2, History's diagnostics curves, a held-out accuracy table per
 task, and phi in the model after Sequential Reptile's fit, saved and reloaded."""
+
 import math
 import re
 
@@ -43,31 +44,40 @@ def test_synthetic_problem_three_methods_cosines_and_trajectory_plot(executed):
         row = next(l for l in table if l.startswith(method + " "))
         values = [float(v) for v in re.findall(NUMBER, row)]
         assert len(values) >= 8 and all(math.isfinite(v) for v in values), row
-    cosines = {m: (float(final), float(tail)) for m, final, tail in re.findall(
-        rf"^(\w+)\s+final inter-task cosine ({NUMBER})\s+\(mean over the last 20%: ({NUMBER})\)",
-        out, flags=re.M)}
+    cosines = {
+        m: (float(final), float(tail))
+        for m, final, tail in re.findall(
+            rf"^(\w+)\s+final inter-task cosine ({NUMBER})"
+            rf"\s+\(mean over the last 20%: ({NUMBER})\)",
+            out,
+            flags=re.M,
+        )
+    }
     assert sorted(cosines) == sorted(METHODS), out
     assert all(-1.0 <= c <= 1.0 for pair in cosines.values() for c in pair)
     # The trajectories on the loss surface, drawn inline.
     assert NB.has_png(NB.cell(nb, "contourf"))
     # The claim the notebook checks itself (it asserts it), printed.
     check = NB.stdout(NB.cell(nb, 'summary["sequential_reptile"]["tail_loss"] <'))
-    sr, mtl = map(float, re.search(
-        rf"sequential_reptile ({NUMBER}) < mtl ({NUMBER})", check).groups())
+    sr, mtl = map(
+        float, re.search(rf"sequential_reptile ({NUMBER}) < mtl ({NUMBER})", check).groups()
+    )
     assert sr < mtl
 
 
 def test_task_probabilities_and_batches(executed):
     nb, _ = executed
     out = NB.stdout(NB.cell(nb, "MultiTaskStream(tasks"))
-    rows = {m.group(1): (int(m.group(2)), float(m.group(3)), float(m.group(4))) for m in
-            re.finditer(rf"^(rot\d+)\s+(\d+)\s+({NUMBER})\s+({NUMBER})$", out, flags=re.M)}
+    rows = {
+        m.group(1): (int(m.group(2)), float(m.group(3)), float(m.group(4)))
+        for m in re.finditer(rf"^(rot\d+)\s+(\d+)\s+({NUMBER})\s+({NUMBER})$", out, flags=re.M)
+    }
     assert {k: v[0] for k, v in rows.items()} == TASKS, out
     sizes = np.array([TASKS[k] for k in TASKS], float)
     proportional = np.array([rows[k][1] for k in TASKS])
     tempered = np.array([rows[k][2] for k in TASKS])
     np.testing.assert_allclose(proportional, sizes / sizes.sum(), atol=6e-4)
-    np.testing.assert_allclose(tempered, sizes ** 0.2 / (sizes ** 0.2).sum(), atol=6e-4)
+    np.testing.assert_allclose(tempered, sizes**0.2 / (sizes**0.2).sum(), atol=6e-4)
     out = NB.stdout(NB.cell(nb, "next(iter(stream.single_task_batches()))"))
     assert re.search(r"single-task batch: \(32, 64\)\s+task_id values: \[\d\]", out), out
     assert "mixed batch:       (32, 64)  examples per task: [8 8 8 8]" in out, out
@@ -102,8 +112,12 @@ def test_phi_is_in_the_model_after_fit_and_saving_round_trips(executed):
     assert f"inner steps taken: {steps} (K = 5)" in out, out
     assert "model weights == phi (slow weights): True" in out, out
     # A partial trajectory (3 < K steps) is discarded when fit returns.
-    assert ("after 3 more steps: phi unchanged: True | model weights == phi: True | "
-            f"counter moved to the next trajectory: {steps + 5}") in out, out
+    assert (
+        "after 3 more steps: phi unchanged: True | model weights == phi: True | "
+        f"counter moved to the next trajectory: {steps + 5}"
+    ) in out, out
     assert "reloaded model predicts the same: True" in out, out
-    assert (f"reloaded trainer: SequentialReptileTrainer | slow weights equal: True | "
-            f"counter: {steps + 5}") in out, out
+    assert (
+        f"reloaded trainer: SequentialReptileTrainer | slow weights equal: True | "
+        f"counter: {steps + 5}"
+    ) in out, out

@@ -1,6 +1,7 @@
 """MultiTaskTrainer with tasks='outputs': one task per output of a multi-output model
 compiled with one loss per output (LibMTL's multi_input=False setting; the Keras
 functional-API guide's ticket model), heads found from the functional graph."""
+
 import keras
 import numpy as np
 import pytest
@@ -15,12 +16,14 @@ from tf_metaalign.algorithms import gradient_surgery as GS
 from tf_metaalign.trainers.multitask import MultiTaskTrainer
 
 
-
 def losses():
     """Per-output losses (loss objects compute in the floatx of their creation: make them
     inside the float64 fixture)."""
-    return {"priority": "mse",
-            "department": keras.losses.SparseCategoricalCrossentropy(from_logits=True)}
+    return {
+        "priority": "mse",
+        "department": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    }
+
 
 LOSS_WEIGHTS = {"priority": 1.0, "department": 0.5}
 
@@ -44,8 +47,12 @@ def data(n=24, seed=0):
 
 
 def compiled(trainer, lr=0.1, optimizer=None, **kwargs):
-    trainer.compile(optimizer=optimizer or keras.optimizers.SGD(lr), loss=losses(),
-                    loss_weights=LOSS_WEIGHTS, **kwargs)
+    trainer.compile(
+        optimizer=optimizer or keras.optimizers.SGD(lr),
+        loss=losses(),
+        loss_weights=LOSS_WEIGHTS,
+        **kwargs,
+    )
     return trainer
 
 
@@ -65,33 +72,44 @@ def test_graph_split_of_a_shared_bottom_model():
     model = two_head_model()
     specific = model_graph.task_specific_variables(model)
     assert [[v.path for v in vs] for vs in specific] == [
-        ["priority/kernel", "priority/bias"], ["department/kernel", "department/bias"]]
+        ["priority/kernel", "priority/bias"],
+        ["department/kernel", "department/bias"],
+    ]
     assert model_graph.shared_representation(model) is model.get_layer("trunk").output
-    assert [v.path for v in model_graph.upstream_variables(
-        model, model.get_layer("trunk").output)] == ["trunk/kernel", "trunk/bias"]
+    assert [
+        v.path for v in model_graph.upstream_variables(model, model.get_layer("trunk").output)
+    ] == ["trunk/kernel", "trunk/bias"]
     trainer = MultiTaskTrainer(model, method="pcgrad")
     assert trainer.tasks == "outputs" and trainer.num_tasks == 2
     shared, task_specific = trainer._variable_split()
     paths = [v.path for v in model.trainable_variables]
     assert [paths[i] for i in shared] == ["trunk/kernel", "trunk/bias"]
     assert sorted(paths[i] for i in task_specific) == sorted(
-        ["priority/kernel", "priority/bias", "department/kernel", "department/bias"])
+        ["priority/kernel", "priority/bias", "department/kernel", "department/bias"]
+    )
 
 
 def test_graph_split_deeper_heads_tied_layers_and_nested_trunk():
     inputs = keras.Input((4,))
-    trunk = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, name="t1"),
-                              keras.layers.Dense(5, name="t2")], name="trunk")
+    trunk = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(6, name="t1"), keras.layers.Dense(5, name="t2")],
+        name="trunk",
+    )
     h = trunk(inputs)
     tied = keras.layers.Dense(5, name="tied")  # called by both heads: shared
     a = keras.layers.Dense(1, name="a_out")(keras.layers.Dense(3, name="a_hidden")(tied(h)))
     b = keras.layers.Dense(2, name="b_out")(tied(keras.layers.Dense(5, name="b_pre")(h)))
     c = keras.layers.Dense(1, name="c_out")(h)
     model = keras.Model(inputs, [a, b, c])
-    specific = [sorted(v.path.split("/")[0] for v in vs)
-                for vs in model_graph.task_specific_variables(model)]
-    assert specific == [["a_hidden", "a_hidden", "a_out", "a_out"],
-                        ["b_out", "b_out", "b_pre", "b_pre"], ["c_out", "c_out"]]
+    specific = [
+        sorted(v.path.split("/")[0] for v in vs)
+        for vs in model_graph.task_specific_variables(model)
+    ]
+    assert specific == [
+        ["a_hidden", "a_hidden", "a_out", "a_out"],
+        ["b_out", "b_out", "b_pre", "b_pre"],
+        ["c_out", "c_out"],
+    ]
     # The nodes both heads reach end at the trunk; "tied" is called once in each head,
     # so its calls are the heads' but its variables are shared: rep_grad refuses them.
     assert model_graph.shared_representation(model) is h
@@ -99,8 +117,13 @@ def test_graph_split_deeper_heads_tied_layers_and_nested_trunk():
         MultiTaskTrainer(model, method="mgda", rep_grad=True)
     # Two shared tensors read by heads: the representation must be named.
     x2 = keras.layers.Dense(5, name="side")(h)
-    two = keras.Model(inputs, [keras.layers.Dense(1)(keras.layers.Add()([h, x2])),
-                               keras.layers.Dense(1)(keras.layers.Multiply()([h, x2]))])
+    two = keras.Model(
+        inputs,
+        [
+            keras.layers.Dense(1)(keras.layers.Add()([h, x2])),
+            keras.layers.Dense(1)(keras.layers.Multiply()([h, x2])),
+        ],
+    )
     with pytest.raises(ValueError, match="representation=<layer name>"):
         model_graph.shared_representation(two)
 
@@ -123,8 +146,13 @@ def test_models_without_a_graph_share_everything_unless_told():
         MultiTaskTrainer(model, method="pcgrad")
     trainer = MultiTaskTrainer(model, num_tasks=2, tasks="outputs", method="pcgrad")
     assert trainer._variable_split()[1] == []
-    trainer = MultiTaskTrainer(model, num_tasks=2, tasks="outputs", method="pcgrad",
-                               task_specific_variables=[*model.a.weights, *model.b.weights])
+    trainer = MultiTaskTrainer(
+        model,
+        num_tasks=2,
+        tasks="outputs",
+        method="pcgrad",
+        task_specific_variables=[*model.a.weights, *model.b.weights],
+    )
     assert len(trainer._variable_split()[1]) == 4
     with pytest.raises(ValueError, match="functional"):
         MultiTaskTrainer(model, num_tasks=2, tasks="outputs", method="mgda", rep_grad=True)
@@ -142,13 +170,18 @@ def test_sum_with_loss_weights_is_plain_multi_output_fit_step_for_step(float64, 
     metrics = {"priority": ["mae"], "department": ["accuracy"]}
     trainer = compiled(MultiTaskTrainer(two_head_model(l2=l2), method="sum"), metrics=metrics)
     plain = two_head_model(l2=l2)
-    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss=losses(), loss_weights=LOSS_WEIGHTS,
-                  metrics=metrics)
+    plain.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=losses(),
+        loss_weights=LOSS_WEIGHTS,
+        metrics=metrics,
+    )
     runs = []
     for model, fitter in ((trainer.model, trainer), (plain, plain)):
         record = WeightsPerStep(model.trainable_variables)
-        history = fitter.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
-                             callbacks=[record])
+        history = fitter.fit(
+            x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[record]
+        )
         runs.append((record.steps, history.history))
     (steps, h), (plain_steps, h_plain) = runs
     assert len(steps) == len(plain_steps) == 6
@@ -162,20 +195,25 @@ def test_sum_with_loss_weights_is_plain_multi_output_fit_step_for_step(float64, 
     assert trainer.task_names == ["priority", "department"]
     ev = trainer.evaluate(x, y, verbose=0, return_dict=True)
     ev_plain = plain.evaluate(x, y, verbose=0, return_dict=True)
-    assert set(ev) == set(ev_plain) == {"loss", "priority_loss", "department_loss",
-                                        "priority_mae", "department_accuracy"}
+    assert (
+        set(ev)
+        == set(ev_plain)
+        == {"loss", "priority_loss", "department_loss", "priority_mae", "department_accuracy"}
+    )
     for key in ev:
         np.testing.assert_allclose(ev[key], ev_plain[key], rtol=1e-12, err_msg=key)
 
 
 def test_dict_outputs_and_per_output_sample_weights(float64):
     """A model with dict outputs and a dict of per-output sample weights: still fit."""
+
     def make():
         keras.utils.set_random_seed(2)
         inputs = keras.Input((4,))
         h = keras.layers.Dense(5, activation="tanh")(inputs)
-        return keras.Model(inputs, {"priority": keras.layers.Dense(1)(h),
-                                    "department": keras.layers.Dense(3)(h)})
+        return keras.Model(
+            inputs, {"priority": keras.layers.Dense(1)(h), "department": keras.layers.Dense(3)(h)}
+        )
 
     x, y = data()
     rng = np.random.default_rng(5)
@@ -209,13 +247,15 @@ def np_two_head_grads(weights, x, y):
     wa, wb = LOSS_WEIGHTS["priority"], LOSS_WEIGHTS["department"]
     p = _softmax(logits)
     onehot = np.eye(3)[y["department"]]
-    losses = [wa * np.mean((a - y["priority"]) ** 2),
-              wb * np.mean(-np.log(p[np.arange(B), y["department"]]))]
+    losses = [
+        wa * np.mean((a - y["priority"]) ** 2),
+        wb * np.mean(-np.log(p[np.arange(B), y["department"]])),
+    ]
     dA = wa * 2 * (a - y["priority"]) / B
     dB = wb * (p - onehot) / B
     out = []
     for d, W in ((dA, Wa), (dB, Wb)):
-        dpre = (d @ W.T) * (1 - h ** 2)
+        dpre = (d @ W.T) * (1 - h**2)
         out.append(np.concatenate([(x.T @ dpre).ravel(), dpre.sum(0)]))
     heads = [(h.T @ dA, dA.sum(0)), (h.T @ dB, dB.sum(0))]
     return np.array(losses), np.array(out), heads
@@ -223,7 +263,6 @@ def np_two_head_grads(weights, x, y):
 
 def np_train(method, steps, lr, batch, x, y, weights, options):
     W1, b1, Wa, ba, Wb, bb = [w.copy() for w in weights]
-    prev_alpha = np.ones(2)
     for s in range(steps):
         sl = slice(s * batch, (s + 1) * batch)
         yb = {k: v[sl] for k, v in y.items()}
@@ -238,25 +277,29 @@ def np_train(method, steps, lr, batch, x, y, weights, options):
             w = np_cagrad_exact_w(G, calpha)
             gw = G.T @ w
             c = calpha * np.sqrt((G @ G.T).mean() + 1e-8) + 1e-8
-            shared = (G.mean(0) + c / (np.linalg.norm(gw) + 1e-8) * gw) / (1 + calpha ** 2)
+            shared = (G.mean(0) + c / (np.linalg.norm(gw) + 1e-8) * gw) / (1 + calpha**2)
         elif method == "nash_mtl":
             alpha, shared = libmtl_nash_numpy(G, np.ones(2), max_norm=options.get("max_norm", 1.0))
             head_c = alpha
         else:
             raise ValueError(method)
-        W1 = W1 - lr * shared[:W1.size].reshape(W1.shape)
-        b1 = b1 - lr * shared[W1.size:]
-        (gWa, gba), (gWb, gbb) = [(head_c[t] * hw, head_c[t] * hb)
-                                  for t, (hw, hb) in enumerate(heads)]
+        W1 = W1 - lr * shared[: W1.size].reshape(W1.shape)
+        b1 = b1 - lr * shared[W1.size :]
+        (gWa, gba), (gWb, gbb) = [
+            (head_c[t] * hw, head_c[t] * hb) for t, (hw, hb) in enumerate(heads)
+        ]
         Wa, ba, Wb, bb = Wa - lr * gWa, ba - lr * gba, Wb - lr * gWb, bb - lr * gbb
     return [W1, b1, Wa, ba, Wb, bb]
 
 
-@pytest.mark.parametrize("method, options, rtol", [
-    ("pcgrad", {"seed": 3}, 1e-10),
-    ("cagrad", {"calpha": 0.4}, 1e-9),
-    ("nash_mtl", {"max_norm": 0.5}, 1e-6),
-])
+@pytest.mark.parametrize(
+    "method, options, rtol",
+    [
+        ("pcgrad", {"seed": 3}, 1e-10),
+        ("cagrad", {"calpha": 0.4}, 1e-9),
+        ("nash_mtl", {"max_norm": 0.5}, 1e-6),
+    ],
+)
 def test_methods_on_two_outputs_equal_numpy_libmtl(float64, method, options, rtol):
     """Shared trunk: the method's combination of the two output losses' gradients; heads:
     their own raw gradients (LibMTL rep_grad=False; Nash-MTL: alpha_t times them)."""
@@ -265,8 +308,9 @@ def test_methods_on_two_outputs_equal_numpy_libmtl(float64, method, options, rto
     model = two_head_model(seed=7)
     weights = [v.numpy() for v in model.trainable_variables]
     seed = options.pop("seed", 0)
-    trainer = compiled(MultiTaskTrainer(model, method=method, seed=seed,
-                                        method_options=options), lr=0.25)
+    trainer = compiled(
+        MultiTaskTrainer(model, method=method, seed=seed, method_options=options), lr=0.25
+    )
     h = trainer.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     # (a learning rate exact in float32: Keras keeps it in a float32 variable)
     expected = np_train(method, 3, 0.25, 8, x, y, weights, {"seed": seed, **options})
@@ -283,9 +327,10 @@ def test_two_replicas_equal_one(float64):
 
     def run(strategy):
         with strategy.scope():
-            trainer = compiled(MultiTaskTrainer(two_head_model(seed=5), method="pcgrad",
-                                                seed=2),
-                               optimizer=keras.optimizers.Adam(0.05))
+            trainer = compiled(
+                MultiTaskTrainer(two_head_model(seed=5), method="pcgrad", seed=2),
+                optimizer=keras.optimizers.Adam(0.05),
+            )
         h = trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
         return [v.numpy() for v in trainer.model.trainable_variables], h.history
 
@@ -301,8 +346,9 @@ def test_xla_equals_eager(float64):
     x, y = data()
     results = []
     for jit in (False, True):
-        trainer = compiled(MultiTaskTrainer(two_head_model(), method="pcgrad", seed=1),
-                           jit_compile=jit)
+        trainer = compiled(
+            MultiTaskTrainer(two_head_model(), method="pcgrad", seed=1), jit_compile=jit
+        )
         trainer.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
         results.append([v.numpy() for v in trainer.model.trainable_variables])
     for a, b in zip(*results):
@@ -337,12 +383,12 @@ def test_bad_arguments_and_batches_are_clear_errors():
     with pytest.raises(ValueError, match="representation"):
         MultiTaskTrainer(two_head_model(), method="pcgrad", representation="trunk")
     with pytest.raises(ValueError, match="no layer named 'nope'"):
-        MultiTaskTrainer(two_head_model(), method="pcgrad", rep_grad=True,
-                         representation="nope")
+        MultiTaskTrainer(two_head_model(), method="pcgrad", rep_grad=True, representation="nope")
     x, y = data()
     # three tasks declared, two output losses compiled
-    trainer = compiled(MultiTaskTrainer(two_head_model(), num_tasks=3, tasks="outputs",
-                                        method="pcgrad"))
+    trainer = compiled(
+        MultiTaskTrainer(two_head_model(), num_tasks=3, tasks="outputs", method="pcgrad")
+    )
     with pytest.raises(ValueError, match="2 output losses"):
         trainer.fit(x, y, batch_size=8, verbose=0)
     # a two-output model given task_id batches' trainer: the error says what to do
@@ -358,9 +404,11 @@ def test_save_reload_and_resume(float64, tmp_path, rep_grad):
     and resumes as the original goes on."""
     x, y = data()
     method = "mgda" if rep_grad else "pcgrad"
-    trainer = compiled(MultiTaskTrainer(two_head_model(), method=method, rep_grad=rep_grad),
-                       optimizer=keras.optimizers.Adam(0.05),
-                       metrics={"department": ["accuracy"]})
+    trainer = compiled(
+        MultiTaskTrainer(two_head_model(), method=method, rep_grad=rep_grad),
+        optimizer=keras.optimizers.Adam(0.05),
+        metrics={"department": ["accuracy"]},
+    )
     trainer.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     path = str(tmp_path / "trainer.keras")
     trainer.save(path)
@@ -386,8 +434,10 @@ def test_compat_recorded_loss_terms(built):
     from tf_metaalign import _compat
 
     model = two_head_model()
-    model.compile(loss={"priority": "mse", "department": "mse"},
-                  loss_weights={"priority": 2.0, "department": 0.5})
+    model.compile(
+        loss={"priority": "mse", "department": "mse"},
+        loss_weights={"priority": 2.0, "department": 0.5},
+    )
     compile_loss = _compat.compiled_loss(model)
     x = np.random.default_rng(0).normal(size=(6, 4)).astype("float32")
     y = [np.ones((6, 1), "float32"), np.zeros((6, 3), "float32")]

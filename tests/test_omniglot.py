@@ -4,6 +4,7 @@ Two kinds of tests: on tiny fake zips built here in the official layout (layout,
 error handling), and on the real files in ../shared/data/omniglot (skipped, with the
 reason, when they are absent). The real files are never copied into the repository.
 """
+
 import zipfile
 from pathlib import Path
 
@@ -36,22 +37,23 @@ def png(strokes: np.ndarray) -> bytes:
 def stroke_image(a: int, c: int, d: int, size: int = 21) -> np.ndarray:
     """A distinct binary image per (alphabet a, character c, drawer d)."""
     img = np.zeros((size, size), bool)
-    img[2 + a, :] = True           # a row per alphabet
-    img[:, 2 + c] = True           # a column per character
+    img[2 + a, :] = True  # a row per alphabet
+    img[:, 2 + c] = True  # a column per character
     img[size - 1 - d, size - 1 - d] = True  # a dot per drawer
-    img[0, 1] = True               # asymmetric: rotations differ
+    img[0, 1] = True  # asymmetric: rotations differ
     return img
 
 
-def write_set(path: Path, set_name: str, alphabets: dict, drawers: int = 4,
-              offset: int = 0):
+def write_set(path: Path, set_name: str, alphabets: dict, drawers: int = 4, offset: int = 0):
     """`<set_name>.zip` with `<set_name>/<Alphabet>/characterNN/<id>_DD.png`."""
     with zipfile.ZipFile(path / f"{set_name}.zip", "w") as zf:
         for a, (alphabet, n_chars) in enumerate(alphabets.items()):
             a += offset
             for c in range(n_chars):
                 for d in range(drawers):
-                    name = f"{set_name}/{alphabet}/character{c + 1:02d}/{a:02d}{c:02d}_{d + 1:02d}.png"
+                    name = (
+                        f"{set_name}/{alphabet}/character{c + 1:02d}/{a:02d}{c:02d}_{d + 1:02d}.png"
+                    )
                     zf.writestr(name, png(stroke_image(a, c, d)))
 
 
@@ -66,13 +68,18 @@ def fake_root(tmp_path):
 
 
 def test_fake_zip_layout_dedup_and_pixel_convention(fake_root, tmp_path):
-    classes = load_omniglot(fake_root, sets=("set_a", "set_b"), image_size=None,
-                            cache_dir=False)
+    classes = load_omniglot(fake_root, sets=("set_a", "set_b"), image_size=None, cache_dir=False)
     assert list(classes) == [
-        "Alpha/character01", "Alpha/character02", "Alpha/character03",
-        "Beta/character01", "Beta/character02",  # from set_a
+        "Alpha/character01",
+        "Alpha/character02",
+        "Alpha/character03",
+        "Beta/character01",
+        "Beta/character02",  # from set_a
         "Beta/character03",  # only in set_b
-        "Gamma/character01", "Gamma/character02", "Gamma/character03", "Gamma/character04",
+        "Gamma/character01",
+        "Gamma/character02",
+        "Gamma/character03",
+        "Gamma/character04",
     ]
     # Beta/character01 comes from set_a (first set wins; set_b's has offset 5).
     x = classes["Beta/character01"]
@@ -80,8 +87,9 @@ def test_fake_zip_layout_dedup_and_pixel_convention(fake_root, tmp_path):
     # image_size=None: the originals, strokes = 1, background = 0, exactly.
     for d in range(4):
         np.testing.assert_array_equal(x[d, ..., 0], stroke_image(1, 0, d).astype(np.float32))
-    np.testing.assert_array_equal(classes["Beta/character03"][2, ..., 0],
-                                  stroke_image(5, 2, 2).astype(np.float32))
+    np.testing.assert_array_equal(
+        classes["Beta/character03"][2, ..., 0], stroke_image(5, 2, 2).astype(np.float32)
+    )
     # Resized: antialiased into [0, 1], strokes bright.
     small = load_omniglot(fake_root, sets=("set_a",), image_size=7, cache_dir=False)
     assert len(small) == 5
@@ -93,8 +101,7 @@ def test_fake_zip_layout_dedup_and_pixel_convention(fake_root, tmp_path):
     # A set given as an extracted folder reads the same as its zip.
     with zipfile.ZipFile(fake_root / "set_a.zip") as zf:
         zf.extractall(tmp_path / "extracted")
-    from_dir = load_omniglot(tmp_path / "extracted", sets="set_a", image_size=None,
-                             cache_dir=False)
+    from_dir = load_omniglot(tmp_path / "extracted", sets="set_a", image_size=None, cache_dir=False)
     assert list(from_dir) == list(classes)[:5]
     for k in from_dir:
         np.testing.assert_array_equal(from_dir[k], classes[k])
@@ -114,12 +121,15 @@ def test_cache_is_used_and_keyed_by_the_source(fake_root, tmp_path):
         parts = dict(z)
     parts["images"] = parts["images"] * 0 + 0.5
     np.savez(files[0], **parts)
-    assert load_omniglot(fake_root, sets=("set_a",), image_size=9,
-                         cache_dir=cache)["Alpha/character01"].max() == 0.5
+    assert (
+        load_omniglot(fake_root, sets=("set_a",), image_size=9, cache_dir=cache)[
+            "Alpha/character01"
+        ].max()
+        == 0.5
+    )
     # Another size, method or source content: another cache entry.
     load_omniglot(fake_root, sets=("set_a",), image_size=10, cache_dir=cache)
-    load_omniglot(fake_root, sets=("set_a",), image_size=9, resize_method="area",
-                  cache_dir=cache)
+    load_omniglot(fake_root, sets=("set_a",), image_size=9, resize_method="area", cache_dir=cache)
     assert len(list(cache.glob("omniglot_*.npz"))) == 3
     write_set(fake_root, "set_a", {"Alpha": 2})
     assert len(load_omniglot(fake_root, sets=("set_a",), image_size=9, cache_dir=cache)) == 2
@@ -158,8 +168,7 @@ def test_loader_errors(fake_root, tmp_path):
 
 
 def test_split_is_disjoint_complete_and_seeded(fake_root):
-    classes = load_omniglot(fake_root, sets=("set_a", "set_b"), image_size=None,
-                            cache_dir=False)
+    classes = load_omniglot(fake_root, sets=("set_a", "set_b"), image_size=None, cache_dir=False)
     names = set(classes)
     split = split_classes(classes, fractions=(0.6, 0.2, 0.2), seed=0)
     parts = [set(split.train), set(split.validation), set(split.test)]
@@ -170,18 +179,20 @@ def test_split_is_disjoint_complete_and_seeded(fake_root):
             assert v is classes[k]
     again = split_classes(classes, fractions=(0.6, 0.2, 0.2), seed=0)
     assert [list(p) for p in again] == [list(p) for p in split]
-    others = {tuple(sorted(split_classes(classes, fractions=(0.6, 0.2, 0.2), seed=s).test))
-              for s in range(10)}
+    others = {
+        tuple(sorted(split_classes(classes, fractions=(0.6, 0.2, 0.2), seed=s).test))
+        for s in range(10)
+    }
     assert len(others) > 1
     counts = split_classes(classes, counts=(None, 1, 3), seed=1)
     assert [len(p) for p in counts] == [6, 1, 3]
     assert len(split_classes(classes, counts=(7, 0, 3)).validation) == 0
     # Whole alphabets per split.
-    by_alpha = split_classes(classes, fractions=(0.5, 0.2, 0.3), seed=3,
-                             disjoint_alphabets=True)
+    by_alpha = split_classes(classes, fractions=(0.5, 0.2, 0.3), seed=3, disjoint_alphabets=True)
     alphabets = [{k.split("/")[0] for k in p} for p in by_alpha]
-    assert not (alphabets[0] & alphabets[1] or alphabets[0] & alphabets[2]
-                or alphabets[1] & alphabets[2])
+    assert not (
+        alphabets[0] & alphabets[1] or alphabets[0] & alphabets[2] or alphabets[1] & alphabets[2]
+    )
     assert set().union(*map(set, by_alpha)) == names
 
 
@@ -198,8 +209,7 @@ def test_split_errors(fake_root):
 
 
 def test_rotations_are_exact_and_stay_in_their_split(fake_root):
-    classes = load_omniglot(fake_root, sets=("set_a", "set_b"), image_size=None,
-                            cache_dir=False)
+    classes = load_omniglot(fake_root, sets=("set_a", "set_b"), image_size=None, cache_dir=False)
     split = split_classes(classes, counts=(6, 2, 2), seed=4)
     rotated = [augment_rotations(part) for part in split]
     for part, rot in zip(split, rotated):
@@ -224,8 +234,11 @@ def test_rotations_are_exact_and_stay_in_their_split(fake_root):
     assert sx.shape == (2, 5, 21, 21, 1) and qx.shape == (2, 15, 21, 21, 1)
     with pytest.raises(ValueError, match=r"`shots` \+ `queries` = 2 \+ 3 = 5"):
         EpisodeSampler(rotated[0], ways=5, shots=2, queries=3)
-    with pytest.raises(ValueError, match=r"`ways`=25 is larger than the number of classes "
-                                         r"\(24\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"`ways`=25 is larger than the number of classes "
+        r"\(24\)",
+    ):
         EpisodeSampler(rotated[0], ways=25, shots=1, queries=1)
 
 
@@ -241,13 +254,15 @@ def write_runs(path: Path, n_runs=2, ways=3, labels_override=None):
             perms.append(perm)
             lines = []
             for j in range(ways):
-                zf.writestr(f"run{r:02d}/training/class{j + 1:02d}.png",
-                            png(stroke_image(r, j, 0)))
+                zf.writestr(f"run{r:02d}/training/class{j + 1:02d}.png", png(stroke_image(r, j, 0)))
             for i in range(ways):
-                zf.writestr(f"run{r:02d}/test/item{i + 1:02d}.png",
-                            png(stroke_image(r, perm[i], 1)))
-                lines.append(f"run{r:02d}/test/item{i + 1:02d}.png "
-                             f"run{r:02d}/training/class{perm[i] + 1:02d}.png")
+                zf.writestr(
+                    f"run{r:02d}/test/item{i + 1:02d}.png", png(stroke_image(r, perm[i], 1))
+                )
+                lines.append(
+                    f"run{r:02d}/test/item{i + 1:02d}.png "
+                    f"run{r:02d}/training/class{perm[i] + 1:02d}.png"
+                )
             text = labels_override if labels_override is not None else "\n".join(lines) + "\n"
             zf.writestr(f"run{r:02d}/class_labels.txt", text)
     return perms
@@ -296,8 +311,9 @@ def test_official_runs_errors(tmp_path):
     write_runs(tmp_path / "bad.zip", labels_override="run01/test/item01.png\n")
     with pytest.raises(ValueError, match="class_labels.txt line 1"):
         load_official_runs(tmp_path / "bad.zip")
-    write_runs(tmp_path / "short.zip",
-               labels_override="run01/test/item01.png run01/training/class01.png\n")
+    write_runs(
+        tmp_path / "short.zip", labels_override="run01/test/item01.png run01/training/class01.png\n"
+    )
     with pytest.raises(ValueError, match="not every test item"):
         load_official_runs(tmp_path / "short.zip")
     with zipfile.ZipFile(tmp_path / "nolabels.zip", "w") as zf:
@@ -314,10 +330,13 @@ def test_official_runs_errors(tmp_path):
 # ----------------------------------------------------------------------------- the real files
 
 needs_data = pytest.mark.skipif(
-    not all((DATA / f).is_file() for f in ("images_background_small1.zip",
-                                            "images_background_small2.zip", "all_runs.zip")),
+    not all(
+        (DATA / f).is_file()
+        for f in ("images_background_small1.zip", "images_background_small2.zip", "all_runs.zip")
+    ),
     reason=f"the Omniglot files are not in {DATA} (images_background_small1.zip, "
-           "images_background_small2.zip, all_runs.zip from github.com/brendenlake/omniglot)")
+    "images_background_small2.zip, all_runs.zip from github.com/brendenlake/omniglot)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -345,8 +364,16 @@ def test_real_small_background_sets(real_classes):
     counts = {}
     for name in real_classes:
         counts[name.split("/")[0]] = counts.get(name.split("/")[0], 0) + 1
-    assert counts == {"Balinese": 24, "Early_Aramaic": 22, "Greek": 24, "Korean": 40,
-                      "Latin": 26, "Japanese_(katakana)": 47, "Sanskrit": 42, "Tagalog": 17}
+    assert counts == {
+        "Balinese": 24,
+        "Early_Aramaic": 22,
+        "Greek": 24,
+        "Korean": 40,
+        "Latin": 26,
+        "Japanese_(katakana)": 47,
+        "Sanskrit": 42,
+        "Tagalog": 17,
+    }
     for x in real_classes.values():
         assert x.shape == (20, 28, 28, 1) and x.dtype == np.float32
     allx = np.stack(list(real_classes.values()))
@@ -366,8 +393,11 @@ def test_real_episodes_and_split(real_classes):
     sampler = EpisodeSampler(train, ways=20, shots=1, queries=5, tasks_per_batch=2, seed=0)
     (sx, sy, qx), qy = sampler.batch(0)
     assert sx.shape == (2, 20, 28, 28, 1) and qx.shape == (2, 100, 28, 28, 1)
-    with pytest.raises(ValueError, match=r"= 21 is larger than the number of examples of "
-                                         r"680 class"):
+    with pytest.raises(
+        ValueError,
+        match=r"= 21 is larger than the number of examples of "
+        r"680 class",
+    ):
         EpisodeSampler(train, ways=5, shots=1, queries=20)
 
 
@@ -401,7 +431,8 @@ def test_real_official_runs_pixel_nn_and_oracle(real_runs):
     # The oracle gets every run right.
     answers = {r.support_x.tobytes() + r.query_x.tobytes(): r.query_y for r in real_runs}
     oracle = evaluate_official_runs(
-        lambda sx, sy, qx: answers[sx.tobytes() + qx.tobytes()], real_runs)
+        lambda sx, sy, qx: answers[sx.tobytes() + qx.tobytes()], real_runs
+    )
     assert oracle.mean_accuracy == 1.0 and oracle.error_rate == 0.0
     np.testing.assert_array_equal(oracle.per_run_accuracy, np.ones(20))
 

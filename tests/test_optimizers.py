@@ -4,6 +4,7 @@ The NumPy oracles below are written from the reference formulas (Mesh TensorFlow
 Adafactor, tensor2tensor Adafactor, BERT AdamWeightDecayOptimizer, BERT/ALBERT LAMB, tf-addons
 LAMB, Keras SGD/Adam), in float64, without calling the package's TF code.
 """
+
 import re
 
 import keras
@@ -51,7 +52,9 @@ def make_variables(dtype="float32", seed=0):
 def make_gradients(step, seed=1):
     rng = np.random.default_rng(seed + 1000 * step)
     # Different scales per variable so update clipping and trust ratios are exercised.
-    return [(rng.normal(size=s) * (0.1 + i)).astype("float32") for i, (_, s) in enumerate(VARIABLES)]
+    return [
+        (rng.normal(size=s) * (0.1 + i)).astype("float32") for i, (_, s) in enumerate(VARIABLES)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,7 +166,7 @@ def oracle_mesh_adafactor(c, path, w, g, state, t):
 
 def oracle_t2t_adafactor(c, path, w, g, state, t):
     # tensor2tensor/utils/adafactor.py _resource_apply_dense (beta1=0, factored, param scale)
-    decay_rate = 1.0 - t ** -0.8
+    decay_rate = 1.0 - t**-0.8
     mixing_rate = 1.0 - decay_rate
     grad_squared = np.square(g) + 1e-30
     update_scale = learning_rate_at(c, t - 1) * max(_rms(w), 1e-3)
@@ -332,8 +335,9 @@ def test_hyperparameter_derivatives_match_finite_differences(case):
             slots = opt.rule.init_slots(w, options[p])
             for t in range(1, 4):
                 g = 2.0 * (w - target[p])  # the gradient depends on the trajectory
-                w, slots = opt.rule.update(g, w, slots, hp, tf.constant(float(t), tf.float64),
-                                           options[p])
+                w, slots = opt.rule.update(
+                    g, w, slots, hp, tf.constant(float(t), tf.float64), options[p]
+                )
             total += tf.reduce_sum(w * probe[p])
         return total
 
@@ -349,8 +353,9 @@ def test_hyperparameter_derivatives_match_finite_differences(case):
         minus = {**base_hp, name: base_hp[name] - h}
         numeric = float(objective(plus) - objective(minus)) / (2 * h)
         assert abs(analytic) > 1e-8, (case, name)
-        np.testing.assert_allclose(analytic, numeric, rtol=1e-5, atol=1e-8,
-                                   err_msg=f"{case} d/d{name}")
+        np.testing.assert_allclose(
+            analytic, numeric, rtol=1e-5, atol=1e-8, err_msg=f"{case} d/d{name}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,7 +397,9 @@ def test_save_and_restore_mid_training_continues_identically(case, tmp_path):
         opt2, variables2 = factory(), make_variables(seed=9)
         opt2.build(variables2)
         if restore == "checkpoint":
-            tf.train.Checkpoint(optimizer=opt2, variables=variables2).restore(path).assert_consumed()
+            tf.train.Checkpoint(optimizer=opt2, variables=variables2).restore(
+                path
+            ).assert_consumed()
         else:
             opt2.load_own_variables(store)
             ref = tf.train.Checkpoint(variables=variables2)
@@ -454,17 +461,35 @@ def test_factoring_rules():
 @pytest.mark.parametrize(
     "ours, theirs",
     [
-        (lambda: O.Lamb(0.01, weight_decay_rate=0.0, bias_correction=True, epsilon=1e-7,
-                        exclude_from_weight_decay=()),
-         lambda: keras.optimizers.Lamb(0.01, epsilon=1e-7)),
+        (
+            lambda: O.Lamb(
+                0.01,
+                weight_decay_rate=0.0,
+                bias_correction=True,
+                epsilon=1e-7,
+                exclude_from_weight_decay=(),
+            ),
+            lambda: keras.optimizers.Lamb(0.01, epsilon=1e-7),
+        ),
         # BERT's decay equals AdamW's decoupled decay once bias correction is the identity.
-        (lambda: O.AdamWeightDecay(0.01, weight_decay_rate=0.05, beta_1=0.0, beta_2=0.0,
-                                   epsilon=1e-7, exclude_from_weight_decay=()),
-         lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05, beta_1=0.0, beta_2=0.0,
-                                        epsilon=1e-7)),
+        (
+            lambda: O.AdamWeightDecay(
+                0.01,
+                weight_decay_rate=0.05,
+                beta_1=0.0,
+                beta_2=0.0,
+                epsilon=1e-7,
+                exclude_from_weight_decay=(),
+            ),
+            lambda: keras.optimizers.AdamW(
+                0.01, weight_decay=0.05, beta_1=0.0, beta_2=0.0, epsilon=1e-7
+            ),
+        ),
         (lambda: O.Adam(0.01), lambda: keras.optimizers.Adam(0.01)),
-        (lambda: O.SGD(0.05, momentum=0.9, nesterov=True),
-         lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True)),
+        (
+            lambda: O.SGD(0.05, momentum=0.9, nesterov=True),
+            lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+        ),
     ],
     ids=["lamb", "adamw", "adam", "sgd"],
 )
@@ -519,7 +544,9 @@ def _replica_run(factory, strategy):
 
         def split(t):
             return strategy.experimental_distribute_values_from_function(
-                lambda ctx: t[ctx.replica_id_in_sync_group * per:(ctx.replica_id_in_sync_group + 1) * per]
+                lambda ctx: t[
+                    ctx.replica_id_in_sync_group * per : (ctx.replica_id_in_sync_group + 1) * per
+                ]
             )
 
         strategy.run(replica_step, args=(split(xb), split(yb)))
@@ -634,11 +661,15 @@ def test_schedules_follow_reference_formulas():
         (lambda: O.Adam(0.01, beta_2=1.0), "beta_2"),
         (lambda: O.SGD(0.01, momentum=1.0), "momentum"),
         (lambda: O.Adafactor(0.01, factoring="first_two"), "factoring"),
-        (lambda: O.AdamWeightDecay(0.01, exclude_from_weight_decay=[keras.layers.Dense]),
-         "exclude_from_weight_decay"),
+        (
+            lambda: O.AdamWeightDecay(0.01, exclude_from_weight_decay=[keras.layers.Dense]),
+            "exclude_from_weight_decay",
+        ),
         (lambda: O.Lamb(0.01, exclude_from_layer_adaptation=3), "exclude_from_layer_adaptation"),
-        (lambda: O.Adafactor(0.01, exclude_from_parameter_scale=[1]),
-         "exclude_from_parameter_scale"),
+        (
+            lambda: O.Adafactor(0.01, exclude_from_parameter_scale=[1]),
+            "exclude_from_parameter_scale",
+        ),
         (lambda: O.Adafactor(0.01, clipping_threshold=0.0), "clipping_threshold"),
         (lambda: O.Lamb(0.01, weight_decay_rate=-1.0), "weight_decay_rate"),
         (lambda: O.BertSchedule(1e-4, num_train_steps=0), "num_train_steps"),
@@ -661,8 +692,14 @@ def test_assign_update_commits_a_rule_result_like_apply_gradients():
     opt_a.apply_gradients(zip(grads, a))
     hp = opt_b.current_hyperparameters()
     results = [
-        opt_b.rule.update(g, tf.convert_to_tensor(v), {k: s.value for k, s in opt_b.slots_for(v).items()},
-                          hp, tf.constant(1.0), opt_b.options_for(v))
+        opt_b.rule.update(
+            g,
+            tf.convert_to_tensor(v),
+            {k: s.value for k, s in opt_b.slots_for(v).items()},
+            hp,
+            tf.constant(1.0),
+            opt_b.options_for(v),
+        )
         for g, v in zip(grads, b)
     ]
     opt_b.assign_update(b, [r[0] for r in results], [r[1] for r in results])
@@ -694,9 +731,14 @@ def test_assign_update_under_two_replicas_assigns_every_copy_like_apply_gradient
             hp = opt_b.current_hyperparameters()
             t = tf.cast(opt_b.iterations + 1, tf.float32)
             results = [
-                opt_b.rule.update(g, tf.convert_to_tensor(v),
-                                  {k: tf.convert_to_tensor(s.value) for k, s in opt_b.slots_for(v).items()},
-                                  hp, t, opt_b.options_for(v))
+                opt_b.rule.update(
+                    g,
+                    tf.convert_to_tensor(v),
+                    {k: tf.convert_to_tensor(s.value) for k, s in opt_b.slots_for(v).items()},
+                    hp,
+                    t,
+                    opt_b.options_for(v),
+                )
                 for g, v in zip(grads, b)
             ]
             opt_b.assign_update(b, [r[0] for r in results], [r[1] for r in results])
@@ -746,7 +788,9 @@ def _assert_state_equals_optimizer(state, opt, variables, tensors, where):
         slot_vars = opt.slots_for(v)
         assert set(slots) == set(slot_vars), where
         for k, s in slot_vars.items():
-            np.testing.assert_array_equal(slots[k].numpy(), s.numpy(), err_msg=f"{where} {v.path}/{k}")
+            np.testing.assert_array_equal(
+                slots[k].numpy(), s.numpy(), err_msg=f"{where} {v.path}/{k}"
+            )
     assert int(state.iterations) == int(opt.iterations.numpy()), where
 
 
@@ -783,8 +827,10 @@ def test_tensor_steps_equal_apply_gradients(case, built):
     assert not np.allclose(params[4].numpy(), before[4])
 
 
-@pytest.mark.parametrize("case", ["adam", "bert_adam_weight_decay_schedule", "lamb",
-                                  "adafactor_t5_momentum", "sgd_nesterov"])
+@pytest.mark.parametrize(
+    "case",
+    ["adam", "bert_adam_weight_decay_schedule", "lamb", "adafactor_t5_momentum", "sgd_nesterov"],
+)
 def test_tensor_step_in_tf_function_and_while_loop_equals_eager(case):
     """The state is a nest: a tf.function argument/result and a tf.while_loop variable
     (a Reptile inner loop carrying Adam's state)."""
@@ -800,7 +846,9 @@ def test_tensor_step_in_tf_function_and_while_loop_equals_eager(case):
     for _ in range(3):
         params, state = inner_step(params, state)
 
-    graph_params, graph_state = tf.function(inner_step)(_values(variables), opt.initial_state(variables))
+    graph_params, graph_state = tf.function(inner_step)(
+        _values(variables), opt.initial_state(variables)
+    )
     eager_params, eager_state = inner_step(_values(variables), opt.initial_state(variables))
     for a, b in zip(graph_params, eager_params):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
@@ -843,8 +891,9 @@ def test_float64_tensor_step_in_tf_function_equals_eager(case):
         assert a.dtype == tf.float64
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12, atol=1e-14)
     if "schedule" not in case:  # warm-up schedules start at a zero learning rate
-        assert any(not np.array_equal(a.numpy(), v.numpy())
-                   for a, v in zip(graph_params, variables))
+        assert any(
+            not np.array_equal(a.numpy(), v.numpy()) for a, v in zip(graph_params, variables)
+        )
 
 
 def test_tensor_step_gradient_of_sgd_is_the_closed_form():
@@ -858,7 +907,9 @@ def test_tensor_step_gradient_of_sgd_is_the_closed_form():
         tape.watch(p)
         new, state = opt.apply_on_tensors([a * p], [p], opt.initial_state([v]), variables=[v])
         objective = tf.reduce_sum(c * new[0])
-    np.testing.assert_allclose(tape.gradient(objective, p).numpy(), (c * (1 - lr * a)).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(
+        tape.gradient(objective, p).numpy(), (c * (1 - lr * a)).numpy(), rtol=1e-6
+    )
     # the momentum buffer after one step: -lr * g
     np.testing.assert_allclose(state.slots[0]["momentum"].numpy(), (-lr * a * p).numpy(), rtol=1e-6)
 
@@ -886,8 +937,13 @@ def test_tensor_step_derivative_matches_finite_differences(case):
     opt = CASES[case][0]()
     # Small variables (the same paths, so the same options): Adam's first step is close to
     # lr * sign(g), whose derivative is huge where |g| ~ epsilon; among few elements none is.
-    small = {"dense/kernel": (3, 4), "attention/kernel": (6, 5), "einsum/kernel": (4, 3, 5),
-             "einsum_t/kernel": (6, 4, 5), "tied/kernel": (6, 5, 5)}
+    small = {
+        "dense/kernel": (3, 4),
+        "attention/kernel": (6, 5),
+        "einsum/kernel": (4, 3, 5),
+        "einsum_t/kernel": (6, 4, 5),
+        "tied/kernel": (6, 5, 5),
+    }
     rng = np.random.default_rng(11)
     variables = []
     for path, shape in VARIABLES:
@@ -900,8 +956,12 @@ def test_tensor_step_derivative_matches_finite_differences(case):
     probes = [tf.constant(rng.normal(size=v.shape)) for v in variables]
     # No direction on the zero-initialised variable: ||w|| = 0 is a kink of LAMB's trust
     # ratio and of Adafactor's parameter scale, where a one-sided change is not the derivative.
-    direction = [tf.zeros(v.shape, tf.float64) if "zero_init" in v.path
-                 else tf.constant(rng.normal(size=v.shape)) for v in variables]
+    direction = [
+        tf.zeros(v.shape, tf.float64)
+        if "zero_init" in v.path
+        else tf.constant(rng.normal(size=v.shape))
+        for v in variables
+    ]
 
     def objective(params):
         state = opt.initial_state(variables)
@@ -914,7 +974,9 @@ def test_tensor_step_derivative_matches_finite_differences(case):
     with tf.GradientTape() as tape:
         tape.watch(theta)
         value = objective(theta)
-    analytic = float(sum(tf.reduce_sum(g * d) for g, d in zip(tape.gradient(value, theta), direction)))
+    analytic = float(
+        sum(tf.reduce_sum(g * d) for g, d in zip(tape.gradient(value, theta), direction))
+    )
     eps = 1e-6
     plus = objective([p + eps * d for p, d in zip(theta, direction)])
     minus = objective([p - eps * d for p, d in zip(theta, direction)])
@@ -948,8 +1010,12 @@ def test_tensor_step_follows_apply_gradients_for_keras_special_cases():
         constrained.constraint = keras.constraints.NonNeg()
         return [kept, overwritten, constrained, plain]
 
-    grads = [None, np.array([5.0, 6.0], "float32"), np.ones(4, "float32"),
-             np.full((2, 2), 3.0, "float32")]
+    grads = [
+        None,
+        np.array([5.0, 6.0], "float32"),
+        np.ones(4, "float32"),
+        np.full((2, 2), 3.0, "float32"),
+    ]
     reference, ref_vars = O.Adam(0.1, loss_scale_factor=4.0), variables()
     opt, tensor_vars = O.Adam(0.1, loss_scale_factor=4.0), variables()
     with pytest.warns(UserWarning, match="Gradients do not exist"):
@@ -971,18 +1037,34 @@ def test_tensor_step_with_hyperparameters_given():
     beta_1 = tf.constant(0.5, tf.float64)
     with tf.GradientTape() as tape:
         tape.watch(beta_1)
-        _, state1 = opt.apply_on_tensors(make_gradients(1), _values(variables), state,
-                                         variables=variables, hyperparameters={"beta_1": beta_1})
-        new, _ = opt.apply_on_tensors(make_gradients(2), _values(variables), state1,
-                                      variables=variables, hyperparameters={"beta_1": beta_1})
+        _, state1 = opt.apply_on_tensors(
+            make_gradients(1),
+            _values(variables),
+            state,
+            variables=variables,
+            hyperparameters={"beta_1": beta_1},
+        )
+        new, _ = opt.apply_on_tensors(
+            make_gradients(2),
+            _values(variables),
+            state1,
+            variables=variables,
+            hyperparameters={"beta_1": beta_1},
+        )
         objective = tf.reduce_sum(new[4])
     assert float(tape.gradient(objective, beta_1)) != 0.0
     reference = O.Adam(0.01, beta_1=0.5)
     ref_state = reference.initial_state(variables)
-    ref_new, _ = reference.apply_on_tensors(make_gradients(1), _values(variables), ref_state,
-                                            variables=variables)
-    new1, _ = opt.apply_on_tensors(make_gradients(1), _values(variables), state,
-                                   variables=variables, hyperparameters={"beta_1": 0.5})
+    ref_new, _ = reference.apply_on_tensors(
+        make_gradients(1), _values(variables), ref_state, variables=variables
+    )
+    new1, _ = opt.apply_on_tensors(
+        make_gradients(1),
+        _values(variables),
+        state,
+        variables=variables,
+        hyperparameters={"beta_1": 0.5},
+    )
     for a, b in zip(new1, ref_new):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
@@ -1020,22 +1102,43 @@ def test_clip_aggregated_is_what_apply_gradients_applies():
         (O.Adam, lambda o, g, p, s, v: o.apply_on_tensors(g, p, s.slots, variables=v), "`state`"),
         (O.Adam, lambda o, g, p, s, v: o.apply_on_tensors(g[:1], p, s, variables=v), "`grads`"),
         (O.Adam, lambda o, g, p, s, v: o.apply_on_tensors(g, p, s), "`variables`"),
-        (O.Adam, lambda o, g, p, s, v: o.apply_on_tensors(g, p, s, variables=v[:1]), "`variables` has 1"),
-        (O.Adam, lambda o, g, p, s, v: o.apply_on_tensors(g[0], p, s, variables=v), "`grads` must be a list"),
-        (O.Adam, lambda o, g, p, s, v: o.apply_on_tensors(g, p, s, variables=v,
-                                                          hyperparameters={"gamma": 1.0}), "gamma"),
+        (
+            O.Adam,
+            lambda o, g, p, s, v: o.apply_on_tensors(g, p, s, variables=v[:1]),
+            "`variables` has 1",
+        ),
+        (
+            O.Adam,
+            lambda o, g, p, s, v: o.apply_on_tensors(g[0], p, s, variables=v),
+            "`grads` must be a list",
+        ),
+        (
+            O.Adam,
+            lambda o, g, p, s, v: o.apply_on_tensors(
+                g, p, s, variables=v, hyperparameters={"gamma": 1.0}
+            ),
+            "gamma",
+        ),
         (O.Adam, lambda o, g, p, s, v: o.apply_on_tensors([None, None], p, s, variables=v), "None"),
-        (O.Adam, lambda o, g, p, s, v: O.SGD(0.1, momentum=0.9).apply_on_tensors(g, p, s, variables=v),
-         r"state.slots\[0\]"),
-        (O.Adam, lambda o, g, p, s, v: O.apply_rule(o.rule, g, p, s.slots[:1], None, {}, 1.0),
-         "apply_rule"),
+        (
+            O.Adam,
+            lambda o, g, p, s, v: O.SGD(0.1, momentum=0.9).apply_on_tensors(g, p, s, variables=v),
+            r"state.slots\[0\]",
+        ),
+        (
+            O.Adam,
+            lambda o, g, p, s, v: O.apply_rule(o.rule, g, p, s.slots[:1], None, {}, 1.0),
+            "apply_rule",
+        ),
         (O.Adam, lambda o, g, p, s, v: o.current_state(), "built"),
     ],
 )
 def test_tensor_step_bad_input_is_a_clear_error(make, call, match):
     opt = make()
-    variables = [keras.Variable(np.ones((2, 2), "float32"), name="k"),
-                 keras.Variable(np.ones((2,), "float32"), name="b")]
+    variables = [
+        keras.Variable(np.ones((2, 2), "float32"), name="k"),
+        keras.Variable(np.ones((2,), "float32"), name="b"),
+    ]
     grads = [tf.ones((2, 2)), tf.ones((2,))]
     state = opt.initial_state(variables)
     with pytest.raises(ValueError, match=match):
@@ -1052,26 +1155,54 @@ def test_tensor_step_bad_input_is_a_clear_error(make, call, match):
 @pytest.mark.parametrize(
     "make_keras, make_ours",
     [
-        (lambda: keras.optimizers.Adam(0.01, beta_1=0.8, beta_2=0.99, epsilon=1e-6),
-         lambda: O.Adam(0.01, beta_1=0.8, beta_2=0.99, epsilon=1e-6)),
-        (lambda: keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5)),
-         lambda: O.Adam(keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5))),
-        (lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
-         lambda: O.SGD(0.05, momentum=0.9, nesterov=True)),
-        (lambda: keras.optimizers.SGD(O.BertSchedule(0.1, num_train_steps=10, num_warmup_steps=2),
-                                      momentum=0.5),
-         lambda: O.SGD(O.BertSchedule(0.1, num_train_steps=10, num_warmup_steps=2), momentum=0.5)),
+        (
+            lambda: keras.optimizers.Adam(0.01, beta_1=0.8, beta_2=0.99, epsilon=1e-6),
+            lambda: O.Adam(0.01, beta_1=0.8, beta_2=0.99, epsilon=1e-6),
+        ),
+        (
+            lambda: keras.optimizers.Adam(
+                keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5)
+            ),
+            lambda: O.Adam(keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5)),
+        ),
+        (
+            lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+            lambda: O.SGD(0.05, momentum=0.9, nesterov=True),
+        ),
+        (
+            lambda: keras.optimizers.SGD(
+                O.BertSchedule(0.1, num_train_steps=10, num_warmup_steps=2), momentum=0.5
+            ),
+            lambda: O.SGD(
+                O.BertSchedule(0.1, num_train_steps=10, num_warmup_steps=2), momentum=0.5
+            ),
+        ),
         (lambda: keras.optimizers.SGD(0.1), lambda: O.SGD(0.1)),
-        (lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05, beta_1=0.8),
-         lambda: O.AdamW(0.01, weight_decay=0.05, beta_1=0.8)),
+        (
+            lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05, beta_1=0.8),
+            lambda: O.AdamW(0.01, weight_decay=0.05, beta_1=0.8),
+        ),
         # Keras's Adam with a weight_decay is AdamW (the same decoupled decay).
-        (lambda: keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5),
-                                       weight_decay=0.1),
-         lambda: O.AdamW(keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5),
-                         weight_decay=0.1, name="adam")),
+        (
+            lambda: keras.optimizers.Adam(
+                keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5), weight_decay=0.1
+            ),
+            lambda: O.AdamW(
+                keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5),
+                weight_decay=0.1,
+                name="adam",
+            ),
+        ),
     ],
-    ids=["adam", "adam_schedule", "sgd_nesterov", "sgd_momentum_schedule", "sgd", "adamw",
-         "adam_weight_decay_schedule"],
+    ids=[
+        "adam",
+        "adam_schedule",
+        "sgd_nesterov",
+        "sgd_momentum_schedule",
+        "sgd",
+        "adamw",
+        "adam_weight_decay_schedule",
+    ],
 )
 def test_keras_optimizer_as_rule_optimizer_updates_like_keras(make_keras, make_ours):
     keras_opt = make_keras()
@@ -1099,8 +1230,11 @@ def test_as_rule_optimizer_keeps_ours_and_refuses_others():
     converted = O.as_rule_optimizer(keras_opt)
     assert converted.global_clipnorm == 2.0 and converted.name == "meta"
     for other in (keras.optimizers.Adadelta(0.01), keras.optimizers.RMSprop(0.01), "adam"):
-        with pytest.raises(ValueError, match=r"keras.optimizers.Adam / AdamW \(amsgrad=False\) "
-                                             r"and keras.optimizers.SGD; got .*"):
+        with pytest.raises(
+            ValueError,
+            match=r"keras.optimizers.Adam / AdamW \(amsgrad=False\) "
+            r"and keras.optimizers.SGD; got .*",
+        ):
             O.as_rule_optimizer(other)
     with pytest.raises(ValueError, match="amsgrad"):
         O.as_rule_optimizer(keras.optimizers.Adam(0.01, amsgrad=True))
@@ -1113,9 +1247,11 @@ def test_as_rule_optimizer_keeps_ours_and_refuses_others():
 def test_as_rule_optimizer_carries_keras_weight_decay_exclusions():
     """keras AdamW's exclude_from_weight_decay (names searched in the short variable name,
     and variables by identity) decide the converted rule's per-variable decay."""
-    variables = [keras.Variable(np.ones((3, 2), "float32"), name="kernel"),
-                 keras.Variable(np.ones((2,), "float32"), name="bias"),
-                 keras.Variable(np.ones((2,), "float32"), name="gamma")]
+    variables = [
+        keras.Variable(np.ones((3, 2), "float32"), name="kernel"),
+        keras.Variable(np.ones((2,), "float32"), name="bias"),
+        keras.Variable(np.ones((2,), "float32"), name="gamma"),
+    ]
     keras_opt = keras.optimizers.AdamW(0.1, weight_decay=0.5)
     keras_opt.exclude_from_weight_decay(var_list=[variables[2]], var_names=["bias"])
     converted = O.as_rule_optimizer(keras_opt)
@@ -1123,8 +1259,11 @@ def test_as_rule_optimizer_carries_keras_weight_decay_exclusions():
     assert [converted.options_for(v)["weight_decay"] for v in variables] == [True, False, False]
     runs = {}
     for name, opt in (("keras", keras_opt), ("converted", converted)):
-        vs = variables if name == "converted" else [
-            keras.Variable(v.numpy(), name=v.name) for v in variables]
+        vs = (
+            variables
+            if name == "converted"
+            else [keras.Variable(v.numpy(), name=v.name) for v in variables]
+        )
         if name == "keras":
             opt.exclude_from_weight_decay(var_list=[vs[2]], var_names=["bias"])
         for t in range(1, 3):
@@ -1143,11 +1282,18 @@ def test_adafactor_default_learning_rate_is_t2t_relative_step():
     assert isinstance(opt.get_config()["learning_rate"], dict)  # a serialized schedule
     for t in (1, 2, 100, 10_000, 10_001, 40_000, 1_000_000):
         expected = min(1e-2, 1.0 / np.sqrt(t))
-        np.testing.assert_allclose(float(opt.learning_rate_at(tf.constant(t - 1, tf.int64))),
-                                   expected, rtol=1e-6, err_msg=f"update {t}")
+        np.testing.assert_allclose(
+            float(opt.learning_rate_at(tf.constant(t - 1, tf.int64))),
+            expected,
+            rtol=1e-6,
+            err_msg=f"update {t}",
+        )
         unscaled = O.Adafactor(multiply_by_parameter_scale=False)
-        np.testing.assert_allclose(float(unscaled.learning_rate_at(tf.constant(t - 1, tf.int64))),
-                                   0.05 * expected, rtol=1e-6)
+        np.testing.assert_allclose(
+            float(unscaled.learning_rate_at(tf.constant(t - 1, tf.int64))),
+            0.05 * expected,
+            rtol=1e-6,
+        )
     # the rate the update uses: an unfactored, unscaled, unclipped step at update 40,000
     # from zero slots: v = (1 - rho) g^2 = t^-0.8 g^2, so it moves by lr * sign(g) * t^0.4.
     opt = O.Adafactor(multiply_by_parameter_scale=False, clipping_threshold=None)
@@ -1155,8 +1301,9 @@ def test_adafactor_default_learning_rate_is_t2t_relative_step():
     opt.build([var])
     opt.iterations.assign(39_999)
     opt.apply_gradients([(tf.constant([1.0, -2.0, 3.0]), var)])
-    np.testing.assert_allclose(var.numpy(), -0.05 * 0.005 * 40_000 ** 0.4 * np.sign([1.0, -2.0, 3.0]),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        var.numpy(), -0.05 * 0.005 * 40_000**0.4 * np.sign([1.0, -2.0, 3.0]), rtol=1e-5
+    )
     restored = O.Adafactor.from_config(O.Adafactor().get_config())
     assert isinstance(restored.learning_rate_at(0), tf.Tensor)
     np.testing.assert_allclose(float(restored.learning_rate_at(tf.constant(39_999))), 0.005)
@@ -1164,7 +1311,9 @@ def test_adafactor_default_learning_rate_is_t2t_relative_step():
 
 def test_check_optimizer_messages():
     O.check_optimizer(O.Adam(0.01))  # supported: no error
-    with pytest.raises(ValueError, match="Adafactor, Adam, AdamW, AdamWeightDecay, Lamb, RecAdam, SGD"):
+    with pytest.raises(
+        ValueError, match="Adafactor, Adam, AdamW, AdamWeightDecay, Lamb, RecAdam, SGD"
+    ):
         O.check_optimizer(keras.optimizers.Adam(0.01))
     O.check_optimizer(O.AdamW(0.01, weight_decay=0.1))  # the decay is in its rule
     with pytest.raises(ValueError, match="not differentiable"):
@@ -1181,9 +1330,12 @@ def test_check_optimizer_messages():
 
 def test_resolve_hyperparameters():
     assert O.resolve_hyperparameters(O.SGD(0.1, momentum=0.5), ("learning_rate", "beta_1")) == {
-        "learning_rate": "learning_rate", "beta_1": "momentum"}
+        "learning_rate": "learning_rate",
+        "beta_1": "momentum",
+    }
     assert O.resolve_hyperparameters(O.SGD(0.1), ("learning_rate", "beta_1"), explicit=False) == {
-        "learning_rate": "learning_rate"}
+        "learning_rate": "learning_rate"
+    }
     with pytest.raises(ValueError, match=r"'gamma'.*\['learning_rate', 'beta_1', 'beta_2'\]"):
         O.resolve_hyperparameters(O.Adam(0.1), ("learning_rate", "gamma"))
     with pytest.raises(ValueError, match="Adafactor learns beta_1 only"):
@@ -1208,6 +1360,10 @@ def test_adam_weight_decay_first_steps_are_larger_than_adams_as_documented():
         ours.apply_gradients([(g, a)])
         adam.apply_gradients([(g, b)])
         ratios.append(np.abs(a.numpy() - before_a) / np.abs(b.numpy() - before_b))
-    expected = [(1 - 0.9 ** t) / np.sqrt(1 - 0.999 ** t) for t in range(1, 101)]
-    np.testing.assert_allclose(np.array(ratios), np.array(expected)[:, None] * np.ones(3), rtol=2e-3)
-    np.testing.assert_allclose([expected[0], expected[11], expected[99]], [3.16, 6.57, 3.24], atol=0.01)
+    expected = [(1 - 0.9**t) / np.sqrt(1 - 0.999**t) for t in range(1, 101)]
+    np.testing.assert_allclose(
+        np.array(ratios), np.array(expected)[:, None] * np.ones(3), rtol=2e-3
+    )
+    np.testing.assert_allclose(
+        [expected[0], expected[11], expected[99]], [3.16, 6.57, 3.24], atol=0.01
+    )

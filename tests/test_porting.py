@@ -10,6 +10,7 @@
   `inner_steps=0` (the unadapted score).
 * last batches: what trains, what is refused up front, on one and two replicas.
 """
+
 import keras
 import numpy as np
 import pytest
@@ -35,9 +36,15 @@ def _bn_model(seed=0):
     """Dense -> BatchNorm -> tanh -> Dense, with moving statistics far from (0, 1), so
     that moving and batch statistics give different steps."""
     keras.utils.set_random_seed(seed)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5),
-                              keras.layers.BatchNormalization(momentum=0.5),
-                              keras.layers.Activation("tanh"), keras.layers.Dense(2)])
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(5),
+            keras.layers.BatchNormalization(momentum=0.5),
+            keras.layers.Activation("tanh"),
+            keras.layers.Dense(2),
+        ]
+    )
     bn = model.layers[1]
     bn.moving_mean.assign(np.linspace(-0.5, 0.5, 5))
     bn.moving_variance.assign(np.linspace(0.5, 2.0, 5))
@@ -79,8 +86,7 @@ def test_reptile_step_equals_a_hand_loop_with_the_same_batch_norm_mode(float64, 
     phi = [v.numpy() for v in model.trainable_variables]
     before = _statistics(model)
     hand = _hand_loop(model, list(zip(xs, ys)), 0.25, training)
-    trainer = ReptileTrainer(model, inner_steps=3, inner_optimizer=0.25,
-                             inner_training=training)
+    trainer = ReptileTrainer(model, inner_steps=3, inner_optimizer=0.25, inner_training=training)
     trainer.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
     trainer.fit(tf.data.Dataset.from_tensors((xs, ys)), verbose=0)
     for v, p, t in zip(model.trainable_variables, phi, hand.trainable_variables):
@@ -100,8 +106,7 @@ def test_fomaml_step_equals_a_hand_loop_with_the_same_batch_norm_mode(float64, t
     with tf.GradientTape() as tape:
         loss = keras.losses.MeanSquaredError()(ys[2], hand(xs[2], training=training))
     grads = tape.gradient(loss, hand.trainable_variables)
-    trainer = FOMAMLTrainer(model, inner_steps=2, inner_optimizer=0.25,
-                            inner_training=training)
+    trainer = FOMAMLTrainer(model, inner_steps=2, inner_optimizer=0.25, inner_training=training)
     trainer.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
     history = trainer.fit(tf.data.Dataset.from_tensors((xs, ys)), verbose=0)
     for v, p, g in zip(model.trainable_variables, phi, grads):
@@ -115,8 +120,9 @@ def test_the_batch_norm_mode_changes_the_step(float64):
     xs, ys = _stack(2, 6, seed=5)
     out = []
     for training in (True, False):
-        trainer = ReptileTrainer(_bn_model(6), inner_steps=2, inner_optimizer=0.25,
-                                 inner_training=training)
+        trainer = ReptileTrainer(
+            _bn_model(6), inner_steps=2, inner_optimizer=0.25, inner_training=training
+        )
         trainer.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
         trainer.fit(tf.data.Dataset.from_tensors((xs, ys)), verbose=0)
         out.append(trainer.model.layers[0].kernel.numpy())
@@ -135,8 +141,12 @@ def test_inner_training_is_checked_and_saved():
     again = MAMLTrainer.from_config(maml.get_config())
     assert again.inner_training is False and again.transductive_evaluation is False
     assert MAMLTrainer(_bn_model()).transductive_evaluation is True
-    assert MAMLTrainer(_bn_model(), inner_training=False,
-                       transductive_evaluation=True).transductive_evaluation is True
+    assert (
+        MAMLTrainer(
+            _bn_model(), inner_training=False, transductive_evaluation=True
+        ).transductive_evaluation
+        is True
+    )
 
 
 # ---------------------------------------------------------------- inner_training (MAML)
@@ -157,8 +167,14 @@ def _explicit_forward(params, x, moving, training, eps=1e-3):
 
 def _maml_tasks(tasks=2, seed=8):
     rng = np.random.default_rng(seed)
-    return ((rng.normal(size=(tasks, 6, 4)), rng.normal(size=(tasks, 6, 2)),
-             rng.normal(size=(tasks, 5, 4))), rng.normal(size=(tasks, 5, 2)))
+    return (
+        (
+            rng.normal(size=(tasks, 6, 4)),
+            rng.normal(size=(tasks, 6, 2)),
+            rng.normal(size=(tasks, 5, 4)),
+        ),
+        rng.normal(size=(tasks, 5, 2)),
+    )
 
 
 @pytest.mark.parametrize("training", [False, True])
@@ -184,8 +200,7 @@ def test_maml_step_equals_nested_tapes_over_explicit_ops(float64, training):
             losses.append(mse(adapted, qx[t], qy[t]))
         meta = tf.add_n(losses) / 2.0
     meta_grads = outer.gradient(meta, phi)
-    trainer = MAMLTrainer(model, inner_steps=1, inner_learning_rate=alpha,
-                          inner_training=training)
+    trainer = MAMLTrainer(model, inner_steps=1, inner_learning_rate=alpha, inner_training=training)
     trainer.compile(optimizer=keras.optimizers.SGD(beta), loss="mse")
     history = trainer.fit(tf.data.Dataset.from_tensors(((sx, sy, qx), qy)), verbose=0)
     for v, p, g in zip(model.trainable_variables, phi, meta_grads):
@@ -213,8 +228,10 @@ def test_a_summing_hand_loop_is_matched_by_the_learning_rate_factor_or_a_sum_los
         grads = tape.gradient(per_example, copy.trainable_variables)
         for v, g in zip(copy.trainable_variables, grads):
             v.assign_sub(0.03125 * g)
-    for lr, loss in ((6 * 0.03125, "mse"),
-                     (0.03125, keras.losses.MeanSquaredError(reduction="sum"))):
+    for lr, loss in (
+        (6 * 0.03125, "mse"),
+        (0.03125, keras.losses.MeanSquaredError(reduction="sum")),
+    ):
         m = _bn_model(12)
         trainer = ReptileTrainer(m, inner_steps=3, inner_optimizer=lr, inner_training=False)
         trainer.compile(optimizer=keras.optimizers.SGD(1.0), loss=loss)
@@ -263,8 +280,14 @@ def test_maml_summing_over_tasks_with_adam_is_adam_with_epsilon_over_t(float64):
 
 def _conv_model():
     keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(2, 3),
-                             keras.layers.Flatten(), keras.layers.Dense(3)])
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(2, 3),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3),
+        ]
+    )
 
 
 def test_an_unstacked_batch_is_named_with_the_expected_shape():
@@ -278,8 +301,9 @@ def test_an_unstacked_batch_is_named_with_the_expected_shape():
     with pytest.raises(ValueError, match=r"\[B, k=3, 8, 8, 1\].*stacked_batches"):
         fomaml.fit(tf.data.Dataset.from_tensors((x, y)), verbose=0)
     # Stacked twice (rank + 2): named too.
-    twice = tf.data.Dataset.from_tensors((np.zeros((1, 3, 2, 8, 8, 1), "float32"),
-                                          np.zeros((1, 3, 2, 3), "float32")))
+    twice = tf.data.Dataset.from_tensors(
+        (np.zeros((1, 3, 2, 8, 8, 1), "float32"), np.zeros((1, 3, 2, 3), "float32"))
+    )
     with pytest.raises(ValueError, match=r"rank 5"):
         trainer.fit(twice, verbose=0)
 
@@ -287,8 +311,9 @@ def test_an_unstacked_batch_is_named_with_the_expected_shape():
 def test_a_non_static_number_of_stacked_batches_is_refused():
     trainer = ReptileTrainer(_conv_model(), inner_steps=3, inner_optimizer=0.1)
     trainer.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
-    rows = tf.data.Dataset.from_tensor_slices((np.zeros((14, 2, 8, 8, 1), "float32"),
-                                               np.zeros((14, 2, 3), "float32")))
+    rows = tf.data.Dataset.from_tensor_slices(
+        (np.zeros((14, 2, 8, 8, 1), "float32"), np.zeros((14, 2, 3), "float32"))
+    )
     with pytest.raises(ValueError, match="drop_remainder=True"):
         trainer.fit(rows.batch(3), verbose=0)  # 14 = 4 * 3 + 2: the shape is [None, ...]
 
@@ -322,8 +347,7 @@ def test_stacked_batches_from_a_callable_train_a_reptile_trainer(float64):
         want = stack_task(*task(i), 3, 4, np.random.default_rng([5, i]))
         np.testing.assert_array_equal(xs, want[0])
         np.testing.assert_array_equal(ys, want[1])
-    resumed = list(stacked_batches(task, 3, 4, num_elements=1, seed=5, start=1)
-                   .as_numpy_iterator())
+    resumed = list(stacked_batches(task, 3, 4, num_elements=1, seed=5, start=1).as_numpy_iterator())
     np.testing.assert_array_equal(resumed[0][0], got[1][0])
     # The elements are what ReptileTrainer takes: its steps equal stepping by hand.
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
@@ -357,8 +381,9 @@ def test_stacked_batches_from_an_episode_sampler():
 
 def _sinusoid_trainer(**kwargs):
     keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(8, activation="tanh"),
-                              keras.layers.Dense(1)])
+    model = keras.Sequential(
+        [keras.Input((1,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)]
+    )
     trainer = MAMLTrainer(model, inner_steps=1, inner_learning_rate=0.01, **kwargs)
     trainer.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     return trainer
@@ -380,8 +405,7 @@ def test_adapt_refuses_one_task_without_its_task_axis():
         loss = keras.losses.MeanSquaredError()(np.sin(x), model(x, training=True))
     grads = tape.gradient(loss, model.trainable_variables)
     for a, v, g in zip(adapted[0], model.trainable_variables, grads):
-        np.testing.assert_allclose(a.numpy(), v.numpy() - 0.01 * g.numpy(), rtol=1e-5,
-                                   atol=1e-7)
+        np.testing.assert_allclose(a.numpy(), v.numpy() - 0.01 * g.numpy(), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("sharing", [False, True], ids=["maml", "gradient_sharing"])
@@ -411,16 +435,21 @@ def test_zero_inner_steps_is_the_unadapted_score(sharing):
 
 def _mlp():
     keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"),
-                             keras.layers.Dense(2)])
+    return keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(2)]
+    )
 
 
 def _task_arrays(n, seed=0):
     rng = np.random.default_rng(seed)
-    return ((rng.normal(size=(n, 5, 4)).astype("float32"),
-             rng.normal(size=(n, 5, 2)).astype("float32"),
-             rng.normal(size=(n, 3, 4)).astype("float32")),
-            rng.normal(size=(n, 3, 2)).astype("float32"))
+    return (
+        (
+            rng.normal(size=(n, 5, 4)).astype("float32"),
+            rng.normal(size=(n, 5, 2)).astype("float32"),
+            rng.normal(size=(n, 3, 4)).astype("float32"),
+        ),
+        rng.normal(size=(n, 3, 2)).astype("float32"),
+    )
 
 
 def _maml(**kwargs):
@@ -444,8 +473,12 @@ def test_maml_refuses_a_short_last_batch_before_training():
     with pytest.raises(ValueError, match=r"drop_remainder=True.*tasks_per_batch"):
         trainer.fit(ds.batch(4), verbose=0)
     with pytest.raises(ValueError, match=r"validation_data.*multiple of batch_size"):
-        trainer.fit(ds.batch(4, drop_remainder=True), validation_data=(x, y),
-                    validation_batch_size=2, verbose=0)
+        trainer.fit(
+            ds.batch(4, drop_remainder=True),
+            validation_data=(x, y),
+            validation_batch_size=2,
+            verbose=0,
+        )
     with pytest.raises(ValueError, match="multiple of batch_size"):
         trainer.evaluate(x, y, batch_size=2, verbose=0)
     first8 = tuple(a[:8] for a in x)
@@ -470,10 +503,8 @@ def test_prompt_trainers_refuse_a_short_last_batch_before_training():
     sx, sy = rng.normal(size=(3, 1, 4, 3)), rng.normal(size=(3, 1, 4, 2))
     qx, qy = rng.normal(size=(3, 2, 3)), rng.normal(size=(3, 2, 2))
     for cls in (PromptFOMAMLTrainer, PromptReptileTrainer):
-        model = keras.Sequential([keras.Input((3,)), Offset(name="prompt"),
-                                  keras.layers.Dense(2)])
-        trainer = cls(model, inner_steps=2, inner_optimizer=O.SGD(0.1),
-                      carry_inner_state=False)
+        model = keras.Sequential([keras.Input((3,)), Offset(name="prompt"), keras.layers.Dense(2)])
+        trainer = cls(model, inner_steps=2, inner_optimizer=O.SGD(0.1), carry_inner_state=False)
         trainer.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         with pytest.raises(ValueError, match=r"last batch of 1 task"):
             trainer.fit((sx, sy, qx), qy, batch_size=2, verbose=0)
@@ -502,8 +533,9 @@ def test_two_replicas_last_batches():
     assert np.isfinite(history.history["loss"][0])
     tx, ty = _task_arrays(6)
     with pytest.raises(ValueError, match=r"3 tasks per batch do not split evenly among the 2"):
-        maml.fit(tf.data.Dataset.from_tensor_slices((tx, ty)).batch(3, drop_remainder=True),
-                 verbose=0)
+        maml.fit(
+            tf.data.Dataset.from_tensor_slices((tx, ty)).batch(3, drop_remainder=True), verbose=0
+        )
     with pytest.raises(ValueError, match=r"batch_size=3 .* among the 2 replicas"):
         maml.fit(tx, ty, batch_size=3, verbose=0)
     assert int(maml.outer_steps.numpy()) == 0

@@ -3,6 +3,7 @@ have the documented structure, and every ratio in them is recomputed from their 
 timings, memory peaks, slot bytes and parameter counts (no timing is asserted: only the
 arithmetic and the structure, plus what is exact: the prompt-only configurations train
 exactly the prompt's parameters and keep optimizer slots for nothing else)."""
+
 import json
 import math
 import os
@@ -15,9 +16,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "prompt_overhead.json"
-T5_KEYS = ("config", "median_step_ms", "mean_step_ms", "round_median_step_ms", "timed_steps",
-           "first_step_s", "peak_memory_bytes", "memory_kind", "model_params",
-           "trainable_params", "trainable_bytes", "optimizer_slot_bytes")
+T5_KEYS = (
+    "config",
+    "median_step_ms",
+    "mean_step_ms",
+    "round_median_step_ms",
+    "timed_steps",
+    "first_step_s",
+    "peak_memory_bytes",
+    "memory_kind",
+    "model_params",
+    "trainable_params",
+    "trainable_bytes",
+    "optimizer_slot_bytes",
+)
 
 
 def check_ratio(value, numerator, denominator):
@@ -29,9 +41,22 @@ def check_ratio(value, numerator, denominator):
 
 def check_results(data, rounds):
     """The structure of the JSON, and every ratio recomputed from its own numbers."""
-    for key in ("description", "model", "batch_size", "prompt_length", "meta_tasks",
-                "inner_steps", "optimizer", "environment", "results", "ratios", "table",
-                "ratio_table", "notes", "wall_time_s"):
+    for key in (
+        "description",
+        "model",
+        "batch_size",
+        "prompt_length",
+        "meta_tasks",
+        "inner_steps",
+        "optimizer",
+        "environment",
+        "results",
+        "ratios",
+        "table",
+        "ratio_table",
+        "notes",
+        "wall_time_s",
+    ):
         assert key in data, key
     env = data["environment"]
     assert len(env["load_average_start"]) == 3 and len(env["load_average_end"]) == 3
@@ -42,8 +67,11 @@ def check_results(data, rounds):
             assert key in r, (name, key)
         assert r["config"] == name
         assert len(r["round_median_step_ms"]) == rounds
-        expected_steps = rounds * (data["meta_steps_per_round"] if name in ("t5_fomaml",
-                                   "t5_reptile") else data["steps_per_round"])
+        expected_steps = rounds * (
+            data["meta_steps_per_round"]
+            if name in ("t5_fomaml", "t5_reptile")
+            else data["steps_per_round"]
+        )
         assert r["timed_steps"] == expected_steps, name
         assert r["median_step_ms"] > 0 and r["mean_step_ms"] > 0
         assert r["trainable_bytes"] == 4 * r["trainable_params"]  # float32
@@ -63,11 +91,14 @@ def check_results(data, rounds):
     for name in ("t5_fomaml", "t5_reptile"):
         r = results[name]
         assert r["tasks"] == data["meta_tasks"] and r["inner_steps"] == data["inner_steps"]
-        np.testing.assert_allclose(r["median_per_task_ms"], r["median_step_ms"] / r["tasks"],
-                                   rtol=1e-12)
+        np.testing.assert_allclose(
+            r["median_per_task_ms"], r["median_step_ms"] / r["tasks"], rtol=1e-12
+        )
         mode = data["prompt_mode_meta"]
-        pieces = (r["inner_steps"] * results[f"t5_{mode}_prompt"]["median_step_ms"]
-                  + results[f"t5_{mode}_both"]["median_step_ms"])
+        pieces = (
+            r["inner_steps"] * results[f"t5_{mode}_prompt"]["median_step_ms"]
+            + results[f"t5_{mode}_both"]["median_step_ms"]
+        )
         np.testing.assert_allclose(r["pieces_per_task_ms"], pieces, rtol=1e-12)
         check_ratio(r["per_task_over_pieces"], r["median_per_task_ms"], pieces)
         assert r["inner_state_bytes"] > 0
@@ -75,16 +106,28 @@ def check_results(data, rounds):
     assert data["ratios"], "no ratios"
     for pair, entry in data["ratios"].items():
         a, b = pair.split("/")
-        for key in ("median_step_ms", "mean_step_ms", "peak_memory_bytes",
-                    "optimizer_slot_bytes", "trainable_params"):
+        for key in (
+            "median_step_ms",
+            "mean_step_ms",
+            "peak_memory_bytes",
+            "optimizer_slot_bytes",
+            "trainable_params",
+        ):
             check_ratio(entry[f"{key}_ratio"], results[a][key], results[b][key])
-        per_round = [x / y for x, y in zip(results[a]["round_median_step_ms"],
-                                           results[b]["round_median_step_ms"])]
+        per_round = [
+            x / y
+            for x, y in zip(results[a]["round_median_step_ms"], results[b]["round_median_step_ms"])
+        ]
         np.testing.assert_allclose(entry["step_ms_ratio_per_round"], per_round, rtol=1e-12)
-        np.testing.assert_allclose(entry["step_ms_ratio_median_of_rounds"],
-                                   float(np.median(per_round)), rtol=1e-12)
-    for pair in ("t5_shallow_prompt/t5_full", "t5_deep_prompt/t5_full",
-                 "t5_fomaml/t5_full", "t5_reptile/t5_full"):
+        np.testing.assert_allclose(
+            entry["step_ms_ratio_median_of_rounds"], float(np.median(per_round)), rtol=1e-12
+        )
+    for pair in (
+        "t5_shallow_prompt/t5_full",
+        "t5_deep_prompt/t5_full",
+        "t5_fomaml/t5_full",
+        "t5_reptile/t5_full",
+    ):
         assert pair in data["ratios"], pair
 
 
@@ -110,17 +153,41 @@ def test_prompt_overhead_smoke(tmp_path):
     out = tmp_path / "prompt_overhead.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.prompt_overhead", "--t5_size=tiny",
-         "--t5_vocabulary_size=64", "--batch_size=2",
-         "--encoder_length=5", "--decoder_length=3", "--prompt_length=2", "--meta_tasks=2",
-         "--inner_steps=2", "--rounds=2", "--steps_per_round=1", "--warmup=1", "--nobert",
-         f"--output={out}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.prompt_overhead",
+            "--t5_size=tiny",
+            "--t5_vocabulary_size=64",
+            "--batch_size=2",
+            "--encoder_length=5",
+            "--decoder_length=3",
+            "--prompt_length=2",
+            "--meta_tasks=2",
+            "--inner_steps=2",
+            "--rounds=2",
+            "--steps_per_round=1",
+            "--warmup=1",
+            "--nobert",
+            f"--output={out}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "wrote" in proc.stdout
     data = json.loads(out.read_text())
     assert data["rounds"] == 2 and data["model"]["bert"] is None
-    assert set(data["results"]) == {"t5_full", "t5_shallow_prompt", "t5_deep_prompt",
-                                    "t5_shallow_both", "t5_deep_both", "t5_fomaml",
-                                    "t5_reptile"}
+    assert set(data["results"]) == {
+        "t5_full",
+        "t5_shallow_prompt",
+        "t5_deep_prompt",
+        "t5_shallow_both",
+        "t5_deep_both",
+        "t5_fomaml",
+        "t5_reptile",
+    }
     check_results(data, rounds=2)

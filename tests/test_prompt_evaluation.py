@@ -1,4 +1,5 @@
 """Rank classification, the few-shot protocol, ARG and its paired bootstrap: oracles."""
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -40,16 +41,19 @@ def test_token_log_likelihoods_equal_numpy_log_softmax():
     shifted = logits - logits.max(-1, keepdims=True)
     log_softmax = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
     expected = np.take_along_axis(log_softmax, targets[..., None], -1)[..., 0]
-    np.testing.assert_allclose(ev.token_log_likelihoods(logits, targets).numpy(), expected,
-                               rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(
+        ev.token_log_likelihoods(logits, targets).numpy(), expected, rtol=1e-12, atol=1e-12
+    )
 
 
 def table_scorer(token_ll):
     """A scorer whose log-likelihood of a target token depends on the token id only
     (`token_ll[id]`); padding positions get a huge value that must be masked out."""
+
     def score_fn(input_ids, target_ids, target_mask):
         out = np.vectorize(lambda t: token_ll.get(int(t), -7.0))(target_ids).astype(np.float64)
         return tf.constant(np.where(target_mask > 0, out, 1e6))  # a tf tensor is fine
+
     return score_fn
 
 
@@ -61,13 +65,21 @@ def test_mean_and_sum_disagree_on_long_confident_choice():
     ids = {w: tok(w)[0] for w in "no yes indeed it is".split()}
     # The short choice: "no" (-1) + EOS (-0.75): mean -0.875, sum -1.75.
     # The long one: 4 words of -0.5 + EOS: mean -0.55 (higher), sum -2.75 (lower).
-    token_ll = {ids["no"]: -1.0, ids["yes"]: -0.5, ids["indeed"]: -0.5, ids["it"]: -0.5,
-                ids["is"]: -0.5, EOS: -0.75}
+    token_ll = {
+        ids["no"]: -1.0,
+        ids["yes"]: -0.5,
+        ids["indeed"]: -0.5,
+        ids["it"]: -0.5,
+        ids["is"]: -0.5,
+        EOS: -0.75,
+    }
     score_fn = table_scorer(token_ll)
-    pred_mean, scores_mean, _ = ev.rank_classify_examples(score_fn, tok, [example],
-                                                          eos_id=EOS, reduction="mean")
-    pred_sum, scores_sum, _ = ev.rank_classify_examples(score_fn, tok, [example],
-                                                        eos_id=EOS, reduction="sum")
+    pred_mean, scores_mean, _ = ev.rank_classify_examples(
+        score_fn, tok, [example], eos_id=EOS, reduction="mean"
+    )
+    pred_sum, scores_sum, _ = ev.rank_classify_examples(
+        score_fn, tok, [example], eos_id=EOS, reduction="sum"
+    )
     np.testing.assert_allclose(scores_mean, [[-0.875, -0.55]])
     np.testing.assert_allclose(scores_sum, [[-1.75, -2.75]])
     assert pred_mean.tolist() == [1] and pred_sum.tolist() == [0]
@@ -85,8 +97,9 @@ def matching_scorer(input_ids, target_ids, target_mask):
 def test_rank_classification_picks_right_choice_with_variable_choices_and_chunks():
     tok = WordTokenizer()
     colours = ["red", "green", "blue", "light yellow"]
-    template = Template("colour", "The ball is {colour} . Which colour ?",
-                        lambda e: colours[: e["n"]])
+    template = Template(
+        "colour", "The ball is {colour} . Which colour ?", lambda e: colours[: e["n"]]
+    )
     rng = np.random.default_rng(0)
     examples = []
     for _ in range(12):
@@ -97,14 +110,15 @@ def test_rank_classification_picks_right_choice_with_variable_choices_and_chunks
     assert ev.accuracy(pred, labels) == 1.0
     # Absent choices score -inf; the scores equal a hand computation.
     for i, e in enumerate(examples):
-        assert np.all(np.isneginf(scores[i, len(e.answer_choices):]))
+        assert np.all(np.isneginf(scores[i, len(e.answer_choices) :]))
         for j, choice in enumerate(e.answer_choices):
             words = choice.split()
             hits = [np.log(0.9) if w in e.input_text.split() else np.log(0.01) for w in words]
             np.testing.assert_allclose(scores[i, j], np.sum(hits) / (len(words) + 1))
     # Chunked scoring (3 rows per call) gives the same answer.
-    pred3, scores3, _ = ev.rank_classify_examples(matching_scorer, tok, examples, eos_id=EOS,
-                                                  batch_size=3)
+    pred3, scores3, _ = ev.rank_classify_examples(
+        matching_scorer, tok, examples, eos_id=EOS, batch_size=3
+    )
     np.testing.assert_array_equal(pred3, pred)
     np.testing.assert_allclose(scores3, scores)
 
@@ -112,26 +126,34 @@ def test_rank_classification_picks_right_choice_with_variable_choices_and_chunks
 def test_rank_classification_errors():
     ids = np.zeros((2, 3), int)
     with pytest.raises(ValueError, match="choice_target_ids"):
-        ev.rank_classification(matching_scorer, ids, np.zeros((3, 2, 4), int),
-                               np.ones((3, 2, 4)))
+        ev.rank_classification(matching_scorer, ids, np.zeros((3, 2, 4), int), np.ones((3, 2, 4)))
     with pytest.raises(ValueError, match="score_fn"):
-        ev.rank_classification(lambda i, t, m: np.zeros((1, 1)), ids, np.ones((2, 2, 4), int),
-                               np.ones((2, 2, 4)))
+        ev.rank_classification(
+            lambda i, t, m: np.zeros((1, 1)), ids, np.ones((2, 2, 4), int), np.ones((2, 2, 4))
+        )
     with pytest.raises(ValueError, match="choice_mask"):
-        ev.rank_classification(matching_scorer, ids, np.ones((2, 2, 4), int),
-                               np.ones((2, 2, 4)), choice_mask=[[1, 1], [0, 0]])
+        ev.rank_classification(
+            matching_scorer,
+            ids,
+            np.ones((2, 2, 4), int),
+            np.ones((2, 2, 4)),
+            choice_mask=[[1, 1], [0, 0]],
+        )
     with pytest.raises(ValueError, match="no answer choices"):
-        ev.rank_classify_examples(matching_scorer, WordTokenizer(),
-                                  [PromptedExample("a", "b")])
+        ev.rank_classify_examples(matching_scorer, WordTokenizer(), [PromptedExample("a", "b")])
 
 
 # ----------------------------------------------------------------------------- few-shot
 
 
 def test_few_shot_protocol_with_fake_model():
-    tasks = {"d1": {"t1": (list(range(100)), list(range(100, 110))),
-                    "t2": (list(range(100)), list(range(100, 110)))},
-             "d2": {"t1": (list(range(50)), list(range(200, 204)))}}
+    tasks = {
+        "d1": {
+            "t1": (list(range(100)), list(range(100, 110))),
+            "t2": (list(range(100)), list(range(100, 110))),
+        },
+        "d2": {"t1": (list(range(50)), list(range(200, 204)))},
+    }
     calls = []
 
     def build_model(dataset, template):
@@ -151,19 +173,23 @@ def test_few_shot_protocol_with_fake_model():
     for key, r in results.items():
         assert len(r.train_indices) == 16 and len(set(r.train_indices)) == 16
         np.testing.assert_array_equal(
-            r.train_indices, ev.sample_few_shot(len(tasks[key[0]][key[1]][0]), 16, 3, *key))
+            r.train_indices, ev.sample_few_shot(len(tasks[key[0]][key[1]][0]), 16, 3, *key)
+        )
     assert results[("d1", "t1")].accuracy == 0.3 and results[("d2", "t1")].accuracy == 0.75
     # The results feed ARG directly: d1 (0.3-0.5)/0.5 = -0.4 for both templates, d2
     # (0.75-0.25)/0.25 = 2; the datasets averaged: 0.8.
     assert ev.average_relative_gain(results, {"d1": 2, "d2": 4}) == pytest.approx(0.8)
     # Seeded per dataset and template: deterministic, different across templates and seeds.
     again = ev.few_shot_prompt_tuning(tasks, build_model, train, evaluate, seed=3)
-    np.testing.assert_array_equal(again[("d1", "t1")].train_indices,
-                                  results[("d1", "t1")].train_indices)
-    assert not np.array_equal(results[("d1", "t1")].train_indices,
-                              results[("d1", "t2")].train_indices)
-    assert not np.array_equal(ev.sample_few_shot(100, 16, 4, "d1", "t1"),
-                              results[("d1", "t1")].train_indices)
+    np.testing.assert_array_equal(
+        again[("d1", "t1")].train_indices, results[("d1", "t1")].train_indices
+    )
+    assert not np.array_equal(
+        results[("d1", "t1")].train_indices, results[("d1", "t2")].train_indices
+    )
+    assert not np.array_equal(
+        ev.sample_few_shot(100, 16, 4, "d1", "t1"), results[("d1", "t1")].train_indices
+    )
     with pytest.raises(ValueError, match="num_shots"):
         ev.few_shot_prompt_tuning({"d": {"t": ([1, 2], [3])}}, build_model, train, evaluate)
     with pytest.raises(ValueError, match="evaluate"):

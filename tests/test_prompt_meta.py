@@ -2,6 +2,7 @@
 meta-step against hand computations (NumPy, float64) on a linear model with an additive
 prompt vector, the carried inner state against a re-derivation, first order, the prompt
 selection and argument errors."""
+
 import keras
 import numpy as np
 import pytest
@@ -26,8 +27,11 @@ class Offset(keras.layers.Layer):
     """x + p: a learned input offset (the test's "soft prompt")."""
 
     def build(self, input_shape):
-        self.offset = self.add_weight(shape=(input_shape[-1],), name="offset",
-                                      initializer=keras.initializers.RandomNormal(seed=3))
+        self.offset = self.add_weight(
+            shape=(input_shape[-1],),
+            name="offset",
+            initializer=keras.initializers.RandomNormal(seed=3),
+        )
 
     def call(self, x):
         return x + self.offset
@@ -35,8 +39,9 @@ class Offset(keras.layers.Layer):
 
 def _model(seed=0):
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((D,)), Offset(name="prompt"),
-                             keras.layers.Dense(OUT, name="dense")])
+    return keras.Sequential(
+        [keras.Input((D,)), Offset(name="prompt"), keras.layers.Dense(OUT, name="dense")]
+    )
 
 
 def _meta_batch(seed=0, steps=T):
@@ -77,8 +82,11 @@ def _weights(model):
 
 def _fit_one_step(trainer, batch, run_eagerly=False):
     sx, sy, qx, qy = batch
-    trainer.compile(optimizer=keras.optimizers.SGD(1.0), loss=keras.losses.MeanSquaredError(),
-                    run_eagerly=run_eagerly)
+    trainer.compile(
+        optimizer=keras.optimizers.SGD(1.0),
+        loss=keras.losses.MeanSquaredError(),
+        run_eagerly=run_eagerly,
+    )
     return trainer.fit((sx, sy, qx), qy, batch_size=TASKS, epochs=1, verbose=0, shuffle=False)
 
 
@@ -134,8 +142,10 @@ def test_one_support_batch_is_reused_at_every_inner_step(float64):
     results = []
     for s_x, s_y in ((sx, sy), (np.repeat(sx, T, 1), np.repeat(sy, T, 1))):
         model = _model()
-        _fit_one_step(PromptFOMAMLTrainer(model, inner_steps=T, inner_optimizer=O.SGD(A_INNER)),
-                      (s_x, s_y, qx, qy))
+        _fit_one_step(
+            PromptFOMAMLTrainer(model, inner_steps=T, inner_optimizer=O.SGD(A_INNER)),
+            (s_x, s_y, qx, qy),
+        )
         results.append(_weights(model))
     for a, b in zip(*results):
         np.testing.assert_array_equal(a, b)
@@ -170,8 +180,9 @@ def _fomaml_adafactor_oracle(model, batch, carry):
         pb = p
         for s in range(T):
             gp = _grads(W, c, pb, sx[b, s], sy[b, s])[2]
-            (pb,), state = opt.apply_on_tensors([tf.constant(gp)], [tf.constant(pb)], state,
-                                                prompt_var)
+            (pb,), state = opt.apply_on_tensors(
+                [tf.constant(gp)], [tf.constant(pb)], state, prompt_var
+            )
             pb = pb.numpy()
         g = _grads(W, c, pb, qx[b], qy[b])
         g_total = [t + gi / TASKS for t, gi in zip(g_total, g)]
@@ -185,16 +196,18 @@ def test_fomaml_adafactor_state_carried_or_reset_matches_rederivation(float64, c
     reference = _model()
     expected, state = _fomaml_adafactor_oracle(reference, batch, carry)
     model = _model()
-    trainer = PromptFOMAMLTrainer(model, inner_steps=T, inner_optimizer=_adafactor(),
-                                  carry_inner_state=carry)
+    trainer = PromptFOMAMLTrainer(
+        model, inner_steps=T, inner_optimizer=_adafactor(), carry_inner_state=carry
+    )
     _fit_one_step(trainer, batch, run_eagerly=EAGER)
     for got, want in zip(_weights(model), expected):
         np.testing.assert_allclose(got, want, **TOL)
     names = {v.name: v for v in trainer.variables if v.name.startswith("inner_")}
     if carry:
         assert int(names["inner_prompt_iterations"].numpy()) == TASKS * T
-        np.testing.assert_allclose(names["inner_prompt_v_0"].numpy(),
-                                   state.slots[0]["v"].numpy(), **TOL)
+        np.testing.assert_allclose(
+            names["inner_prompt_v_0"].numpy(), state.slots[0]["v"].numpy(), **TOL
+        )
     else:
         assert not names  # nothing carried, nothing stored
 
@@ -213,8 +226,9 @@ def test_reptile_carries_prompt_and_other_counts_separately(float64):
     model = _model()
     trainer = PromptReptileTrainer(model, inner_steps=T, inner_optimizer=_adafactor())
     sx, sy, qx, qy = _meta_batch(seed=4)
-    trainer.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.MeanSquaredError(),
-                    run_eagerly=EAGER)
+    trainer.compile(
+        optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.MeanSquaredError(), run_eagerly=EAGER
+    )
     trainer.fit((sx, sy, qx), qy, batch_size=TASKS, epochs=2, verbose=0, shuffle=False)
     names = {v.name: v for v in trainer.variables}
     assert int(names["inner_prompt_iterations"].numpy()) == 2 * TASKS * (T + 1)
@@ -234,16 +248,18 @@ def test_reptile_adafactor_carried_state_matches_rederivation(float64):
     prompt_state, other_state = opt.initial_state(prompt_var), opt.initial_state(other_vars)
 
     def step(grads, values, state, variables):
-        new, state = opt.apply_on_tensors([tf.constant(g) for g in grads],
-                                          [tf.constant(v) for v in values], state, variables)
+        new, state = opt.apply_on_tensors(
+            [tf.constant(g) for g in grads], [tf.constant(v) for v in values], state, variables
+        )
         return [n.numpy() for n in new], state
 
     ends = []
     for b in range(TASKS):
         pb = p
         for s in range(T):
-            (pb,), prompt_state = step([_grads(W, c, pb, sx[b, s], sy[b, s])[2]], [pb],
-                                       prompt_state, prompt_var)
+            (pb,), prompt_state = step(
+                [_grads(W, c, pb, sx[b, s], sy[b, s])[2]], [pb], prompt_state, prompt_var
+            )
         dW, dc, dp = _grads(W, c, pb, qx[b], qy[b])
         (pb,), prompt_state = step([dp], [pb], prompt_state, prompt_var)
         (Wb, cb), other_state = step([dW, dc], [W, c], other_state, other_vars)
@@ -255,13 +271,12 @@ def test_reptile_adafactor_carried_state_matches_rederivation(float64):
     for got, want in zip(_weights(trainer.model), expected):
         np.testing.assert_allclose(got, want, **TOL)
     names = {v.name: v.numpy() for v in trainer.variables}
-    np.testing.assert_allclose(names["inner_prompt_v_0"], prompt_state.slots[0]["v"].numpy(),
-                               **TOL)
+    np.testing.assert_allclose(names["inner_prompt_v_0"], prompt_state.slots[0]["v"].numpy(), **TOL)
     # the (3, 2) kernel is factored (HF factors every rank >= 2 variable)
-    np.testing.assert_allclose(names["inner_other_v_row_0"],
-                               other_state.slots[0]["v_row"].numpy(), **TOL)
-    np.testing.assert_allclose(names["inner_other_v_1"], other_state.slots[1]["v"].numpy(),
-                               **TOL)
+    np.testing.assert_allclose(
+        names["inner_other_v_row_0"], other_state.slots[0]["v_row"].numpy(), **TOL
+    )
+    np.testing.assert_allclose(names["inner_other_v_1"], other_state.slots[1]["v"].numpy(), **TOL)
     assert names["inner_prompt_iterations"] == TASKS * (T + 1)
 
 
@@ -279,8 +294,9 @@ def test_inner_loop_touches_only_the_prompt_and_is_off_the_tape(float64):
     batches = [(tf.constant(sx[0, s]), tf.constant(sy[0, s])) for s in range(T)]
     with tf.GradientTape(persistent=True) as tape:
         tape.watch(params)
-        r = P.prompt_inner_loop(loss_fn, params, F.current_state(model), batches, indices,
-                                O.SGD(A_INNER), variables)
+        r = P.prompt_inner_loop(
+            loss_fn, params, F.current_state(model), batches, indices, O.SGD(A_INNER), variables
+        )
         prompt_sum = tf.reduce_sum(r.params[0])
     for before, after in zip(params[1:], r.params[1:]):
         np.testing.assert_array_equal(before.numpy(), after.numpy())
@@ -294,10 +310,21 @@ def test_fomaml_has_no_second_order_term(float64):
     W, c, p = _weights(model)
     sx, sy, qx, qy = _meta_batch(seed=6)
     loss_fn = F.make_loss_fn(model, keras.losses.MeanSquaredError())
-    tasks = [([(tf.constant(sx[0, s]), tf.constant(sy[0, s])) for s in range(T)],
-              (tf.constant(qx[0]), tf.constant(qy[0])))]
-    result = P.prompt_fomaml(loss_fn, F.current_params(model), F.current_state(model), tasks,
-                             (0,), O.SGD(A_INNER), model.trainable_variables)
+    tasks = [
+        (
+            [(tf.constant(sx[0, s]), tf.constant(sy[0, s])) for s in range(T)],
+            (tf.constant(qx[0]), tf.constant(qy[0])),
+        )
+    ]
+    result = P.prompt_fomaml(
+        loss_fn,
+        F.current_params(model),
+        F.current_state(model),
+        tasks,
+        (0,),
+        O.SGD(A_INNER),
+        model.trainable_variables,
+    )
     pT = _adapt_prompt(W, c, p, sx[0], sy[0])
     first = _grads(W, c, pT, qx[0], qy[0])[2]
     np.testing.assert_allclose(result.gradients[0].numpy(), first, **TOL)
@@ -363,12 +390,15 @@ def test_two_replicas_split_the_tasks_and_average_over_all(float64, trainer_clas
         scope = strategy.scope() if strategy is not None else tf.init_scope()
         with scope:
             model = _model()
-            trainer = trainer_class(model, inner_steps=T, inner_optimizer=O.SGD(A_INNER),
-                                    carry_inner_state=False)
-            trainer.compile(optimizer=keras.optimizers.SGD(1.0),
-                            loss=keras.losses.MeanSquaredError())
-        history = trainer.fit((sx, sy, qx), qy, batch_size=TASKS, epochs=1, verbose=0,
-                              shuffle=False)
+            trainer = trainer_class(
+                model, inner_steps=T, inner_optimizer=O.SGD(A_INNER), carry_inner_state=False
+            )
+            trainer.compile(
+                optimizer=keras.optimizers.SGD(1.0), loss=keras.losses.MeanSquaredError()
+            )
+        history = trainer.fit(
+            (sx, sy, qx), qy, batch_size=TASKS, epochs=1, verbose=0, shuffle=False
+        )
         results.append((_weights(model), history.history))
     (w1, h1), (w2, h2) = results
     for a, b in zip(w1, w2):

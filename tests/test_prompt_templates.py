@@ -1,30 +1,42 @@
 """Prompt templates: filled texts, answer choices (fixed and per example), clear errors."""
+
 import pytest
 
 from tf_metaalign.prompts.templates import PromptedExample, Template, apply_templates
 
-DJANGO = Template("which_part", "Which part of Django does this string come from? {text}",
-                  ["core", "admin", "auth"])
+DJANGO = Template(
+    "which_part",
+    "Which part of Django does this string come from? {text}",
+    ["core", "admin", "auth"],
+)
 
 
 def test_apply_fixed_choices():
     out = DJANGO.apply({"text": "Log out", "label": 1, "unused": 3})
     assert out == PromptedExample(
-        "Which part of Django does this string come from? Log out", "admin",
-        ("core", "admin", "auth"), 1)
+        "Which part of Django does this string come from? Log out",
+        "admin",
+        ("core", "admin", "auth"),
+        1,
+    )
     assert DJANGO.fields == ("text", "label")
 
 
 def test_target_template_choices_from_fields_and_callable():
-    t = Template("nli", "{premise} Question: {hypothesis} True or False?",
-                 ["True", "False"], target_template="Answer: {answer}.")
+    t = Template(
+        "nli",
+        "{premise} Question: {hypothesis} True or False?",
+        ["True", "False"],
+        target_template="Answer: {answer}.",
+    )
     out = t.apply({"premise": "A dog runs.", "hypothesis": "An animal moves.", "label": 0})
     assert out.input_text == "A dog runs. Question: An animal moves. True or False?"
     assert out.target_text == "Answer: True." and out.label == 0
     # Choices that use fields of the example (a coreference-style template).
     coref = Template("who", "{sentence} Who is 'she'?", ["{option1}", "{option2}"])
-    out = coref.apply({"sentence": "Ann met Bo; she smiled.", "option1": "Ann",
-                       "option2": "Bo", "label": 0})
+    out = coref.apply(
+        {"sentence": "Ann met Bo; she smiled.", "option1": "Ann", "option2": "Bo", "label": 0}
+    )
     assert out.answer_choices == ("Ann", "Bo") and out.target_text == "Ann"
     assert coref.fields == ("sentence", "option1", "option2", "label")
     # A callable: the choices of each example.
@@ -34,14 +46,18 @@ def test_target_template_choices_from_fields_and_callable():
     # No choices: a generation template; the target reads the fields.
     gen = Template("translate", "Translate to German: {en}", None, target_template="{de}")
     assert gen.apply({"en": "Yes", "de": "Ja"}) == PromptedExample(
-        "Translate to German: Yes", "Ja", (), -1)
+        "Translate to German: Yes", "Ja", (), -1
+    )
 
 
 def test_several_templates_per_dataset():
-    other = Template("app", "{text}\nDjango app:", ["core", "admin", "auth"],
-                     label_field="component")
-    examples = [{"text": "Log out", "label": 1, "component": 1},
-                {"text": "Password", "label": 2, "component": 2}]
+    other = Template(
+        "app", "{text}\nDjango app:", ["core", "admin", "auth"], label_field="component"
+    )
+    examples = [
+        {"text": "Log out", "label": 1, "component": 1},
+        {"text": "Password", "label": 2, "component": 2},
+    ]
     out = apply_templates([DJANGO, other], examples)
     assert list(out) == ["which_part", "app"]
     assert [e.target_text for e in out["app"]] == ["admin", "auth"]
@@ -61,7 +77,8 @@ def test_clear_errors():
         DJANGO.apply({"text": "Log out", "label": "admin"})
     with pytest.raises(ValueError, match="no field 'option2'.*answer choice"):
         Template("who", "{s}", ["{option1}", "{option2}"]).apply(
-            {"s": "x", "option1": "a", "label": 0})
+            {"s": "x", "option1": "a", "label": 0}
+        )
     with pytest.raises(ValueError, match="plain names"):
         Template("bad", "{0} and {x.y}", ["a"])
     with pytest.raises(ValueError, match="input_template"):

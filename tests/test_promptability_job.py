@@ -7,6 +7,7 @@ p-values against `prompts.evaluation` recomputed by hand, the configuration erro
 Slow (`-m slow`; 4 min on 2 quiet cores, ~8 on shared ones, mostly tracing): a tiny Config end to
 end with every configuration and both prompt modes.
 """
+
 import dataclasses
 import json
 
@@ -24,13 +25,34 @@ CACHE = "/tmp/tf_metaalign_test_promptability_cache"  # shared by runs: pre-trai
 
 def tiny_config(**overrides):
     values = dict(
-        t5_size="tiny", vocabulary_size=600, corpus_max_texts=3000, pretrain_steps=10,
-        pretrain_batch_size=8, pretrain_sequence_length=32, max_train=64, eval_examples=16,
-        templates_per_dataset=1, encoder_length=32, decoder_length=6, prompt_length=2,
-        steps=4, batch_size=4, meta_batch=2, inner_steps=1, task_batch_size=2, shots=4,
-        few_shot_epochs=1, few_shot_batch_size=4, bootstrap_resamples=200, minilm=True,
-        minilm_prompt_length=2, minilm_sequence_length=16, minilm_epochs=1, log_every=2,
-        cache_dir=CACHE)
+        t5_size="tiny",
+        vocabulary_size=600,
+        corpus_max_texts=3000,
+        pretrain_steps=10,
+        pretrain_batch_size=8,
+        pretrain_sequence_length=32,
+        max_train=64,
+        eval_examples=16,
+        templates_per_dataset=1,
+        encoder_length=32,
+        decoder_length=6,
+        prompt_length=2,
+        steps=4,
+        batch_size=4,
+        meta_batch=2,
+        inner_steps=1,
+        task_batch_size=2,
+        shots=4,
+        few_shot_epochs=1,
+        few_shot_batch_size=4,
+        bootstrap_resamples=200,
+        minilm=True,
+        minilm_prompt_length=2,
+        minilm_sequence_length=16,
+        minilm_epochs=1,
+        log_every=2,
+        cache_dir=CACHE,
+    )
     values.update(overrides)
     return P.Config(**values)
 
@@ -46,8 +68,12 @@ class CharTokenizer:
 
 
 def test_encode_examples_is_teacher_forcing_with_eos_and_pad_zero():
-    x, y = t5_lm.encode_examples([("abc", "xy"), ("abcdefgh", "long target")],
-                                 CharTokenizer(), encoder_length=5, decoder_length=4)
+    x, y = t5_lm.encode_examples(
+        [("abc", "xy"), ("abcdefgh", "long target")],
+        CharTokenizer(),
+        encoder_length=5,
+        decoder_length=4,
+    )
     t = CharTokenizer()
     np.testing.assert_array_equal(x["encoder_token_ids"][0], list(t("abc")) + [1, 0])
     np.testing.assert_array_equal(x["encoder_token_ids"][1], list(t("abcd")) + [1])  # cut
@@ -69,13 +95,13 @@ def test_masked_token_loss_is_the_mean_over_real_target_tokens():
     log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     nll = -np.take_along_axis(log_p, y[..., None], -1)[..., 0]
     expected = nll[y != 0].mean()  # 6 real tokens; Keras's default would divide by 8
-    np.testing.assert_allclose(float(t5_lm.masked_token_loss()(y, logits)), expected,
-                               rtol=1e-5)
+    np.testing.assert_allclose(float(t5_lm.masked_token_loss()(y, logits)), expected, rtol=1e-5)
 
 
 def test_meta_batches_draw_each_task_from_one_dataset_and_template():
-    config = tiny_config(steps=8, batch_size=4, meta_batch=2, inner_steps=2, task_batch_size=2,
-                         seen_examples=5)
+    config = tiny_config(
+        steps=8, batch_size=4, meta_batch=2, inner_steps=2, task_batch_size=2, seen_examples=5
+    )
     assert config.meta_steps == 8 * 4 // (2 * 3 * 2) == 2
     tasks = P.prepare_tasks(config)
     tokenizer = CharTokenizer()
@@ -93,9 +119,14 @@ def test_meta_batches_draw_each_task_from_one_dataset_and_template():
         name, _, template_name = mixture.draw(k)
         dataset = tasks.training[name]
         template = next(t for t in dataset.templates if t.name == template_name)
-        targets = {tuple(t5_lm.encode_examples([("", template.apply(e).target_text)],
-                                               tokenizer, 4, config.decoder_length)[1][0])
-                   for e in dataset.train}
+        targets = {
+            tuple(
+                t5_lm.encode_examples(
+                    [("", template.apply(e).target_text)], tokenizer, 4, config.decoder_length
+                )[1][0]
+            )
+            for e in dataset.train
+        }
         for row in list(sy[k].reshape(-1, config.decoder_length)) + list(qy[k]):
             assert tuple(row) in targets
     # No training example of an unseen task type is used.
@@ -121,19 +152,30 @@ def test_meta_batches_draw_each_task_from_one_dataset_and_template():
     assert len({e["label"] for e in component.test[:16]}) == 1
     assert len({e.label for e in wide.seen_pairs[("django_component_en", "which_part")][1]}) > 1
     off = P.prepare_tasks(dataclasses.replace(config, seen_examples=0))
-    assert off.seen_pairs == {} and off.seen_num_choices == {} and off.pairs.keys() == \
-        tasks.pairs.keys()
+    assert (
+        off.seen_pairs == {}
+        and off.seen_num_choices == {}
+        and off.pairs.keys() == tasks.pairs.keys()
+    )
 
 
 def test_arg_table_equals_evaluation_arg_and_bootstrap():
     rng = np.random.default_rng(1)
     pairs = [("a", "t1"), ("a", "t2"), ("b", "t1")]
     choices = {"a": 2, "b": 3}
-    correct = {c: {s: {m: {k: (rng.random(20) < 0.4 + 0.1 * i).astype(int) for k in pairs}
-                       for m in ("shallow", "deep")} for s in ("zero_shot", "few_shot")}
-               for i, c in enumerate(("none", "mtl_t", "mtl_tp"))}
-    rows = P.arg_table(correct, choices, ("none", "mtl_t", "mtl_tp"), ("shallow", "deep"),
-                       resamples=300, seed=3)
+    correct = {
+        c: {
+            s: {
+                m: {k: (rng.random(20) < 0.4 + 0.1 * i).astype(int) for k in pairs}
+                for m in ("shallow", "deep")
+            }
+            for s in ("zero_shot", "few_shot")
+        }
+        for i, c in enumerate(("none", "mtl_t", "mtl_tp"))
+    }
+    rows = P.arg_table(
+        correct, choices, ("none", "mtl_t", "mtl_tp"), ("shallow", "deep"), resamples=300, seed=3
+    )
     by_name = {r["configuration"]: r for r in rows}
     for c in ("none", "mtl_t", "mtl_tp"):
         for s in ("zero_shot", "few_shot"):
@@ -143,8 +185,9 @@ def test_arg_table_equals_evaluation_arg_and_bootstrap():
                 gain = {k: (a - 1 / choices[k[0]]) * choices[k[0]] for k, a in acc.items()}
                 hand = ((gain[("a", "t1")] + gain[("a", "t2")]) / 2 + gain[("b", "t1")]) / 2
                 assert by_name[c][f"{s}_{m}"] == pytest.approx(hand, abs=1e-12)
-    p = E.paired_bootstrap_arg(correct["mtl_tp"]["few_shot"]["deep"],
-                               correct["mtl_t"]["few_shot"]["deep"], choices, 300, 3).p_value
+    p = E.paired_bootstrap_arg(
+        correct["mtl_tp"]["few_shot"]["deep"], correct["mtl_t"]["few_shot"]["deep"], choices, 300, 3
+    ).p_value
     assert by_name["mtl_tp"]["few_shot_deep_p_vs_mtl_t"] == p
     assert "zero_shot_shallow_p_vs_none" not in by_name["none"]
     assert "few_shot_deep_p_vs_mtl_t" not in by_name["mtl_t"]
@@ -152,26 +195,42 @@ def test_arg_table_equals_evaluation_arg_and_bootstrap():
     # The control's table: one setting, its own datasets' choice counts.
     seen = {c: {"seen_zero_shot": correct[c]["zero_shot"]} for c in correct}
     majority = {k: (rng.random(20) < 0.5).astype(int) for k in pairs}
-    seen_rows = P.arg_table(seen, {"a": 4, "b": 3}, ("none", "mtl_t", "mtl_tp"),
-                            ("shallow", "deep"), 300, 3, settings=("seen_zero_shot",),
-                            majority=majority)
+    seen_rows = P.arg_table(
+        seen,
+        {"a": 4, "b": 3},
+        ("none", "mtl_t", "mtl_tp"),
+        ("shallow", "deep"),
+        300,
+        3,
+        settings=("seen_zero_shot",),
+        majority=majority,
+    )
     acc = {k: v.mean() for k, v in correct["mtl_t"]["zero_shot"]["deep"].items()}
     gain = {k: (a - 1 / c) * c for (k, a), c in zip(acc.items(), (4, 4, 3))}
     hand = ((gain[("a", "t1")] + gain[("a", "t2")]) / 2 + gain[("b", "t1")]) / 2
     assert seen_rows[1]["seen_zero_shot_deep"] == pytest.approx(hand, abs=1e-12)
-    assert set(seen_rows[1]) == {"configuration", "seen_zero_shot_shallow",
-                                 "seen_zero_shot_deep", "seen_zero_shot_shallow_p_vs_none",
-                                 "seen_zero_shot_deep_p_vs_none",
-                                 "seen_zero_shot_shallow_p_vs_majority",
-                                 "seen_zero_shot_deep_p_vs_majority"}
+    assert set(seen_rows[1]) == {
+        "configuration",
+        "seen_zero_shot_shallow",
+        "seen_zero_shot_deep",
+        "seen_zero_shot_shallow_p_vs_none",
+        "seen_zero_shot_deep_p_vs_none",
+        "seen_zero_shot_shallow_p_vs_majority",
+        "seen_zero_shot_deep_p_vs_majority",
+    }
     # Every cell, none's too, against always-the-majority (the control's bar).
     for row, c in zip(seen_rows, ("none", "mtl_t", "mtl_tp")):
-        assert row["seen_zero_shot_deep_p_vs_majority"] == E.paired_bootstrap_arg(
-            correct[c]["zero_shot"]["deep"], majority, {"a": 4, "b": 3}, 300, 3).p_value
+        assert (
+            row["seen_zero_shot_deep_p_vs_majority"]
+            == E.paired_bootstrap_arg(
+                correct[c]["zero_shot"]["deep"], majority, {"a": 4, "b": 3}, 300, 3
+            ).p_value
+        )
     text = P.format_arg_table(seen_rows, ("shallow", "deep"), settings=("seen_zero_shot",))
     assert "seen 0-shot deep" in text and "16-shot" not in text
     assert "{vs majority p=" in text and "vs majority" not in P.format_arg_table(
-        rows, ("shallow", "deep"))
+        rows, ("shallow", "deep")
+    )
 
 
 class _OneTemplateDataset:
@@ -192,8 +251,12 @@ def test_label_prior_loss_is_the_answer_distribution_entropy_per_token():
     """By hand: targets "a" x3 and "bb" x1 under one template; a draw of each costs
     -log(3/4) and -log(1/4) nats over 1+EOS and 2+EOS characters (CharTokenizer), and with
     decoder_length 2 "bb" is cut to 1 token + EOS, as training cuts it."""
-    tasks = P.Tasks(training={"d": _OneTemplateDataset(["a", "a", "bb", "a"])},
-                    evaluation={}, pairs={}, num_choices={})
+    tasks = P.Tasks(
+        training={"d": _OneTemplateDataset(["a", "a", "bb", "a"])},
+        evaluation={},
+        pairs={},
+        num_choices={},
+    )
     draws = [("d", "t", "x", "a"), ("d", "t", "y", "bb")]
     nll = np.log(4 / 3) + np.log(4)
     for decoder_length, tokens in ((8, 5), (2, 4)):
@@ -236,16 +299,18 @@ def test_majority_correctness_answers_the_most_frequent_training_label():
 
 
 def test_config_errors_name_the_argument():
-    for kwargs, name in ((dict(configurations=("mtl_t",)), "configurations"),
-                         (dict(configurations=("none", "t0")), "configurations"),
-                         (dict(modes=("wide",)), "modes"),
-                         (dict(pretrain_objective="mlm"), "pretrain_objective"),
-                         (dict(steps=0), "steps"),
-                         (dict(templates_per_dataset=-1), "templates_per_dataset"),
-                         (dict(seen_examples=-1), "seen_examples"),
-                         (dict(decoder_length=1), "decoder_length"),
-                         (dict(learning_rate=0.0), "learning_rate"),
-                         (dict(shots=2000), "shots")):
+    for kwargs, name in (
+        (dict(configurations=("mtl_t",)), "configurations"),
+        (dict(configurations=("none", "t0")), "configurations"),
+        (dict(modes=("wide",)), "modes"),
+        (dict(pretrain_objective="mlm"), "pretrain_objective"),
+        (dict(steps=0), "steps"),
+        (dict(templates_per_dataset=-1), "templates_per_dataset"),
+        (dict(seen_examples=-1), "seen_examples"),
+        (dict(decoder_length=1), "decoder_length"),
+        (dict(learning_rate=0.0), "learning_rate"),
+        (dict(shots=2000), "shots"),
+    ):
         with pytest.raises(ValueError, match=name):
             P.Config(**kwargs).check()
     P.Config().check()
@@ -276,27 +341,46 @@ def test_program_end_to_end_tiny(tmp_path):
     majority = P.majority_correctness(P.prepare_tasks(config).seen_pairs)
     for row in saved["seen_arg_table"]:
         for m in P.MODES:
-            per = {tuple(k.split("/", 1)): np.asarray(v) for k, v in
-                   saved["correct"][row["configuration"]]["seen_zero_shot"][m].items()}
+            per = {
+                tuple(k.split("/", 1)): np.asarray(v)
+                for k, v in saved["correct"][row["configuration"]]["seen_zero_shot"][m].items()
+            }
             assert row[f"seen_zero_shot_{m}"] == pytest.approx(
-                E.average_relative_gain(per, saved["seen_num_choices"]), abs=1e-12)
-            assert row[f"seen_zero_shot_{m}_p_vs_majority"] == E.paired_bootstrap_arg(
-                per, majority, saved["seen_num_choices"], config.bootstrap_resamples,
-                config.seed).p_value
+                E.average_relative_gain(per, saved["seen_num_choices"]), abs=1e-12
+            )
+            assert (
+                row[f"seen_zero_shot_{m}_p_vs_majority"]
+                == E.paired_bootstrap_arg(
+                    per,
+                    majority,
+                    saved["seen_num_choices"],
+                    config.bootstrap_resamples,
+                    config.seed,
+                ).p_value
+            )
     # ARG recomputed from the stored per-example correctness equals the table.
     choices = saved["num_choices"]
     for row in saved["arg_table"]:
         for s in ("zero_shot", "few_shot"):
             for m in P.MODES:
-                per = {tuple(k.split("/", 1)): np.asarray(v)
-                       for k, v in saved["correct"][row["configuration"]][s][m].items()}
-                assert row[f"{s}_{m}"] == pytest.approx(E.average_relative_gain(per, choices),
-                                                        abs=1e-12)
+                per = {
+                    tuple(k.split("/", 1)): np.asarray(v)
+                    for k, v in saved["correct"][row["configuration"]][s][m].items()
+                }
+                assert row[f"{s}_{m}"] == pytest.approx(
+                    E.average_relative_gain(per, choices), abs=1e-12
+                )
                 if row["configuration"] != "none":
-                    none = {tuple(k.split("/", 1)): np.asarray(v)
-                            for k, v in saved["correct"]["none"][s][m].items()}
-                    assert row[f"{s}_{m}_p_vs_none"] == E.paired_bootstrap_arg(
-                        per, none, choices, config.bootstrap_resamples, config.seed).p_value
+                    none = {
+                        tuple(k.split("/", 1)): np.asarray(v)
+                        for k, v in saved["correct"]["none"][s][m].items()
+                    }
+                    assert (
+                        row[f"{s}_{m}_p_vs_none"]
+                        == E.paired_bootstrap_arg(
+                            per, none, choices, config.bootstrap_resamples, config.seed
+                        ).p_value
+                    )
     # Prompt-only continued pre-training leaves the transformer bit-identical; the others
     # move it.
     for key in ("mtl_p/shallow", "mtl_p/deep"):
@@ -304,8 +388,10 @@ def test_program_end_to_end_tiny(tmp_path):
             np.testing.assert_array_equal(a, b)
     for key in ("mtl_t", "mtl_tp/shallow", "mtl_tp/deep", "fomaml/deep", "reptile/shallow"):
         assert any(not np.array_equal(a, b) for a, b in zip(weights[key], weights["pretrained"]))
-    changes = {(r["configuration"], r["mode"]): r["transformer_max_abs_change"]
-               for r in saved["continued_pretraining"]}
+    changes = {
+        (r["configuration"], r["mode"]): r["transformer_max_abs_change"]
+        for r in saved["continued_pretraining"]
+    }
     assert changes[("mtl_p", "shallow")] == changes[("mtl_p", "deep")] == 0.0
     assert changes[("mtl_t", None)] > 0
     # Zero-shot "none" == a direct rank classification of the pre-trained model (eager, its
@@ -317,46 +403,60 @@ def test_program_end_to_end_tiny(tmp_path):
     plain = prompts.prompt_t5(model.backbone, length=0)
 
     def tokenize(text):
-        return list(np.asarray(tokenizer(text)))[:config.encoder_length - 1] + [1]
+        return list(np.asarray(tokenizer(text)))[: config.encoder_length - 1] + [1]
 
     def score(inputs, targets, mask):
         return prompts.t5_token_log_likelihoods(plain, inputs, inputs != 0, targets, mask)
 
     tasks = P.prepare_tasks(config)
-    assert saved["seen_majority_arg"] == pytest.approx(E.average_relative_gain(
-        P.majority_correctness(tasks.seen_pairs), saved["seen_num_choices"]), abs=1e-12)
+    assert saved["seen_majority_arg"] == pytest.approx(
+        E.average_relative_gain(
+            P.majority_correctness(tasks.seen_pairs), saved["seen_num_choices"]
+        ),
+        abs=1e-12,
+    )
     for (dataset, template), (_, test) in tasks.pairs.items():
         predictions, _, labels = prompts.rank_classify_examples(score, tokenize, test)
         for mode in P.MODES:
             np.testing.assert_array_equal(
                 saved["correct"]["none"]["zero_shot"][mode][f"{dataset}/{template}"],
-                (predictions == labels).astype(int))
+                (predictions == labels).astype(int),
+            )
     # The fit measurement: the pre-trained and the MTL-T model's loss on the later mixture
     # draws, recomputed as ONE batch of Keras's masked loss (a token-weighted mean), and
     # the label-prior loss as `label_prior_loss` computes it on the same draws.
-    fit_x, fit_y = t5_lm.encode_examples([d[2:] for d in P.fit_draws(tasks, config)],
-                                         tokenizer, config.encoder_length,
-                                         config.decoder_length)
+    fit_x, fit_y = t5_lm.encode_examples(
+        [d[2:] for d in P.fit_draws(tasks, config)],
+        tokenizer,
+        config.encoder_length,
+        config.decoder_length,
+    )
     assert saved["fit"]["examples"] == len(fit_y) == config.fit_examples
     plain_lm = t5_lm.PromptedT5LM(plain)
-    end = {r["configuration"]: r["end_loss"] for r in saved["continued_pretraining"]
-           if r["mode"] is None}
-    for key, expected in (("pretrained", saved["fit"]["pretrained_loss"]),
-                          ("mtl_t", end["mtl_t"])):
+    end = {
+        r["configuration"]: r["end_loss"]
+        for r in saved["continued_pretraining"]
+        if r["mode"] is None
+    }
+    for key, expected in (("pretrained", saved["fit"]["pretrained_loss"]), ("mtl_t", end["mtl_t"])):
         model.backbone.set_weights(weights[key])
         assert float(t5_lm.masked_token_loss()(fit_y, plain_lm(fit_x))) == pytest.approx(
-            expected, rel=1e-5), key
+            expected, rel=1e-5
+        ), key
     assert saved["fit"]["label_prior_loss"] == P.label_prior_loss(
-        P.fit_draws(tasks, config), tasks, fit_y)
-    assert all(r["end_loss"] > 0 and r["mean_loss"] > 0
-               for r in saved["continued_pretraining"])
+        P.fit_draws(tasks, config), tasks, fit_y
+    )
+    assert all(r["end_loss"] > 0 and r["mean_loss"] > 0 for r in saved["continued_pretraining"])
     # MiniLM: both variants, the encoder frozen.
     for variant in ("prompt+head", "head"):
         assert saved["minilm"][variant]["encoder_bit_identical"] is True
-        per = {tuple(k.split("/", 1)): np.asarray(v)
-               for k, v in saved["minilm"][variant]["correct"].items()}
+        per = {
+            tuple(k.split("/", 1)): np.asarray(v)
+            for k, v in saved["minilm"][variant]["correct"].items()
+        }
         assert saved["minilm"][variant]["arg"] == pytest.approx(
-            E.average_relative_gain(per, choices), abs=1e-12)
+            E.average_relative_gain(per, choices), abs=1e-12
+        )
 
 
 def test_fresh_optimizer_state_restores_slots_and_keeps_the_learning_rate():
@@ -375,8 +475,9 @@ def test_fresh_optimizer_state_restores_slots_and_keeps_the_learning_rate():
             reset()
             before = [w.numpy().copy() for w in model.trainable_variables]
             model.fit(x, y, epochs=2, verbose=0)
-            assert any(not np.array_equal(w.numpy(), b)
-                       for w, b in zip(model.trainable_variables, before))
+            assert any(
+                not np.array_equal(w.numpy(), b) for w, b in zip(model.trainable_variables, before)
+            )
         assert int(model.optimizer.iterations.numpy()) == 2  # counted from 0 again
         reset()
         for v, value in zip(model.optimizer.variables, initial):
@@ -401,23 +502,37 @@ def test_rank_classification_scores_are_the_teacher_forced_training_loss(mode, l
     config = tiny_config(encoder_length=12, decoder_length=6)
     backbone = small_t5.build_t5(small_t5.t5_config("tiny", vocabulary_size=60)).backbone
     tokenizer = CharTokenizer()
-    evaluator = P.Evaluator(backbone, config, P.Tokenize(tokenizer, config.encoder_length),
-                            mode, length)
+    evaluator = P.Evaluator(
+        backbone, config, P.Tokenize(tokenizer, config.encoder_length), mode, length
+    )
     if length:  # a prompt far from zero, so that it matters
         evaluator.set_prompt(evaluator.fresh_prompt(seed=3))
-    examples = [PromptedExample("is this German?", "yes", ("yes", "no", "maybe"), 0),
-                PromptedExample("a much longer input than the encoder takes", "no",
-                                ("yes", "no", "maybe"), 1),
-                PromptedExample("x", "ab", ("ab", "b"), 0)]
-    _, scores, _ = E.rank_classify_examples(evaluator.score_fn, evaluator.tokenize, examples,
-                                            eos_id=None, reduction="mean")
+    examples = [
+        PromptedExample("is this German?", "yes", ("yes", "no", "maybe"), 0),
+        PromptedExample(
+            "a much longer input than the encoder takes", "no", ("yes", "no", "maybe"), 1
+        ),
+        PromptedExample("x", "ab", ("ab", "b"), 0),
+    ]
+    _, scores, _ = E.rank_classify_examples(
+        evaluator.score_fn, evaluator.tokenize, examples, eos_id=None, reduction="mean"
+    )
     loss = t5_lm.masked_token_loss()
     for i, example in enumerate(examples):
         for c, choice in enumerate(example.answer_choices):
-            x, y = t5_lm.encode_examples([(example.input_text, choice)], tokenizer,
-                                         config.encoder_length, config.decoder_length)
+            x, y = t5_lm.encode_examples(
+                [(example.input_text, choice)],
+                tokenizer,
+                config.encoder_length,
+                config.decoder_length,
+            )
             expected = -float(loss(y, evaluator.lm(x)))
-            np.testing.assert_allclose(scores[i, c], expected, rtol=1e-5, atol=1e-6,
-                                       err_msg=f"example {i}, choice {choice!r}")
+            np.testing.assert_allclose(
+                scores[i, c],
+                expected,
+                rtol=1e-5,
+                atol=1e-6,
+                err_msg=f"example {i}, choice {choice!r}",
+            )
     assert np.isinf(scores[2, 2]) and scores[2, 2] < 0  # the padding choice
     keras.backend.clear_session()

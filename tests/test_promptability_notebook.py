@@ -8,6 +8,7 @@ identical outputs), and one prompt-FOMAML meta-step that moves the prompt and ev
 transformer weight and counts 2 tasks x 2 inner steps.
 
 Needs WordNet (`apt-get install wordnet-base`); skipped, with the reason, without it."""
+
 import math
 import re
 
@@ -54,18 +55,25 @@ def test_trainable_sets_match_the_prompt_shapes(executed):
     deep = dict((k, int(v)) for k, v in counts[3:])
     shallow_prompt = L * HIDDEN  # [L, hidden]
     deep_prompt = 3 * L * LAYERS * 2 * HEADS * KEY_VALUE_DIM  # enc self, dec self, dec cross
-    assert shallow == {"prompt": shallow_prompt, "transformer": transformer,
-                       "both": transformer + shallow_prompt}, out
-    assert deep == {"prompt": deep_prompt, "transformer": transformer,
-                    "both": transformer + deep_prompt}, out
+    assert shallow == {
+        "prompt": shallow_prompt,
+        "transformer": transformer,
+        "both": transformer + shallow_prompt,
+    }, out
+    assert deep == {
+        "prompt": deep_prompt,
+        "transformer": transformer,
+        "both": transformer + deep_prompt,
+    }, out
     assert f"shallow prompt: {{'prompt_embeddings': ({L}, {HIDDEN})}}" in out, out
 
 
 def test_prompt_tuning_lowers_the_loss_and_keeps_the_transformer_bit_identical(executed):
     nb, _ = executed
     out = NB.stdout(NB.cell(nb, "lm.fit(x_train"))
-    before, after = map(float, re.search(
-        rf"training loss before ({NUMBER}) after ({NUMBER})", out).groups())
+    before, after = map(
+        float, re.search(rf"training loss before ({NUMBER}) after ({NUMBER})", out).groups()
+    )
     assert after < before, out
     assert "transformer weights bit-identical after prompt tuning: True" in out, out
     change = float(re.search(rf"max \|prompt change\|: ({NUMBER})", out).group(1))
@@ -75,9 +83,15 @@ def test_prompt_tuning_lowers_the_loss_and_keeps_the_transformer_bit_identical(e
 def test_rank_classification_mean_and_sum(executed):
     nb, _ = executed
     out = NB.stdout(NB.cell(nb, "rank_classify_examples("))
-    rows = {r: (float(a), [float(s) for s in scores.split(",")]) for r, a, scores in re.findall(
-        rf"^(mean|sum)\s+scoring: test accuracy ({NUMBER}) \(chance 0\.500\); first scores "
-        r"\[([^\]]+)\]", out, flags=re.M)}
+    rows = {
+        r: (float(a), [float(s) for s in scores.split(",")])
+        for r, a, scores in re.findall(
+            rf"^(mean|sum)\s+scoring: test accuracy ({NUMBER}) \(chance 0\.500\); first scores "
+            r"\[([^\]]+)\]",
+            out,
+            flags=re.M,
+        )
+    }
     assert sorted(rows) == ["mean", "sum"], out
     for accuracy, scores in rows.values():
         assert 0 <= accuracy <= 1 and len(scores) == 2
@@ -93,22 +107,30 @@ def test_rank_classification_mean_and_sum(executed):
 def test_prompt_saved_and_loaded_alone(executed):
     nb, _ = executed
     out = NB.stdout(NB.cell(nb, "prompts.save_prompt("))
-    size, transformer = map(int, re.search(
-        r"prompt file: (\d+) bytes \(transformer: (\d+) bytes\)", out).groups())
+    size, transformer = map(
+        int, re.search(r"prompt file: (\d+) bytes \(transformer: (\d+) bytes\)", out).groups()
+    )
     assert L * HIDDEN * 4 <= size < transformer / 50, out
-    assert "fresh prompt differs before loading: True; identical outputs after loading: True" \
-        in out, out
+    assert (
+        "fresh prompt differs before loading: True; identical outputs after loading: True" in out
+    ), out
 
 
 def test_one_prompt_fomaml_meta_step(executed):
     nb, _ = executed
     out = NB.stdout(NB.cell(nb, "PromptFOMAMLTrainer(meta_lm"))
-    query, support = map(float, re.search(
-        rf"meta-step: query loss ({NUMBER}), support loss ({NUMBER})", out).groups())
+    query, support = map(
+        float,
+        re.search(rf"meta-step: query loss ({NUMBER}), support loss ({NUMBER})", out).groups(),
+    )
     assert math.isfinite(query) and math.isfinite(support) and query > 0 and support > 0
-    prompt_moved, prompt_total, moved, total = map(int, re.search(
-        r"prompt variables moved: (\d+) of (\d+); transformer variables moved: (\d+) of (\d+)",
-        out).groups())
+    prompt_moved, prompt_total, moved, total = map(
+        int,
+        re.search(
+            r"prompt variables moved: (\d+) of (\d+); transformer variables moved: (\d+) of (\d+)",
+            out,
+        ).groups(),
+    )
     # The outer step applies the query gradient of ALL weights: everything moves.
     assert prompt_moved == prompt_total == 3 and moved == total > 0, out
     assert "inner prompt steps counted (2 tasks x 2 steps): 4" in out, out

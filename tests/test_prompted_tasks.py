@@ -1,4 +1,5 @@
 """Prompted tasks: P3's clear offline error, the offline tasks and their split, the mixture."""
+
 import importlib.util
 import os
 import time
@@ -15,9 +16,11 @@ HAVE_WORDNET = os.path.isfile(os.path.join(wordnet.DEFAULT_WORDNET_DIR, "data.no
 HAVE_DJANGO = importlib.util.find_spec("django") is not None
 needs_wordnet = pytest.mark.skipif(
     not HAVE_WORDNET,
-    reason="WordNet data files absent: `apt-get install wordnet-base` (/usr/share/wordnet/data.*)")
+    reason="WordNet data files absent: `apt-get install wordnet-base` (/usr/share/wordnet/data.*)",
+)
 needs_django = pytest.mark.skipif(
-    not HAVE_DJANGO, reason="Django absent: `pip install django` (its gettext catalogs)")
+    not HAVE_DJANGO, reason="Django absent: `pip install django` (its gettext catalogs)"
+)
 
 
 # ----------------------------------------------------------------------------- P3
@@ -28,12 +31,19 @@ def test_p3_offline_error_says_what_it_tried_and_what_to_use(monkeypatch, tmp_pa
     with pytest.raises(pt.P3NotAvailableError) as info:
         pt.load_p3("super_glue_rte_GPT_3_style")
     message = str(info.value)
-    for part in ("super_glue_rte_GPT_3_style", "bigscience/P3", "no network",
-                 "offline_prompted_tasks", "P3_DATA_DIR", "never downloads"):
+    for part in (
+        "super_glue_rte_GPT_3_style",
+        "bigscience/P3",
+        "no network",
+        "offline_prompted_tasks",
+        "P3_DATA_DIR",
+        "never downloads",
+    ):
         assert part in message
     assert isinstance(info.value, FileNotFoundError)
-    with pytest.raises(pt.P3NotAvailableError, match=str(tmp_path / "data" /
-                                                         "super_glue_cb_GPT_3_style")):
+    with pytest.raises(
+        pt.P3NotAvailableError, match=str(tmp_path / "data" / "super_glue_cb_GPT_3_style")
+    ):
         pt.load_p3("super_glue_cb_GPT_3_style", split="train", data_dir=tmp_path)
     with pytest.raises(ValueError, match="name"):
         pt.load_p3("../etc/passwd")
@@ -49,16 +59,21 @@ def test_p3_reads_a_local_copy_in_p3s_layout(tmp_path, monkeypatch):
     name = "super_glue_rte_GPT_3_style"
     folder = tmp_path / "data" / name
     folder.mkdir(parents=True)
-    rows = [("A dog runs.\nQuestion: An animal moves. True or False?", "True"),
-            ("It rains.\nQuestion: It is dry. True or False?", "False")]
+    rows = [
+        ("A dog runs.\nQuestion: An animal moves. True or False?", "True"),
+        ("It rains.\nQuestion: It is dry. True or False?", "False"),
+    ]
     with tf.io.TFRecordWriter(str(folder / "validation.tfrecord-00000-of-00001")) as w:
         for inputs, target in rows:
-            features = {"inputs_pretokenized": _bytes(inputs),
-                        "targets_pretokenized": _bytes(target),
-                        "answer_choices": _bytes("True", "False"),
-                        "inputs": tf.train.Feature(int64_list=tf.train.Int64List(value=[5, 6]))}
-            w.write(tf.train.Example(features=tf.train.Features(feature=features))
-                    .SerializeToString())
+            features = {
+                "inputs_pretokenized": _bytes(inputs),
+                "targets_pretokenized": _bytes(target),
+                "answer_choices": _bytes("True", "False"),
+                "inputs": tf.train.Feature(int64_list=tf.train.Int64List(value=[5, 6])),
+            }
+            w.write(
+                tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString()
+            )
     monkeypatch.setenv("P3_DATA_DIR", str(tmp_path))
     records = pt.load_p3(name)
     assert records[0]["inputs"] == [5, 6] and records[1]["targets_pretokenized"] == "False"
@@ -101,14 +116,20 @@ def test_offline_tasks_types_templates_and_held_out_types():
     assert eval_types == set(pt.EVALUATION_TASK_TYPES) and not train_types & eval_types
     assert len(training) >= 3 and len(evaluation) >= 3
     # No leakage through the shared splits: no evaluation-task TEST text was trained on.
-    wn_train = {e["gloss"] for n in ("wordnet_noun_supersense", "wordnet_verb_supersense")
-                for e in tasks[n].train}
+    wn_train = {
+        e["gloss"]
+        for n in ("wordnet_noun_supersense", "wordnet_verb_supersense")
+        for e in tasks[n].train
+    }
     assert not wn_train & {e["gloss"] for e in tasks["wordnet_noun_or_verb"].test}
     en_train = {e["text"] for e in tasks["django_component_en"].train}
     assert not en_train & {e["english"] for e in tasks["django_translation_match"].test}
     de_train = {e["text"] for e in tasks["django_language_id"].train}
-    de_test = {e["translation"] for e in tasks["django_translation_match"].test
-               if e["label"] == 1 and e["language"] == "German"}
+    de_test = {
+        e["translation"]
+        for e in tasks["django_translation_match"].test
+        if e["label"] == 1 and e["language"] == "German"
+    }
     assert not de_train & de_test
 
 
@@ -141,10 +162,17 @@ def test_offline_tasks_one_source_and_errors():
 
 def fake_datasets(sizes):
     templates = (Template("t1", "one {x}", ["a", "b"]), Template("t2", "two {x}", ["a", "b"]))
-    return {name: pt.PromptedDataset(name, "supersense", templates,
-                                      [{"x": f"{name}{i}", "label": i % 2} for i in range(n)],
-                                      [{"x": "t", "label": 0}], 2)
-            for name, n in sizes.items()}
+    return {
+        name: pt.PromptedDataset(
+            name,
+            "supersense",
+            templates,
+            [{"x": f"{name}{i}", "label": i % 2} for i in range(n)],
+            [{"x": "t", "label": 0}],
+            2,
+        )
+        for name, n in sizes.items()
+    }
 
 
 def test_mixing_rates_closed_form_and_empirical_frequencies():
@@ -170,8 +198,9 @@ def test_mixing_rates_closed_form_and_empirical_frequencies():
         assert text == ("one " if template == "t1" else "two ") + ex["x"]
         assert target == "ab"[ex["label"]]
     # No cap binding: proportional to size.
-    np.testing.assert_allclose(list(pt.mixing_rates(sizes, 10**6).values()),
-                               np.array([50, 300, 1000]) / 1350)
+    np.testing.assert_allclose(
+        list(pt.mixing_rates(sizes, 10**6).values()), np.array([50, 300, 1000]) / 1350
+    )
 
 
 def test_mixture_deterministic_and_resumable():

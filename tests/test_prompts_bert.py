@@ -4,6 +4,7 @@ Oracles: the plain backbone (L = 0 equals it bit for bit), a NumPy re-computatio
 embedding sequence `[CLS], prompt, rest` (positions, segments, LayerNorm) from the backbone's
 own weights, the attention weights (prompt never masked), bit-exact round trips.
 """
+
 import keras
 import keras_hub
 import numpy as np
@@ -21,8 +22,14 @@ H = 16
 def tiny_bert(seed=0):
     keras.utils.set_random_seed(seed)
     return keras_hub.models.BertBackbone(
-        vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=H, intermediate_dim=32,
-        max_sequence_length=16, dropout=0.0)
+        vocabulary_size=64,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=H,
+        intermediate_dim=32,
+        max_sequence_length=16,
+        dropout=0.0,
+    )
 
 
 _BUILT = []
@@ -46,14 +53,15 @@ def batch():
     rng = np.random.default_rng(1)
     token_ids = rng.integers(3, 64, (2, 6)).astype("int32")
     token_ids[:, 0] = 2  # [CLS]
-    return {"token_ids": token_ids,
-            "segment_ids": np.array([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1]], "int32"),
-            "padding_mask": np.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], "int32")}
+    return {
+        "token_ids": token_ids,
+        "segment_ids": np.array([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1]], "int32"),
+        "padding_mask": np.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], "int32"),
+    }
 
 
 def as_numpy(outputs):
     return {k: ops.convert_to_numpy(v) for k, v in outputs.items()}
-
 
 
 def test_zero_length_prompt_equals_plain_backbone_exactly(backbone):
@@ -79,8 +87,9 @@ def test_train_argument_selects_exactly_the_trainable_set(backbone):
 def test_prompt_embeddings_initialised_from_first_vocabulary_rows(backbone):
     table = backbone.token_embedding.embeddings.numpy()
     model = prompts.prompt_bert(backbone, length=L, init_vocabulary_rows=10, seed=4)
-    rows = [int(np.flatnonzero((table[:10] == p).all(-1))[0])
-            for p in model.prompt_embeddings.numpy()]
+    rows = [
+        int(np.flatnonzero((table[:10] == p).all(-1))[0]) for p in model.prompt_embeddings.numpy()
+    ]
     assert len(set(rows)) == L and max(rows) < 10
     again = prompts.prompt_bert(backbone, length=L, init_vocabulary_rows=10, seed=4)
     np.testing.assert_array_equal(again.prompt_embeddings.numpy(), model.prompt_embeddings.numpy())
@@ -115,12 +124,15 @@ def test_cls_kept_first_prompt_after_it_and_real_positions_unchanged(backbone, m
     full, _ = model.encode(x["token_ids"], x["segment_ids"], x["padding_mask"])
     full = ops.convert_to_numpy(full)
     np.testing.assert_array_equal(out["sequence_output"][:, 0], full[:, 0])
-    np.testing.assert_array_equal(out["sequence_output"][:, 1:], full[:, 1 + L:])
+    np.testing.assert_array_equal(out["sequence_output"][:, 1:], full[:, 1 + L :])
     np.testing.assert_allclose(
         out["pooled_output"],
-        np.tanh(full[:, 0] @ backbone.pooled_dense.kernel.numpy()
-                + backbone.pooled_dense.bias.numpy()),
-        rtol=1e-5, atol=1e-6)
+        np.tanh(
+            full[:, 0] @ backbone.pooled_dense.kernel.numpy() + backbone.pooled_dense.bias.numpy()
+        ),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_padding_mask_extended_and_prompt_never_masked(backbone, monkeypatch):
@@ -130,22 +142,26 @@ def test_padding_mask_extended_and_prompt_never_masked(backbone, monkeypatch):
     _, mask = model.encode(x["token_ids"], x["segment_ids"], x["padding_mask"])
     np.testing.assert_array_equal(
         ops.convert_to_numpy(mask),
-        np.concatenate([x["padding_mask"][:, :1], np.ones((2, L), "int32"),
-                        x["padding_mask"][:, 1:]], 1))
+        np.concatenate(
+            [x["padding_mask"][:, :1], np.ones((2, L), "int32"), x["padding_mask"][:, 1:]], 1
+        ),
+    )
     rec = Recorder(monkeypatch)
     rec.watch("layer0", backbone.transformer_layers[0])
     model(x)
     # The attention weights of the first layer on the recorded input and padding mask
     # (Keras's MultiHeadAttention may take a fused path that exposes no weights).
     args, kwargs, _ = rec.last("layer0")
-    np.testing.assert_array_equal(ops.convert_to_numpy(kwargs["padding_mask"]),
-                                  ops.convert_to_numpy(mask))
-    _, weights = backbone.transformer_layers[0](args[0], padding_mask=kwargs["padding_mask"],
-                                                return_attention_scores=True)
+    np.testing.assert_array_equal(
+        ops.convert_to_numpy(kwargs["padding_mask"]), ops.convert_to_numpy(mask)
+    )
+    _, weights = backbone.transformer_layers[0](
+        args[0], padding_mask=kwargs["padding_mask"], return_attention_scores=True
+    )
     weights = ops.convert_to_numpy(weights)  # [B, heads, q, k]
-    assert (weights[..., 1:1 + L] > 1e-6).all()  # the prompt: attended by every query
-    assert (weights[0, ..., 1 + L:] == 0).all()  # row 0: only [CLS] and the prompt are real
-    np.testing.assert_allclose(weights[0, ..., :1 + L].sum(-1), 1.0, rtol=1e-6)
+    assert (weights[..., 1 : 1 + L] > 1e-6).all()  # the prompt: attended by every query
+    assert (weights[0, ..., 1 + L :] == 0).all()  # row 0: only [CLS] and the prompt are real
+    np.testing.assert_allclose(weights[0, ..., : 1 + L].sum(-1), 1.0, rtol=1e-6)
 
 
 class PooledOutput(keras.Model):
@@ -218,7 +234,8 @@ def test_bad_arguments_raise_value_errors(backbone, tmp_path):
     with np.load(path) as data:  # the same file claiming to be a T5 prompt
         arrays = dict(data)
     arrays["__prompt_metadata__"] = np.asarray(
-        str(arrays["__prompt_metadata__"]).replace('"bert"', '"t5"'))
+        str(arrays["__prompt_metadata__"]).replace('"bert"', '"t5"')
+    )
     np.savez(tmp_path / "t5.npz", **arrays)
     with pytest.raises(ValueError, match="architecture='t5'"):
         prompts.load_prompt(prompts.prompt_bert(backbone, length=L), tmp_path / "t5.npz")
@@ -244,5 +261,9 @@ def test_prompt_only_fit_under_two_replicas_equals_one_device(backbone):
         replicated.set_weights([v.numpy() for v in backbone.weights])
         got = train(replicated)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-    assert np.abs(expected - prompts.prompt_bert(backbone, length=L, seed=5)
-                  .prompt_embeddings.numpy()).max() > 1e-4  # it trained
+    assert (
+        np.abs(
+            expected - prompts.prompt_bert(backbone, length=L, seed=5).prompt_embeddings.numpy()
+        ).max()
+        > 1e-4
+    )  # it trained

@@ -4,6 +4,7 @@ Oracles: the plain backbone (L = 0 must equal it bit for bit), a NumPy re-comput
 every attention block's weights from the layer's own weights (prefix never masked, no
 position bias), a NumPy log-softmax of `T5Seq2SeqLM`'s logits, and bit-exact round trips.
 """
+
 import keras
 import keras_hub
 import numpy as np
@@ -22,8 +23,15 @@ def tiny_t5(seed=0, tie=True, hidden_dim=16):
     """T5Backbone(vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=16, ...)."""
     keras.utils.set_random_seed(seed)
     return keras_hub.models.T5Backbone(
-        vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=hidden_dim,
-        intermediate_dim=32, key_value_dim=8, dropout=0.0, tie_embedding_weights=tie)
+        vocabulary_size=64,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=hidden_dim,
+        intermediate_dim=32,
+        key_value_dim=8,
+        dropout=0.0,
+        tie_embedding_weights=tie,
+    )
 
 
 _BUILT = {}
@@ -72,13 +80,16 @@ def as_numpy(outputs):
 
 def all_attentions(backbone):
     """(name, T5MultiHeadAttention) for every attention block, encoder then decoder."""
-    blocks = [(f"encoder{i}.self", layer.self_attention)
-              for i, layer in enumerate(backbone.encoder_transformer_layers)]
+    blocks = [
+        (f"encoder{i}.self", layer.self_attention)
+        for i, layer in enumerate(backbone.encoder_transformer_layers)
+    ]
     for i, layer in enumerate(backbone.decoder_transformer_layers):
-        blocks += [(f"decoder{i}.self", layer.self_attention),
-                   (f"decoder{i}.cross", layer.cross_attention)]
+        blocks += [
+            (f"decoder{i}.self", layer.self_attention),
+            (f"decoder{i}.cross", layer.cross_attention),
+        ]
     return blocks
-
 
 
 @pytest.mark.parametrize("mode", ["shallow", "deep"])
@@ -118,8 +129,10 @@ class PromptedLMHead(keras.Model):
 
 def _fit_a_few_steps(model):
     lm = PromptedLMHead(model)
-    lm.compile(optimizer=keras.optimizers.SGD(0.5),
-               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    lm.compile(
+        optimizer=keras.optimizers.SGD(0.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     x = batch()
     y = np.roll(x["decoder_token_ids"], -1, axis=1)
     lm.fit(x, y, batch_size=2, epochs=3, verbose=0)
@@ -173,12 +186,14 @@ def test_deep_prompt_changes_every_attention_block_but_not_the_input(backbone, m
         rec.watch(name, attention)
     rec.watch("encoder0.input", backbone.encoder_transformer_layers[0])
     backbone(x)
-    plain = {name: ops.convert_to_numpy(rec.last(name)[2][0])
-             for name, _ in all_attentions(backbone)}
+    plain = {
+        name: ops.convert_to_numpy(rec.last(name)[2][0]) for name, _ in all_attentions(backbone)
+    }
     plain_input = ops.convert_to_numpy(rec.last("encoder0.input")[0][0])
     prompts.prompt_t5(backbone, length=L, mode="deep")(x)
-    np.testing.assert_array_equal(ops.convert_to_numpy(rec.last("encoder0.input")[0][0]),
-                                  plain_input)
+    np.testing.assert_array_equal(
+        ops.convert_to_numpy(rec.last("encoder0.input")[0][0]), plain_input
+    )
     for name, _ in all_attentions(backbone):
         out = ops.convert_to_numpy(rec.last(name)[2][0])
         assert out.shape == plain[name].shape
@@ -199,13 +214,15 @@ def test_shallow_prompt_changes_only_the_encoder_input(backbone, monkeypatch):
     model(x)
     # The input: the prompt rows, then the plain token embeddings unchanged.
     prompted_input = ops.convert_to_numpy(rec.last("encoder0.input")[0][0])
-    np.testing.assert_array_equal(prompted_input[:, :L],
-                                  np.broadcast_to(model.prompt_embeddings.numpy(), (2, L, 16)))
+    np.testing.assert_array_equal(
+        prompted_input[:, :L], np.broadcast_to(model.prompt_embeddings.numpy(), (2, L, 16))
+    )
     np.testing.assert_array_equal(prompted_input[:, L:], plain_input)
     # No block gets parameters of its own: the first decoder self-attention, which sees
     # only the decoder input, is unchanged bit for bit; what reads the encoder changes.
-    np.testing.assert_array_equal(ops.convert_to_numpy(rec.last("decoder0.self")[2][0]),
-                                  plain_decoder_self)
+    np.testing.assert_array_equal(
+        ops.convert_to_numpy(rec.last("decoder0.self")[2][0]), plain_decoder_self
+    )
     prompted_cross = ops.convert_to_numpy(rec.last("decoder0.cross")[2][0])
     assert np.abs(prompted_cross - plain_cross).max() > 1e-3
     assert [v.name for v in model.prompt_variables] == ["prompt_embeddings"]
@@ -231,15 +248,19 @@ def test_deep_prefix_attention_weights_equal_numpy_no_mask_no_position_bias(back
         rec.watch(name + ".weights", attention.dropout_layer)
     model(x)
     heads, d = 2, 8
-    prefixes = {"encoder": model.encoder_self_prefix.numpy(),
-                "decoder.self": model.decoder_self_prefix.numpy(),
-                "decoder.cross": model.decoder_cross_prefix.numpy()}
+    prefixes = {
+        "encoder": model.encoder_self_prefix.numpy(),
+        "decoder.self": model.decoder_self_prefix.numpy(),
+        "decoder.cross": model.decoder_cross_prefix.numpy(),
+    }
     enc_mask, dec_mask = x["encoder_padding_mask"], x["decoder_padding_mask"]
     S, T = enc_mask.shape[1], dec_mask.shape[1]
     enc_bias = ops.convert_to_numpy(
-        backbone.encoder_transformer_layers[0].self_attention.compute_bias(S, S))[0]
+        backbone.encoder_transformer_layers[0].self_attention.compute_bias(S, S)
+    )[0]
     dec_bias = ops.convert_to_numpy(
-        backbone.decoder_transformer_layers[0].self_attention.compute_bias(T, T))[0]
+        backbone.decoder_transformer_layers[0].self_attention.compute_bias(T, T)
+    )[0]
     encoder_output = None
     for name, attention in all_attentions(backbone):
         stack, kind = name.split(".")
@@ -272,8 +293,9 @@ def test_deep_prefix_attention_weights_equal_numpy_no_mask_no_position_bias(back
     # The encoder row with one real token: everything but prefix + that token is zero.
     enc_weights = ops.convert_to_numpy(rec.last("encoder0.self.weights")[0][0])[0]
     assert np.all(enc_weights[..., L + np.array([0, 1, 3, 4])] == 0.0)
-    np.testing.assert_allclose(enc_weights[..., :L].sum(-1) + enc_weights[..., L + 2], 1.0,
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        enc_weights[..., :L].sum(-1) + enc_weights[..., L + 2], 1.0, rtol=1e-6
+    )
 
 
 def test_shallow_prompt_positions_are_unmasked_and_masks_extended(backbone, monkeypatch):
@@ -282,15 +304,17 @@ def test_shallow_prompt_positions_are_unmasked_and_masks_extended(backbone, monk
     model = prompts.prompt_t5(backbone, length=L, mode="shallow")
     hidden, mask = model.encode(x["encoder_token_ids"], x["encoder_padding_mask"])
     assert hidden.shape == (2, L + 5, 16)
-    np.testing.assert_array_equal(ops.convert_to_numpy(mask),
-                                  np.concatenate([np.ones((2, L), "int32"),
-                                                  x["encoder_padding_mask"]], 1))
+    np.testing.assert_array_equal(
+        ops.convert_to_numpy(mask),
+        np.concatenate([np.ones((2, L), "int32"), x["encoder_padding_mask"]], 1),
+    )
     rec = Recorder(monkeypatch)
     rec.watch("w", backbone.encoder_transformer_layers[0].self_attention.dropout_layer)
     out = as_numpy(model(x))
     assert out["encoder_sequence_output"].shape == (2, 5, 16)  # prompt positions dropped
-    np.testing.assert_array_equal(out["encoder_sequence_output"],
-                                  ops.convert_to_numpy(hidden)[:, L:])
+    np.testing.assert_array_equal(
+        out["encoder_sequence_output"], ops.convert_to_numpy(hidden)[:, L:]
+    )
     weights = ops.convert_to_numpy(rec.last("w")[0][0])[0]  # first row: one real token
     assert (weights[..., :L] > 1e-6).all()
     assert (weights[..., L + np.array([0, 1, 3, 4])] < 1e-30).all()
@@ -298,21 +322,31 @@ def test_shallow_prompt_positions_are_unmasked_and_masks_extended(backbone, monk
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_token_log_likelihoods_equal_log_softmax_of_t5seq2seqlm_logits(
-        backbone, untied_backbone, tie):
+    backbone, untied_backbone, tie
+):
     backbone = backbone if tie else untied_backbone
     x = batch()
     target = np.array([[5, 9, 12, 1], [7, 3, 1, 0]], "int32")
     target_mask = np.array([[1, 1, 1, 1], [1, 1, 1, 0]], "int32")
     model = prompts.prompt_t5(backbone, length=0)
-    got = ops.convert_to_numpy(prompts.t5_token_log_likelihoods(
-        model, x["encoder_token_ids"], x["encoder_padding_mask"], target, target_mask))
+    got = ops.convert_to_numpy(
+        prompts.t5_token_log_likelihoods(
+            model, x["encoder_token_ids"], x["encoder_padding_mask"], target, target_mask
+        )
+    )
     lm = keras_hub.models.T5Seq2SeqLM(backbone=backbone, preprocessor=None)
     decoder_ids = np.concatenate([np.zeros((2, 1), "int32"), target[:, :-1]], 1)
     decoder_mask = np.concatenate([np.ones((2, 1), "int32"), target_mask[:, :-1]], 1)
-    logits = ops.convert_to_numpy(lm({
-        "encoder_token_ids": x["encoder_token_ids"],
-        "encoder_padding_mask": x["encoder_padding_mask"],
-        "decoder_token_ids": decoder_ids, "decoder_padding_mask": decoder_mask}))
+    logits = ops.convert_to_numpy(
+        lm(
+            {
+                "encoder_token_ids": x["encoder_token_ids"],
+                "encoder_padding_mask": x["encoder_padding_mask"],
+                "decoder_token_ids": decoder_ids,
+                "decoder_padding_mask": decoder_mask,
+            }
+        )
+    )
     log_probs = logits - logits.max(-1, keepdims=True)
     log_probs = log_probs - np.log(np.exp(log_probs).sum(-1, keepdims=True))
     expected = np.take_along_axis(log_probs, target[..., None], -1)[..., 0] * target_mask
@@ -323,13 +357,15 @@ def test_token_log_likelihoods_equal_log_softmax_of_t5seq2seqlm_logits(
 def test_greedy_generation_is_the_argmax_of_teacher_forced_logits(backbone):
     x = batch()
     model = prompts.prompt_t5(backbone, length=L, mode="deep")
-    generated = prompts.t5_generate(model, x["encoder_token_ids"], x["encoder_padding_mask"],
-                                    max_length=6, end_token_id=1)
+    generated = prompts.t5_generate(
+        model, x["encoder_token_ids"], x["encoder_padding_mask"], max_length=6, end_token_id=1
+    )
     assert generated.shape == (2, 6)
     hidden, mask = model.encode(x["encoder_token_ids"], x["encoder_padding_mask"])
     decoder_ids = prompts.shift_right(generated)
-    logits = ops.convert_to_numpy(model.lm_logits(model.decode(
-        hidden, mask, decoder_ids, np.ones_like(generated))))
+    logits = ops.convert_to_numpy(
+        model.lm_logits(model.decode(hidden, mask, decoder_ids, np.ones_like(generated)))
+    )
     for row in range(2):
         ended = np.flatnonzero(generated[row] == 1)
         stop = ended[0] + 1 if len(ended) else 6
@@ -345,14 +381,21 @@ def test_zero_length_greedy_generation_equals_t5seq2seqlm_cached_greedy(backbone
     decoder_ids = np.zeros((2, max_length + 1), "int32")  # the start token, then room
     decoder_mask = np.zeros((2, max_length + 1), "int32")
     decoder_mask[:, 0] = 1
-    inputs = {"encoder_token_ids": x["encoder_token_ids"],
-              "encoder_padding_mask": x["encoder_padding_mask"],
-              "decoder_token_ids": decoder_ids, "decoder_padding_mask": decoder_mask}
+    inputs = {
+        "encoder_token_ids": x["encoder_token_ids"],
+        "encoder_padding_mask": x["encoder_padding_mask"],
+        "decoder_token_ids": decoder_ids,
+        "decoder_padding_mask": decoder_mask,
+    }
     expected = lm.generate_step(inputs, stop_token_ids=None)
     expected = ops.convert_to_numpy(expected["decoder_token_ids"])[:, 1:]
-    got = prompts.t5_generate(prompts.prompt_t5(backbone, length=0), x["encoder_token_ids"],
-                              x["encoder_padding_mask"], max_length=max_length,
-                              end_token_id=None)
+    got = prompts.t5_generate(
+        prompts.prompt_t5(backbone, length=0),
+        x["encoder_token_ids"],
+        x["encoder_padding_mask"],
+        max_length=max_length,
+        end_token_id=None,
+    )
     np.testing.assert_array_equal(got, expected)
 
 
@@ -362,8 +405,9 @@ def test_prompt_saved_and_loaded_alone_bit_exactly(backbone, tmp_path, mode):
     path = prompts.save_prompt(source, tmp_path / "prompt")
     assert path.endswith(".npz")
     target = prompts.prompt_t5(backbone, length=L, mode=mode, seed=2)
-    assert not np.array_equal(target.prompt_variables[0].numpy(),
-                              source.prompt_variables[0].numpy())
+    assert not np.array_equal(
+        target.prompt_variables[0].numpy(), source.prompt_variables[0].numpy()
+    )
     prompts.load_prompt(target, path)
     for a, b in zip(target.prompt_variables, source.prompt_variables):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
@@ -371,8 +415,9 @@ def test_prompt_saved_and_loaded_alone_bit_exactly(backbone, tmp_path, mode):
     for key, value in as_numpy(source(x)).items():
         np.testing.assert_array_equal(as_numpy(target(x))[key], value)
     with np.load(path) as data:  # only the prompt
-        assert sorted(data) == sorted([v.name for v in source.prompt_variables]
-                                      + [storage._METADATA_KEY])
+        assert sorted(data) == sorted(
+            [v.name for v in source.prompt_variables] + [storage._METADATA_KEY]
+        )
 
 
 def test_prompt_file_mismatches_raise_clear_errors(backbone, tmp_path):
@@ -425,5 +470,9 @@ def test_bad_arguments_raise_value_errors(backbone):
     with pytest.raises(ValueError, match="T5Backbone"):
         prompts.prompt_t5(keras.Sequential([keras.layers.Dense(2)]))
     with pytest.raises(ValueError, match="max_length"):
-        prompts.t5_generate(prompts.prompt_t5(backbone, length=1), np.ones((1, 2), "int32"),
-                            np.ones((1, 2), "int32"), max_length=0)
+        prompts.t5_generate(
+            prompts.prompt_t5(backbone, length=1),
+            np.ones((1, 2), "int32"),
+            np.ones((1, 2), "int32"),
+            max_length=0,
+        )

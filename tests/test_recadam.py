@@ -1,12 +1,12 @@
 """RecAdam beyond the optimizer battery (whose NumPy oracle re-derives the reference's
 step, tests/test_optimizers.py::oracle_recadam): the pretrained slot, the annealing,
 the warning, Adam as a special case, fit (also under XLA) and bad input."""
+
 import warnings
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from tf_metaalign import optimizers as O
 from tf_metaalign.trainers import MultiTaskTrainer
@@ -16,7 +16,8 @@ def test_reference_defaults_warn_that_lambda_is_constant_one_half():
     with pytest.warns(UserWarning, match=r"anneal_k = anneal_t0 = 0 give 0.5"):
         O.RecAdam(1e-5)
     np.testing.assert_allclose(
-        [float(O.anneal_lambda("sigmoid", t, 0.0, 0.0, 1.0)) for t in (1, 10, 1000)], 0.5)
+        [float(O.anneal_lambda("sigmoid", t, 0.0, 0.0, 1.0)) for t in (1, 10, 1000)], 0.5
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         O.RecAdam(1e-5, anneal_k=0.1, anneal_t0=100)  # no warning
@@ -75,15 +76,24 @@ def test_anneal_w_zero_is_keras_adam():
 def test_excluded_variables_are_keras_adam_and_the_others_are_pulled():
     """The reference's new-weights group (anneal_w = 0): a head excluded by path takes
     plain Adam steps while the pretrained body is still pulled toward its start."""
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="body"),
-                              keras.layers.Dense(1, name="head")])
-    ours = O.RecAdam(0.01, epsilon=1e-7, anneal_k=0.5, anneal_t0=3, pretrain_cof=5.0,
-                     exclude_from_recall=["head"])
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(2, name="body"), keras.layers.Dense(1, name="head")]
+    )
+    ours = O.RecAdam(
+        0.01,
+        epsilon=1e-7,
+        anneal_k=0.5,
+        anneal_t0=3,
+        pretrain_cof=5.0,
+        exclude_from_recall=["head"],
+    )
     theirs = keras.optimizers.Adam(0.01, epsilon=1e-7)
     twin = [keras.Variable(v.numpy()) for v in model.trainable_variables]
     start = [v.numpy() for v in model.trainable_variables]
-    assert [ours_opt["recall"] for ours_opt in map(
-        lambda v: ours.variable_options(v), model.trainable_variables)] == [True, True, False, False]
+    assert [
+        ours_opt["recall"]
+        for ours_opt in map(lambda v: ours.variable_options(v), model.trainable_variables)
+    ] == [True, True, False, False]
     rng = np.random.default_rng(0)
     for _ in range(5):
         grads = [rng.normal(size=v.shape).astype("float32") for v in model.trainable_variables]
@@ -119,26 +129,30 @@ def test_fit_keeps_the_initial_weights_as_pretrained(jit_compile):
     opt = O.RecAdam(0.05, anneal_k=0.5, anneal_t0=3, pretrain_cof=1.0)
     trainer.compile(optimizer=opt, loss="mse", jit_compile=jit_compile)
     rng = np.random.default_rng(0)
-    x = {"inputs": rng.normal(size=(16, 3)).astype("float32"),
-         "task_id": (np.arange(16) % 2).astype("int32")}
-    trainer.fit(x, rng.normal(size=(16, 2)).astype("float32"), batch_size=4, epochs=2,
-                verbose=0)
+    x = {
+        "inputs": rng.normal(size=(16, 3)).astype("float32"),
+        "task_id": (np.arange(16) % 2).astype("int32"),
+    }
+    trainer.fit(x, rng.normal(size=(16, 2)).astype("float32"), batch_size=4, epochs=2, verbose=0)
     for v, w0 in zip(model.trainable_variables, initial):
         np.testing.assert_array_equal(opt.slots_for(v)["pretrained"].numpy(), w0)
         assert not np.allclose(v.numpy(), w0)
 
 
-@pytest.mark.parametrize("kwargs, argument", [
-    (dict(anneal_fun="cosine"), "anneal_fun"),
-    (dict(anneal_fun="linear", anneal_t0=0), "anneal_t0"),
-    (dict(anneal_k=float("nan")), "anneal_k"),
-    (dict(anneal_t0="late", anneal_k=1.0), "anneal_t0"),
-    (dict(anneal_w=-1.0, anneal_k=1.0), "anneal_w"),
-    (dict(pretrain_cof=-5.0, anneal_k=1.0), "pretrain_cof"),
-    (dict(correct_bias="yes", anneal_k=1.0), "correct_bias"),
-    (dict(beta_1=1.0, anneal_k=1.0), "beta_1"),
-    (dict(weight_decay_rate=-0.1, anneal_k=1.0), "weight_decay_rate"),
-])
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        (dict(anneal_fun="cosine"), "anneal_fun"),
+        (dict(anneal_fun="linear", anneal_t0=0), "anneal_t0"),
+        (dict(anneal_k=float("nan")), "anneal_k"),
+        (dict(anneal_t0="late", anneal_k=1.0), "anneal_t0"),
+        (dict(anneal_w=-1.0, anneal_k=1.0), "anneal_w"),
+        (dict(pretrain_cof=-5.0, anneal_k=1.0), "pretrain_cof"),
+        (dict(correct_bias="yes", anneal_k=1.0), "correct_bias"),
+        (dict(beta_1=1.0, anneal_k=1.0), "beta_1"),
+        (dict(weight_decay_rate=-0.1, anneal_k=1.0), "weight_decay_rate"),
+    ],
+)
 def test_bad_input_names_the_argument(kwargs, argument):
     with pytest.raises(ValueError, match=argument):
         O.RecAdam(1e-3, **kwargs)

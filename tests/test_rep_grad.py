@@ -12,6 +12,7 @@ What must hold, and is tested:
 * elsewhere they differ (documented in the trainer), and MGDA-UB equals a NumPy
   re-derivation of LibMTL's rep_grad MGDA.
 """
+
 import keras
 import numpy as np
 import pytest
@@ -19,8 +20,7 @@ import tensorflow as tf
 
 from conftest import two_cpu_strategy
 from test_mtl_solvers import np_min_norm_element_from2
-from test_multitask_outputs import (LOSS_WEIGHTS, _softmax, compiled, data, losses,
-                                    two_head_model)
+from test_multitask_outputs import LOSS_WEIGHTS, _softmax, compiled, data, two_head_model
 from tf_metaalign.algorithms import multitask as methods
 from tf_metaalign.data.multitask import PerTaskHead, one_head_per_task_model
 from tf_metaalign.trainers.multitask import MultiTaskTrainer
@@ -45,8 +45,10 @@ def linear_encoder_model(seed=3):
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((4,))
     z = keras.layers.Dense(3, name="encoder")(inputs)  # linear, with a bias
-    return keras.Model(inputs, [keras.layers.Dense(1, name="priority")(z),
-                                keras.layers.Dense(3, name="department")(z)])
+    return keras.Model(
+        inputs,
+        [keras.layers.Dense(1, name="priority")(z), keras.layers.Dense(3, name="department")(z)],
+    )
 
 
 def deep_model(seed=4):
@@ -59,8 +61,7 @@ def deep_model(seed=4):
 
 
 def train(make, method, x, y, rep_grad, lr=0.25, batch=8, epochs=1, **kwargs):
-    trainer = compiled(MultiTaskTrainer(make(), method=method, rep_grad=rep_grad, **kwargs),
-                       lr=lr)
+    trainer = compiled(MultiTaskTrainer(make(), method=method, rep_grad=rep_grad, **kwargs), lr=lr)
     history = trainer.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
     return [v.numpy() for v in trainer.model.trainable_variables], history.history
 
@@ -87,13 +88,20 @@ def identical_rows(n=24, seed=0):
     return x, y
 
 
-@pytest.mark.parametrize("method, rtol", [
-    ("pcgrad", 1e-9), ("mgda", 1e-9), ("imtl", 1e-9),
-    # LibMTL's CAGrad adds 1e-8 to sqrt(mean Gram) and to |g_w|: scale-invariant only
-    # up to those
-    ("cagrad", 1e-6)])
+@pytest.mark.parametrize(
+    "method, rtol",
+    [
+        ("pcgrad", 1e-9),
+        ("mgda", 1e-9),
+        ("imtl", 1e-9),
+        # LibMTL's CAGrad adds 1e-8 to sqrt(mean Gram) and to |g_w|: scale-invariant only
+        # up to those
+        ("cagrad", 1e-6),
+    ],
+)
 def test_scale_invariant_methods_agree_on_a_linear_encoder_with_proportional_grams(
-        float64, method, rtol):
+    float64, method, rtol
+):
     x, y = identical_rows()
     rep, h_rep = train(linear_encoder_model, method, x, y, rep_grad=True, seed=1)
     param, h_param = train(linear_encoder_model, method, x, y, rep_grad=False, seed=1)
@@ -131,9 +139,15 @@ def np_mgda_ub(weights, x, y, lr):
     G = r @ r.T
     gamma, _ = np_min_norm_element_from2(G[0, 0], G[0, 1], G[1, 1])
     w = np.array([gamma, 1 - gamma])
-    dpre = (w[0] * dh[0] + w[1] * dh[1]) * (1 - h ** 2)
-    return [W1 - lr * x.T @ dpre, b1 - lr * dpre.sum(0), Wa - lr * h.T @ dA,
-            ba - lr * dA.sum(0), Wb - lr * h.T @ dB, bb - lr * dB.sum(0)], w
+    dpre = (w[0] * dh[0] + w[1] * dh[1]) * (1 - h**2)
+    return [
+        W1 - lr * x.T @ dpre,
+        b1 - lr * dpre.sum(0),
+        Wa - lr * h.T @ dA,
+        ba - lr * dA.sum(0),
+        Wb - lr * h.T @ dB,
+        bb - lr * dB.sum(0),
+    ], w
 
 
 def test_mgda_ub_equals_numpy_libmtl(float64):
@@ -157,8 +171,9 @@ def test_named_representation_and_xla(float64):
     auto, _ = train(two_head_model, "mgda", x, y, rep_grad=True)
     named, _ = train(two_head_model, "mgda", x, y, rep_grad=True, representation="trunk")
     assert_same(auto, named, 1e-14)
-    trainer = compiled(MultiTaskTrainer(two_head_model(), method="mgda", rep_grad=True),
-                       lr=0.25, jit_compile=True)
+    trainer = compiled(
+        MultiTaskTrainer(two_head_model(), method="mgda", rep_grad=True), lr=0.25, jit_compile=True
+    )
     trainer.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert_same([v.numpy() for v in trainer.model.trainable_variables], auto, 1e-10)
 
@@ -170,8 +185,10 @@ def test_two_replicas_equal_one(float64):
 
     def run(strategy):
         with strategy.scope():
-            trainer = compiled(MultiTaskTrainer(deep_model(), method="mgda", rep_grad=True),
-                               optimizer=keras.optimizers.Adam(0.05))
+            trainer = compiled(
+                MultiTaskTrainer(deep_model(), method="mgda", rep_grad=True),
+                optimizer=keras.optimizers.Adam(0.05),
+            )
         h = trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
         return [v.numpy() for v in trainer.model.trainable_variables], h.history
 
@@ -183,8 +200,9 @@ def test_two_replicas_equal_one(float64):
 
 def rows_model(seed=5):
     keras.utils.set_random_seed(seed)
-    backbone = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh")],
-                                name="backbone")
+    backbone = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(5, activation="tanh")], name="backbone"
+    )
     return one_head_per_task_model(backbone, [2, 2, 2])
 
 
@@ -195,8 +213,9 @@ def test_rows_setting_per_task_head(float64):
     y = rng.normal(size=(27, 2))
 
     def run(method, rep_grad):
-        trainer = MultiTaskTrainer(rows_model(), num_tasks=3, method=method,
-                                   model_takes_task_id=True, rep_grad=rep_grad)
+        trainer = MultiTaskTrainer(
+            rows_model(), num_tasks=3, method=method, model_takes_task_id=True, rep_grad=rep_grad
+        )
         trainer.compile(optimizer=keras.optimizers.SGD(0.25), loss="mse")
         trainer.fit(x, y, batch_size=9, epochs=1, shuffle=False, verbose=0)
         return [v.numpy() for v in trainer.model.trainable_variables]
@@ -221,8 +240,9 @@ def test_rows_one_head_pass_equals_one_pass_per_task(float64, method):
     y = rng.normal(size=(27, 2))
     runs = []
     for heads_mix_rows in (False, True):
-        trainer = MultiTaskTrainer(rows_model(), num_tasks=3, method=method,
-                                   model_takes_task_id=True, rep_grad=True)
+        trainer = MultiTaskTrainer(
+            rows_model(), num_tasks=3, method=method, model_takes_task_id=True, rep_grad=True
+        )
         trainer.compile(optimizer=keras.optimizers.SGD(0.25), loss="mse")
         assert trainer._rep_plan().heads_mix_rows is False
         trainer._rep_plan().heads_mix_rows = heads_mix_rows
@@ -241,20 +261,37 @@ def test_rows_heads_with_batch_norm_take_one_pass_per_task():
     h = keras.layers.BatchNormalization(center=False, scale=False)(z)
     out = PerTaskHead([2, 2], name="heads")([h, task_id])
     model = keras.Model({"inputs": inputs, "task_id": task_id}, out)
-    trainer = MultiTaskTrainer(model, num_tasks=2, method="pcgrad", model_takes_task_id=True,
-                               rep_grad=True, representation="trunk")
+    trainer = MultiTaskTrainer(
+        model,
+        num_tasks=2,
+        method="pcgrad",
+        model_takes_task_id=True,
+        rep_grad=True,
+        representation="trunk",
+    )
     assert trainer._rep_plan().heads_mix_rows is True
-    assert MultiTaskTrainer(rows_model(), num_tasks=3, method="pcgrad", model_takes_task_id=True,
-                            rep_grad=True)._rep_plan().heads_mix_rows is False
+    assert (
+        MultiTaskTrainer(
+            rows_model(), num_tasks=3, method="pcgrad", model_takes_task_id=True, rep_grad=True
+        )
+        ._rep_plan()
+        .heads_mix_rows
+        is False
+    )
 
 
 def test_rep_grad_errors():
     with pytest.raises(ValueError, match="rep_grad"):
         MultiTaskTrainer(two_head_model(), method="uw", rep_grad=True)
     with pytest.raises(ValueError, match="PerTaskHead"):
-        MultiTaskTrainer(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]),
-                         num_tasks=2, method="mgda", rep_grad=True)
+        MultiTaskTrainer(
+            keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]),
+            num_tasks=2,
+            method="mgda",
+            rep_grad=True,
+        )
     # a task-specific variable in front of the representation
     with pytest.raises(ValueError, match="feed the representation"):
-        MultiTaskTrainer(two_head_model(), method="mgda", rep_grad=True,
-                         task_specific_variables=["trunk/bias"])
+        MultiTaskTrainer(
+            two_head_model(), method="mgda", rep_grad=True, task_specific_variables=["trunk/bias"]
+        )

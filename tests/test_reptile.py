@@ -1,5 +1,6 @@
 """Reptile-family trainers: closed forms on quadratic losses, reductions to plain
 training, the inner optimizer reset, save/restore mid-trajectory, argument errors."""
+
 import keras
 import numpy as np
 import pytest
@@ -31,8 +32,9 @@ def _linear(seed=0):
 
 def _mlp(seed=0):
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, activation="tanh"),
-                             keras.layers.Dense(2)])
+    return keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(2)]
+    )
 
 
 def _weights(model):
@@ -69,7 +71,7 @@ def test_sequential_reptile_equals_its_closed_form(float64, k, eta):
     history = trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     theta, losses = [p.copy() for p in phi], []
     for step in range(6):
-        xb, yb = x[8 * step: 8 * step + 8], y[8 * step: 8 * step + 8]
+        xb, yb = x[8 * step : 8 * step + 8], y[8 * step : 8 * step + 8]
         losses.append(_loss(theta, xb, yb))
         theta = [t - 0.125 * g for t, g in zip(theta, _grad(theta, xb, yb))]
         if (step + 1) % k == 0:
@@ -90,8 +92,10 @@ def test_sequential_reptile_k1_eta1_is_plain_training(float64):
     trainer.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     _assert_close(_weights(trainer.model), _weights(plain))
-    _assert_close([v.numpy() for v in trainer.optimizer.variables],
-                  [v.numpy() for v in plain.optimizer.variables])
+    _assert_close(
+        [v.numpy() for v in trainer.optimizer.variables],
+        [v.numpy() for v in plain.optimizer.variables],
+    )
 
 
 def test_incomplete_trajectory_is_discarded_at_the_end_of_fit(float64):
@@ -130,8 +134,9 @@ def _keras_adam(params, grads, m, v, t, lr=0.125, b1=0.5, b2=0.75, eps=1e-7):
 def test_reset_inner_optimizer_zeroes_adams_slots_not_its_step(float64, reset):
     x, y = _data(48)
     k, eta = 2, 0.5
-    trainer = SequentialReptileTrainer(_linear(3), inner_steps=k, outer_learning_rate=eta,
-                                       reset_inner_optimizer=reset)
+    trainer = SequentialReptileTrainer(
+        _linear(3), inner_steps=k, outer_learning_rate=eta, reset_inner_optimizer=reset
+    )
     trainer.compile(optimizer=keras.optimizers.Adam(0.125, beta_1=0.5, beta_2=0.75), loss="mse")
     phi = _weights(trainer.model)
     trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0)
@@ -139,7 +144,7 @@ def test_reset_inner_optimizer_zeroes_adams_slots_not_its_step(float64, reset):
     m = [np.zeros_like(p) for p in phi]
     v = [np.zeros_like(p) for p in phi]
     for step in range(6):
-        xb, yb = x[8 * step: 8 * step + 8], y[8 * step: 8 * step + 8]
+        xb, yb = x[8 * step : 8 * step + 8], y[8 * step : 8 * step + 8]
         # t = the global step: the reset leaves `iterations` (bias correction) alone.
         theta, m, v = _keras_adam(theta, _grad(theta, xb, yb), m, v, t=step + 1)
         if (step + 1) % k == 0:
@@ -159,12 +164,16 @@ def test_reset_inner_optimizer_zeroes_adams_slots_not_its_step(float64, reset):
 
 def test_reset_with_a_package_optimizer_zeroes_its_slots(float64):
     x, y = _data(32)
-    trainer = SequentialReptileTrainer(_linear(3), inner_steps=2, outer_learning_rate=0.5,
-                                       reset_inner_optimizer=True)
+    trainer = SequentialReptileTrainer(
+        _linear(3), inner_steps=2, outer_learning_rate=0.5, reset_inner_optimizer=True
+    )
     trainer.compile(optimizer=O.Adam(0.125), loss="mse")
     trainer.fit(x[:24], y[:24], batch_size=8, shuffle=False, verbose=0)  # 3 steps: discard
-    slots = [s for var in trainer.model.trainable_variables
-             for s in trainer.optimizer.slots_for(var).values()]
+    slots = [
+        s
+        for var in trainer.model.trainable_variables
+        for s in trainer.optimizer.slots_for(var).values()
+    ]
     assert slots and all(not np.any(s.numpy()) for s in slots)
     assert int(trainer.optimizer.iterations.numpy()) == 3
     assert float(trainer.optimizer.learning_rate_scale.numpy()) == 1.0
@@ -198,18 +207,25 @@ def test_save_and_restore_mid_trajectory_continues_identically(float64, tmp_path
     assert int(resumed.schedule.count.numpy()) == 5
     resumed.fit(x[40:], y[40:], batch_size=8, shuffle=False, verbose=0)
     _assert_close(_weights(resumed.model), _weights(reference.model))
-    _assert_close([v.numpy() for v in resumed.slow_weights],
-                  [v.numpy() for v in reference.slow_weights])
-    _assert_close([v.numpy() for v in resumed.optimizer.variables],
-                  [v.numpy() for v in reference.optimizer.variables])
+    _assert_close(
+        [v.numpy() for v in resumed.slow_weights], [v.numpy() for v in reference.slow_weights]
+    )
+    _assert_close(
+        [v.numpy() for v in resumed.optimizer.variables],
+        [v.numpy() for v in reference.optimizer.variables],
+    )
 
 
 def test_sequential_reptile_config_round_trip():
-    trainer = SequentialReptileTrainer(_linear(), inner_steps=4, outer_learning_rate=0.25,
-                                       reset_inner_optimizer=True)
+    trainer = SequentialReptileTrainer(
+        _linear(), inner_steps=4, outer_learning_rate=0.25, reset_inner_optimizer=True
+    )
     clone = SequentialReptileTrainer.from_config(trainer.get_config())
     assert (clone.inner_steps, clone.outer_learning_rate, clone.reset_inner_optimizer) == (
-        4, 0.25, True)
+        4,
+        0.25,
+        True,
+    )
 
 
 # ------------------------------------------------------------- stacked Reptile / FOMAML
@@ -222,8 +238,7 @@ def _stacked(x, y, k, b, axis):
     ys = y[: n * k * b].reshape(n, k, b, -1)
     if axis == 1:
         xs, ys = xs.transpose(0, 2, 1, 3), ys.transpose(0, 2, 1, 3)
-    return tf.data.Dataset.from_tensor_slices((xs, ys)).batch(1).map(
-        lambda a, c: (a[0], c[0]))
+    return tf.data.Dataset.from_tensor_slices((xs, ys)).batch(1).map(lambda a, c: (a[0], c[0]))
 
 
 @pytest.mark.parametrize("axis", [0, 1])
@@ -250,8 +265,8 @@ def test_reptile_equals_its_closed_form(float64):
         theta = [p.copy() for p in phi]
         for i in range(k):
             s = 8 * (k * element + i)
-            losses.append(_loss(theta, x[s:s + 8], y[s:s + 8]))
-            theta = [t - 0.125 * g for t, g in zip(theta, _grad(theta, x[s:s + 8], y[s:s + 8]))]
+            losses.append(_loss(theta, x[s : s + 8], y[s : s + 8]))
+            theta = [t - 0.125 * g for t, g in zip(theta, _grad(theta, x[s : s + 8], y[s : s + 8]))]
         phi = [p + eps * (t - p) for p, t in zip(phi, theta)]
     _assert_close(_weights(trainer.model), phi)
     np.testing.assert_allclose(history.history["loss"][0], np.mean(losses), **TOL)
@@ -269,10 +284,10 @@ def test_fomaml_equals_its_closed_form(float64):
         theta = [p.copy() for p in phi]
         for i in range(k):
             s = 8 * ((k + 1) * element + i)
-            theta = [t - 0.125 * g for t, g in zip(theta, _grad(theta, x[s:s + 8], y[s:s + 8]))]
+            theta = [t - 0.125 * g for t, g in zip(theta, _grad(theta, x[s : s + 8], y[s : s + 8]))]
         s = 8 * ((k + 1) * element + k)
-        query_losses.append(_loss(theta, x[s:s + 8], y[s:s + 8]))
-        phi = [p - lr * g for p, g in zip(phi, _grad(theta, x[s:s + 8], y[s:s + 8]))]
+        query_losses.append(_loss(theta, x[s : s + 8], y[s : s + 8]))
+        phi = [p - lr * g for p, g in zip(phi, _grad(theta, x[s : s + 8], y[s : s + 8]))]
     _assert_close(_weights(trainer.model), phi)
     np.testing.assert_allclose(history.history["loss"][0], np.mean(query_losses), **TOL)
 
@@ -286,8 +301,14 @@ def test_inner_loop_keeps_nothing_on_the_outer_tape(float64):
     phi = F.current_params(model)
     with tf.GradientTape() as tape:
         tape.watch(phi)
-        r = A.inner_loop(loss_fn, phi, [], [(x[:8], y[:8]), (x[8:], y[8:])], O.SGD(0.1),
-                         model.trainable_variables)
+        r = A.inner_loop(
+            loss_fn,
+            phi,
+            [],
+            [(x[:8], y[:8]), (x[8:], y[8:])],
+            O.SGD(0.1),
+            model.trainable_variables,
+        )
         total = tf.add_n([tf.reduce_sum(t) for t in r.params])
     assert all(g is None for g in tape.gradient(total, phi))
 
@@ -304,26 +325,34 @@ def test_stacked_trainers_config_round_trip():
 # ------------------------------------------------------------------------ bad arguments
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(inner_steps=0, outer_learning_rate=1.0), "inner_steps"),
-    (dict(inner_steps=2.0, outer_learning_rate=1.0), "inner_steps"),
-    (dict(inner_steps=2, outer_learning_rate=0.0), "outer_learning_rate"),
-    (dict(inner_steps=2, outer_learning_rate="1"), "outer_learning_rate"),
-    (dict(inner_steps=2, outer_learning_rate=1.0, reset_inner_optimizer="yes"),
-     "reset_inner_optimizer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(inner_steps=0, outer_learning_rate=1.0), "inner_steps"),
+        (dict(inner_steps=2.0, outer_learning_rate=1.0), "inner_steps"),
+        (dict(inner_steps=2, outer_learning_rate=0.0), "outer_learning_rate"),
+        (dict(inner_steps=2, outer_learning_rate="1"), "outer_learning_rate"),
+        (
+            dict(inner_steps=2, outer_learning_rate=1.0, reset_inner_optimizer="yes"),
+            "reset_inner_optimizer",
+        ),
+    ],
+)
 def test_sequential_reptile_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`"):
         SequentialReptileTrainer(_linear(), **kwargs)
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(inner_steps=-1), "inner_steps"),
-    (dict(inner_steps=2, inner_optimizer=-0.1), "inner_optimizer"),
-    (dict(inner_steps=2, inner_optimizer="adam"), "inner_optimizer"),
-    (dict(inner_steps=2, inner_optimizer=keras.optimizers.SGD(0.1)), "inner_optimizer"),
-    (dict(inner_steps=2, stack_axis=2), "stack_axis"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(inner_steps=-1), "inner_steps"),
+        (dict(inner_steps=2, inner_optimizer=-0.1), "inner_optimizer"),
+        (dict(inner_steps=2, inner_optimizer="adam"), "inner_optimizer"),
+        (dict(inner_steps=2, inner_optimizer=keras.optimizers.SGD(0.1)), "inner_optimizer"),
+        (dict(inner_steps=2, stack_axis=2), "stack_axis"),
+    ],
+)
 @pytest.mark.parametrize("cls", [ReptileTrainer, FOMAMLTrainer])
 def test_stacked_trainers_bad_arguments(cls, kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}"):
@@ -349,25 +378,31 @@ def _task_stacked(x, y, tasks, k, b, axis, task_ids=False):
     if axis == 1:
         xs, ys = xs.transpose(0, 3, 1, 2, 4), ys.transpose(0, 3, 1, 2, 4)
     if task_ids:
-        ids = np.broadcast_to(np.arange(tasks, dtype="int32")[None, :, None, None],
-                              (n, tasks, k, b)).copy()
+        ids = np.broadcast_to(
+            np.arange(tasks, dtype="int32")[None, :, None, None], (n, tasks, k, b)
+        ).copy()
         if axis == 1:
             ids = ids.transpose(0, 3, 1, 2)
         xs = {"inputs": xs, "task_id": ids}
-    return tf.data.Dataset.from_tensor_slices((xs, ys)).batch(1).map(
-        lambda a, c: (tf.nest.map_structure(lambda t: t[0], a), c[0]))
+    return (
+        tf.data.Dataset.from_tensor_slices((xs, ys))
+        .batch(1)
+        .map(lambda a, c: (tf.nest.map_structure(lambda t: t[0], a), c[0]))
+    )
 
 
 @pytest.mark.parametrize("axis, task_ids", [(0, False), (1, True)])
 def test_multi_task_reptile_equals_its_closed_form(float64, axis, task_ids):
     x, y = _data(64)
     tasks, k, eps = 2, 2, 0.5
-    trainer = MultiTaskReptileTrainer(_linear(9), inner_steps=k, inner_optimizer=0.125,
-                                      stack_axis=axis)
+    trainer = MultiTaskReptileTrainer(
+        _linear(9), inner_steps=k, inner_optimizer=0.125, stack_axis=axis
+    )
     trainer.compile(optimizer=keras.optimizers.SGD(eps), loss="mse")
     phi = _weights(trainer.model)
-    history = trainer.fit(_task_stacked(x, y, tasks, k, 8, axis, task_ids), verbose=0,
-                          shuffle=False)
+    history = trainer.fit(
+        _task_stacked(x, y, tasks, k, 8, axis, task_ids), verbose=0, shuffle=False
+    )
     losses = []
     for element in range(2):
         ends = []
@@ -375,8 +410,10 @@ def test_multi_task_reptile_equals_its_closed_form(float64, axis, task_ids):
             theta = [p.copy() for p in phi]
             for i in range(k):
                 s = 8 * (k * (tasks * element + t) + i)
-                losses.append(_loss(theta, x[s:s + 8], y[s:s + 8]))
-                theta = [w - 0.125 * g for w, g in zip(theta, _grad(theta, x[s:s + 8], y[s:s + 8]))]
+                losses.append(_loss(theta, x[s : s + 8], y[s : s + 8]))
+                theta = [
+                    w - 0.125 * g for w, g in zip(theta, _grad(theta, x[s : s + 8], y[s : s + 8]))
+                ]
             ends.append(theta)
         mean = [np.mean([e[j] for e in ends], axis=0) for j in range(2)]
         phi = [p + eps * (m - p) for p, m in zip(phi, mean)]
@@ -412,10 +449,12 @@ def test_sequential_reptile_takes_multi_task_batches(float64):
         trainer = SequentialReptileTrainer(_mlp(2), inner_steps=2, outer_learning_rate=0.5)
         trainer.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
         inputs = {"inputs": x, "task_id": ids} if as_dict else x
-        history = trainer.fit(inputs, y, batch_size=8, shuffle=False, verbose=0,
-                              validation_data=(inputs, y))
-        results.append((_weights(trainer.model), history.history,
-                        trainer.evaluate(inputs, y, verbose=0)))
+        history = trainer.fit(
+            inputs, y, batch_size=8, shuffle=False, verbose=0, validation_data=(inputs, y)
+        )
+        results.append(
+            (_weights(trainer.model), history.history, trainer.evaluate(inputs, y, verbose=0))
+        )
     _assert_close(results[0][0], results[1][0])
     for key in results[0][1]:
         np.testing.assert_allclose(results[0][1][key], results[1][1][key], **TOL)

@@ -1,4 +1,5 @@
 """The synthetic 2-D problem of Sequential Reptile (trainers.experiments.synthetic)."""
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -21,9 +22,13 @@ def test_model_loss_and_gradient_equal_the_closed_form():
     x = np.concatenate([v[0] for v in tasks.values()])
     y = np.concatenate([v[1] for v in tasks.values()])
     loss_fn = F.make_loss_fn(model, S.SyntheticTaskLoss(dtype="float64"))
-    value, grads, _ = F.value_and_grad(loss_fn, F.current_params(model), F.current_state(model), (x, y))
+    value, grads, _ = F.value_and_grad(
+        loss_fn, F.current_params(model), F.current_state(model), (x, y)
+    )
     phi = np.array([3.0, -2.0])
-    np.testing.assert_allclose(float(value), np.mean([S.task_loss(phi, o) for o in S.OPTIMA]), rtol=1e-12)
+    np.testing.assert_allclose(
+        float(value), np.mean([S.task_loss(phi, o) for o in S.OPTIMA]), rtol=1e-12
+    )
     expected = np.mean([S.task_gradient(phi, o) for o in S.OPTIMA], axis=0)
     np.testing.assert_allclose(grads[0].numpy(), expected, rtol=1e-10)
 
@@ -34,8 +39,9 @@ def test_mean_pairwise_cosine():
     # At the centroid of the three optima the gradients point to the three corners.
     centroid = np.mean(np.asarray(S.OPTIMA), axis=0)
     g = [S.task_gradient(centroid, o) for o in S.OPTIMA]
-    manual = np.mean([a @ b / np.linalg.norm(a) / np.linalg.norm(b)
-                      for i, a in enumerate(g) for b in g[i + 1:]])
+    manual = np.mean(
+        [a @ b / np.linalg.norm(a) / np.linalg.norm(b) for i, a in enumerate(g) for b in g[i + 1 :]]
+    )
     np.testing.assert_allclose(S.mean_pairwise_cosine(centroid), manual, rtol=1e-12)
     assert manual < 0
 

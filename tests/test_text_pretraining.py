@@ -1,5 +1,6 @@
 """Offline T5 pre-training: corpus, T5-convention vocabulary, span corruption and LM adaptation
 (against T5's formulas and hand cases), and a tiny keras-hub T5 that learns and caches."""
+
 import itertools
 import os
 
@@ -9,10 +10,12 @@ import pytest
 from trainers.experiments import text_pretraining as tp
 
 WORDNET = os.path.isfile("/usr/share/wordnet/data.noun") or bool(os.environ.get("WORDNET_DIR"))
-needs_wordnet = pytest.mark.skipif(not WORDNET, reason="WordNet (`apt-get install "
-                                   "wordnet-base`) is not installed")
+needs_wordnet = pytest.mark.skipif(
+    not WORDNET, reason="WordNet (`apt-get install wordnet-base`) is not installed"
+)
 try:
     import django  # noqa: F401
+
     DJANGO = True
 except ImportError:  # pragma: no cover - depends on the environment
     DJANGO = False
@@ -29,6 +32,7 @@ def spans_of(mask):
 
 # ---------------------------------------------------------------- span corruption (NumPy)
 
+
 def test_noise_counts_are_t5s_float32_rounding():
     # Hand values of T5's round(float32(L) * 0.15) and round(noise / 3), half to even:
     # 190*0.15 is 28.5 in float64 (-> 28, 9 spans) but 28.500002 in float32 (-> 29, 10 spans),
@@ -36,10 +40,10 @@ def test_noise_counts_are_t5s_float32_rounding():
     assert tp.num_noise_tokens_and_spans(190) == (29, 10)
     assert tp.num_noise_tokens_and_spans(30) == (4, 1)  # 4.5 exactly -> 4 (half to even)
     assert tp.num_noise_tokens_and_spans(568) == (85, 28)
-    assert tp.num_noise_tokens_and_spans(10) == (2, 1)   # 1.5 -> 2 (half to even); 2/3 -> 1
-    assert tp.num_noise_tokens_and_spans(3) == (1, 1)    # at least one noise token
-    assert tp.num_noise_tokens_and_spans(1) == (1, 1)    # T5 lifts length to 2
-    assert tp.random_spans_helper(512) == (568, 114)     # T5's documented pair
+    assert tp.num_noise_tokens_and_spans(10) == (2, 1)  # 1.5 -> 2 (half to even); 2/3 -> 1
+    assert tp.num_noise_tokens_and_spans(3) == (1, 1)  # at least one noise token
+    assert tp.num_noise_tokens_and_spans(1) == (1, 1)  # T5 lifts length to 2
+    assert tp.random_spans_helper(512) == (568, 114)  # T5's documented pair
     assert tp.random_spans_helper(64) == (70, 14)  # 60 kept + 3 sentinels + EOS; 10 + 3 + 1
 
 
@@ -71,10 +75,24 @@ def test_random_spans_noise_mask_is_seeded_and_random():
 def test_sentinel_replacement_hand_case():
     tokens = np.arange(10, 20)
     mask = np.array([0, 0, 1, 1, 0, 0, 0, 1, 1, 1], bool)
-    assert tp.noise_span_to_unique_sentinel(tokens, mask, V).tolist() == [10, 11, 199, 14, 15,
-                                                                          16, 198]
-    assert tp.nonnoise_span_to_unique_sentinel(tokens, mask, V).tolist() == [199, 12, 13, 198,
-                                                                             17, 18, 19]
+    assert tp.noise_span_to_unique_sentinel(tokens, mask, V).tolist() == [
+        10,
+        11,
+        199,
+        14,
+        15,
+        16,
+        198,
+    ]
+    assert tp.nonnoise_span_to_unique_sentinel(tokens, mask, V).tolist() == [
+        199,
+        12,
+        13,
+        198,
+        17,
+        18,
+        19,
+    ]
     assert tp.sentinel_id(V) == 199 and tp.sentinel_id(V, 3) == 196
 
 
@@ -119,6 +137,7 @@ def test_lm_adaptation_splits_text_uniformly():
 
 # ------------------------------------------------------------------ the streams of examples
 
+
 def _docs():
     rng = np.random.default_rng(3)
     return [rng.integers(3, 80, size=rng.integers(1, 30)).astype(np.int32) for _ in range(60)]
@@ -127,8 +146,7 @@ def _docs():
 def test_pretraining_examples_pack_and_restore_the_shuffled_stream():
     docs, L = _docs(), 32
     chunk = tp.chunk_length_for("span_corruption", L)
-    examples = list(tp.pretraining_examples(docs, "span_corruption", L, V, seed=5,
-                                            repeat=False))
+    examples = list(tp.pretraining_examples(docs, "span_corruption", L, V, seed=5, repeat=False))
     # The stream re-derived: pass 0 shuffles the documents with rng([seed, 0]) first.
     order = np.random.default_rng([5, 0]).permutation(len(docs))
     stream = np.concatenate([docs[i] for i in order])
@@ -145,9 +163,8 @@ def test_pretraining_examples_pack_and_restore_the_shuffled_stream():
         assert np.array_equal(x["decoder_padding_mask"], w > 0)
         n_in = int(x["encoder_padding_mask"].sum())
         assert x["encoder_token_ids"][n_in - 1] == tp.EOS_ID
-        restored.append(tp.restore_from_span_corruption(x["encoder_token_ids"][:n_in],
-                                                        y[w > 0], V))
-    assert np.array_equal(np.concatenate(restored), stream[:len(examples) * chunk])
+        restored.append(tp.restore_from_span_corruption(x["encoder_token_ids"][:n_in], y[w > 0], V))
+    assert np.array_equal(np.concatenate(restored), stream[: len(examples) * chunk])
     again = list(tp.pretraining_examples(docs, "span_corruption", L, V, seed=5, repeat=False))
     assert all(np.array_equal(a[1], b[1]) for a, b in zip(examples, again))
 
@@ -167,9 +184,10 @@ def test_pretraining_examples_both_alternates_objectives():
 def test_pretraining_dataset_batches_the_example_stream():
     docs, L = _docs(), 24
     ds = tp.pretraining_dataset(docs, "both", L, V, batch_size=4, seed=2)
-    (x, y, w), = ds.take(1).as_numpy_iterator()
-    ex, ey, ew = tp.stack_examples(itertools.islice(
-        tp.pretraining_examples(docs, "both", L, V, seed=2), 4))
+    ((x, y, w),) = ds.take(1).as_numpy_iterator()
+    ex, ey, ew = tp.stack_examples(
+        itertools.islice(tp.pretraining_examples(docs, "both", L, V, seed=2), 4)
+    )
     assert np.array_equal(y, ey) and np.array_equal(w, ew)
     assert all(np.array_equal(x[k], ex[k]) for k in ex)
     assert x["encoder_padding_mask"].dtype == bool and y.dtype == np.int32
@@ -181,15 +199,19 @@ def test_unigram_baselines_by_hand():
     # add-one counts over V=8: token 5 -> 3/11, token 6 -> 2/11
     expected = -(np.log(3 / 11) + 2 * np.log(2 / 11)) / 3
     assert np.isclose(tp.unigram_cross_entropy(train, w_train, held, w_held, 8), expected)
-    assert np.isclose(tp.unigram_entropy(held, w_held),
-                      -(1 / 3 * np.log(1 / 3) + 2 / 3 * np.log(2 / 3)))
+    assert np.isclose(
+        tp.unigram_entropy(held, w_held), -(1 / 3 * np.log(1 / 3) + 2 / 3 * np.log(2 / 3))
+    )
 
 
 # ------------------------------------------------------------------- corpus and vocabulary
 
+
 def test_split_wordnet_gloss():
-    gloss = ('an assemblage of parts that is regarded as a single entity; "how big is that '
-             'part compared to the whole?"; "the team is a unit"')
+    gloss = (
+        'an assemblage of parts that is regarded as a single entity; "how big is that '
+        'part compared to the whole?"; "the team is a unit"'
+    )
     definition, examples = tp.split_wordnet_gloss(gloss)
     assert definition == "an assemblage of parts that is regarded as a single entity"
     assert examples == ["how big is that part compared to the whole?", "the team is a unit"]
@@ -203,8 +225,10 @@ def test_english_corpus_is_deterministic_and_sized():
     # Measured: 166,621 texts, 1,613,876 words.
     assert 150_000 < stats["texts"] < 200_000 and 1_400_000 < stats["words"] < 1_900_000
     assert len(set(corpus)) == len(corpus)
-    assert corpus[0] == ("entity: that which is perceived or known or inferred to have its own "
-                         "distinct existence (living or nonliving)")
+    assert corpus[0] == (
+        "entity: that which is perceived or known or inferred to have its own "
+        "distinct existence (living or nonliving)"
+    )
     assert "Password (again)" in corpus  # a Django msgid
     assert tp.english_corpus(max_texts=500, seed=1) == tp.english_corpus(max_texts=500, seed=1)
     with pytest.raises(ValueError, match="sources"):
@@ -214,8 +238,9 @@ def test_english_corpus_is_deterministic_and_sized():
 @pytest.fixture(scope="module")
 def small_corpus():
     if WORDNET:
-        return tp.english_corpus(sources=("wordnet_definitions", "wordnet_examples"),
-                                 max_texts=3000, seed=0)
+        return tp.english_corpus(
+            sources=("wordnet_definitions", "wordnet_examples"), max_texts=3000, seed=0
+        )
     pytest.skip("WordNet (`apt-get install wordnet-base`) is not installed")
 
 
@@ -242,8 +267,10 @@ def test_vocabulary_round_trips_normalised_text(vocabulary, small_corpus):
     _, tokenizer = vocabulary
     texts = small_corpus[:300]
     decoded = tokenizer.detokenize(tokenizer(texts))
-    decoded = [d.decode() if isinstance(d, bytes) else str(d) for d in
-               (decoded.numpy().tolist() if hasattr(decoded, "numpy") else decoded)]
+    decoded = [
+        d.decode() if isinstance(d, bytes) else str(d)
+        for d in (decoded.numpy().tolist() if hasattr(decoded, "numpy") else decoded)
+    ]
     assert decoded == [tp.normalize_text(t) for t in texts]
 
 
@@ -262,6 +289,7 @@ def test_vocabulary_cache_and_errors(small_corpus, tmp_path):
 
 # ---------------------------------------------------------------------- the tiny T5 learns
 
+
 def test_tiny_t5_pretraining_beats_unigram_baseline(vocabulary, small_corpus):
     from trainers.experiments import small_t5
 
@@ -270,16 +298,28 @@ def test_tiny_t5_pretraining_beats_unigram_baseline(vocabulary, small_corpus):
     train, held = small_corpus[:2700], small_corpus[2700:]
     docs, held_docs = tp.tokenize_texts(train, tokenizer), tp.tokenize_texts(held, tokenizer)
     L = 32
-    hx, hy, hw = tp.stack_examples(tp.pretraining_examples(held_docs, "span_corruption", L,
-                                                           vocab, seed=1, repeat=False))
-    tx, ty, tw = tp.stack_examples(itertools.islice(
-        tp.pretraining_examples(docs, "span_corruption", L, vocab, seed=0), 1000))
+    hx, hy, hw = tp.stack_examples(
+        tp.pretraining_examples(held_docs, "span_corruption", L, vocab, seed=1, repeat=False)
+    )
+    tx, ty, tw = tp.stack_examples(
+        itertools.islice(tp.pretraining_examples(docs, "span_corruption", L, vocab, seed=0), 1000)
+    )
     baseline = tp.unigram_cross_entropy(ty, tw, hy, hw, vocab)
     model = small_t5.build_t5(small_t5.t5_config("tiny", vocab), seed=0)
     before = small_t5.heldout_loss(model, hx, hy, hw)
-    history = small_t5.pretrain_t5(model, tokenizer, train, "span_corruption", steps=30,
-                                   batch_size=16, sequence_length=L, learning_rate=0.1,
-                                   progress=False, token_docs=docs, log_every=10)
+    history = small_t5.pretrain_t5(
+        model,
+        tokenizer,
+        train,
+        "span_corruption",
+        steps=30,
+        batch_size=16,
+        sequence_length=L,
+        learning_rate=0.1,
+        progress=False,
+        token_docs=docs,
+        log_every=10,
+    )
     after = small_t5.heldout_loss(model, hx, hy, hw)
     assert before > np.log(vocab) - 0.5 > baseline  # starts near uniform
     assert after < baseline - 0.1, (before, after, baseline)
@@ -288,8 +328,9 @@ def test_tiny_t5_pretraining_beats_unigram_baseline(vocabulary, small_corpus):
     # padded to the encoder's length give the same loss (causal decoder, padding after).
     n_in = hx["encoder_padding_mask"].sum(1)
     wide = tp.stack_examples(
-        tp.pack_seq2seq(hx["encoder_token_ids"][i, :n_in[i]], hy[i, hw[i] > 0], L, L)
-        for i in range(len(hy)))
+        tp.pack_seq2seq(hx["encoder_token_ids"][i, : n_in[i]], hy[i, hw[i] > 0], L, L)
+        for i in range(len(hy))
+    )
     assert wide[1].shape[1] == L > hy.shape[1]
     assert np.isclose(small_t5.heldout_loss(model, *wide), after, rtol=1e-5)
     assert history.history["tokens_per_second"] > 0
@@ -298,8 +339,17 @@ def test_tiny_t5_pretraining_beats_unigram_baseline(vocabulary, small_corpus):
 def test_cached_pretrained_t5_round_trips_weights_bit_exactly(small_corpus, tmp_path):
     from trainers.experiments import small_t5
 
-    kwargs = dict(corpus=small_corpus[:800], size="tiny", vocabulary_size=400, steps=2,
-                  batch_size=4, sequence_length=16, learning_rate=0.1, seed=3, progress=False)
+    kwargs = dict(
+        corpus=small_corpus[:800],
+        size="tiny",
+        vocabulary_size=400,
+        steps=2,
+        batch_size=4,
+        sequence_length=16,
+        learning_rate=0.1,
+        seed=3,
+        progress=False,
+    )
     trained, tokenizer, info = small_t5.cached_pretrained_t5(tmp_path, **kwargs)
     assert info["cached"] is False and len(info["history"]["loss"]) == 2
     loaded, tokenizer2, info2 = small_t5.cached_pretrained_t5(tmp_path, **kwargs)
@@ -312,7 +362,9 @@ def test_cached_pretrained_t5_round_trips_weights_bit_exactly(small_corpus, tmp_
         # (Keras numbers layer names per process, so paths differ between the two models.)
         assert a.shape == b.shape and np.array_equal(np.asarray(a), np.asarray(b)), a.path
     assert sorted(p.name for p in tmp_path.glob("t5-*")) == [
-        f"t5-{info['key']}.json", f"t5-{info['key']}.weights.h5"]
+        f"t5-{info['key']}.json",
+        f"t5-{info['key']}.weights.h5",
+    ]
 
 
 def test_small_t5_bad_arguments(vocabulary):

@@ -52,13 +52,15 @@ everything it compares, so a comparison is never vacuous):
    under MirroredStrategy. Keras 3.15 cannot `fit` under MWMS without two workarounds
    (`tf_metaalign._compat.patch_keras_multi_worker_fit`, which every trainer created
    under MWMS applies itself; the worker applies it first for its plain-Keras row
-   probe). TensorFlow's gRPC server listens on all interfaces whatever TF_CONFIG says, so the two workers run
+   probe). TensorFlow's gRPC server listens on all interfaces whatever TF_CONFIG says, so the two
+   workers run
    in a network namespace of their own holding only loopback (`unshare --net`, where
    permitted).
 
 The subprocess scenarios run tests/battery_worker.py (one entry, one scenario, bounded by
 `SUBPROCESS_TIMEOUT`).
 """
+
 from __future__ import annotations
 
 import json
@@ -90,9 +92,18 @@ DROPOUT = 0.25
 
 #: the check names that an entry's `xfail`, `slow` and `tolerances` may use.
 CHECKS = (
-    "entry", "eager", "jit_compile", "steps_per_execution", "replicas", "mixed_float16",
-    "keras_round_trip", "backup_machinery", "backup_and_restore", "multi_worker",
-    "model_after_fit", "ragged_last_batch",
+    "entry",
+    "eager",
+    "jit_compile",
+    "steps_per_execution",
+    "replicas",
+    "mixed_float16",
+    "keras_round_trip",
+    "backup_machinery",
+    "backup_and_restore",
+    "multi_worker",
+    "model_after_fit",
+    "ragged_last_batch",
 )
 
 
@@ -128,8 +139,13 @@ def _assert_logs_same(entry, a, b, rtol, atol, names=None, what="logs"):
 
 def _assert_history_same(a, b, rtol, atol):
     assert sorted(a) == sorted(b), (sorted(a), sorted(b))
-    B.assert_same({k: np.asarray(v) for k, v in a.items()},
-                  {k: np.asarray(v) for k, v in b.items()}, rtol, atol, "History")
+    B.assert_same(
+        {k: np.asarray(v) for k, v in a.items()},
+        {k: np.asarray(v) for k, v in b.items()},
+        rtol,
+        atol,
+        "History",
+    )
 
 
 def _train_two_ways(entry, way_a, way_b, dropout=0.0):
@@ -263,8 +279,11 @@ def test_mixed_float16_trains_and_stays_finite(entry, mixed_float16):
     assert all(v.dtype == "float32" for v in trainer.model.trainable_variables)
     # Slots stay float32 (scalar hyperparameters may be float64: the package's optimizers
     # keep beta_1 & co. in float64 on purpose, see optimizers/base.py).
-    assert all(v.dtype == "float32" for v in trainer.optimizer.inner_optimizer.variables
-               if v.dtype not in ("int64", "int32") and len(v.shape) > 0)
+    assert all(
+        v.dtype == "float32"
+        for v in trainer.optimizer.inner_optimizer.variables
+        if v.dtype not in ("int64", "int32") and len(v.shape) > 0
+    )
     bad = [k for k, v in final.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
     assert not bad, f"non-finite after mixed_float16 training: {bad}"
     for name in ["loss", *entry.diagnostics]:
@@ -293,7 +312,9 @@ def test_keras_file_round_trip_and_continue(entry, exact, tmp_path):
     cut = 3 * entry.batch_size  # 3 steps first: an odd step count (phase of schedules)
     trainer = B.build(entry)
     initial = B.snapshot(entry, trainer)
-    B.fit(entry, trainer, B.take_rows(x, slice(None, cut)), B.take_rows(y, slice(None, cut)), epochs=1)
+    B.fit(
+        entry, trainer, B.take_rows(x, slice(None, cut)), B.take_rows(y, slice(None, cut)), epochs=1
+    )
     path = str(tmp_path / f"{entry.name}.keras")
     trainer.save(path)
     loaded = keras.models.load_model(path)
@@ -305,11 +326,20 @@ def test_keras_file_round_trip_and_continue(entry, exact, tmp_path):
     B.assert_trained(entry, initial, saved)
     B.assert_same(B.snapshot(entry, loaded), saved, 0.0, 0.0, "reloaded vs saved")
 
-    B.fit(entry, trainer, B.take_rows(x, slice(cut, None)), B.take_rows(y, slice(cut, None)), epochs=2)
-    B.fit(entry, loaded, B.take_rows(x, slice(cut, None)), B.take_rows(y, slice(cut, None)), epochs=2)
+    B.fit(
+        entry, trainer, B.take_rows(x, slice(cut, None)), B.take_rows(y, slice(cut, None)), epochs=2
+    )
+    B.fit(
+        entry, loaded, B.take_rows(x, slice(cut, None)), B.take_rows(y, slice(cut, None)), epochs=2
+    )
     rtol, atol = B.tolerance(entry, "keras_round_trip")
-    B.assert_same(B.snapshot(entry, loaded), B.snapshot(entry, trainer), rtol, atol,
-                  "continued from the reloaded vs the original trainer")
+    B.assert_same(
+        B.snapshot(entry, loaded),
+        B.snapshot(entry, trainer),
+        rtol,
+        atol,
+        "continued from the reloaded vs the original trainer",
+    )
 
 
 @pytest.mark.parametrize("entry", cases("model_after_fit"))
@@ -329,16 +359,27 @@ def test_wrapped_model_evaluates_predicts_and_saves_as_itself(entry, exact, tmp_
 
     def assert_same_logs(a, b, what):
         assert sorted(a) == sorted(b) and "loss" in a and len(a) > 1, (what, a, b)
-        B.assert_same({k: np.asarray(v) for k, v in a.items()},
-                      {k: np.asarray(v) for k, v in b.items()}, rtol, atol, what)
+        B.assert_same(
+            {k: np.asarray(v) for k, v in a.items()},
+            {k: np.asarray(v) for k, v in b.items()},
+            rtol,
+            atol,
+            what,
+        )
 
     plain = keras.models.clone_model(model)
     plain.set_weights(model.get_weights())
     compile_kwargs = entry.compile_kwargs()
-    plain.compile(loss=compile_kwargs["loss"], loss_weights=compile_kwargs.get("loss_weights"),
-                  metrics=compile_kwargs.get("metrics"))
-    assert_same_logs(got, plain.evaluate(x_model, y_eval, batch_size=8, verbose=0,
-                                         return_dict=True), "model.evaluate vs a plain copy")
+    plain.compile(
+        loss=compile_kwargs["loss"],
+        loss_weights=compile_kwargs.get("loss_weights"),
+        metrics=compile_kwargs.get("metrics"),
+    )
+    assert_same_logs(
+        got,
+        plain.evaluate(x_model, y_eval, batch_size=8, verbose=0, return_dict=True),
+        "model.evaluate vs a plain copy",
+    )
     path = str(tmp_path / "model.keras")
     model.save(path)
     loaded = keras.models.load_model(path)
@@ -348,15 +389,20 @@ def test_wrapped_model_evaluates_predicts_and_saves_as_itself(entry, exact, tmp_
         # variables of its own, e.g. MAML's learned inner learning rates: see compile).
         assert int(loaded.optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy())
     again = loaded.evaluate(x_model, y_eval, batch_size=8, verbose=0, return_dict=True)
-    B.assert_same({k: np.asarray(v) for k, v in again.items()},
-                  {k: np.asarray(v) for k, v in got.items()}, 0.0, 0.0,
-                  "the reloaded model vs the trained one")
+    B.assert_same(
+        {k: np.asarray(v) for k, v in again.items()},
+        {k: np.asarray(v) for k, v in got.items()},
+        0.0,
+        0.0,
+        "the reloaded model vs the trained one",
+    )
     if not entry.evaluates_model_batches:
         return
     expected = trainer.evaluate(x_eval, y_eval, batch_size=8, verbose=0, return_dict=True)
     assert_same_logs(got, expected, "model.evaluate vs trainer.evaluate")
-    np.testing.assert_allclose(model.predict(x_model, verbose=0),
-                               trainer.predict(x_eval, verbose=0), rtol=rtol, atol=atol)
+    np.testing.assert_allclose(
+        model.predict(x_model, verbose=0), trainer.predict(x_eval, verbose=0), rtol=rtol, atol=atol
+    )
 
 
 @pytest.mark.parametrize("entry", cases("ragged_last_batch"))
@@ -374,8 +420,13 @@ def test_ragged_last_batch_trains_on_one_and_two_replicas(entry, exact):
         for rows in (B.N_ROWS, B.N_ROWS + 1):
             trainer = B.build(entry, strategy=strategy)
             run = lambda: trainer.fit(  # noqa: E731
-                B.take_rows(x, slice(None, rows)), B.take_rows(y, slice(None, rows)), batch_size=entry.batch_size,
-                epochs=1, shuffle=False, verbose=0)
+                B.take_rows(x, slice(None, rows)),
+                B.take_rows(y, slice(None, rows)),
+                batch_size=entry.batch_size,
+                epochs=1,
+                shuffle=False,
+                verbose=0,
+            )
             if rows > B.N_ROWS and entry.ragged_last_batch != "trained":
                 with pytest.raises(ValueError, match=entry.ragged_last_batch):
                     run()
@@ -387,12 +438,20 @@ def test_ragged_last_batch_trains_on_one_and_two_replicas(entry, exact):
         return
     for replicas in (1, 2):
         weights = [k for k in results[replicas, B.N_ROWS] if k.startswith("weights/")]
-        assert B.max_relative_difference(
-            results[replicas, B.N_ROWS + 1], results[replicas, B.N_ROWS], weights
-        ) > 1e-6, f"{replicas} replica(s): the last batch (1 row) was not trained on"
+        assert (
+            B.max_relative_difference(
+                results[replicas, B.N_ROWS + 1], results[replicas, B.N_ROWS], weights
+            )
+            > 1e-6
+        ), f"{replicas} replica(s): the last batch (1 row) was not trained on"
     if entry.ragged_replicas_exact:
-        B.assert_same(results[2, B.N_ROWS + 1], results[1, B.N_ROWS + 1], rtol, atol,
-                      "ragged last batch, 2 replicas vs 1")
+        B.assert_same(
+            results[2, B.N_ROWS + 1],
+            results[1, B.N_ROWS + 1],
+            rtol,
+            atol,
+            "ragged last batch, 2 replicas vs 1",
+        )
 
 
 # ------------------------------------------------------------- subprocess scenarios
@@ -403,8 +462,9 @@ def _worker_env(**extra):
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(tf_metaalign.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(
-        [package_root, HERE, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join([package_root, HERE, env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep
+    )
     env.update(extra)
     return env
 
@@ -412,8 +472,12 @@ def _worker_env(**extra):
 def _start(entry, scenario, *args, env=None):
     cmd = [sys.executable, WORKER, entry.name, scenario, *map(str, args)]
     return subprocess.Popen(
-        cmd, cwd=REPO, env=env or _worker_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cmd,
+        cwd=REPO,
+        env=env or _worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -461,9 +525,23 @@ def _backup_runs(entry, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"backup_{entry.name}")
 
     def args(name, kill_batch):
-        return ["backup", "--out", root / f"{name}.npz", "--backup-dir", root / f"{name}_backup",
-                "--marker", root / f"{name}.killed", "--save-freq", SAVE_FREQ,
-                "--kill-epoch", KILL_EPOCH, "--kill-batch", kill_batch, "--dropout", DROPOUT]
+        return [
+            "backup",
+            "--out",
+            root / f"{name}.npz",
+            "--backup-dir",
+            root / f"{name}_backup",
+            "--marker",
+            root / f"{name}.killed",
+            "--save-freq",
+            SAVE_FREQ,
+            "--kill-epoch",
+            KILL_EPOCH,
+            "--kill-batch",
+            kill_batch,
+            "--dropout",
+            DROPOUT,
+        ]
 
     reference = _start(entry, *args("reference", -1))
     killed = _start(entry, *args("interrupted", KILL_BATCH))
@@ -512,9 +590,14 @@ def test_backup_and_restore_resumes_exactly(entry, tmp_path_factory):
     resumed = _load(runs["paths"]["resumed"])
     rtol, atol = B.tolerance(entry, "backup_and_restore")
     keys = [k for k in reference if not k.startswith("meta/")]
-    B.assert_same(resumed, reference, rtol, atol,
-                  "resumed after SIGKILL vs uninterrupted (weights, optimizer, state, Dropout seed)",
-                  keys=keys)
+    B.assert_same(
+        resumed,
+        reference,
+        rtol,
+        atol,
+        "resumed after SIGKILL vs uninterrupted (weights, optimizer, state, Dropout seed)",
+        keys=keys,
+    )
 
 
 # ---------------------------------------------------------- 8. MultiWorkerMirrored
@@ -547,11 +630,25 @@ def _loopback_only_prefix():
 @pytest.mark.parametrize("entry", cases("multi_worker"))
 def test_multi_worker_mirrored_equals_one_process(entry, exact, tmp_path):
     workers = 2
-    cmd = [sys.executable, WORKER, entry.name, "mwms-cluster", "--out", tmp_path,
-           "--workers", workers, "--timeout", SUBPROCESS_TIMEOUT]
+    cmd = [
+        sys.executable,
+        WORKER,
+        entry.name,
+        "mwms-cluster",
+        "--out",
+        tmp_path,
+        "--workers",
+        workers,
+        "--timeout",
+        SUBPROCESS_TIMEOUT,
+    ]
     proc = subprocess.Popen(
-        _loopback_only_prefix() + [str(c) for c in cmd], cwd=REPO, env=_worker_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        _loopback_only_prefix() + [str(c) for c in cmd],
+        cwd=REPO,
+        env=_worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     # The reference runs here meanwhile: one replica, each global batch in replica order.
     initial, single, single_logs = _one_replica_reference(entry, replicas=workers)
@@ -567,8 +664,10 @@ def test_multi_worker_mirrored_equals_one_process(entry, exact, tmp_path):
     for index in range(workers):
         rows = json.loads((tmp_path / f"rows{index}.json").read_text())
         assert rows["replicas"] == workers
-        expected = [[start + r for r in mwms_rows(size, workers, index)]
-                    for start in range(0, B.N_ROWS, size)]
+        expected = [
+            [start + r for r in mwms_rows(size, workers, index)]
+            for start in range(0, B.N_ROWS, size)
+        ]
         assert rows["rows"] == expected, f"worker {index} received other rows than documented"
     assert not (tmp_path / "worker1.npz").exists(), "only the chief writes results"
 
@@ -578,6 +677,10 @@ def test_multi_worker_mirrored_equals_one_process(entry, exact, tmp_path):
     keys = [k for k in chief if not k.startswith("logs/")]
     B.assert_same(chief, single, rtol, atol, "2 MWMS workers vs 1 replica", keys=keys)
     names = ["loss", *entry.diagnostics]
-    B.assert_same({n: chief[f"logs/{n}"] for n in names},
-                  B.logs_as_arrays(single_logs, names), rtol, atol,
-                  "per-batch logs, 2 MWMS workers vs 1 replica")
+    B.assert_same(
+        {n: chief[f"logs/{n}"] for n in names},
+        B.logs_as_arrays(single_logs, names),
+        rtol,
+        atol,
+        "per-batch logs, 2 MWMS workers vs 1 replica",
+    )

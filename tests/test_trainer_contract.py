@@ -1,5 +1,6 @@
 """The trainer contract (tf_metaalign.trainers.base): Keras's loss path, diagnostics,
 every-k-steps schedules, weights copies, committing weights, mid-epoch resumption."""
+
 import json
 
 import keras
@@ -89,16 +90,20 @@ def test_guided_at_meta_lr_zero_trains_on_the_loss_plain_fit_trains_on(kind, flo
     h_plain = plain.fit(x, targets(y), batch_size=8, epochs=1, shuffle=False, verbose=0)
 
     model = _built(make, 1)
-    trainer = GuidedTrainer(model, (x[:8], targets(y[:8])), meta_optimizer=O.Adam(0.0),
-                            commit_forward_update=False)
+    trainer = GuidedTrainer(
+        model, (x[:8], targets(y[:8])), meta_optimizer=O.Adam(0.0), commit_forward_update=False
+    )
     trainer.compile(O.Adam(0.02), **compile_kwargs)
     h = trainer.fit(x, targets(y), batch_size=8, epochs=1, shuffle=False, verbose=0)
     for a, b in zip(_weights(plain), _weights(model)):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(h.history["loss"], h_plain.history["loss"], rtol=1e-12)
     # evaluate() reports the same loss as the model's own evaluate().
-    np.testing.assert_allclose(trainer.evaluate(x, targets(y), verbose=0),
-                               plain.evaluate(x, targets(y), verbose=0), rtol=1e-12)
+    np.testing.assert_allclose(
+        trainer.evaluate(x, targets(y), verbose=0),
+        plain.evaluate(x, targets(y), verbose=0),
+        rtol=1e-12,
+    )
 
 
 def test_the_override_is_not_ignored(float64):
@@ -110,7 +115,8 @@ def test_the_override_is_not_ignored(float64):
     loss_fn = F.make_loss_fn(_built(lambda: PenalisedModel(), 1), keras.losses.MeanSquaredError())
     m = _built(lambda: PenalisedModel(), 1)
     value, _ = F.make_loss_fn(m, keras.losses.MeanSquaredError())(
-        F.current_params(m), F.current_state(m), (x, y))
+        F.current_params(m), F.current_state(m), (x, y)
+    )
     expected = np.mean((m(x).numpy() - y) ** 2) + 0.5 * np.mean(m(x).numpy() ** 2)
     np.testing.assert_allclose(float(value), expected, rtol=1e-10)
     del loss_fn
@@ -128,8 +134,9 @@ def test_dotprod_weight_zero_on_a_multi_output_model_is_plain_fit_at_half_rate(f
     plain.fit(x, [y[:, :1], y[:, 1:]], batch_size=8, epochs=1, shuffle=False, verbose=0)
     model = _built(make, 2)
     trainer = DotProdTrainer(model, weight=0.0)
-    trainer.compile(optimizer=keras.optimizers.SGD(0.05), loss=["mse", "mse"],
-                    loss_weights=[0.3, 2.0])
+    trainer.compile(
+        optimizer=keras.optimizers.SGD(0.05), loss=["mse", "mse"], loss_weights=[0.3, 2.0]
+    )
     trainer.fit(x, [y[:, :1], y[:, 1:]], batch_size=8, epochs=1, shuffle=False, verbose=0)
     for a, b in zip(_weights(plain), _weights(model)):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
@@ -217,7 +224,8 @@ class CopyTrainer(MetaTrainer):
     def train_step(self, data):
         x, y, sw = self.unpack(data)
         loss, grads, (state, y_pred) = F.value_and_grad(
-            self.loss_fn(), F.current_params(self.model), F.current_state(self.model), (x, y, sw))
+            self.loss_fn(), F.current_params(self.model), F.current_state(self.model), (x, y, sw)
+        )
         grads = F.all_reduce_sum(grads)
         new = [p - 0.1 * g for p, g in zip(F.current_params(self.model), grads)]
         return self.finish_step(data, y_pred, loss, new_state=state, new_params=new)
@@ -276,8 +284,12 @@ def test_committed_weights_under_two_replicas_equal_one_replica():
                 np.testing.assert_array_equal(a, b)
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    assert not np.allclose(results[0][0], CopyTrainer(
-        keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])).model.trainable_variables[0].numpy())
+    assert not np.allclose(
+        results[0][0],
+        CopyTrainer(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+        .model.trainable_variables[0]
+        .numpy(),
+    )
 
 
 def test_commit_weights_checks_lengths():
@@ -290,8 +302,13 @@ def test_finish_step_takes_one_update_kind():
     trainer = CopyTrainer(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
     trainer.compile(loss="mse")
     with pytest.raises(ValueError, match="at most one"):
-        trainer.finish_step((np.zeros((1, 4)), np.zeros((1, 2))), None, tf.constant(0.0),
-                            gradients=[], new_params=[])
+        trainer.finish_step(
+            (np.zeros((1, 4)), np.zeros((1, 2))),
+            None,
+            tf.constant(0.0),
+            gradients=[],
+            new_params=[],
+        )
 
 
 # ----------------------------------------------------------- resuming mid-epoch
@@ -312,8 +329,14 @@ class _Interrupt(keras.callbacks.Callback):
 
 def _dotprod_run(backup_dir=None, interrupt=None):
     keras.utils.set_random_seed(7)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
-                              keras.layers.Dropout(0.3, seed=1), keras.layers.Dense(2)])
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dropout(0.3, seed=1),
+            keras.layers.Dense(2),
+        ]
+    )
     trainer = DotProdTrainer(model, weight=0.2, every=2)
     trainer.compile(optimizer=O.Adam(0.01), loss="mse")
     callbacks = []
@@ -346,7 +369,9 @@ def test_a_fresh_fit_never_skips_batches():
     at its first batch (as plain Keras does)."""
     x, y = _data(32, dtype="float32")
     keras.utils.set_random_seed(0)
-    trainer = DotProdTrainer(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]), weight=0.0)
+    trainer = DotProdTrainer(
+        keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]), weight=0.0
+    )
     trainer.compile(optimizer=O.SGD(0.1), loss="mse")
     with pytest.raises(KeyboardInterrupt):
         trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[_Interrupt(1, 0)])
@@ -377,7 +402,8 @@ class StackedReptile(MetaTrainer):
         for i in range(x.shape[0]):
             loss, g, (state, y_pred) = F.value_and_grad(self.loss_fn(), theta, state, (x[i], y[i]))
             theta, inner_state = self.inner.apply_on_tensors(
-                F.all_reduce_sum(g), theta, inner_state, self.model.trainable_variables)
+                F.all_reduce_sum(g), theta, inner_state, self.model.trainable_variables
+            )
         delta = F.replica_share([p - t for p, t in zip(phi, theta)])
         return self.finish_step((x[-1], y[-1]), y_pred, loss, new_state=state, gradients=delta)
 
@@ -396,7 +422,8 @@ class SlowWeightsReptile(MetaTrainer):
     def train_step(self, data):
         x, y, sw = self.unpack(data)
         loss, grads, (state, y_pred) = F.value_and_grad(
-            self.loss_fn(), F.current_params(self.model), F.current_state(self.model), (x, y, sw))
+            self.loss_fn(), F.current_params(self.model), F.current_state(self.model), (x, y, sw)
+        )
 
         def update():
             self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
@@ -406,8 +433,9 @@ class SlowWeightsReptile(MetaTrainer):
             outer = [p + self.eta * (t - p) for p, t in zip(phi, theta)]
             due = self.schedule.is_last()
             # A commit communicates: select, then commit unconditionally (replica_safe_cond's rule).
-            fast, new_phi = replica_safe_cond(due, lambda: (outer, outer), lambda: (theta, phi),
-                                              communicates=True)
+            fast, new_phi = replica_safe_cond(
+                due, lambda: (outer, outer), lambda: (theta, phi), communicates=True
+            )
             commit_weights(self.model.trainable_variables, fast)
             for v, value in zip(slow, new_phi):
                 v.assign(value)
@@ -417,8 +445,9 @@ class SlowWeightsReptile(MetaTrainer):
 
 def _mlp(seed):
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, activation="tanh"),
-                             keras.layers.Dense(2)])
+    return keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(2)]
+    )
 
 
 def _plain_sgd(seed, x, y, lr, batch_size):
@@ -438,7 +467,9 @@ def test_stacked_inner_loop_with_outer_sgd_1_is_plain_sgd(float64, replicas):
     with strategy.scope():
         trainer = StackedReptile(_mlp(0), inner_learning_rate=0.125)
         trainer.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
-    stacked = tf.data.Dataset.from_tensor_slices((x, y)).batch(8, True).batch(3, True)  # [3, 8, ...]
+    stacked = (
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(8, True).batch(3, True)
+    )  # [3, 8, ...]
     if replicas == 2:  # each replica gets its half of every inner batch
         stacked = stacked.map(lambda a, b: (_interleave_halves(a), _interleave_halves(b)))
     trainer.fit(stacked, verbose=0)
@@ -468,7 +499,9 @@ def test_slow_weights_trajectory_equals_its_closed_form(float64, k, eta):
     phi = [v.numpy() for v in model.trainable_variables]
     for step, start in enumerate(range(0, 48, 8)):
         with tf.GradientTape() as tape:
-            loss = keras.losses.MeanSquaredError()(y[start:start + 8], model(x[start:start + 8]))
+            loss = keras.losses.MeanSquaredError()(
+                y[start : start + 8], model(x[start : start + 8])
+            )
         for v, g in zip(model.trainable_variables, tape.gradient(loss, model.trainable_variables)):
             v.assign_sub(0.125 * g)
         if (step + 1) % k == 0:

@@ -9,6 +9,7 @@ up here by name.
 Everything an entry builds must be deterministic (fixed seeds, unshuffled data), tiny
 (an MLP of a few units) and fresh on every call (a new optimizer / loss object each time).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -182,8 +183,9 @@ def _sequential_reptile_trainer(model, data_dtype):
 
     # inner_steps=3: 10 steps per run end mid-trajectory (fit discards it), the kill of
     # the backup check comes mid-trajectory; the reset commits the slots every outer step.
-    return SequentialReptileTrainer(model, inner_steps=3, outer_learning_rate=0.5,
-                                    reset_inner_optimizer=True)
+    return SequentialReptileTrainer(
+        model, inner_steps=3, outer_learning_rate=0.5, reset_inner_optimizer=True
+    )
 
 
 def _sequential_reptile_compile():
@@ -206,8 +208,7 @@ def _reptile_trainer(model, data_dtype):
     from tf_metaalign import optimizers as O
     from tf_metaalign.trainers import ReptileTrainer
 
-    return ReptileTrainer(model, inner_steps=STACKED_K, inner_optimizer=O.Adam(0.05),
-                          stack_axis=1)
+    return ReptileTrainer(model, inner_steps=STACKED_K, inner_optimizer=O.Adam(0.05), stack_axis=1)
 
 
 def _fomaml_trainer(model, data_dtype):
@@ -227,8 +228,7 @@ def task_stacked_regression_data(n, dtype="float64", seed=0, tasks=2, k=STACKED_
 def _multi_task_reptile_trainer(model, data_dtype):
     from tf_metaalign.trainers import MultiTaskReptileTrainer
 
-    return MultiTaskReptileTrainer(model, inner_steps=STACKED_K, inner_optimizer=0.1,
-                                   stack_axis=1)
+    return MultiTaskReptileTrainer(model, inner_steps=STACKED_K, inner_optimizer=0.1, stack_axis=1)
 
 
 def _outer_compile():
@@ -275,13 +275,23 @@ ENTRIES = [
         make_trainer=_guided_trainer,
         compile_kwargs=_guided_compile,
         state_variables=(
-            "raw_learning_rate", "raw_beta_1",
-            "meta_learning_rate_m", "meta_learning_rate_v", "meta_beta_1_m", "meta_beta_1_v",
-            "count", "guided_steps", "nonfinite_hypergrads", "initialized",
+            "raw_learning_rate",
+            "raw_beta_1",
+            "meta_learning_rate_m",
+            "meta_learning_rate_v",
+            "meta_beta_1_m",
+            "meta_beta_1_v",
+            "count",
+            "guided_steps",
+            "nonfinite_hypergrads",
+            "initialized",
         ),
         diagnostics=(
-            "guidance_loss", "hypergrad_learning_rate", "hypergrad_beta_1",
-            "learning_rate_scale", "beta_1",
+            "guidance_loss",
+            "hypergrad_learning_rate",
+            "hypergrad_beta_1",
+            "learning_rate_scale",
+            "beta_1",
         ),
     ),
 ]
@@ -308,7 +318,8 @@ ENTRIES += [
         compile_kwargs=_outer_compile,
         state_variables=("count",),
         make_data=stacked_regression_data,  # k = 1 inner batch + 1 query batch
-        # two processes under -m slow: the "maml" entry runs MAMLTrainer's (and "reptile" the stacked inner loop's) in the default suite (its 20-minute budget)
+        # two processes under -m slow: the "maml" entry runs MAMLTrainer's (and "reptile" the
+        # stacked inner loop's) in the default suite (its 20-minute budget)
         slow=("multi_worker", "ragged_last_batch", "model_after_fit"),
     ),
     TrainerEntry(
@@ -349,8 +360,7 @@ ENTRIES += [
         name="multitask_gradnorm",
         make_trainer=_multitask_trainer("gradnorm", gradnorm_learning_rate=0.05),
         compile_kwargs=_multitask_compile,
-        state_variables=("count", "gradnorm_weights", "gradnorm_initial_losses",
-                         "gradnorm_seen"),
+        state_variables=("count", "gradnorm_weights", "gradnorm_initial_losses", "gradnorm_seen"),
         diagnostics=("task_cosine",),
         make_data=multitask_data,
         make_eval_data=multitask_data,
@@ -361,7 +371,6 @@ ENTRIES += [
         slow=("multi_worker", "ragged_last_batch", "model_after_fit"),
     ),
 ]
-
 
 
 def _method_state(method, num_tasks=3):
@@ -376,9 +385,19 @@ def _method_state(method, num_tasks=3):
 #: The battery's checks that only the first two zoo entries run in the default suite
 #: (tests/test_multitask_methods.py checks every method's step, 1 replica == 2 and its
 #: checkpointed state there; the battery's slow runs cover the rest of each entry).
-_ALL_BUT_ENTRY = ("eager", "jit_compile", "steps_per_execution", "replicas", "mixed_float16",
-                  "keras_round_trip", "backup_machinery", "backup_and_restore", "multi_worker",
-                  "model_after_fit", "ragged_last_batch")
+_ALL_BUT_ENTRY = (
+    "eager",
+    "jit_compile",
+    "steps_per_execution",
+    "replicas",
+    "mixed_float16",
+    "keras_round_trip",
+    "backup_machinery",
+    "backup_and_restore",
+    "multi_worker",
+    "model_after_fit",
+    "ragged_last_batch",
+)
 
 # The method zoo (issue 19), one entry per registered method beyond the three above.
 # UW (trainable state, trained by the compiled optimizer) and Nash-MTL (an in-graph
@@ -395,16 +414,29 @@ ENTRIES += [
         make_eval_data=multitask_data,
         ragged_replicas_exact=True,
         model_inputs=lambda x: x["inputs"],
-        slow=(("multi_worker", "ragged_last_batch", "model_after_fit")
-              if method in ("uw", "nash_mtl") else _ALL_BUT_ENTRY),
+        slow=(
+            ("multi_worker", "ragged_last_batch", "model_after_fit")
+            if method in ("uw", "nash_mtl")
+            else _ALL_BUT_ENTRY
+        ),
         # Solvers iterate to convergence: rounding differs between XLA and graph code at
         # 1e-12 and the steps then agree to ~1e-9.
         tolerances={"jit_compile": (1e-6, 1e-9)} if method in ("nash_mtl",) else {},
         # Nash-MTL's alpha and RLW's random weights move the logged weighted loss.
         logged_loss_tracks_progress=method not in ("nash_mtl", "rlw"),
     )
-    for method in ("sum", "rlw", "uw", "dwa", "famo", "mgda", "cagrad", "imtl", "nash_mtl",
-                   "aligned_mtl")
+    for method in (
+        "sum",
+        "rlw",
+        "uw",
+        "dwa",
+        "famo",
+        "mgda",
+        "cagrad",
+        "imtl",
+        "nash_mtl",
+        "aligned_mtl",
+    )
 ]
 
 
@@ -428,8 +460,14 @@ def _maml_trainer(**options):
 
         kwargs = dict(options)
         sharing = kwargs.pop("gradient_sharing", None)
-        return MAMLTrainer(model, inner_steps=2, inner_learning_rate=0.2, tasks_per_batch=8,
-                           gradient_sharing=GradientSharing() if sharing else None, **kwargs)
+        return MAMLTrainer(
+            model,
+            inner_steps=2,
+            inner_learning_rate=0.2,
+            tasks_per_batch=8,
+            gradient_sharing=GradientSharing() if sharing else None,
+            **kwargs,
+        )
 
     return make
 
@@ -449,9 +487,13 @@ ENTRIES += [
         # Second order, MAML++ (LSLR, multi-step loss annealed over 2 epochs, first order
         # in epoch 0 then second order) and gradient sharing, all at once.
         name="maml",
-        make_trainer=_maml_trainer(learn_inner_learning_rates="per_layer_per_step",
-                                   gradient_sharing=True, multi_step_loss=True,
-                                   multi_step_loss_epochs=2, first_order_epochs=1),
+        make_trainer=_maml_trainer(
+            learn_inner_learning_rates="per_layer_per_step",
+            gradient_sharing=True,
+            multi_step_loss=True,
+            multi_step_loss_epochs=2,
+            first_order_epochs=1,
+        ),
         compile_kwargs=_outer_compile,
         state_variables=_maml_state(["inner_learning_rates"]),
         diagnostics=("support_loss", "inner_learning_rate", "sharing_m", "sharing_lambda"),
@@ -466,17 +508,26 @@ ENTRIES += [
     TrainerEntry(
         # First order (inner loop off the outer tape), Meta-SGD, gradient sharing.
         name="meta_sgd_first_order",
-        make_trainer=_maml_trainer(first_order=True, learn_inner_learning_rates="per_parameter",
-                                   gradient_sharing=True),
+        make_trainer=_maml_trainer(
+            first_order=True, learn_inner_learning_rates="per_parameter", gradient_sharing=True
+        ),
         # Every check runs for the "maml" entry in the default suite; here only the two
         # replicas check (first order all-reduces differently), the rest under -m slow
         # (the suite's 20-minute budget).
-        slow=("backup_and_restore", "backup_machinery", "multi_worker", "jit_compile",
-              "steps_per_execution", "keras_round_trip", "mixed_float16", "eager",
-              "ragged_last_batch", "model_after_fit"),
+        slow=(
+            "backup_and_restore",
+            "backup_machinery",
+            "multi_worker",
+            "jit_compile",
+            "steps_per_execution",
+            "keras_round_trip",
+            "mixed_float16",
+            "eager",
+            "ragged_last_batch",
+            "model_after_fit",
+        ),
         compile_kwargs=_outer_compile,
-        state_variables=_maml_state([f"inner_learning_rate_{i}" for i in range(4)],
-                                    epochs=False),
+        state_variables=_maml_state([f"inner_learning_rate_{i}" for i in range(4)], epochs=False),
         diagnostics=("support_loss", "inner_learning_rate", "sharing_m", "sharing_lambda"),
         make_data=maml_task_data,
         evaluates_model_batches=False,
@@ -502,8 +553,11 @@ class PromptOffset(keras.layers.Layer):
     "prompt", which the prompt trainers select by default)."""
 
     def build(self, input_shape):
-        self.offset = self.add_weight(shape=(input_shape[-1],), name="offset",
-                                      initializer=keras.initializers.RandomNormal(seed=11))
+        self.offset = self.add_weight(
+            shape=(input_shape[-1],),
+            name="offset",
+            initializer=keras.initializers.RandomNormal(seed=11),
+        )
 
     def call(self, x):
         return x + tf.cast(self.offset, x.dtype)
@@ -513,8 +567,11 @@ def prompt_mlp(dtype="float64", dropout=0.0, seed=0):
     """`mlp` with a `PromptOffset` named "prompt" on its input."""
     keras.utils.set_random_seed(seed)
     input_dtype = dtype or keras.backend.floatx()
-    layers = [keras.Input((4,), dtype=input_dtype), PromptOffset(name="prompt", dtype=dtype),
-              keras.layers.Dense(5, activation="tanh", dtype=dtype)]
+    layers = [
+        keras.Input((4,), dtype=input_dtype),
+        PromptOffset(name="prompt", dtype=dtype),
+        keras.layers.Dense(5, activation="tanh", dtype=dtype),
+    ]
     if dropout:
         layers.append(keras.layers.Dropout(dropout, seed=7, dtype=dtype))
     layers.append(keras.layers.Dense(2, dtype=dtype))
@@ -529,8 +586,14 @@ def prompt_task_data(n, dtype="float64", seed=0, steps=STACKED_K, n_support=2, n
     x, y = regression_data(n * per_task, dtype=dtype, seed=seed)
     x, y = x.reshape(n, per_task, -1), y.reshape(n, per_task, -1)
     cut = steps * n_support
-    return ((x[:, :cut].reshape(n, steps, n_support, -1),
-             y[:, :cut].reshape(n, steps, n_support, -1), x[:, cut:]), y[:, cut:])
+    return (
+        (
+            x[:, :cut].reshape(n, steps, n_support, -1),
+            y[:, :cut].reshape(n, steps, n_support, -1),
+            x[:, cut:],
+        ),
+        y[:, cut:],
+    )
 
 
 def _prompt_fomaml_trainer(model, data_dtype):
@@ -538,8 +601,13 @@ def _prompt_fomaml_trainer(model, data_dtype):
     from tf_metaalign.trainers.prompt_meta import PromptFOMAMLTrainer
 
     # A fresh inner optimizer per task: replica-count independent (see the Reptile entry).
-    return PromptFOMAMLTrainer(model, inner_steps=STACKED_K, inner_optimizer=O.Adam(0.05),
-                               carry_inner_state=False, tasks_per_batch=8)
+    return PromptFOMAMLTrainer(
+        model,
+        inner_steps=STACKED_K,
+        inner_optimizer=O.Adam(0.05),
+        carry_inner_state=False,
+        tasks_per_batch=8,
+    )
 
 
 def _prompt_reptile_trainer(model, data_dtype):
@@ -547,12 +615,15 @@ def _prompt_reptile_trainer(model, data_dtype):
 
     # The paper's Adafactor (update clipping included), carried across tasks and
     # meta-batches.
-    return PromptReptileTrainer(model, inner_steps=STACKED_K,
-                                inner_optimizer=default_adafactor(0.05), tasks_per_batch=8)
+    return PromptReptileTrainer(
+        model, inner_steps=STACKED_K, inner_optimizer=default_adafactor(0.05), tasks_per_batch=8
+    )
 
 
-_CARRIED = ("the inner optimizer state is chained through each replica's tasks (as through "
-            "each DDP process's in the reference), so R replicas differ from 1")
+_CARRIED = (
+    "the inner optimizer state is chained through each replica's tasks (as through "
+    "each DDP process's in the reference), so R replicas differ from 1"
+)
 
 ENTRIES += [
     TrainerEntry(
@@ -572,9 +643,15 @@ ENTRIES += [
         make_trainer=_prompt_reptile_trainer,
         compile_kwargs=_outer_compile,
         state_variables=(
-            "count", "inner_prompt_v_0", "inner_prompt_iterations",
-            "inner_other_v_row_0", "inner_other_v_col_0", "inner_other_v_1",
-            "inner_other_v_row_2", "inner_other_v_col_2", "inner_other_v_3",
+            "count",
+            "inner_prompt_v_0",
+            "inner_prompt_iterations",
+            "inner_other_v_row_0",
+            "inner_other_v_col_0",
+            "inner_other_v_1",
+            "inner_other_v_row_2",
+            "inner_other_v_col_2",
+            "inner_other_v_3",
             "inner_other_iterations",
         ),
         diagnostics=("support_loss",),
@@ -582,12 +659,17 @@ ENTRIES += [
         make_data=prompt_task_data,
         ragged_last_batch="leave a last batch of 1 task",
         tolerance=(1e-6, 1e-10),
-        xfail={"replicas": (_CARRIED, AssertionError),
-               "multi_worker": (_CARRIED, AssertionError)},
+        xfail={"replicas": (_CARRIED, AssertionError), "multi_worker": (_CARRIED, AssertionError)},
         # The default suite keeps what exercises its carried Adafactor state (save/load,
         # kill and resume, eager == traced); prompt_fomaml runs every check.
-        slow=("multi_worker", "jit_compile", "replicas", "mixed_float16",
-              "steps_per_execution", "ragged_last_batch"),
+        slow=(
+            "multi_worker",
+            "jit_compile",
+            "replicas",
+            "mixed_float16",
+            "steps_per_execution",
+            "ragged_last_batch",
+        ),
     ),
 ]
 

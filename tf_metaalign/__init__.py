@@ -25,6 +25,7 @@ What a user imports (each subpackage lists its API in `__all__`):
 The repository's `trainers/` (the programs, and `trainers/experiments/`: our paper
 reproductions' data and models) is not part of the installed package.
 """
+
 __version__ = "0.1.0"
 
 from tf_metaalign import (  # noqa: E402
@@ -39,5 +40,13 @@ from tf_metaalign import (  # noqa: E402
 )
 
 __all__ = [
-    "algorithms", "callbacks", "data", "forward_mode", "functional", "optimizers", "prompts", "trainers", "__version__",
+    "algorithms",
+    "callbacks",
+    "data",
+    "forward_mode",
+    "functional",
+    "optimizers",
+    "prompts",
+    "trainers",
+    "__version__",
 ]

@@ -15,6 +15,7 @@ as scalars at the measured step.
 gradient dot product explodes, not only on NaN. `DotProdTrainer` adds one itself
 (`on_divergence=`).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -50,24 +51,37 @@ class MultiTaskDiagnostics(keras.callbacks.Callback):
     call `reset_initial_weights()` to measure from now.
     """
 
-    def __init__(self, task_batches: Mapping, every_n_batches: int | None = None,
-                 log_dir=None, model_takes_task_id: bool = False):
+    def __init__(
+        self,
+        task_batches: Mapping,
+        every_n_batches: int | None = None,
+        log_dir=None,
+        model_takes_task_id: bool = False,
+    ):
         super().__init__()
         if not isinstance(task_batches, Mapping) or len(task_batches) < 2:
             raise ValueError(
                 "`task_batches` must map at least two task names to a batch (x, y); got "
                 f"{type(task_batches).__name__}"
-                + (f" with {len(task_batches)} task(s)" if isinstance(task_batches, Mapping) else "")
+                + (
+                    f" with {len(task_batches)} task(s)"
+                    if isinstance(task_batches, Mapping)
+                    else ""
+                )
                 + "."
             )
         if every_n_batches is not None and (
-            isinstance(every_n_batches, bool) or not isinstance(every_n_batches, int)
+            isinstance(every_n_batches, bool)
+            or not isinstance(every_n_batches, int)
             or every_n_batches < 1
         ):
-            raise ValueError(f"`every_n_batches` must be None or an integer >= 1; got {every_n_batches!r}.")
+            raise ValueError(
+                f"`every_n_batches` must be None or an integer >= 1; got {every_n_batches!r}."
+            )
         self.task_names = list(task_batches)
-        self._batches = [_model_batch(task_batches[n], model_takes_task_id, n)
-                         for n in self.task_names]
+        self._batches = [
+            _model_batch(task_batches[n], model_takes_task_id, n) for n in self.task_names
+        ]
         self.every_n_batches = every_n_batches
         self.log_dir = log_dir
         self._writer = None
@@ -176,20 +190,34 @@ class DivergenceGuard(keras.callbacks.Callback):
 
     ACTIONS = ("warn", "stop")
 
-    def __init__(self, action="warn", loss_ratio=10.0, grad_dot_ratio=100.0, monitor="grad_dot",
-                 every_n_batches=None, advice=""):
+    def __init__(
+        self,
+        action="warn",
+        loss_ratio=10.0,
+        grad_dot_ratio=100.0,
+        monitor="grad_dot",
+        every_n_batches=None,
+        advice="",
+    ):
         super().__init__()
         if action not in self.ACTIONS:
             raise ValueError(f"`action` must be one of {self.ACTIONS}; got {action!r}.")
-        for name, value, allow_none in (("loss_ratio", loss_ratio, False),
-                                        ("grad_dot_ratio", grad_dot_ratio, True)):
+        for name, value, allow_none in (
+            ("loss_ratio", loss_ratio, False),
+            ("grad_dot_ratio", grad_dot_ratio, True),
+        ):
             if value is None and allow_none:
                 continue
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or value <= 1):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 1
+            ):
                 raise ValueError(f"`{name}` must be a finite number > 1; got {value!r}.")
         if every_n_batches is not None and (
-            isinstance(every_n_batches, bool) or not isinstance(every_n_batches, int)
+            isinstance(every_n_batches, bool)
+            or not isinstance(every_n_batches, int)
             or every_n_batches < 1
         ):
             raise ValueError(
@@ -218,18 +246,23 @@ class DivergenceGuard(keras.callbacks.Callback):
         cause = None
         if not math.isfinite(loss):
             cause = f"the loss is {loss}"
-        elif (self._best_loss is not None and self._best_loss > 0
-              and loss > self.loss_ratio * self._best_loss
-              and self._last_loss is not None and loss > self._last_loss
-              and (self._first_loss is None or loss > self._first_loss)):
-            cause = (f"the loss {loss:.4g} is {loss / self._best_loss:.3g}x its best value "
-                     f"{self._best_loss:.4g} and rising")
+        elif (
+            self._best_loss is not None
+            and self._best_loss > 0
+            and loss > self.loss_ratio * self._best_loss
+            and self._last_loss is not None
+            and loss > self._last_loss
+            and (self._first_loss is None or loss > self._first_loss)
+        ):
+            cause = (
+                f"the loss {loss:.4g} is {loss / self._best_loss:.3g}x its best value "
+                f"{self._best_loss:.4g} and rising"
+            )
         dot = logs.get(self.monitor) if self.grad_dot_ratio is not None else None
         if cause is None and dot is not None and self._first_dot:
             dot = float(dot)
             if not math.isfinite(dot) or abs(dot) > self.grad_dot_ratio * self._first_dot:
-                cause = (f"{self.monitor} grew from {self._first_dot:.4g} (first epoch) to "
-                         f"{dot:.4g}")
+                cause = f"{self.monitor} grew from {self._first_dot:.4g} (first epoch) to {dot:.4g}"
         # A loss of exactly 0 is not a reference: a fit resumed by BackupAndRestore logs
         # the reset metrics (0) for the batches it skips.
         usable = math.isfinite(loss) and loss != 0.0
@@ -243,7 +276,8 @@ class DivergenceGuard(keras.callbacks.Callback):
         if cause is None:
             return
         self.fired = f"Training is diverging ({where}): {cause}." + (
-            f" {self.advice}" if self.advice else "")
+            f" {self.advice}" if self.advice else ""
+        )
         logging.warning("%s", self.fired)
         warnings.warn(self.fired, RuntimeWarning, stacklevel=2)
         if self.action == "stop":

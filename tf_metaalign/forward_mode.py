@@ -29,6 +29,7 @@ passes the tangent of ``x`` where ``x >= y``, ``minimum`` where ``x <= y``,
 A tangent may have a broadcastable shape smaller than its primal (a scalar tangent
 of a tensor whose every element moves alike); reductions and `tangents` expand it.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -147,9 +148,7 @@ def tangent(x, k):
 def seed(value, directions: int, index: int | None):
     """`value` as a Dual with tangent 1 in direction `index` and zero in the others."""
     value = tf.convert_to_tensor(value)
-    return Dual(
-        value, [tf.ones_like(value) if k == index else None for k in range(directions)]
-    )
+    return Dual(value, [tf.ones_like(value) if k == index else None for k in range(directions)])
 
 
 def tangents(x, directions: int):
@@ -337,7 +336,9 @@ def _cast(x, dtype, name=None):
 
 @tf.experimental.dispatch_for_api(tf.identity, {"input": Dual})
 def _identity(input, name=None):  # noqa: A002  (the API's parameter name)
-    return _make(tf.identity(input.primal), [None if t is None else tf.identity(t) for t in input.tangents])
+    return _make(
+        tf.identity(input.primal), [None if t is None else tf.identity(t) for t in input.tangents]
+    )
 
 
 @tf.experimental.dispatch_for_api(tf.stop_gradient, {"input": Dual})
@@ -435,9 +436,13 @@ def jvp(fn, args: Sequence, directions: Sequence[Sequence]):
     duals = []
     for j, a in enumerate(args):
         ts = [d[j] for d in directions]
-        duals.append(a if all(t is None for t in ts) else Dual(a, [
-            None if t is None else tf.cast(t, tf.convert_to_tensor(a).dtype) for t in ts
-        ]))
+        duals.append(
+            a
+            if all(t is None for t in ts)
+            else Dual(
+                a, [None if t is None else tf.cast(t, tf.convert_to_tensor(a).dtype) for t in ts]
+            )
+        )
     out = fn(*duals)
     return primal(out), tangents(out, n)
 

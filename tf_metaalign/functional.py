@@ -21,6 +21,7 @@ Conventions
   such per-replica values into the global value; `unscale_loss_for_distribution` turns a
   per-replica loss back into a number that does not depend on the replica count.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -96,8 +97,11 @@ def stateless_forward(
     """
     _ensure_built(model)
     kwargs = {"training": training} if call_has_training_arg(model) else {}
-    context = (_compat.batch_norm_for_meta_gradients(model) if exact_batch_norm
-               else contextlib.nullcontext())
+    context = (
+        _compat.batch_norm_for_meta_gradients(model)
+        if exact_batch_norm
+        else contextlib.nullcontext()
+    )
     with context:
         outputs, new_state, losses = model.stateless_call(
             list(params), list(state), x, return_losses=True, **kwargs
@@ -133,8 +137,9 @@ def call_has_training_arg(model: keras.Model) -> bool:
     return "training" in inspect.signature(model.call).parameters
 
 
-def compute_loss(model: keras.Model, x, y, y_pred, sample_weight, model_losses,
-                 training=True, loss=None):
+def compute_loss(
+    model: keras.Model, x, y, y_pred, sample_weight, model_losses, training=True, loss=None
+):
     """`model.compute_loss(x, y, y_pred, sample_weight, training)`, the loss `fit` uses,
     for outputs computed at given weights.
 
@@ -190,8 +195,9 @@ def make_loss_fn(
         outputs, new_state, model_losses = stateless_forward(
             model, params, state, x, training=training
         )
-        value = compute_loss(model, x, y, outputs, sample_weight, model_losses,
-                             training=training, loss=loss)
+        value = compute_loss(
+            model, x, y, outputs, sample_weight, model_losses, training=training, loss=loss
+        )
         if loss_scale is not None:
             value = value * tf.cast(loss_scale, value.dtype)
         return value, (new_state, outputs)
@@ -316,9 +322,7 @@ def dot(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> tf.Tensor:
     if not a:
         return tf.constant(0.0)
     acc = accumulation_dtype(a)
-    return tf.add_n(
-        [tf.reduce_sum(tf.cast(x, acc) * tf.cast(y, acc)) for x, y in zip(a, b)]
-    )
+    return tf.add_n([tf.reduce_sum(tf.cast(x, acc) * tf.cast(y, acc)) for x, y in zip(a, b)])
 
 
 def global_norm(a: Sequence[tf.Tensor]) -> tf.Tensor:

@@ -18,6 +18,7 @@ created and nothing is called. A subclassed model has no graph: these functions 
 ValueError for it, and the trainers then treat every variable as shared unless told
 otherwise.
 """
+
 from __future__ import annotations
 
 import collections
@@ -42,7 +43,8 @@ def _check_graph(model):
             f"The model {model.name!r} ({type(model).__name__}) has no functional graph "
             "(a subclassed model, or a Sequential model without an Input): its layers' "
             "connections cannot be read. Build it with the functional API (keras.Input "
-            "... keras.Model(inputs, outputs)) or name the variables yourself.")
+            "... keras.Model(inputs, outputs)) or name the variables yourself."
+        )
 
 
 def _walk(tensors):
@@ -130,19 +132,24 @@ def layer_output(model: keras.Model, layer_name: str):
     """The one output tensor of the one call of the layer `layer_name` in `model`'s
     graph (a layer nested in a sub-model is not reachable: name the sub-model)."""
     _check_graph(model)
-    found = [(node, op) for node, op, _ in _walk(model.outputs).values()
-             if op.name == layer_name]
+    found = [(node, op) for node, op, _ in _walk(model.outputs).values() if op.name == layer_name]
     if not found:
         names = sorted({op.name for _, op, _ in _walk(model.outputs).values()})
-        raise ValueError(f"`representation`: no layer named {layer_name!r} in the graph of "
-                         f"the model {model.name!r}; its layers: {names}.")
+        raise ValueError(
+            f"`representation`: no layer named {layer_name!r} in the graph of "
+            f"the model {model.name!r}; its layers: {names}."
+        )
     if len(found) > 1:
-        raise ValueError(f"`representation`: the layer {layer_name!r} is called "
-                         f"{len(found)} times in the model's graph; name a layer called once.")
+        raise ValueError(
+            f"`representation`: the layer {layer_name!r} is called "
+            f"{len(found)} times in the model's graph; name a layer called once."
+        )
     outputs = list(found[0][0].output_tensors)
     if len(outputs) != 1:
-        raise ValueError(f"`representation`: the layer {layer_name!r} has {len(outputs)} "
-                         "outputs; name a layer with one output tensor.")
+        raise ValueError(
+            f"`representation`: the layer {layer_name!r} has {len(outputs)} "
+            "outputs; name a layer with one output tensor."
+        )
     return outputs[0]
 
 
@@ -150,8 +157,9 @@ def layer_input(model: keras.Model, layer_type):
     """The first input tensor of the one call of a layer of class `layer_type` (e.g.
     `PerTaskHead`: the features it maps per task), or None if there is none."""
     _check_graph(model)
-    found = [inputs for _, op, inputs in _walk(model.outputs).values()
-             if isinstance(op, layer_type)]
+    found = [
+        inputs for _, op, inputs in _walk(model.outputs).values() if isinstance(op, layer_type)
+    ]
     if len(found) != 1:
         return None
     return found[0][0]
@@ -176,5 +184,6 @@ def shared_representation(model: keras.Model):
             f"The model {model.name!r} has {len(boundary)} tensors between its shared layers "
             "and its heads (" + ", ".join(t.name for t in boundary.values()) + "); give "
             "`representation=<layer name>`, the layer whose output is the shared "
-            "representation.")
+            "representation."
+        )
     return next(iter(boundary.values()))

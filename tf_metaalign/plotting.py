@@ -8,6 +8,7 @@
 
 Uses matplotlib's Agg backend (no display needed).
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Sequence

@@ -6,6 +6,7 @@ Nothing here knows an algorithm: a program builds its runs, then uses `Progress`
 table), `write_json` (results.json) and `tensorboard_callback` / `write_summary`
 (TensorBoard logs).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,8 +45,9 @@ class ProgressCallback(keras.callbacks.Callback):
     with `steps_per_execution=1`), across epochs.
     """
 
-    def __init__(self, log, name: str, total_steps: int, every: int,
-                 metrics: Sequence[str] = ("loss",)):
+    def __init__(
+        self, log, name: str, total_steps: int, every: int, metrics: Sequence[str] = ("loss",)
+    ):
         super().__init__()
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"`every` must be an integer >= 1; got {every!r}.")
@@ -104,7 +106,7 @@ class StepTimer(keras.callbacks.Callback):
 
     @property
     def warm_times(self) -> list[float]:
-        return self.times[self.warmup:]
+        return self.times[self.warmup :]
 
     def mean(self) -> float:
         """Mean warm step time in seconds (NaN if there is no warm step)."""
@@ -131,8 +133,7 @@ def _fmt(value, fmt: str) -> str:
         return str(value)
 
 
-def format_table(rows: Sequence[Mapping[str, Any]],
-                 columns: Sequence[tuple[str, str, str]]) -> str:
+def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str, str]]) -> str:
     """A fixed-width text table.
 
     Args:
@@ -148,8 +149,11 @@ def format_table(rows: Sequence[Mapping[str, Any]],
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
     lines = []
     for n, r in enumerate(cells):
-        lines.append("  ".join(c.rjust(w) if n and i else c.ljust(w)
-                               for i, (c, w) in enumerate(zip(r, widths))))
+        lines.append(
+            "  ".join(
+                c.rjust(w) if n and i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+            )
+        )
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -196,8 +200,11 @@ def prepare_output_dir(output_dir, arg_name: str = "output_dir") -> Path:
 def tensorboard_callback(log_dir, update_freq="epoch") -> keras.callbacks.TensorBoard:
     """Keras's TensorBoard callback writing scalars only (no graph, no profiling)."""
     return keras.callbacks.TensorBoard(
-        log_dir=str(log_dir), update_freq=update_freq, write_graph=False,
-        write_images=False, profile_batch=0,
+        log_dir=str(log_dir),
+        update_freq=update_freq,
+        write_graph=False,
+        write_images=False,
+        profile_batch=0,
     )
 
 
@@ -219,8 +226,9 @@ def flag_values(flags_module, names: Iterable[str]) -> dict:
     return {name: getattr(flags_module.FLAGS, name) for name in names}
 
 
-def config_from_flags(config_cls, flag_values, converted: Mapping[str, Any],
-                      full_run: Mapping[str, Any] | None = None):
+def config_from_flags(
+    config_cls, flag_values, converted: Mapping[str, Any], full_run: Mapping[str, Any] | None = None
+):
     """A program's `Config` dataclass from its absl flags, checked (`config.check()`).
 
     `converted`: fields whose flag values the program has parsed itself (lists of ints,

@@ -55,6 +55,7 @@ accuracy. Plots (PNG): validation accuracy per epoch, and sigmoid(m), sigmoid(la
 epoch of the gradient-sharing runs. Sinusoid regression (Finn et al.): MAML vs MAML+GS,
 query MSE of held-out waves before and after adaptation.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,8 +66,17 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
-METHODS = ("maml", "maml_gs", "metasgd", "metasgd_gs", "mamlpp", "mamlpp_gs", "fomaml",
-           "reptile", "dotprod")
+METHODS = (
+    "maml",
+    "maml_gs",
+    "metasgd",
+    "metasgd_gs",
+    "mamlpp",
+    "mamlpp_gs",
+    "fomaml",
+    "reptile",
+    "dotprod",
+)
 ONE_EPISODE_METHODS = ("reptile", "dotprod")  # one episode per step (task batch 1)
 GS_PAIRS = (("maml", "maml_gs"), ("metasgd", "metasgd_gs"), ("mamlpp", "mamlpp_gs"))
 
@@ -74,6 +84,7 @@ GS_PAIRS = (("maml", "maml_gs"), ("metasgd", "metasgd_gs"), ("mamlpp", "mamlpp_g
 @dataclasses.dataclass
 class Config:
     """Everything a run depends on (the program's flags; tests build it directly)."""
+
     methods: tuple = ("maml", "maml_gs")
     task_batch_sizes: tuple = (5, 1)
     seeds: tuple = (0,)
@@ -104,29 +115,50 @@ class Config:
     def check(self):
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown or not self.methods:
-            raise ValueError(f"`methods`: unknown {unknown} (or none given); choose from "
-                             f"{', '.join(METHODS)}.")
+            raise ValueError(
+                f"`methods`: unknown {unknown} (or none given); choose from {', '.join(METHODS)}."
+            )
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"`methods` lists a method twice: {list(self.methods)}.")
         if not self.seeds:
             raise ValueError("`seeds` is empty.")
         for name in ("task_batch_sizes", "seeds"):
             for v in getattr(self, name):
-                if isinstance(v, bool) or not isinstance(v, int) or v < (
-                        1 if name == "task_batch_sizes" else 0):
-                    raise ValueError(f"`{name}` must hold integers >= "
-                                     f"{1 if name == 'task_batch_sizes' else 0}; got {v!r}.")
+                if (
+                    isinstance(v, bool)
+                    or not isinstance(v, int)
+                    or v < (1 if name == "task_batch_sizes" else 0)
+                ):
+                    raise ValueError(
+                        f"`{name}` must hold integers >= "
+                        f"{1 if name == 'task_batch_sizes' else 0}; got {v!r}."
+                    )
         if not self.task_batch_sizes:
             raise ValueError("`task_batch_sizes` is empty.")
         if not self.inner_learning_rate_scales or any(
-                not (isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0)
-                for s in self.inner_learning_rate_scales):
-            raise ValueError("`inner_learning_rate_scales` must be numbers > 0; got "
-                             f"{list(self.inner_learning_rate_scales)}.")
-        for name in ("ways", "shots", "queries", "inner_steps", "evaluation_inner_steps",
-                     "filters", "epochs", "steps_per_epoch", "validation_episodes",
-                     "test_episodes", "sinusoid_steps", "sinusoid_tasks_per_batch",
-                     "sinusoid_test_tasks", "log_every"):
+            not (isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0)
+            for s in self.inner_learning_rate_scales
+        ):
+            raise ValueError(
+                "`inner_learning_rate_scales` must be numbers > 0; got "
+                f"{list(self.inner_learning_rate_scales)}."
+            )
+        for name in (
+            "ways",
+            "shots",
+            "queries",
+            "inner_steps",
+            "evaluation_inner_steps",
+            "filters",
+            "epochs",
+            "steps_per_epoch",
+            "validation_episodes",
+            "test_episodes",
+            "sinusoid_steps",
+            "sinusoid_tasks_per_batch",
+            "sinusoid_test_tasks",
+            "log_every",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1; got {value!r}.")
@@ -136,55 +168,87 @@ class Config:
         if self.dotprod_weight < 0:
             raise ValueError(f"`dotprod_weight` must be >= 0; got {self.dotprod_weight!r}.")
         if self.validation_classes < self.ways:
-            raise ValueError(f"`validation_classes`={self.validation_classes} is fewer than "
-                             f"`ways`={self.ways}.")
+            raise ValueError(
+                f"`validation_classes`={self.validation_classes} is fewer than `ways`={self.ways}."
+            )
         if self.test_classes < 20:
-            raise ValueError(f"`test_classes`={self.test_classes}: 20-way test episodes need "
-                             "at least 20 test characters.")
+            raise ValueError(
+                f"`test_classes`={self.test_classes}: 20-way test episodes need "
+                "at least 20 test characters."
+            )
         if self.validation_classes + self.test_classes > 242 - self.ways:
-            raise ValueError("`validation_classes` + `test_classes` leave fewer than `ways` "
-                             "of the 242 characters for meta-training.")
+            raise ValueError(
+                "`validation_classes` + `test_classes` leave fewer than `ways` "
+                "of the 242 characters for meta-training."
+            )
         if self.shots + self.queries > 20:
-            raise ValueError(f"`shots` + `queries` = {self.shots + self.queries}: Omniglot "
-                             "has 20 drawings per character.")
+            raise ValueError(
+                f"`shots` + `queries` = {self.shots + self.queries}: Omniglot "
+                "has 20 drawings per character."
+            )
         if "dotprod" in self.methods and self.queries < self.shots:
-            raise ValueError("dotprod needs `queries` >= `shots` (b2 = `shots` query "
-                             "examples per class).")
+            raise ValueError(
+                "dotprod needs `queries` >= `shots` (b2 = `shots` query examples per class)."
+            )
 
 
-FULL_RUN = {"methods": METHODS, "task_batch_sizes": (5, 1), "seeds": (0, 1, 2),
-            "inner_learning_rate_scales": (1.0, 10.0), "inner_steps": 5,
-            "inner_learning_rate": 0.1, "evaluation_inner_steps": 5, "filters": 64,
-            "epochs": 40, "steps_per_epoch": 100, "validation_episodes": 200,
-            "test_episodes": 600, "queries": 15, "sinusoid_steps": 5000,
-            "sinusoid_tasks_per_batch": 25, "sinusoid_test_tasks": 600}
+FULL_RUN = {
+    "methods": METHODS,
+    "task_batch_sizes": (5, 1),
+    "seeds": (0, 1, 2),
+    "inner_learning_rate_scales": (1.0, 10.0),
+    "inner_steps": 5,
+    "inner_learning_rate": 0.1,
+    "evaluation_inner_steps": 5,
+    "filters": 64,
+    "epochs": 40,
+    "steps_per_epoch": 100,
+    "validation_episodes": 200,
+    "test_episodes": 600,
+    "queries": 15,
+    "sinusoid_steps": 5000,
+    "sinusoid_tasks_per_batch": 25,
+    "sinusoid_test_tasks": 600,
+}
 
 
 def define_flags():
     """The program's flags (only when it runs as a program: tests import its functions)."""
     c = Config()
     flags.DEFINE_list("methods", list(c.methods), f"Which methods ({', '.join(METHODS)}).")
-    flags.DEFINE_list("task_batch_sizes", [str(t) for t in c.task_batch_sizes],
-                      "Tasks per meta-batch (MAML family; reptile/dotprod take 1).")
+    flags.DEFINE_list(
+        "task_batch_sizes",
+        [str(t) for t in c.task_batch_sizes],
+        "Tasks per meta-batch (MAML family; reptile/dotprod take 1).",
+    )
     flags.DEFINE_list("seeds", [str(s) for s in c.seeds], "Seeds (init, episodes).")
-    flags.DEFINE_list("inner_learning_rate_scales",
-                      [str(s) for s in c.inner_learning_rate_scales],
-                      "Multipliers of --inner_learning_rate (10: the paper's 10x run).")
+    flags.DEFINE_list(
+        "inner_learning_rate_scales",
+        [str(s) for s in c.inner_learning_rate_scales],
+        "Multipliers of --inner_learning_rate (10: the paper's 10x run).",
+    )
     flags.DEFINE_integer("ways", c.ways, "N of the training / validation episodes.")
     flags.DEFINE_integer("shots", c.shots, "K-shot of every episode.")
     flags.DEFINE_integer("queries", c.queries, "Query examples per class (5-way episodes).")
     flags.DEFINE_integer("inner_steps", c.inner_steps, "Inner SGD steps in meta-training.")
     flags.DEFINE_float("inner_learning_rate", c.inner_learning_rate, "Inner SGD rate alpha.")
-    flags.DEFINE_integer("evaluation_inner_steps", c.evaluation_inner_steps,
-                         "Inner SGD steps when evaluating (every method).")
+    flags.DEFINE_integer(
+        "evaluation_inner_steps",
+        c.evaluation_inner_steps,
+        "Inner SGD steps when evaluating (every method).",
+    )
     flags.DEFINE_float("outer_learning_rate", c.outer_learning_rate, "Outer Adam's rate.")
     flags.DEFINE_integer("filters", c.filters, "Conv-4 filters per layer (64 in the paper).")
     flags.DEFINE_integer("epochs", c.epochs, "Epochs of meta-training.")
     flags.DEFINE_integer("steps_per_epoch", c.steps_per_epoch, "Meta-batches per epoch.")
-    flags.DEFINE_integer("validation_episodes", c.validation_episodes,
-                         "Fixed 5-way validation episodes, scored after every epoch.")
-    flags.DEFINE_integer("test_episodes", c.test_episodes,
-                         "Test episodes (each of 5-way and 20-way).")
+    flags.DEFINE_integer(
+        "validation_episodes",
+        c.validation_episodes,
+        "Fixed 5-way validation episodes, scored after every epoch.",
+    )
+    flags.DEFINE_integer(
+        "test_episodes", c.test_episodes, "Test episodes (each of 5-way and 20-way)."
+    )
     flags.DEFINE_integer("validation_classes", c.validation_classes, "Validation characters.")
     flags.DEFINE_integer("test_classes", c.test_classes, "Test characters.")
     flags.DEFINE_bool("rotations", c.rotations, "Rotations of meta-train characters as classes.")
@@ -192,13 +256,18 @@ def define_flags():
     flags.DEFINE_float("dotprod_weight", c.dotprod_weight, "DotProd's regulariser weight.")
     flags.DEFINE_bool("sinusoid", c.sinusoid, "Run the sinusoid sanity check.")
     flags.DEFINE_integer("sinusoid_steps", c.sinusoid_steps, "Sinusoid meta-batches.")
-    flags.DEFINE_integer("sinusoid_tasks_per_batch", c.sinusoid_tasks_per_batch,
-                         "Sinusoid tasks per meta-batch.")
+    flags.DEFINE_integer(
+        "sinusoid_tasks_per_batch", c.sinusoid_tasks_per_batch, "Sinusoid tasks per meta-batch."
+    )
     flags.DEFINE_integer("sinusoid_test_tasks", c.sinusoid_test_tasks, "Held-out sine waves.")
     flags.DEFINE_integer("log_every", c.log_every, "Steps between progress lines.")
-    flags.DEFINE_bool("full", False, "The full run (see docs/fewshot.md): every method, "
-                      "K=5 at 0.1 and the 10x run, 64 filters, 40 x 100 meta-batches, 3 "
-                      "seeds, 600 test episodes. Flags given explicitly still win.")
+    flags.DEFINE_bool(
+        "full",
+        False,
+        "The full run (see docs/fewshot.md): every method, "
+        "K=5 at 0.1 and the 10x run, 64 filters, 40 x 100 meta-batches, 3 "
+        "seeds, 600 test episodes. Flags given explicitly still win.",
+    )
     flags.DEFINE_string("output_dir", "/tmp/tf_metaalign_fewshot", "Where results go.")
 
 
@@ -215,12 +284,17 @@ def config_from_flags() -> Config:
     try:
         scales = tuple(float(s) for s in FLAGS.inner_learning_rate_scales)
     except ValueError:
-        raise ValueError("`inner_learning_rate_scales` must be numbers; got "
-                         f"{FLAGS.inner_learning_rate_scales}.") from None
+        raise ValueError(
+            f"`inner_learning_rate_scales` must be numbers; got {FLAGS.inner_learning_rate_scales}."
+        ) from None
     from trainers import common
 
-    converted = dict(methods=tuple(FLAGS.methods), task_batch_sizes=ints("task_batch_sizes"),
-                     seeds=ints("seeds"), inner_learning_rate_scales=scales)
+    converted = dict(
+        methods=tuple(FLAGS.methods),
+        task_batch_sizes=ints("task_batch_sizes"),
+        seeds=ints("seeds"),
+        inner_learning_rate_scales=scales,
+    )
     return common.config_from_flags(Config, FLAGS, converted, FULL_RUN if FLAGS.full else None)
 
 
@@ -268,13 +342,16 @@ def prepare_data(config: Config, log=print) -> Data:
 
     classes = omniglot.load_omniglot()
     split = omniglot.split_classes(
-        classes, counts=(None, config.validation_classes, config.test_classes), seed=0)
+        classes, counts=(None, config.validation_classes, config.test_classes), seed=0
+    )
     train = omniglot.augment_rotations(split.train) if config.rotations else split.train
     runs = omniglot.load_official_runs() if config.official_runs else None
-    log(f"Omniglot: {len(classes)} characters -> meta-train {len(split.train)}"
+    log(
+        f"Omniglot: {len(classes)} characters -> meta-train {len(split.train)}"
         + (f" (x4 rotations = {len(train)} classes)" if config.rotations else "")
         + f", validation {len(split.validation)}, test {len(split.test)}"
-        + (f"; official runs: {len(runs)}" if runs else ""))
+        + (f"; official runs: {len(runs)}" if runs else "")
+    )
     return Data(train, split.validation, split.test, runs)
 
 
@@ -303,17 +380,22 @@ def _loss():
 
 def maml_options(method: str, config: Config, scale: float) -> dict:
     base = method[:-3] if method.endswith("_gs") else method
-    options = dict(inner_steps=config.inner_steps,
-                   inner_learning_rate=config.inner_learning_rate * scale,
-                   evaluation_inner_steps=config.evaluation_inner_steps,
-                   gradient_sharing=True if method.endswith("_gs") else None)
+    options = dict(
+        inner_steps=config.inner_steps,
+        inner_learning_rate=config.inner_learning_rate * scale,
+        evaluation_inner_steps=config.evaluation_inner_steps,
+        gradient_sharing=True if method.endswith("_gs") else None,
+    )
     if base == "fomaml":
         options["first_order"] = True
     elif base == "metasgd":
         options["learn_inner_learning_rates"] = "per_parameter"
     elif base == "mamlpp":
-        options.update(learn_inner_learning_rates="per_layer_per_step", multi_step_loss=True,
-                       multi_step_loss_epochs=max(1, config.epochs // 2))
+        options.update(
+            learn_inner_learning_rates="per_layer_per_step",
+            multi_step_loss=True,
+            multi_step_loss_epochs=max(1, config.epochs // 2),
+        )
     return options
 
 
@@ -335,13 +417,26 @@ def widened_trainer(trainer, ways: int, filters: int):
     for i, (w, v) in enumerate(zip(wide.weights, model.weights)):
         head = i >= len(model.weights) - n_head
         w.assign(_widen(v.numpy(), ways) if head else v.numpy())
-    config = {k: v for k, v in trainer.get_config().items()
-              if k in ("inner_steps", "inner_learning_rate", "first_order",
-                       "learn_inner_learning_rates", "gradient_sharing", "multi_step_loss",
-                       "multi_step_loss_epochs", "first_order_epochs",
-                       "evaluation_inner_steps", "transductive_evaluation")}
+    config = {
+        k: v
+        for k, v in trainer.get_config().items()
+        if k
+        in (
+            "inner_steps",
+            "inner_learning_rate",
+            "first_order",
+            "learn_inner_learning_rates",
+            "gradient_sharing",
+            "multi_step_loss",
+            "multi_step_loss_epochs",
+            "first_order_epochs",
+            "evaluation_inner_steps",
+            "transductive_evaluation",
+        )
+    }
     if config.get("gradient_sharing") is not None:
         from tf_metaalign.algorithms import GradientSharing
+
         config["gradient_sharing"] = GradientSharing.from_config(config["gradient_sharing"])
     out = MAMLTrainer(wide, **config)
     out.compile(optimizer="sgd", loss=_loss())
@@ -351,8 +446,9 @@ def widened_trainer(trainer, ways: int, filters: int):
         dst.assign(_widen(src.numpy(), ways) if index >= n - n_head else src.numpy())
 
     if trainer.learn_inner_learning_rates == "per_parameter":
-        for i, (d, s) in enumerate(zip(out.inner_learning_rate_variables,
-                                       trainer.inner_learning_rate_variables)):
+        for i, (d, s) in enumerate(
+            zip(out.inner_learning_rate_variables, trainer.inner_learning_rate_variables)
+        ):
             copy(d, s, i)
     elif trainer.learn_inner_learning_rates == "per_layer_per_step":
         out.inner_learning_rate_variables[0].assign(trainer.inner_learning_rate_variables[0])
@@ -360,8 +456,9 @@ def widened_trainer(trainer, ways: int, filters: int):
         out.sharing_m.assign(trainer.sharing_m)
         out.sharing_lambda.assign(trainer.sharing_lambda)
         for k in range(trainer.inner_steps):
-            for i, (d, s) in enumerate(zip(out.weights_copy(f"g_hat_{k}"),
-                                           trainer.weights_copy(f"g_hat_{k}"))):
+            for i, (d, s) in enumerate(
+                zip(out.weights_copy(f"g_hat_{k}"), trainer.weights_copy(f"g_hat_{k}"))
+            ):
                 copy(d, s, i)
         out.g_hat_initialized.assign(trainer.g_hat_initialized)
     return out
@@ -423,14 +520,17 @@ def _episode_batch_for_dotprod(ways, shots, queries):
         sx, sy, qx = x
         q = tf.reshape(qx[0], [ways, queries, 28, 28, 1])[:, :shots]
         qy = tf.reshape(y[0], [ways, queries])[:, :shots]
-        return (tf.concat([sx[0], tf.reshape(q, [ways * shots, 28, 28, 1])], 0),
-                tf.concat([sy[0], tf.reshape(qy, [-1])], 0))
+        return (
+            tf.concat([sx[0], tf.reshape(q, [ways * shots, 28, 28, 1])], 0),
+            tf.concat([sy[0], tf.reshape(qy, [-1])], 0),
+        )
 
     return fn
 
 
-def run_method(method: str, task_batch: int, scale: float, seed: int, data: Data,
-               config: Config, log=print) -> dict:
+def run_method(
+    method: str, task_batch: int, scale: float, seed: int, data: Data, config: Config, log=print
+) -> dict:
     """Train one configuration and evaluate it; returns its row of results."""
     import keras
     import numpy as np
@@ -446,22 +546,26 @@ def run_method(method: str, task_batch: int, scale: float, seed: int, data: Data
     keras.utils.set_random_seed(seed)
     model = conv4(config.ways, config.filters)
     alpha = config.inner_learning_rate * scale
-    sampler = EpisodeSampler(data.train, config.ways, config.shots, config.queries,
-                             tasks_per_batch=task_batch, seed=seed)
+    sampler = EpisodeSampler(
+        data.train, config.ways, config.shots, config.queries, tasks_per_batch=task_batch, seed=seed
+    )
     optimizer = keras.optimizers.Adam(config.outer_learning_rate)
     if method in ONE_EPISODE_METHODS:
         if method == "reptile":
-            trainer = ReptileTrainer(model, inner_steps=config.inner_steps,
-                                     inner_optimizer=alpha)
+            trainer = ReptileTrainer(model, inner_steps=config.inner_steps, inner_optimizer=alpha)
             train = sampler.dataset().map(_episode_batch_for_reptile(config.inner_steps))
         else:
             trainer = DotProdTrainer(model, weight=config.dotprod_weight)
-            train = sampler.dataset().map(_episode_batch_for_dotprod(
-                config.ways, config.shots, config.queries))
+            train = sampler.dataset().map(
+                _episode_batch_for_dotprod(config.ways, config.shots, config.queries)
+            )
         trainer.compile(optimizer=optimizer, loss=_loss(), metrics=["accuracy"])
-        evaluator = MAMLTrainer(model, inner_steps=config.inner_steps,
-                                inner_learning_rate=alpha,
-                                evaluation_inner_steps=config.evaluation_inner_steps)
+        evaluator = MAMLTrainer(
+            model,
+            inner_steps=config.inner_steps,
+            inner_learning_rate=alpha,
+            evaluation_inner_steps=config.evaluation_inner_steps,
+        )
         evaluator.compile(optimizer="sgd", loss=_loss())
     else:
         trainer = MAMLTrainer(model, **maml_options(method, config, scale))
@@ -469,8 +573,9 @@ def run_method(method: str, task_batch: int, scale: float, seed: int, data: Data
         train = sampler.dataset()
         evaluator = trainer
     scorer = EpisodeScorer(evaluator)
-    val_sampler = EpisodeSampler(data.validation, config.ways, config.shots, config.queries,
-                                 seed=1000)
+    val_sampler = EpisodeSampler(
+        data.validation, config.ways, config.shots, config.queries, seed=1000
+    )
     val_data = val_sampler.evaluation_dataset(config.validation_episodes, tasks_per_batch=1)
     curve, sharing = [], {"sharing_m": [], "sharing_lambda": []}
 
@@ -483,20 +588,35 @@ def run_method(method: str, task_batch: int, scale: float, seed: int, data: Data
                 if key in logs:
                     sharing[key].append(float(logs[key]))
             extra = "".join(f"  {k} {sharing[k][-1]:.3f}" for k in sharing if sharing[k])
-            log(f"{name}: epoch {epoch + 1}/{config.epochs}  loss {logs.get('loss', 0):.4f}"
-                f"  val acc {acc:.3f}{extra}")
+            log(
+                f"{name}: epoch {epoch + 1}/{config.epochs}  loss {logs.get('loss', 0):.4f}"
+                f"  val acc {acc:.3f}{extra}"
+            )
 
     total = config.epochs * config.steps_per_epoch
     start = time.perf_counter()
-    trainer.fit(train, epochs=config.epochs, steps_per_epoch=config.steps_per_epoch,
-                verbose=0, callbacks=[
-                    common.ProgressCallback(log, name, total, config.log_every, ("loss",)),
-                    Validate()])
+    trainer.fit(
+        train,
+        epochs=config.epochs,
+        steps_per_epoch=config.steps_per_epoch,
+        verbose=0,
+        callbacks=[
+            common.ProgressCallback(log, name, total, config.log_every, ("loss",)),
+            Validate(),
+        ],
+    )
     train_seconds = time.perf_counter() - start
-    row = {"method": method, "task_batch": task_batch, "inner_lr_scale": scale,
-           "inner_learning_rate": alpha, "seed": seed, "val_curve": curve,
-           "best_val": max(curve), "best_epoch": first_epoch_of_best(curve),
-           "train_seconds": train_seconds}
+    row = {
+        "method": method,
+        "task_batch": task_batch,
+        "inner_lr_scale": scale,
+        "inner_learning_rate": alpha,
+        "seed": seed,
+        "val_curve": curve,
+        "best_val": max(curve),
+        "best_epoch": first_epoch_of_best(curve),
+        "train_seconds": train_seconds,
+    }
     if sharing["sharing_m"]:
         row.update(sharing)
     test5 = EpisodeSampler(data.test, config.ways, config.shots, config.queries, seed=2000)
@@ -526,8 +646,9 @@ def sinusoid_model(seed: int):
     return keras.Model(inputs, keras.layers.Dense(1)(x), name="sinusoid_mlp")
 
 
-def run_sinusoid(config: Config, seed: int, gradient_sharing: bool, log=print,
-                 steps: int | None = None) -> dict:
+def run_sinusoid(
+    config: Config, seed: int, gradient_sharing: bool, log=print, steps: int | None = None
+) -> dict:
     """MAML (+GS) with 1 inner step at 0.01 (Finn et al.) on 10-shot sinusoid tasks;
     returns the held-out waves' query MSE (50 points each) before adaptation and after
     1 and 10 inner steps, each the mean over waves +- its 95% t-interval."""
@@ -541,19 +662,25 @@ def run_sinusoid(config: Config, seed: int, gradient_sharing: bool, log=print,
     steps = steps or config.sinusoid_steps
     start = time.perf_counter()
     model = sinusoid_model(seed)
-    trainer = MAMLTrainer(model, inner_steps=1, inner_learning_rate=0.01,
-                          gradient_sharing=True if gradient_sharing else None)
+    trainer = MAMLTrainer(
+        model,
+        inner_steps=1,
+        inner_learning_rate=0.01,
+        gradient_sharing=True if gradient_sharing else None,
+    )
     trainer.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
-    tasks = SinusoidTasks(shots=10, queries=10,
-                          tasks_per_batch=config.sinusoid_tasks_per_batch, seed=seed)
+    tasks = SinusoidTasks(
+        shots=10, queries=10, tasks_per_batch=config.sinusoid_tasks_per_batch, seed=seed
+    )
     trainer.fit(tasks.dataset(steps), epochs=1, verbose=0)
-    test = SinusoidTasks(shots=10, queries=50, tasks_per_batch=config.sinusoid_test_tasks,
-                         seed=10_000 + seed).batch(0)
+    test = SinusoidTasks(
+        shots=10, queries=50, tasks_per_batch=config.sinusoid_test_tasks, seed=10_000 + seed
+    ).batch(0)
     (sx, sy, qx), qy = test
-    out = {"method": "maml_gs" if gradient_sharing else "maml", "seed": seed,
-           "steps": steps}
-    pre = ((model(qx.reshape(-1, 1), training=False).numpy().reshape(qy.shape) - qy) ** 2
-           ).mean(axis=(1, 2))
+    out = {"method": "maml_gs" if gradient_sharing else "maml", "seed": seed, "steps": steps}
+    pre = ((model(qx.reshape(-1, 1), training=False).numpy().reshape(qy.shape) - qy) ** 2).mean(
+        axis=(1, 2)
+    )
     out["mse_0"], out["mse_0_ci"] = mean_confidence_interval(pre)
 
     @tf.function(reduce_retracing=True)
@@ -562,12 +689,16 @@ def run_sinusoid(config: Config, seed: int, gradient_sharing: bool, log=print,
         return model.stateless_call(weights, [], qx)[0]
 
     for n in (1, 10):
-        mse = [float(((predict(sx[t], sy[t], qx[t], n).numpy() - qy[t]) ** 2).mean())
-               for t in range(len(sx))]
+        mse = [
+            float(((predict(sx[t], sy[t], qx[t], n).numpy() - qy[t]) ** 2).mean())
+            for t in range(len(sx))
+        ]
         out[f"mse_{n}"], out[f"mse_{n}_ci"] = mean_confidence_interval(mse)
     out["seconds"] = time.perf_counter() - start
-    log(f"sinusoid {out['method']} seed {seed}: query MSE unadapted {out['mse_0']:.3f}, "
-        f"1 step {out['mse_1']:.3f}, 10 steps {out['mse_10']:.3f}  ({out['seconds']:.0f} s)")
+    log(
+        f"sinusoid {out['method']} seed {seed}: query MSE unadapted {out['mse_0']:.3f}, "
+        f"1 step {out['mse_1']:.3f}, 10 steps {out['mse_10']:.3f}  ({out['seconds']:.0f} s)"
+    )
     return out
 
 
@@ -583,34 +714,63 @@ def speed_ups(runs) -> list[dict]:
             if m != og or (gs, tb, scale, seed) not in index:
                 continue
             g = index[(gs, tb, scale, seed)]
-            out.append({"pair": f"{og} vs {gs}", "task_batch": tb, "inner_lr_scale": scale,
-                        "seed": seed, "epoch_og": r["best_epoch"], "epoch_gs": g["best_epoch"],
-                        "speed_up": speed_up(r["val_curve"], g["val_curve"]),
-                        "best_val_og": r["best_val"], "best_val_gs": g["best_val"]})
+            out.append(
+                {
+                    "pair": f"{og} vs {gs}",
+                    "task_batch": tb,
+                    "inner_lr_scale": scale,
+                    "seed": seed,
+                    "epoch_og": r["best_epoch"],
+                    "epoch_gs": g["best_epoch"],
+                    "speed_up": speed_up(r["val_curve"], g["val_curve"]),
+                    "best_val_og": r["best_val"],
+                    "best_val_gs": g["best_val"],
+                }
+            )
             # A variant for runs still improving at their last epoch (then E = the last
             # epoch for both): the epochs GS needs to reach OG's best validation accuracy.
             reach = epochs_to_reach(g["val_curve"], r["best_val"])
             out[-1]["epoch_gs_to_og_best"] = reach
-            out[-1]["speed_up_to_og_best"] = (None if reach is None
-                                              else (r["best_epoch"] - reach) / reach)
+            out[-1]["speed_up_to_og_best"] = (
+                None if reach is None else (r["best_epoch"] - reach) / reach
+            )
     return out
 
 
-RUN_COLUMNS = (("method", "method", "s"), ("task_batch", "tb", "d"),
-               ("inner_learning_rate", "alpha", "g"), ("seed", "seed", "d"),
-               ("best_val", "best val", ".3f"), ("best_epoch", "@ep", "d"),
-               ("test_5way_str", "5-way 1-shot", "s"), ("test_20way_str", "20-way 1-shot", "s"),
-               ("official_str", "official 20 runs", "s"), ("seconds", "time s", ".0f"))
-SPEED_COLUMNS = (("pair", "pair", "s"), ("task_batch", "tb", "d"),
-                 ("inner_lr_scale", "lr x", "g"), ("seed", "seed", "d"),
-                 ("epoch_og", "E_OG", "d"), ("epoch_gs", "E_GS", "d"),
-                 ("speed_up", "speed-up", "+.0%"), ("best_val_og", "best val OG", ".3f"),
-                 ("best_val_gs", "best val GS", ".3f"),
-                 ("epoch_gs_to_og_best", "E_GS(OG best)", "d"),
-                 ("speed_up_to_og_best", "speed-up(OG best)", "+.0%"))
-SINE_COLUMNS = (("method", "method", "s"), ("seed", "seed", "d"), ("steps", "meta-batches", "d"),
-                ("mse_0_str", "MSE unadapted", "s"), ("mse_1_str", "MSE 1 step", "s"),
-                ("mse_10_str", "MSE 10 steps", "s"), ("seconds", "time s", ".0f"))
+RUN_COLUMNS = (
+    ("method", "method", "s"),
+    ("task_batch", "tb", "d"),
+    ("inner_learning_rate", "alpha", "g"),
+    ("seed", "seed", "d"),
+    ("best_val", "best val", ".3f"),
+    ("best_epoch", "@ep", "d"),
+    ("test_5way_str", "5-way 1-shot", "s"),
+    ("test_20way_str", "20-way 1-shot", "s"),
+    ("official_str", "official 20 runs", "s"),
+    ("seconds", "time s", ".0f"),
+)
+SPEED_COLUMNS = (
+    ("pair", "pair", "s"),
+    ("task_batch", "tb", "d"),
+    ("inner_lr_scale", "lr x", "g"),
+    ("seed", "seed", "d"),
+    ("epoch_og", "E_OG", "d"),
+    ("epoch_gs", "E_GS", "d"),
+    ("speed_up", "speed-up", "+.0%"),
+    ("best_val_og", "best val OG", ".3f"),
+    ("best_val_gs", "best val GS", ".3f"),
+    ("epoch_gs_to_og_best", "E_GS(OG best)", "d"),
+    ("speed_up_to_og_best", "speed-up(OG best)", "+.0%"),
+)
+SINE_COLUMNS = (
+    ("method", "method", "s"),
+    ("seed", "seed", "d"),
+    ("steps", "meta-batches", "d"),
+    ("mse_0_str", "MSE unadapted", "s"),
+    ("mse_1_str", "MSE 1 step", "s"),
+    ("mse_10_str", "MSE 10 steps", "s"),
+    ("seconds", "time s", ".0f"),
+)
 
 
 def _pm(mean, ci, percent=True):
@@ -655,8 +815,12 @@ def plot(runs, out) -> list:
     for ax, (tb, scale) in zip(axes[0], groups):
         for r in runs:
             if (r["task_batch"], r["inner_lr_scale"]) == (tb, scale):
-                ax.plot(range(1, len(r["val_curve"]) + 1), r["val_curve"], marker="o",
-                        label=f"{r['method']} s{r['seed']}")
+                ax.plot(
+                    range(1, len(r["val_curve"]) + 1),
+                    r["val_curve"],
+                    marker="o",
+                    label=f"{r['method']} s{r['seed']}",
+                )
         ax.set_title(f"task batch {tb}, inner lr x{scale:g}")
         ax.set_xlabel("epoch")
         ax.set_ylabel("5-way 1-shot validation accuracy")
@@ -668,12 +832,17 @@ def plot(runs, out) -> list:
     gs_runs = [r for r in runs if r.get("sharing_m")]
     if gs_runs:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for ax, key, label in zip(axes, ("sharing_m", "sharing_lambda"),
-                                  ("sigmoid(m)", "sigmoid(lambda)")):
+        for ax, key, label in zip(
+            axes, ("sharing_m", "sharing_lambda"), ("sigmoid(m)", "sigmoid(lambda)")
+        ):
             for r in gs_runs:
-                ax.plot(range(1, len(r[key]) + 1), r[key], marker="o",
-                        label=f"{r['method']} tb{r['task_batch']} x{r['inner_lr_scale']:g} "
-                              f"s{r['seed']}")
+                ax.plot(
+                    range(1, len(r[key]) + 1),
+                    r[key],
+                    marker="o",
+                    label=f"{r['method']} tb{r['task_batch']} x{r['inner_lr_scale']:g} "
+                    f"s{r['seed']}",
+                )
             ax.set_xlabel("epoch")
             ax.set_ylabel(f"mean {label}")
             ax.legend(fontsize=7)
@@ -708,36 +877,48 @@ def main(argv):
                 for method in config.methods:
                     if method in ONE_EPISODE_METHODS and tb != config.task_batch_sizes[-1]:
                         continue
-                    plan.append((method, 1 if method in ONE_EPISODE_METHODS else tb, scale,
-                                 seed))
+                    plan.append((method, 1 if method in ONE_EPISODE_METHODS else tb, scale, seed))
     runs = []
     for i, (method, tb, scale, seed) in enumerate(plan):
-        log(f"run {i + 1}/{len(plan)}: {method}, task batch {tb}, inner lr x{scale:g}, "
-            f"seed {seed}")
+        log(f"run {i + 1}/{len(plan)}: {method}, task batch {tb}, inner lr x{scale:g}, seed {seed}")
         runs.append(run_method(method, tb, scale, seed, data, config, log))
         r = runs[-1]
-        log(f"{method} tb{tb}: best val {r['best_val']:.3f} (epoch {r['best_epoch']}), "
+        log(
+            f"{method} tb{tb}: best val {r['best_val']:.3f} (epoch {r['best_epoch']}), "
             f"test 5-way {_pm(r['test_5way'], r['test_5way_ci'])}, 20-way "
             f"{_pm(r['test_20way'], r['test_20way_ci'])}"
             + (f", official {_pm(r['official'], r['official_ci'])}" if "official" in r else "")
-            + f"  ({r['seconds']:.0f} s)")
+            + f"  ({r['seconds']:.0f} s)"
+        )
     speed = speed_ups(runs)
     paths = plot(runs, out)
     print()
-    print("Omniglot, accuracy in % ± 95% t-interval (test: over episodes; official: over "
-          "Lake's 20 runs), at the final weights:")
+    print(
+        "Omniglot, accuracy in % ± 95% t-interval (test: over episodes; official: over "
+        "Lake's 20 runs), at the final weights:"
+    )
     print(common.format_table(table_rows(runs), RUN_COLUMNS))
     if speed:
-        print("\nSpeed-up (E_OG - E_GS) / E_GS, E = earliest epoch reaching the run's best "
-              "validation accuracy:")
+        print(
+            "\nSpeed-up (E_OG - E_GS) / E_GS, E = earliest epoch reaching the run's best "
+            "validation accuracy:"
+        )
         print(common.format_table(speed, SPEED_COLUMNS))
     if sine:
         print("\nSinusoid regression (K=10), query MSE of held-out waves ± 95% t-interval:")
         print(common.format_table(sine_rows(sine), SINE_COLUMNS))
     total = time.perf_counter() - start
-    common.write_json(out / "results.json", {
-        "config": dataclasses.asdict(config), "runs": runs, "speed_ups": speed,
-        "sinusoid": sine, "plots": [p.name for p in paths], "seconds": total})
+    common.write_json(
+        out / "results.json",
+        {
+            "config": dataclasses.asdict(config),
+            "runs": runs,
+            "speed_ups": speed,
+            "sinusoid": sine,
+            "plots": [p.name for p in paths],
+            "seconds": total,
+        },
+    )
     log(f"results.json and {', '.join(p.name for p in paths)} in {out} ({total:.0f} s)")
 
 

@@ -23,6 +23,7 @@ time per step) and writes `results.json`, schedule plots (PNG) and TensorBoard l
 the raw values move about one meta learning rate per step, and these runs are a few
 hundred steps, not 160k.
 """
+
 from __future__ import annotations
 
 import os
@@ -62,10 +63,12 @@ def build_model(vocab_size, max_len):
     dec_mask = keras.ops.not_equal(dec_in, 0)
     x = keras_hub.layers.TokenAndPositionEmbedding(vocab_size, max_len, FLAGS.dim)(enc_in)
     x = keras_hub.layers.TransformerEncoder(FLAGS.ff_dim, FLAGS.heads, dropout=FLAGS.dropout)(
-        x, padding_mask=enc_mask)
+        x, padding_mask=enc_mask
+    )
     y = keras_hub.layers.TokenAndPositionEmbedding(vocab_size, max_len + 1, FLAGS.dim)(dec_in)
     y = keras_hub.layers.TransformerDecoder(FLAGS.ff_dim, FLAGS.heads, dropout=FLAGS.dropout)(
-        y, x, decoder_padding_mask=dec_mask, encoder_padding_mask=enc_mask)
+        y, x, decoder_padding_mask=dec_mask, encoder_padding_mask=enc_mask
+    )
     logits = keras.layers.Dense(vocab_size, name="logits")(y)
     return keras.Model([enc_in, dec_in], logits, name="char_transformer")
 
@@ -88,7 +91,7 @@ def dev_metrics(model, dev):
     logits -= logits.max(-1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     nll = -np.take_along_axis(logp, lab[..., None], -1)[..., 0]
-    acc = (logits.argmax(-1) == lab)
+    acc = logits.argmax(-1) == lab
     return {
         "dev_loss": float((nll * mask).sum() / mask.sum()),
         "dev_token_accuracy": float((acc * mask).sum() / mask.sum()),
@@ -98,7 +101,6 @@ def dev_metrics(model, dev):
 def main(argv):
     del argv
     import keras
-    import numpy as np
     import tensorflow as tf
 
     from tf_metaalign import optimizers as O
@@ -110,20 +112,27 @@ def main(argv):
     out_dir = prepare_output_dir(FLAGS.output_dir)
     pairs = translation.load_django_pairs(FLAGS.lang, max_chars=FLAGS.max_chars)
     train, guidance, dev = translation.split_pairs(
-        pairs, FLAGS.dev_fraction, FLAGS.guidance_size, FLAGS.seed)
+        pairs, FLAGS.dev_fraction, FLAGS.guidance_size, FLAGS.seed
+    )
     vocab = translation.CharVocab([t for p in train for t in p])
     L = FLAGS.max_chars
     tr = translation.make_char_seq2seq(train, vocab, L)
     gd = translation.make_char_seq2seq(guidance, vocab, L)
     dv = translation.make_char_seq2seq(dev, vocab, L)
-    print(f"{FLAGS.lang}: {len(train)} train / {len(guidance)} guidance / {len(dev)} dev pairs, "
-          f"{len(vocab)} symbols", flush=True)
+    print(
+        f"{FLAGS.lang}: {len(train)} train / {len(guidance)} guidance / {len(dev)} dev pairs, "
+        f"{len(vocab)} symbols",
+        flush=True,
+    )
 
     def dataset():
         (enc, dec), lab, mask = tr
         ds = tf.data.Dataset.from_tensor_slices(((enc, dec), lab, mask))
-        return ds.shuffle(len(lab), seed=FLAGS.seed).repeat().batch(
-            FLAGS.batch_size, drop_remainder=True)
+        return (
+            ds.shuffle(len(lab), seed=FLAGS.seed)
+            .repeat()
+            .batch(FLAGS.batch_size, drop_remainder=True)
+        )
 
     guidance_batch = (gd[0], gd[1], gd[2])
     keras.utils.set_random_seed(FLAGS.seed)
@@ -149,22 +158,45 @@ def main(argv):
         if hparams is None:
             runner = model
         else:
-            runner = GuidedTrainer(model, guidance_batch, hyperparameters=hparams,
-                                   meta_optimizer=O.Adam(FLAGS.meta_learning_rate))
+            runner = GuidedTrainer(
+                model,
+                guidance_batch,
+                hyperparameters=hparams,
+                meta_optimizer=O.Adam(FLAGS.meta_learning_rate),
+            )
         runner.compile(make_optimizer(opt, b1), loss)
-        recorder = ScheduleRecorder(("learning_rate_scale", "effective_learning_rate", "beta_1",
-                                     "guidance_loss", "nonfinite_hypergrads"))
+        recorder = ScheduleRecorder(
+            (
+                "learning_rate_scale",
+                "effective_learning_rate",
+                "beta_1",
+                "guidance_loss",
+                "nonfinite_hypergrads",
+            )
+        )
         timer = StepTimer(warmup=3)
-        tb = keras.callbacks.TensorBoard(str(out_dir / "tensorboard" / f"{opt}_{name}"),
-                                         update_freq=10)
+        tb = keras.callbacks.TensorBoard(
+            str(out_dir / "tensorboard" / f"{opt}_{name}"), update_freq=10
+        )
         t0 = time.time()
-        hist = runner.fit(dataset(), steps_per_epoch=FLAGS.steps, epochs=1, verbose=0,
-                          callbacks=[recorder, timer, tb])
+        hist = runner.fit(
+            dataset(),
+            steps_per_epoch=FLAGS.steps,
+            epochs=1,
+            verbose=0,
+            callbacks=[recorder, timer, tb],
+        )
         wall = time.time() - t0
         metrics = dev_metrics(model, dv)
-        row = {"optimizer": opt, "run": name, "beta_1_init": b1 if hparams and "beta_1" in hparams else None,
-               **metrics, "train_loss": float(hist.history["loss"][-1]),
-               "ms_per_step": 1000 * timer.median(), "wall_s": wall}
+        row = {
+            "optimizer": opt,
+            "run": name,
+            "beta_1_init": b1 if hparams and "beta_1" in hparams else None,
+            **metrics,
+            "train_loss": float(hist.history["loss"][-1]),
+            "ms_per_step": 1000 * timer.median(),
+            "wall_s": wall,
+        }
         if hparams is not None:
             learned = runner.learned_values()
             row["final_lr_scale"] = learned.get("learning_rate")
@@ -172,35 +204,78 @@ def main(argv):
             row["nonfinite_hypergrads"] = recorder.values["nonfinite_hypergrads"][-1]
         schedules[(opt, name)] = recorder.values
         rows.append(row)
-        print(f"{opt:9s} {name:12s} dev loss {metrics['dev_loss']:.4f} acc "
-              f"{metrics['dev_token_accuracy']:.4f}  {row['ms_per_step']:.1f} ms/step  "
-              f"lr_scale {row.get('final_lr_scale')} beta_1 {row.get('final_beta_1')}", flush=True)
+        print(
+            f"{opt:9s} {name:12s} dev loss {metrics['dev_loss']:.4f} acc "
+            f"{metrics['dev_token_accuracy']:.4f}  {row['ms_per_step']:.1f} ms/step  "
+            f"lr_scale {row.get('final_lr_scale')} beta_1 {row.get('final_beta_1')}",
+            flush=True,
+        )
 
     for opt in FLAGS.optimizers:
-        main_runs = {n: schedules[(o, n)] for (o, n) in schedules if o == opt and n in ("lr", "beta_1", "both")}
-        plot_schedules(main_runs, out_dir / f"{opt}_schedules.png",
-                       keys=("learning_rate_scale", "beta_1", "guidance_loss"),
-                       title=f"{opt}: learned schedules")
-        init_runs = {n: schedules[(o, n)] for (o, n) in schedules if o == opt and n.startswith("beta_1")}
-        plot_schedules(init_runs, out_dir / f"{opt}_beta_1_inits.png", keys=("beta_1",),
-                       title=f"{opt}: learned beta_1 from different initial values")
+        main_runs = {
+            n: schedules[(o, n)]
+            for (o, n) in schedules
+            if o == opt and n in ("lr", "beta_1", "both")
+        }
+        plot_schedules(
+            main_runs,
+            out_dir / f"{opt}_schedules.png",
+            keys=("learning_rate_scale", "beta_1", "guidance_loss"),
+            title=f"{opt}: learned schedules",
+        )
+        init_runs = {
+            n: schedules[(o, n)] for (o, n) in schedules if o == opt and n.startswith("beta_1")
+        }
+        plot_schedules(
+            init_runs,
+            out_dir / f"{opt}_beta_1_inits.png",
+            keys=("beta_1",),
+            title=f"{opt}: learned beta_1 from different initial values",
+        )
 
-    table = format_table(rows, [
-        ("optimizer", "optimizer", "s"), ("run", "run", "s"),
-        ("dev_loss", "dev loss", ".4f"), ("dev_token_accuracy", "dev tok acc", ".4f"),
-        ("train_loss", "train loss", ".4f"), ("final_lr_scale", "lr scale", ".3f"),
-        ("final_beta_1", "beta_1", ".3f"), ("ms_per_step", "ms/step", ".1f"),
-    ])
+    table = format_table(
+        rows,
+        [
+            ("optimizer", "optimizer", "s"),
+            ("run", "run", "s"),
+            ("dev_loss", "dev loss", ".4f"),
+            ("dev_token_accuracy", "dev tok acc", ".4f"),
+            ("train_loss", "train loss", ".4f"),
+            ("final_lr_scale", "lr scale", ".3f"),
+            ("final_beta_1", "beta_1", ".3f"),
+            ("ms_per_step", "ms/step", ".1f"),
+        ],
+    )
     print(table)
-    path = write_json(out_dir / "results.json", {
-        "task": f"django en->{FLAGS.lang}, char-level, <= {FLAGS.max_chars} chars",
-        "sizes": {"train": len(train), "guidance": len(guidance), "dev": len(dev), "vocab": len(vocab)},
-        "flags": {k: getattr(FLAGS, k) for k in (
-            "steps", "batch_size", "dim", "heads", "ff_dim", "dropout", "lamb_learning_rate",
-            "adafactor_learning_rate", "meta_learning_rate", "seed")},
-        "rows": rows,
-        "table": table,
-    })
+    path = write_json(
+        out_dir / "results.json",
+        {
+            "task": f"django en->{FLAGS.lang}, char-level, <= {FLAGS.max_chars} chars",
+            "sizes": {
+                "train": len(train),
+                "guidance": len(guidance),
+                "dev": len(dev),
+                "vocab": len(vocab),
+            },
+            "flags": {
+                k: getattr(FLAGS, k)
+                for k in (
+                    "steps",
+                    "batch_size",
+                    "dim",
+                    "heads",
+                    "ff_dim",
+                    "dropout",
+                    "lamb_learning_rate",
+                    "adafactor_learning_rate",
+                    "meta_learning_rate",
+                    "seed",
+                )
+            },
+            "rows": rows,
+            "table": table,
+        },
+    )
     print(f"wrote {path} and plots to {out_dir}")
 
 

@@ -2,7 +2,8 @@ r"""Multilingual multi-task fine-tuning of a pretrained encoder: Sequential Rept
 baselines it is measured against (Lee et al., ICLR 2022, Tables 2-4) and the multi-task
 method zoo, on real data offline.
 
-    python -m trainers.multitask                       # ~15 min on 2 quiet cores: 8 methods x 3 seeds
+    python -m trainers.multitask                       # ~15 min on 2 quiet cores: 8 methods x 3
+    seeds
     python -m trainers.multitask --methods=mtl,sequential_reptile --seeds=0
     python -m trainers.multitask --methods=zoo --seeds=0 --steps=40   # every registry method
     python -m trainers.multitask --methods=mtl,cagrad,nash_mtl \
@@ -62,6 +63,7 @@ distance of the encoder's trainable weights from the pretrained ones (the head i
 left out). The table gives each quantity's mean over seeds with a 95% t-interval, and
 `results.json` every run's values; progress lines are printed while it runs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -76,8 +78,16 @@ from absl import app, flags  # noqa: E402
 from trainers import multitask_methods as MM  # noqa: E402
 
 #: The default run: the paper's baselines (Lee et al. Tables 2-4).
-METHODS = ("single_task", "mtl", "pcgrad", "gradvac", "gradnorm", "recadam", "reptile",
-           "sequential_reptile")
+METHODS = (
+    "single_task",
+    "mtl",
+    "pcgrad",
+    "gradvac",
+    "gradnorm",
+    "recadam",
+    "reptile",
+    "sequential_reptile",
+)
 #: The program's own methods (not in the multi-task registry). Every registry method is
 #: accepted too (`MM.known(PROGRAM_METHODS, ALIASES)`), and "zoo" for all of them.
 PROGRAM_METHODS = ("single_task", "recadam", "reptile", "sequential_reptile")
@@ -90,6 +100,7 @@ ZERO_SHOT_LANGUAGES = ("it", "nl", "sw")
 @dataclasses.dataclass
 class Config:
     """Everything a run depends on (the program's flags; tests build it directly)."""
+
     methods: tuple = METHODS
     #: {method: {constructor argument: value}} for the registry methods run.
     method_options: dict = dataclasses.field(default_factory=dict)
@@ -123,28 +134,44 @@ class Config:
         MM.check_methods(self.methods, PROGRAM_METHODS, ALIASES)
         MM.check_method_options(self.method_options, self.methods, ALIASES)
         if len(self.train_languages) < 2:
-            raise ValueError("`train_languages` needs at least two languages (tasks); got "
-                             f"{list(self.train_languages)}.")
+            raise ValueError(
+                "`train_languages` needs at least two languages (tasks); got "
+                f"{list(self.train_languages)}."
+            )
         overlap = set(self.train_languages) & set(self.zero_shot_languages)
         if overlap:
-            raise ValueError(f"`zero_shot_languages` must not be trained on; both lists have "
-                             f"{sorted(overlap)}.")
+            raise ValueError(
+                f"`zero_shot_languages` must not be trained on; both lists have {sorted(overlap)}."
+            )
         if not self.seeds:
             raise ValueError("`seeds` is empty.")
-        for name in ("steps", "per_task_batch_size", "trainable_layers", "inner_steps",
-                     "reptile_inner_steps", "reptile_tasks", "probe_examples", "log_every"):
+        for name in (
+            "steps",
+            "per_task_batch_size",
+            "trainable_layers",
+            "inner_steps",
+            "reptile_inner_steps",
+            "reptile_tasks",
+            "probe_examples",
+            "log_every",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1; got {value!r}.")
         if self.reptile_tasks > len(self.train_languages):
-            raise ValueError(f"`reptile_tasks`={self.reptile_tasks} is more than the "
-                             f"{len(self.train_languages)} training languages.")
-        if (self.steps * len(self.train_languages)) % (self.reptile_tasks * self.reptile_inner_steps):
+            raise ValueError(
+                f"`reptile_tasks`={self.reptile_tasks} is more than the "
+                f"{len(self.train_languages)} training languages."
+            )
+        if (self.steps * len(self.train_languages)) % (
+            self.reptile_tasks * self.reptile_inner_steps
+        ):
             raise ValueError(
                 f"`steps` x languages = {self.steps * len(self.train_languages)} must be a "
                 f"multiple of `reptile_tasks` x `reptile_inner_steps` = "
                 f"{self.reptile_tasks * self.reptile_inner_steps} (Reptile sees the same "
-                "examples as MTL).")
+                "examples as MTL)."
+            )
         for name in ("learning_rate", "outer_learning_rate"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"`{name}` must be > 0; got {getattr(self, name)!r}.")
@@ -153,60 +180,89 @@ class Config:
 def define_flags():
     """The program's flags (only when it runs as a program: tests import its functions)."""
     c = Config()
-    flags.DEFINE_list("methods", list(c.methods),
-                      f"Which methods: {', '.join(MM.known(PROGRAM_METHODS, ALIASES))}; "
-                      f"'{MM.ZOO}' = every method of the multi-task registry.")
-    flags.DEFINE_list("method_options", [],
-                      "Registry methods' hyperparameters, <method>.<argument>=<value>, e.g. "
-                      "cagrad.calpha=0.4,nash_mtl.optim_niter=10 (the arguments of the "
-                      "method's class, tf_metaalign.algorithms.multitask).")
+    flags.DEFINE_list(
+        "methods",
+        list(c.methods),
+        f"Which methods: {', '.join(MM.known(PROGRAM_METHODS, ALIASES))}; "
+        f"'{MM.ZOO}' = every method of the multi-task registry.",
+    )
+    flags.DEFINE_list(
+        "method_options",
+        [],
+        "Registry methods' hyperparameters, <method>.<argument>=<value>, e.g. "
+        "cagrad.calpha=0.4,nash_mtl.optim_niter=10 (the arguments of the "
+        "method's class, tf_metaalign.algorithms.multitask).",
+    )
     flags.DEFINE_list("train_languages", list(c.train_languages), "Training languages (tasks).")
-    flags.DEFINE_list("zero_shot_languages", list(c.zero_shot_languages),
-                      "Unseen languages, evaluated zero-shot.")
+    flags.DEFINE_list(
+        "zero_shot_languages", list(c.zero_shot_languages), "Unseen languages, evaluated zero-shot."
+    )
     flags.DEFINE_list("seeds", [str(s) for s in c.seeds], "Seeds (initial head, data order).")
-    flags.DEFINE_integer("steps", c.steps, "MTL steps; every method sees steps x tasks x "
-                         "per_task_batch_size examples.")
-    flags.DEFINE_integer("per_task_batch_size", c.per_task_batch_size,
-                         "Examples per task in a mixed batch (Sequential Reptile's single-task "
-                         "batches have tasks x this many).")
-    flags.DEFINE_float("learning_rate", c.learning_rate, "Adam's rate (the inner rate of the "
-                       "Reptiles).")
-    flags.DEFINE_integer("trainable_layers", c.trainable_layers,
-                         "Top transformer layers fine-tuned (6: the whole encoder).")
+    flags.DEFINE_integer(
+        "steps",
+        c.steps,
+        "MTL steps; every method sees steps x tasks x per_task_batch_size examples.",
+    )
+    flags.DEFINE_integer(
+        "per_task_batch_size",
+        c.per_task_batch_size,
+        "Examples per task in a mixed batch (Sequential Reptile's single-task "
+        "batches have tasks x this many).",
+    )
+    flags.DEFINE_float(
+        "learning_rate", c.learning_rate, "Adam's rate (the inner rate of the Reptiles)."
+    )
+    flags.DEFINE_integer(
+        "trainable_layers",
+        c.trainable_layers,
+        "Top transformer layers fine-tuned (6: the whole encoder).",
+    )
     flags.DEFINE_integer("sequence_length", c.sequence_length, "Tokens per string.")
     flags.DEFINE_float("q", c.q, "Sequential Reptile's task sampling p_t ∝ N_t^q.")
     flags.DEFINE_integer("inner_steps", c.inner_steps, "Sequential Reptile's K.")
     flags.DEFINE_integer("reptile_inner_steps", c.reptile_inner_steps, "Reptile's k per task.")
-    flags.DEFINE_integer("reptile_tasks", c.reptile_tasks,
-                         "Reptile's tasks per outer step (drawn with p_t ∝ N_t^q).")
+    flags.DEFINE_integer(
+        "reptile_tasks", c.reptile_tasks, "Reptile's tasks per outer step (drawn with p_t ∝ N_t^q)."
+    )
     flags.DEFINE_float("outer_learning_rate", c.outer_learning_rate, "eta of both Reptiles.")
     flags.DEFINE_float("recadam_k", c.recadam_k, "RecAdam's annealing slope k.")
     flags.DEFINE_float("recadam_pretrain_cof", c.recadam_pretrain_cof, "RecAdam's gamma.")
-    flags.DEFINE_integer("probe_examples", c.probe_examples,
-                         "Training strings per language for the gradient cosine.")
+    flags.DEFINE_integer(
+        "probe_examples", c.probe_examples, "Training strings per language for the gradient cosine."
+    )
     flags.DEFINE_integer("log_every", c.log_every, "Steps between progress lines.")
-    flags.DEFINE_bool("full", False, "The full run: the whole encoder (trainable_layers=6), "
-                      "sequence_length 32, 4x the steps, seeds 0-4, 12 training languages.")
+    flags.DEFINE_bool(
+        "full",
+        False,
+        "The full run: the whole encoder (trainable_layers=6), "
+        "sequence_length 32, 4x the steps, seeds 0-4, 12 training languages.",
+    )
     flags.DEFINE_string("output_dir", "/tmp/tf_metaalign_multitask", "Where results go.")
 
 
 FLAGS = flags.FLAGS
 
-FULL_RUN = {"trainable_layers": 6, "sequence_length": 32, "steps": 480,
-            "seeds": (0, 1, 2, 3, 4), "learning_rate": 1e-4,
-            "train_languages": TRAIN_LANGUAGES + ("pt", "sv", "tr", "ast")}
+FULL_RUN = {
+    "trainable_layers": 6,
+    "sequence_length": 32,
+    "steps": 480,
+    "seeds": (0, 1, 2, 3, 4),
+    "learning_rate": 1e-4,
+    "train_languages": TRAIN_LANGUAGES + ("pt", "sv", "tr", "ast"),
+}
 
 
 def config_from_flags() -> Config:
     from trainers import common
 
-    converted = dict(methods=tuple(FLAGS.methods),
-                     method_options=MM.parse_method_options(FLAGS.method_options),
-                     train_languages=tuple(FLAGS.train_languages),
-                     zero_shot_languages=tuple(FLAGS.zero_shot_languages),
-                     seeds=tuple(int(s) for s in FLAGS.seeds))
-    return common.config_from_flags(Config, FLAGS, converted,
-                                    FULL_RUN if FLAGS.full else None)
+    converted = dict(
+        methods=tuple(FLAGS.methods),
+        method_options=MM.parse_method_options(FLAGS.method_options),
+        train_languages=tuple(FLAGS.train_languages),
+        zero_shot_languages=tuple(FLAGS.zero_shot_languages),
+        seeds=tuple(int(s) for s in FLAGS.seeds),
+    )
+    return common.config_from_flags(Config, FLAGS, converted, FULL_RUN if FLAGS.full else None)
 
 
 # ------------------------------------------------------------------------------ data
@@ -215,6 +271,7 @@ def config_from_flags() -> Config:
 @dataclasses.dataclass
 class Data:
     """Model inputs per language and split: `train[lang] = (x, y)`, x a dict of arrays."""
+
     class_names: tuple
     train: dict
     test: dict
@@ -233,14 +290,14 @@ def prepare_data(config: Config, log=print) -> Data:
 
     languages = tuple(config.train_languages) + tuple(config.zero_shot_languages)
     log(f"loading Django catalogs for {len(languages)} languages")
-    tasks = D.component_tasks(languages, test_fraction=config.test_fraction,
-                              seed=config.split_seed)
+    tasks = D.component_tasks(languages, test_fraction=config.test_fraction, seed=config.split_seed)
     log("loading the MiniLM encoder and tokenizer")
     tokenizer, backbone = TE.load_minilm_tokenizer(), TE.load_minilm_backbone()
     num_layers = len(backbone.transformer_layers)
     if config.trainable_layers > num_layers:
-        raise ValueError(f"`trainable_layers`={config.trainable_layers}: the encoder has "
-                         f"{num_layers} layers.")
+        raise ValueError(
+            f"`trainable_layers`={config.trainable_layers}: the encoder has {num_layers} layers."
+        )
     cached = num_layers - config.trainable_layers
     if cached:
         cut = backbone.get_layer(f"transformer_layer_{cached - 1}").output
@@ -261,9 +318,11 @@ def prepare_data(config: Config, log=print) -> Data:
     for lang in config.zero_shot_languages:
         zero_shot[lang] = (inputs(tasks.test[lang][0]), tasks.test[lang][1])
     sizes = ", ".join(f"{lang} {len(y)}" for lang, (_, y) in train.items())
-    log(f"{'encoded' if cached else 'tokenized'} {sum(len(y) for _, y in train.values())} "
+    log(
+        f"{'encoded' if cached else 'tokenized'} {sum(len(y) for _, y in train.values())} "
         f"training strings ({sizes}) in {time.perf_counter() - start:.0f} s"
-        + (f" (the frozen {cached} layers run once)" if cached else ""))
+        + (f" (the frozen {cached} layers run once)" if cached else "")
+    )
     return Data(tasks.class_names, train, test, zero_shot, backbone, cached)
 
 
@@ -280,26 +339,30 @@ def build_model(data: Data, seed: int):
         backbone = type(data.encoder).from_config(data.encoder.get_config())
         backbone.set_weights(data.encoder.get_weights())
         length = data.train[next(iter(data.train))][0]["token_ids"].shape[1]
-        model = TE.build_text_classifier(num_classes, backbone=backbone, sequence_length=length,
-                                         seed=seed)
+        model = TE.build_text_classifier(
+            num_classes, backbone=backbone, sequence_length=length, seed=seed
+        )
         return model, backbone.trainable_weights
     example = data.train[next(iter(data.train))][0]["hidden"]
     length, width = example.shape[1:]
     hidden = keras.Input((length, width), name="hidden")
     mask = keras.Input((length,), dtype="bool", name="padding_mask")
     x, encoder_weights = hidden, []
-    for pretrained in data.encoder.transformer_layers[data.cached_layers:]:
+    for pretrained in data.encoder.transformer_layers[data.cached_layers :]:
         layer = keras_hub.layers.TransformerEncoder.from_config(pretrained.get_config())
         x = layer(x, padding_mask=mask)
         layer.set_weights(pretrained.get_weights())
         encoder_weights += layer.trainable_weights
     weights = keras.ops.expand_dims(keras.ops.cast(mask, x.dtype), -1)
     pooled = keras.ops.sum(x * weights, axis=1) / keras.ops.maximum(
-        keras.ops.sum(weights, axis=1), 1.0)
+        keras.ops.sum(weights, axis=1), 1.0
+    )
     pooled = keras.layers.Dropout(0.1, seed=seed)(pooled)
     logits = keras.layers.Dense(
-        num_classes, name="head",
-        kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02, seed=seed))(pooled)
+        num_classes,
+        name="head",
+        kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02, seed=seed),
+    )(pooled)
     return keras.Model({"hidden": hidden, "padding_mask": mask}, logits), encoder_weights
 
 
@@ -316,9 +379,12 @@ def accuracy(model, split) -> dict:
     out = {}
     for lang, (x, y) in split.items():
         # Eager calls: `predict` would retrace for every language's number of strings.
-        logits = np.concatenate([np.asarray(model({k: v[i:i + 256] for k, v in x.items()},
-                                                  training=False))
-                                 for i in range(0, len(y), 256)])
+        logits = np.concatenate(
+            [
+                np.asarray(model({k: v[i : i + 256] for k, v in x.items()}, training=False))
+                for i in range(0, len(y), 256)
+            ]
+        )
         out[lang] = float(np.mean(np.argmax(logits, -1) == y))
     return out
 
@@ -330,7 +396,7 @@ def _probe_batches(data: Data, config: Config):
 
     batches = {}
     for lang, (x, y) in data.train.items():
-        rows = np.random.default_rng(1234).permutation(len(y))[:config.probe_examples]
+        rows = np.random.default_rng(1234).permutation(len(y))[: config.probe_examples]
         batches[lang] = ({k: v[rows] for k, v in x.items()}, y[rows])
     return batches
 
@@ -366,84 +432,115 @@ def run_method(method: str, data: Data, seed: int, config: Config, log=print) ->
         return model, encoder, [w.numpy() for w in encoder]
 
     def distance(encoder, pretrained):
-        return float(np.sqrt(sum(np.sum((w.numpy() - p) ** 2)
-                                 for w, p in zip(encoder, pretrained))))
+        return float(
+            np.sqrt(sum(np.sum((w.numpy() - p) ** 2) for w, p in zip(encoder, pretrained)))
+        )
 
     if method == "single_task":
         scores, distances = {}, []
         for index, lang in enumerate(languages):
             model, encoder, pretrained = fresh()
             model.compile(optimizer=O.Adam(config.learning_rate), loss=_loss())
-            stream = MultiTaskStream({lang: data.train[lang]}, batch_size=b,
-                                     seed=seed * 1000 + index)
-            batches = stream.single_task_batches().map(
-                lambda x, y: (x["inputs"], y)).take(config.steps)
+            stream = MultiTaskStream(
+                {lang: data.train[lang]}, batch_size=b, seed=seed * 1000 + index
+            )
+            batches = (
+                stream.single_task_batches().map(lambda x, y: (x["inputs"], y)).take(config.steps)
+            )
             model.fit(batches, verbose=0, shuffle=False)
             scores[lang] = accuracy(model, {lang: data.test[lang]})[lang]
             distances.append(distance(encoder, pretrained))
-            log(f"{name}: {lang} ({index + 1}/{num_tasks}) held-out accuracy "
-                f"{scores[lang]:.3f}")
-        return {"method": method, "seed": seed, "task_accuracy": scores,
-                "average_accuracy": float(np.mean(list(scores.values()))),
-                "zero_shot_accuracy": {}, "zero_shot_average": None,
-                "task_cosine": None, "distance_from_pretrained": float(np.mean(distances)),
-                "seconds": time.perf_counter() - start}
+            log(f"{name}: {lang} ({index + 1}/{num_tasks}) held-out accuracy {scores[lang]:.3f}")
+        return {
+            "method": method,
+            "seed": seed,
+            "task_accuracy": scores,
+            "average_accuracy": float(np.mean(list(scores.values()))),
+            "zero_shot_accuracy": {},
+            "zero_shot_average": None,
+            "task_cosine": None,
+            "distance_from_pretrained": float(np.mean(distances)),
+            "seconds": time.perf_counter() - start,
+        }
 
     model, encoder, pretrained = fresh()
     stream = MultiTaskStream(data.train, batch_size=num_tasks * b, q=config.q, seed=seed)
     method_config = None
     if method == "recadam" or MM.registry_name(method, ALIASES):
         # Every registry method with its options; RecAdam is "sum" with another optimizer.
-        mtl_method = (MM.build("mtl", {}, ALIASES) if method == "recadam"
-                      else MM.build(method, config.method_options, ALIASES))
+        mtl_method = (
+            MM.build("mtl", {}, ALIASES)
+            if method == "recadam"
+            else MM.build(method, config.method_options, ALIASES)
+        )
         method_config = {"name": mtl_method.name, "config": mtl_method.get_config()}
         # One shared head: no task-specific variables (see the module doc).
-        trainer = MultiTaskTrainer(model, num_tasks=num_tasks, method=mtl_method,
-                                   seed=seed, measure_task_cosine=True)
-        optimizer = (O.RecAdam(config.learning_rate, anneal_k=config.recadam_k,
-                               anneal_t0=config.steps // 4,
-                               pretrain_cof=config.recadam_pretrain_cof,
-                               exclude_from_recall=["head"])
-                     if method == "recadam" else O.Adam(config.learning_rate))
+        trainer = MultiTaskTrainer(
+            model, num_tasks=num_tasks, method=mtl_method, seed=seed, measure_task_cosine=True
+        )
+        optimizer = (
+            O.RecAdam(
+                config.learning_rate,
+                anneal_k=config.recadam_k,
+                anneal_t0=config.steps // 4,
+                pretrain_cof=config.recadam_pretrain_cof,
+                exclude_from_recall=["head"],
+            )
+            if method == "recadam"
+            else O.Adam(config.learning_rate)
+        )
         batches = stream.mixed_batches(per_task_batch_size=b).take(config.steps)
         steps = config.steps
     elif method == "reptile":
         k, tasks = config.reptile_inner_steps, config.reptile_tasks
-        trainer = MultiTaskReptileTrainer(model, inner_steps=k,
-                                          inner_optimizer=O.Adam(config.learning_rate))
+        trainer = MultiTaskReptileTrainer(
+            model, inner_steps=k, inner_optimizer=O.Adam(config.learning_rate)
+        )
         optimizer = O.SGD(config.outer_learning_rate)
 
         def stack(x, y):  # task-major [tasks * k * b] -> [tasks, k, b, ...]
             def fold(t):
                 return tf.reshape(t, [tasks, k, b] + t.shape[1:].as_list())
+
             return tf.nest.map_structure(fold, x), fold(y)
 
         # The inner loops are unrolled when traced (tasks x k steps): tracing time grows
         # with their product, hence a subset of tasks per outer step.
         steps = config.steps * num_tasks // (tasks * k)
-        batches = stream.mixed_batches(tasks_per_batch=tasks, per_task_batch_size=k * b
-                                       ).map(stack).take(steps)
+        batches = (
+            stream.mixed_batches(tasks_per_batch=tasks, per_task_batch_size=k * b)
+            .map(stack)
+            .take(steps)
+        )
     else:  # sequential_reptile
-        trainer = SequentialReptileTrainer(model, inner_steps=config.inner_steps,
-                                           outer_learning_rate=config.outer_learning_rate)
+        trainer = SequentialReptileTrainer(
+            model, inner_steps=config.inner_steps, outer_learning_rate=config.outer_learning_rate
+        )
         optimizer = O.Adam(config.learning_rate)
         batches = stream.single_task_batches().take(config.steps)
         steps = config.steps
     trainer.compile(optimizer=optimizer, loss=_loss())
-    progress = common.ProgressCallback(log, name, steps, max(1, config.log_every * steps
-                                                              // config.steps))
+    progress = common.ProgressCallback(
+        log, name, steps, max(1, config.log_every * steps // config.steps)
+    )
     trainer.fit(batches, verbose=0, shuffle=False, callbacks=[progress])
     diagnostics = MultiTaskDiagnostics(_probe_batches(data, config))
     diagnostics.set_model(trainer)
     cosine = diagnostics.measure()["task_gradient_cosine"]
     scores = accuracy(model, data.test)
     zero_shot = accuracy(model, data.zero_shot)
-    return {"method": method, "seed": seed, "task_accuracy": scores,
-            "average_accuracy": float(np.mean(list(scores.values()))),
-            "zero_shot_accuracy": zero_shot,
-            "zero_shot_average": float(np.mean(list(zero_shot.values()))) if zero_shot else None,
-            "task_cosine": cosine, "distance_from_pretrained": distance(encoder, pretrained),
-            "method_config": method_config, "seconds": time.perf_counter() - start}
+    return {
+        "method": method,
+        "seed": seed,
+        "task_accuracy": scores,
+        "average_accuracy": float(np.mean(list(scores.values()))),
+        "zero_shot_accuracy": zero_shot,
+        "zero_shot_average": float(np.mean(list(zero_shot.values()))) if zero_shot else None,
+        "task_cosine": cosine,
+        "distance_from_pretrained": distance(encoder, pretrained),
+        "method_config": method_config,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 # --------------------------------------------------------------------------- summary
@@ -469,10 +566,17 @@ def summarise(runs, methods) -> list[dict]:
         mine = [r for r in runs if r["method"] == method]
         if not mine:
             continue
-        row = {"method": method, "seeds": len(mine),
-               "seconds": float(np.mean([r["seconds"] for r in mine]))}
-        for key, fmt in (("average_accuracy", ".3f"), ("zero_shot_average", ".3f"),
-                         ("task_cosine", ".3f"), ("distance_from_pretrained", ".2f")):
+        row = {
+            "method": method,
+            "seeds": len(mine),
+            "seconds": float(np.mean([r["seconds"] for r in mine])),
+        }
+        for key, fmt in (
+            ("average_accuracy", ".3f"),
+            ("zero_shot_average", ".3f"),
+            ("task_cosine", ".3f"),
+            ("distance_from_pretrained", ".2f"),
+        ):
             values = [r[key] for r in mine if r[key] is not None]
             if not values:
                 continue
@@ -481,9 +585,13 @@ def summarise(runs, methods) -> list[dict]:
             row[key + "_mean"], row[key + "_ci95"] = mean, half
         languages = list(mine[0]["task_accuracy"]) + list(mine[0]["zero_shot_accuracy"])
         row["per_language"] = {
-            lang: float(np.mean([r["task_accuracy"].get(lang, r["zero_shot_accuracy"].get(lang))
-                                 for r in mine]))
-            for lang in languages}
+            lang: float(
+                np.mean(
+                    [r["task_accuracy"].get(lang, r["zero_shot_accuracy"].get(lang)) for r in mine]
+                )
+            )
+            for lang in languages
+        }
         rows.append(row)
     return rows
 
@@ -493,20 +601,24 @@ def per_language_table(rows, data: Data) -> str:
 
     languages = list(data.train) + list(data.zero_shot)
     columns = [("method", "method", "s")] + [
-        (lang, lang + ("*" if lang in data.zero_shot else ""), ".3f") for lang in languages]
-    return common.format_table([{"method": r["method"], **r["per_language"]} for r in rows],
-                               columns)
+        (lang, lang + ("*" if lang in data.zero_shot else ""), ".3f") for lang in languages
+    ]
+    return common.format_table(
+        [{"method": r["method"], **r["per_language"]} for r in rows], columns
+    )
 
 
 def majority_accuracy(data: Data) -> dict:
     """Accuracy of always answering the training set's most frequent class, per language."""
     import numpy as np
 
-    counts = np.bincount(np.concatenate([y for _, y in data.train.values()]),
-                         minlength=len(data.class_names))
+    counts = np.bincount(
+        np.concatenate([y for _, y in data.train.values()]), minlength=len(data.class_names)
+    )
     top = int(np.argmax(counts))
-    return {lang: float(np.mean(y == top))
-            for lang, (_, y) in {**data.test, **data.zero_shot}.items()}
+    return {
+        lang: float(np.mean(y == top)) for lang, (_, y) in {**data.test, **data.zero_shot}.items()
+    }
 
 
 def main(argv):
@@ -527,28 +639,44 @@ def main(argv):
             log(f"run {len(runs) + 1}/{total}: {method}, seed {seed}")
             runs.append(run_method(method, data, seed, config, log))
             r = runs[-1]
-            log(f"{method} seed {seed}: held-out {r['average_accuracy']:.3f}"
-                + (f"  zero-shot {r['zero_shot_average']:.3f}"
-                   if r["zero_shot_average"] is not None else "")
+            log(
+                f"{method} seed {seed}: held-out {r['average_accuracy']:.3f}"
+                + (
+                    f"  zero-shot {r['zero_shot_average']:.3f}"
+                    if r["zero_shot_average"] is not None
+                    else ""
+                )
                 + (f"  task cos {r['task_cosine']:.3f}" if r["task_cosine"] is not None else "")
-                + f"  L2 {r['distance_from_pretrained']:.2f}  ({r['seconds']:.0f} s)")
+                + f"  L2 {r['distance_from_pretrained']:.2f}  ({r['seconds']:.0f} s)"
+            )
     rows = summarise(runs, config.methods)
     majority = majority_accuracy(data)
     print()
-    print(f"Mean over seeds {list(config.seeds)} ± 95% t-interval; held-out = the training "
-          f"languages' held-out strings; zero-shot = unseen languages "
-          f"({', '.join(config.zero_shot_languages)}).")
+    print(
+        f"Mean over seeds {list(config.seeds)} ± 95% t-interval; held-out = the training "
+        f"languages' held-out strings; zero-shot = unseen languages "
+        f"({', '.join(config.zero_shot_languages)})."
+    )
     print(common.format_table(rows, SUMMARY_COLUMNS))
     print()
     print("Accuracy per language (mean over seeds; * = zero-shot):")
     print(per_language_table(rows, data))
-    print(f"\nmajority class: held-out "
-          f"{sum(majority[l] for l in data.test) / len(data.test):.3f}, zero-shot "
-          f"{sum(majority[l] for l in data.zero_shot) / max(1, len(data.zero_shot)):.3f}")
-    common.write_json(out / "results.json", {
-        "config": dataclasses.asdict(config), "classes": list(data.class_names),
-        "train_sizes": {lang: len(y) for lang, (_, y) in data.train.items()},
-        "majority_accuracy": majority, "summary": rows, "runs": runs})
+    print(
+        f"\nmajority class: held-out "
+        f"{sum(majority[l] for l in data.test) / len(data.test):.3f}, zero-shot "
+        f"{sum(majority[l] for l in data.zero_shot) / max(1, len(data.zero_shot)):.3f}"
+    )
+    common.write_json(
+        out / "results.json",
+        {
+            "config": dataclasses.asdict(config),
+            "classes": list(data.class_names),
+            "train_sizes": {lang: len(y) for lang, (_, y) in data.train.items()},
+            "majority_accuracy": majority,
+            "summary": rows,
+            "runs": runs,
+        },
+    )
     log(f"results.json in {out}")
 
 

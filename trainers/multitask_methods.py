@@ -13,6 +13,7 @@ argument of the method's class (its docstring lists them), `<value>` a Python li
 (`0.4`, `10`, `True`, `'l2'`, `(0.1, 0.2)`) or a bare word taken as a string (`l2`).
 Errors name the flag and say what was expected.
 """
+
 from __future__ import annotations
 
 import ast
@@ -53,7 +54,7 @@ def expand(methods: Iterable[str], aliases: Mapping[str, str]) -> tuple[str, ...
     occurrence kept)."""
     out = []
     for method in methods:
-        for name in (zoo(aliases) if method == ZOO else (method,)):
+        for name in zoo(aliases) if method == ZOO else (method,):
             if name not in out:
                 out.append(name)
     return tuple(out)
@@ -65,7 +66,8 @@ def check_methods(methods, program_methods, aliases, flag: str = "methods") -> N
     if unknown or not methods:
         raise ValueError(
             f"`{flag}`: unknown {unknown} (or none given); choose from {', '.join(choices)}, "
-            f"or '{ZOO}' for every method of the multi-task registry.")
+            f"or '{ZOO}' for every method of the multi-task registry."
+        )
 
 
 def _value(text: str):
@@ -94,34 +96,40 @@ def parse_method_options(items, flag: str = "method_options") -> dict:
         key, sep, text = item.partition("=")
         method, dot, argument = key.strip().partition(".")
         if not sep or not dot or not method or not argument or not text.strip():
-            raise ValueError(f"`{flag}`: {item!r} is not <method>.<argument>=<value> (e.g. "
-                             "cagrad.calpha=0.4).")
+            raise ValueError(
+                f"`{flag}`: {item!r} is not <method>.<argument>=<value> (e.g. cagrad.calpha=0.4)."
+            )
         if argument in options.get(method, {}):
             raise ValueError(f"`{flag}`: {method}.{argument} is given twice.")
         options.setdefault(method, {})[argument.strip()] = _value(text.strip())
     return options
 
 
-def check_method_options(options: Mapping, methods, aliases,
-                         flag: str = "method_options") -> None:
+def check_method_options(options: Mapping, methods, aliases, flag: str = "method_options") -> None:
     """Every method named in `options` is run (`methods`) and is a registry method, and
     its class accepts the arguments and values (it is built once to check)."""
     from tf_metaalign.algorithms.multitask import get_method
 
     if not isinstance(options, Mapping):
-        raise ValueError(f"`{flag}` must be a dict {{method: {{argument: value}}}}; got "
-                         f"{options!r}.")
+        raise ValueError(
+            f"`{flag}` must be a dict {{method: {{argument: value}}}}; got {options!r}."
+        )
     for method, arguments in options.items():
         if method not in methods:
-            raise ValueError(f"`{flag}` sets options of {method!r}, which is not among the "
-                             f"methods run ({', '.join(methods)}).")
+            raise ValueError(
+                f"`{flag}` sets options of {method!r}, which is not among the "
+                f"methods run ({', '.join(methods)})."
+            )
         name = registry_name(method, aliases)
         if name is None:
-            raise ValueError(f"`{flag}`: {method!r} is not a method of the multi-task "
-                             "registry and takes no method options (it has flags of its own).")
+            raise ValueError(
+                f"`{flag}`: {method!r} is not a method of the multi-task "
+                "registry and takes no method options (it has flags of its own)."
+            )
         if not isinstance(arguments, Mapping):
-            raise ValueError(f"`{flag}`: the options of {method!r} must be a dict; got "
-                             f"{arguments!r}.")
+            raise ValueError(
+                f"`{flag}`: the options of {method!r} must be a dict; got {arguments!r}."
+            )
         try:
             get_method(name, **arguments)
         except (ValueError, TypeError) as e:

@@ -2,7 +2,7 @@ r"""The synthetic experiment of Sequential Reptile (Lee et al., Fig. 3) with eve
 
     python -m trainers.multitask_synthetic                  # all methods, ~30 s on 2 cores
     python -m trainers.multitask_synthetic --methods=mtl,sequential_reptile --steps=600
-    python -m trainers.multitask_synthetic --methods=zoo,sequential_reptile   # every registry method
+    python -m trainers.multitask_synthetic --methods=zoo,sequential_reptile  # every method
 
 Three tasks in 2-D (optima (0, 10), (0, 0), (10, 0)), phi starts at (20, 5), task loss
 -200 exp(-0.2 ||phi - x_i||) (`trainers.experiments.synthetic`; the paper prints the exponent
@@ -25,10 +25,12 @@ same `MultiTaskStream` (seed `--seed`), and takes `--steps` task gradients in al
 
 Prints a table (final phi; the mean task loss and the mean pairwise cosine of the task
 gradients averaged over the last 20% of the trajectory, since SGD ends in a cycle around a
-loss cusp; per-task losses and the cosine at the final phi) and writes `results.json` and `trajectories.png` (the
+loss cusp; per-task losses and the cosine at the final phi) and writes `results.json` and
+`trajectories.png` (the
 loss surface with every method's trajectory of phi, like the paper's Fig. 3) to
 `--output_dir`.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,27 +52,41 @@ ALIASES = {"mtl": "sum"}
 #: the loss-scale methods assume they are not: FAMO gets the true lower bound (its
 #: log(L_t - min_losses_t) needs it), IMTL runs IMTL-G alone (IMTL-L's e^s L_t - s has
 #: no minimum in s when L_t < 0: s grows without bound).
-METHOD_DEFAULTS = {"gradnorm": {"variable": 0},  # phi, the only (rank-1) weight
-                   "famo": {"min_losses": -200.0},
-                   "imtl": {"learn_scales": False}}
+METHOD_DEFAULTS = {
+    "gradnorm": {"variable": 0},  # phi, the only (rank-1) weight
+    "famo": {"min_losses": -200.0},
+    "imtl": {"learn_scales": False},
+}
 #: Registry methods that cannot run on negative losses; "zoo" leaves them out, and
 #: naming one is an error.
 NEEDS_NONNEGATIVE_LOSSES = {
     "uw": "uncertainty weighting minimises L_t / (2 e^s_t) + s_t / 2, unbounded below in "
-          "s_t when L_t < 0 (the weights diverge)"}
+    "s_t when L_t < 0 (the weights diverge)"
+}
+
 
 def define_flags():
     """The program's flags. Defined only when it runs as a program (`__main__`), so that
     importing its functions (tests) registers no flag that another program defines too."""
-    flags.DEFINE_list("methods", list(METHODS),
-                      f"Which methods: {', '.join(MM.known(PROGRAM_METHODS, ALIASES))}; "
-                      f"'{MM.ZOO}' = every method of the multi-task registry.")
-    flags.DEFINE_list("method_options", [],
-                      "Registry methods' hyperparameters, <method>.<argument>=<value>, e.g. "
-                      "cagrad.calpha=0.4,gradvac.beta=0.5.")
-    flags.DEFINE_integer("steps", 1800, "Task gradients per method (MTL: steps/3 steps of 3 tasks).")
+    flags.DEFINE_list(
+        "methods",
+        list(METHODS),
+        f"Which methods: {', '.join(MM.known(PROGRAM_METHODS, ALIASES))}; "
+        f"'{MM.ZOO}' = every method of the multi-task registry.",
+    )
+    flags.DEFINE_list(
+        "method_options",
+        [],
+        "Registry methods' hyperparameters, <method>.<argument>=<value>, e.g. "
+        "cagrad.calpha=0.4,gradvac.beta=0.5.",
+    )
+    flags.DEFINE_integer(
+        "steps", 1800, "Task gradients per method (MTL: steps/3 steps of 3 tasks)."
+    )
     flags.DEFINE_integer("inner_steps", 3, "K of Reptile and Sequential Reptile.")
-    flags.DEFINE_float("learning_rate", 0.1, "SGD learning rate (MTL & co.; the inner rate of Reptile).")
+    flags.DEFINE_float(
+        "learning_rate", 0.1, "SGD learning rate (MTL & co.; the inner rate of Reptile)."
+    )
     flags.DEFINE_float("outer_learning_rate", 0.5, "eta of Reptile and Sequential Reptile.")
     flags.DEFINE_integer("seed", 0, "Seed of the task stream (and PCGrad's order).")
     flags.DEFINE_string("output_dir", "/tmp/tf_metaalign_multitask_synthetic", "Where results go.")
@@ -120,11 +136,17 @@ class _Trajectory:
         self.callback = Record()
 
 
-def run_method(method, steps, inner_steps=3, learning_rate=0.1, outer_learning_rate=0.5, seed=0,
-               method_options=None):
+def run_method(
+    method,
+    steps,
+    inner_steps=3,
+    learning_rate=0.1,
+    outer_learning_rate=0.5,
+    seed=0,
+    method_options=None,
+):
     """Train one method on the synthetic problem; returns (final phi, trajectory).
     `method_options`: {method: {argument: value}} for registry methods."""
-    import keras
     import numpy as np
     import tensorflow as tf
 
@@ -138,9 +160,11 @@ def run_method(method, steps, inner_steps=3, learning_rate=0.1, outer_learning_r
 
     MM.check_methods((method,), PROGRAM_METHODS, ALIASES, flag="method")
     if MM.registry_name(method, ALIASES) in NEEDS_NONNEGATIVE_LOSSES:
-        raise ValueError(f"`method`={method!r} does not apply to the synthetic problem: its "
-                         f"task losses are negative and "
-                         f"{NEEDS_NONNEGATIVE_LOSSES[MM.registry_name(method, ALIASES)]}.")
+        raise ValueError(
+            f"`method`={method!r} does not apply to the synthetic problem: its "
+            f"task losses are negative and "
+            f"{NEEDS_NONNEGATIVE_LOSSES[MM.registry_name(method, ALIASES)]}."
+        )
     options = MM.parse_method_options(method_options or {})
     MM.check_method_options(options, (method,), ALIASES)
     model = S.point_model()
@@ -151,20 +175,24 @@ def run_method(method, steps, inner_steps=3, learning_rate=0.1, outer_learning_r
         return model.trainable_variables[0].numpy().copy()
 
     if method == "recadam" or MM.registry_name(method, ALIASES):
-        mtl_method = MM.build("mtl" if method == "recadam" else method, options, ALIASES,
-                              METHOD_DEFAULTS.get(method))
+        mtl_method = MM.build(
+            "mtl" if method == "recadam" else method, options, ALIASES, METHOD_DEFAULTS.get(method)
+        )
         trainer = MultiTaskTrainer(model, num_tasks=tasks, seed=seed, method=mtl_method)
         # RecAdam's pull is lr * pretrain_cof * (1 - lambda) * (w - w0) per step: the
         # reference's pretrain_cof=5000 is sized for lr ~2e-5 and diverges at lr 0.05
         # (a factor 250 per step); 10 keeps the factor at 0.5.
-        optimizer = (O.RecAdam(0.05, anneal_k=0.05, anneal_t0=steps // (2 * tasks),
-                               pretrain_cof=10.0)
-                     if method == "recadam" else O.SGD(learning_rate))
+        optimizer = (
+            O.RecAdam(0.05, anneal_k=0.05, anneal_t0=steps // (2 * tasks), pretrain_cof=10.0)
+            if method == "recadam"
+            else O.SGD(learning_rate)
+        )
         data = stream.mixed_batches(per_task_batch_size=1).take(steps // tasks)
         read = phi_now
     elif method == "reptile":
-        trainer = MultiTaskReptileTrainer(model, inner_steps=inner_steps,
-                                          inner_optimizer=learning_rate)
+        trainer = MultiTaskReptileTrainer(
+            model, inner_steps=inner_steps, inner_optimizer=learning_rate
+        )
         optimizer = O.SGD(outer_learning_rate)
 
         def stacked(k):  # [T, K, 1, ...]: every task's K single-example batches
@@ -175,8 +203,9 @@ def run_method(method, steps, inner_steps=3, learning_rate=0.1, outer_learning_r
         data = tf.data.Dataset.range(steps // (tasks * inner_steps)).map(stacked)
         read = phi_now
     else:  # sequential_reptile
-        trainer = SequentialReptileTrainer(model, inner_steps=inner_steps,
-                                           outer_learning_rate=outer_learning_rate)
+        trainer = SequentialReptileTrainer(
+            model, inner_steps=inner_steps, outer_learning_rate=outer_learning_rate
+        )
         optimizer = O.SGD(learning_rate)
         data = stream.single_task_batches().take(steps)
 
@@ -197,7 +226,7 @@ def tail_averages(points, fraction=TAIL):
 
     from trainers.experiments import synthetic as S
 
-    tail = points[-max(1, int(len(points) * fraction)):]
+    tail = points[-max(1, int(len(points) * fraction)) :]
     loss = float(np.mean([np.mean([S.task_loss(p, o) for o in S.OPTIMA]) for p in tail]))
     cosine = float(np.mean([S.mean_pairwise_cosine(p) for p in tail]))
     return loss, cosine
@@ -240,14 +269,16 @@ def plot(trajectories, path):
     fig, ax = plt.subplots(figsize=(7, 6))
     contour = ax.contourf(xx, yy, surface, levels=30, cmap="viridis")
     fig.colorbar(contour, ax=ax, label="mean task loss")
-    for (x, y) in S.OPTIMA:
+    for x, y in S.OPTIMA:
         ax.plot(x, y, "r*", markersize=14)
     colors = plt.get_cmap("tab10" if len(trajectories) <= 10 else "tab20").colors
     for (method, points_), color in zip(trajectories.items(), colors):
-        ax.plot(points_[:, 0], points_[:, 1], "-", linewidth=1.2, color=color, alpha=0.8,
-                label=method)
-        ax.plot(points_[-1, 0], points_[-1, 1], "o", markersize=7, color=color,
-                markeredgecolor="white")
+        ax.plot(
+            points_[:, 0], points_[:, 1], "-", linewidth=1.2, color=color, alpha=0.8, label=method
+        )
+        ax.plot(
+            points_[-1, 0], points_[-1, 1], "o", markersize=7, color=color, markeredgecolor="white"
+        )
     ax.set_xlim(grid[0], grid[-1])
     ax.set_ylim(grid[0], grid[-1])
     ax.plot(*S.START, "ws", markersize=8)
@@ -264,12 +295,15 @@ def main(argv):
     del argv
     from trainers import common
 
-    zoo_skipped = [m for m in NEEDS_NONNEGATIVE_LOSSES
-                   if MM.ZOO in FLAGS.methods and m not in FLAGS.methods]
+    zoo_skipped = [
+        m for m in NEEDS_NONNEGATIVE_LOSSES if MM.ZOO in FLAGS.methods and m not in FLAGS.methods
+    ]
     methods = tuple(m for m in MM.expand(FLAGS.methods, ALIASES) if m not in zoo_skipped)
     for m in zoo_skipped:
-        print(f"'{MM.ZOO}' without {m}: this problem's task losses are negative and "
-              f"{NEEDS_NONNEGATIVE_LOSSES[m]}.")
+        print(
+            f"'{MM.ZOO}' without {m}: this problem's task losses are negative and "
+            f"{NEEDS_NONNEGATIVE_LOSSES[m]}."
+        )
     try:
         MM.check_methods(methods, PROGRAM_METHODS, ALIASES)
         options = MM.parse_method_options(FLAGS.method_options)
@@ -281,19 +315,38 @@ def main(argv):
     for method in methods:
         start = time.perf_counter()
         print(f"[{method}] training ({FLAGS.steps} task gradients)", flush=True)
-        phi, points = run_method(method, FLAGS.steps, FLAGS.inner_steps, FLAGS.learning_rate,
-                                 FLAGS.outer_learning_rate, FLAGS.seed,
-                                 {m: o for m, o in options.items() if m == method})
+        phi, points = run_method(
+            method,
+            FLAGS.steps,
+            FLAGS.inner_steps,
+            FLAGS.learning_rate,
+            FLAGS.outer_learning_rate,
+            FLAGS.seed,
+            {m: o for m, o in options.items() if m == method},
+        )
         rows.append(summarise(method, phi, points, time.perf_counter() - start))
         trajectories[method] = points
     print()
     print(common.format_table(rows, TABLE_COLUMNS))
     plot(trajectories, out / "trajectories.png")
-    common.write_json(out / "results.json", {
-        "flags": common.flag_values(flags, ["methods", "method_options", "steps", "inner_steps",
-                                            "learning_rate", "outer_learning_rate", "seed"]),
-        "runs": [{k: v for k, v in r.items() if k not in ("phi", "task_losses")} for r in rows],
-    })
+    common.write_json(
+        out / "results.json",
+        {
+            "flags": common.flag_values(
+                flags,
+                [
+                    "methods",
+                    "method_options",
+                    "steps",
+                    "inner_steps",
+                    "learning_rate",
+                    "outer_learning_rate",
+                    "seed",
+                ],
+            ),
+            "runs": [{k: v for k, v in r.items() if k not in ("phi", "task_losses")} for r in rows],
+        },
+    )
     print(f"\nresults.json and trajectories.png in {out}")
 
 

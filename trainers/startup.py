@@ -13,6 +13,7 @@ everything except those lines, honouring `TF_CPP_MIN_LOG_LEVEL` (INFO lines are 
 at level >= 1, WARNING lines at >= 2) and dropping the cuInit error only when no GPU is
 found. Stdlib only: import this module before anything imports TensorFlow.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,9 @@ import re
 import sys
 import tempfile
 
-_ABSL_BANNER = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+_ABSL_BANNER = (
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+)
 # absl / TensorFlow C++ log line: severity letter, MMDD, time, thread, file:line]
 _LOG_LINE = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ [\w./-]+:\d+\]")
 _CUINIT = re.compile(r"failed call to cuInit")

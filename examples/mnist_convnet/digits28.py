@@ -6,6 +6,7 @@ bilinear interpolation and returned as MNIST is: uint8 in [0, 255], shape (n, 28
 labels uint8. Not MNIST (10x fewer and coarser images): an example's numbers are compared
 between the original program and its port, never with the published MNIST numbers.
 """
+
 import numpy as np
 import tensorflow as tf
 
@@ -20,5 +21,7 @@ def load_data(seed=0):
         x = tf.image.resize(x, (28, 28), method="bilinear").numpy()[..., 0]
         return np.clip(np.round(x * 255.0), 0, 255).astype(np.uint8)
 
-    return ((to28(splits.x_train), splits.y_train.astype(np.uint8)),
-            (to28(splits.x_test), splits.y_test.astype(np.uint8)))
+    return (
+        (to28(splits.x_train), splits.y_train.astype(np.uint8)),
+        (to28(splits.x_test), splits.y_test.astype(np.uint8)),
+    )

@@ -10,6 +10,7 @@ word indices ranked by frequency in the training texts, limited to the `num_word
 frequent (index 0 padding, 1 out-of-vocabulary), tokenised by
 `keras.layers.TextVectorization` (lower case, punctuation stripped, split on spaces).
 """
+
 import numpy as np
 import keras
 
@@ -21,8 +22,9 @@ def load_texts(examples=4000, seed=0):
     """(texts, labels) of 2 * `examples` glosses, half nouns (0), half verbs (1)."""
     texts, labels = [], []
     for label, pos in enumerate(("noun", "verb")):
-        s = load_wordnet_supersenses(pos, test_fraction=0.5, seed=seed,
-                                     max_examples=2 * examples + 100)
+        s = load_wordnet_supersenses(
+            pos, test_fraction=0.5, seed=seed, max_examples=2 * examples + 100
+        )
         x = np.concatenate([s.x_train, s.x_test])
         rng = np.random.default_rng(seed + label)
         x = x[rng.permutation(len(x))[:examples]]
@@ -37,8 +39,7 @@ def load_data(num_words=20000, examples=4000, seed=0):
     """((x_train, y_train), (x_val, y_val)): lists of int sequences and int labels."""
     texts, labels = load_texts(examples, seed)
     train, val = stratified_split(labels, 0.2, seed)
-    vectorize = keras.layers.TextVectorization(max_tokens=num_words, output_mode="int",
-                                               ragged=True)
+    vectorize = keras.layers.TextVectorization(max_tokens=num_words, output_mode="int", ragged=True)
     vectorize.adapt(list(texts[train]))
 
     def encode(idx):

@@ -1,4 +1,5 @@
 """Algorithms as pure functions on (loss_fn, params, state, batches), for custom loops."""
+
 from tf_metaalign.algorithms import dotprod, gradient_surgery, guided, reptile
 from tf_metaalign.algorithms.dotprod import DotProdResult, auto_alpha, dotprod_gradient
 from tf_metaalign.algorithms.guided import (
@@ -70,8 +71,14 @@ from tf_metaalign.algorithms.prompt_meta import (  # noqa: E402
     prompt_reptile,
 )
 
-__all__ += ["prompt_meta", "PromptMetaResult", "prompt_fomaml", "prompt_indices",
-            "prompt_inner_loop", "prompt_reptile"]
+__all__ += [
+    "prompt_meta",
+    "PromptMetaResult",
+    "prompt_fomaml",
+    "prompt_indices",
+    "prompt_inner_loop",
+    "prompt_reptile",
+]
 
 # The multi-task method zoo (one class per method on one engine; MultiTaskTrainer's
 # `method=`): PCGrad, GradVac, GradNorm, MGDA, CAGrad, IMTL, Nash-MTL, Aligned-MTL, UW,

@@ -73,6 +73,7 @@ different quantity than one: G1 (and G2, for the diagnostics) are all-reduced on
 step. The gradient returned is per-replica and linear in G1, G2, G21, so the
 optimizer's sum yields exactly the single-replica `G` for the same global pair.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -123,8 +124,9 @@ class DotProdResult:
     reg_scale: tf.Tensor = None
 
 
-def validate_options(weight, alpha, every=1, method="finite_difference", alignment="capped",
-                     cap=0.5):
+def validate_options(
+    weight, alpha, every=1, method="finite_difference", alignment="capped", cap=0.5
+):
     """Check DotProd options; raise ValueError naming the offending argument."""
     if isinstance(weight, bool) or not isinstance(weight, (int, float, np.floating, np.integer)):
         raise ValueError(f"`weight` must be a finite number >= 0; got {weight!r}.")
@@ -133,9 +135,7 @@ def validate_options(weight, alpha, every=1, method="finite_difference", alignme
     if isinstance(alpha, str):
         if alpha != "auto":
             raise ValueError(f'`alpha` must be "auto" or a finite number > 0; got {alpha!r}.')
-    elif isinstance(alpha, bool) or not isinstance(
-        alpha, (int, float, np.floating, np.integer)
-    ):
+    elif isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.floating, np.integer)):
         raise ValueError(f'`alpha` must be "auto" or a finite number > 0; got {alpha!r}.')
     elif not math.isfinite(float(alpha)) or alpha <= 0:
         raise ValueError(f'`alpha` must be "auto" or a finite number > 0; got {alpha!r}.')
@@ -145,11 +145,15 @@ def validate_options(weight, alpha, every=1, method="finite_difference", alignme
         raise ValueError(f"`method` must be one of {METHODS}; got {method!r}.")
     if alignment not in ALIGNMENTS:
         raise ValueError(
-            f"`alignment` must be one of {ALIGNMENTS} (\"dot\" is the paper's Algorithm 1); "
+            f'`alignment` must be one of {ALIGNMENTS} ("dot" is the paper\'s Algorithm 1); '
             f"got {alignment!r}."
         )
-    if (isinstance(cap, bool) or not isinstance(cap, (int, float, np.floating, np.integer))
-            or not math.isfinite(float(cap)) or cap <= 0):
+    if (
+        isinstance(cap, bool)
+        or not isinstance(cap, (int, float, np.floating, np.integer))
+        or not math.isfinite(float(cap))
+        or cap <= 0
+    ):
         raise ValueError(
             f"`cap` must be a finite number > 0 (< 1 keeps every step a descent direction); "
             f"got {cap!r}."
@@ -246,7 +250,7 @@ def dotprod_gradient(
 
     if method == "finite_difference":
         loss_2, g2, aux_2 = F.value_and_grad(loss_fn, params, state_1, batch_2)
-        g1_global, g2_global = (F.all_reduce_sum((g1, g2)) if all_reduce else (g1, g2))
+        g1_global, g2_global = F.all_reduce_sum((g1, g2)) if all_reduce else (g1, g2)
         direction = perturbation_direction(g1_global)
         alpha_t = (
             auto_alpha(params, direction, compute_dtype)
@@ -284,7 +288,9 @@ def dotprod_gradient(
                     inner.gradient(l2, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
                 )
                 g2_dot_v = F.dot(g2_, direction)
-            hv = outer.gradient(g2_dot_v, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            hv = outer.gradient(
+                g2_dot_v, params, unconnected_gradients=tf.UnconnectedGradients.ZERO
+            )
             return l2, g2_, a2, [-tf.cast(h, g.dtype) for h, g in zip(F.densify(hv), g2_)]
 
         def g2_only():

@@ -30,6 +30,7 @@ The variables (m, lambda, g_hat, the "initialised" flag) are owned by whoever us
 (e.g. `tf_metaalign.trainers.MAMLTrainer`, which checkpoints and logs them); this module
 only computes with their values.
 """
+
 from __future__ import annotations
 
 import math
@@ -79,14 +80,16 @@ class GradientSharing:
         return cls(**config)
 
     def __repr__(self):
-        return (f"GradientSharing(initial_m={self.initial_m!r}, "
-                f"initial_lambda={self.initial_lambda!r})")
+        return (
+            f"GradientSharing(initial_m={self.initial_m!r}, initial_lambda={self.initial_lambda!r})"
+        )
 
     # ------------------------------------------------------------------ the maths
 
     @staticmethod
-    def shared_direction(task_grads: Sequence[Sequence[tf.Tensor]],
-                         reduce: Callable = F.all_reduce_sum) -> list:
+    def shared_direction(
+        task_grads: Sequence[Sequence[tf.Tensor]], reduce: Callable = F.all_reduce_sum
+    ) -> list:
         """g_k = S / ||S||, S = the sum of the tasks' gradients over every replica."""
         if not task_grads:
             raise ValueError("GradientSharing: no task gradients given.")
@@ -97,7 +100,7 @@ class GradientSharing:
 
     @staticmethod
     def update_g_hat(g: Sequence[tf.Tensor], g_hat: Sequence[tf.Tensor], m_k, initialized):
-        """g_hat_k = g_k if not `initialized`, else sigmoid(m_k) g_k + (1 - sigmoid(m_k)) g_hat_k."""
+        """g_hat_k = g_k if not `initialized`, else s g_k + (1 - s) g_hat_k, s = sigmoid(m_k)."""
         out = []
         for gi, hi in zip(g, g_hat):
             s = tf.sigmoid(F.scalar(m_k, gi.dtype))  # a python m_k exact in gi's dtype
@@ -117,8 +120,16 @@ class GradientSharing:
             out.append(s * tf.cast(h, g.dtype) + (1 - s) * g)
         return out
 
-    def step(self, task_grads, m_k, lambda_k, g_hat, initialized, g=None,
-             reduce: Callable = F.all_reduce_sum) -> SharingStep:
+    def step(
+        self,
+        task_grads,
+        m_k,
+        lambda_k,
+        g_hat,
+        initialized,
+        g=None,
+        reduce: Callable = F.all_reduce_sum,
+    ) -> SharingStep:
         """One training inner step (Algorithm 1) for all tasks of the batch.
 
         Args:

@@ -19,15 +19,15 @@ tianheyu927/PCGrad), GradVac (Wang et al. 2021, "Gradient Vaccine", as in
 median-research-group/LibMTL `GradVac`), GradNorm (Chen et al. 2018, as in LibMTL
 `GradNorm`).
 """
+
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
 
 from tf_metaalign import functional as F
-
 
 
 # ------------------------------------------------------------------------ helpers
@@ -68,8 +68,11 @@ def gram_matrix(task_grads) -> tf.Tensor:
     if not task_grads[0]:
         return tf.zeros([T, T], acc)
     return stacked_gram_matrix(
-        [tf.stack([tf.cast(grads[v], acc) for grads in task_grads])
-         for v in range(len(task_grads[0]))])
+        [
+            tf.stack([tf.cast(grads[v], acc) for grads in task_grads])
+            for v in range(len(task_grads[0]))
+        ]
+    )
 
 
 def stacked_gram_matrix(stacked) -> tf.Tensor:
@@ -80,8 +83,10 @@ def stacked_gram_matrix(stacked) -> tf.Tensor:
         raise ValueError("stacked_gram_matrix: `stacked` holds no variable's gradients.")
     T = stacked[0].shape[0]
     if T is None or any(g.shape[0] != T for g in stacked):
-        raise ValueError("stacked_gram_matrix: every `stacked[v]` must have the same static "
-                         f"leading dimension T; got {[g.shape for g in stacked]}.")
+        raise ValueError(
+            "stacked_gram_matrix: every `stacked[v]` must have the same static "
+            f"leading dimension T; got {[g.shape for g in stacked]}."
+        )
     acc = F.accumulation_dtype(stacked)
     total = tf.zeros([T, T], acc)
     for g in stacked:
@@ -183,8 +188,9 @@ def _one_hot(j, T, dtype):
 def _check_order(order, T, where):
     order = tf.cast(tf.convert_to_tensor(order), tf.int32)
     if order.shape.rank != 1 or order.shape[0] != T:
-        raise ValueError(f"{where}: `order` must be a permutation of range({T}); got shape "
-                         f"{order.shape}.")
+        raise ValueError(
+            f"{where}: `order` must be a permutation of range({T}); got shape {order.shape}."
+        )
     return order
 
 
@@ -260,8 +266,9 @@ def gradvac_coefficients(gram, targets, order, beta=1e-2) -> GradVacResult:
     dtype = gram.dtype
     targets = tf.cast(tf.convert_to_tensor(targets), dtype)
     if targets.shape != (T, T):
-        raise ValueError(f"gradvac_coefficients: `targets` must have shape [{T}, {T}]; got "
-                         f"{targets.shape}.")
+        raise ValueError(
+            f"gradvac_coefficients: `targets` must have shape [{T}, {T}]; got {targets.shape}."
+        )
     beta = _scalar(beta, dtype)
     norms = tf.sqrt(tf.maximum(tf.linalg.diag_part(gram), 0.0))
     rows, new_targets = [], []
@@ -275,17 +282,16 @@ def gradvac_coefficients(gram, targets, order, beta=1e-2) -> GradVacResult:
             norm_i = tf.sqrt(tf.maximum(tf.reduce_sum(a * tf.linalg.matvec(gram, a)), 0.0))
             phi = tf.math.divide_no_nan(tf.reduce_sum(a * g_j), norm_i * norm_j)
             phi_hat = tf.gather(target_row, j)
-            valid = tf.logical_and(tf.not_equal(j, i),
-                                   tf.logical_and(norm_i > 0, norm_j > 0))
+            valid = tf.logical_and(tf.not_equal(j, i), tf.logical_and(norm_i > 0, norm_j > 0))
             root_hat = tf.sqrt(tf.maximum(1.0 - phi_hat * phi_hat, 0.0))
             root = tf.sqrt(tf.maximum(1.0 - phi * phi, 0.0))
-            w = tf.math.divide_no_nan(norm_i * (phi_hat * root - phi * root_hat),
-                                      norm_j * root_hat)
+            w = tf.math.divide_no_nan(norm_i * (phi_hat * root - phi * root_hat), norm_j * root_hat)
             adjust = tf.logical_and(valid, phi < phi_hat)
             a = a + tf.where(adjust, w, tf.zeros_like(w)) * _one_hot(j, T, dtype)
             updated = (1.0 - beta) * phi_hat + beta * phi
-            target_row = target_row + tf.where(valid, updated - phi_hat,
-                                               tf.zeros_like(phi_hat)) * _one_hot(j, T, dtype)
+            target_row = target_row + tf.where(
+                valid, updated - phi_hat, tf.zeros_like(phi_hat)
+            ) * _one_hot(j, T, dtype)
         rows.append(a)
         new_targets.append(target_row)
     return GradVacResult(tf.reduce_sum(tf.stack(rows), axis=0), tf.stack(new_targets))
@@ -294,8 +300,9 @@ def gradvac_coefficients(gram, targets, order, beta=1e-2) -> GradVacResult:
 # ------------------------------------------------------------------------- GradNorm
 
 
-def gradnorm_update(weights, layer_norms, losses, initial_losses, present=None,
-                    alpha=1.5, learning_rate=0.025) -> tf.Tensor:
+def gradnorm_update(
+    weights, layer_norms, losses, initial_losses, present=None, alpha=1.5, learning_rate=0.025
+) -> tf.Tensor:
     """One GradNorm step (Chen et al. 2018, Algorithm 1) on the task weights.
 
     Args:

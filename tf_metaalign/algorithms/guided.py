@@ -44,6 +44,7 @@ reference's ``jnp.nan_to_num(..., posinf=10.0, neginf=-10.0)``) and counts the
 non-finite entries. The raw values and their meta-optimizer are then updated
 identically on every replica.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -68,7 +69,7 @@ NONFINITE_REPLACEMENT = 10.0
 
 
 def activation_name(name: str) -> str:
-    """"exp" for the learning rate (a scale of the schedule), "sigmoid" otherwise."""
+    """ "exp" for the learning rate (a scale of the schedule), "sigmoid" otherwise."""
     return "exp" if name == "learning_rate" else "sigmoid"
 
 
@@ -184,7 +185,15 @@ class UpdateWithTangents:
 
 
 def update_with_tangents(
-    rule, grads, params, slots, options, base_hparams, raw, step, hparam_dtype=None,
+    rule,
+    grads,
+    params,
+    slots,
+    options,
+    base_hparams,
+    raw,
+    step,
+    hparam_dtype=None,
     commit=None,
 ) -> UpdateWithTangents:
     """This step's update and its derivatives with respect to every raw value.
@@ -379,7 +388,7 @@ def reduce_and_sanitize(hypergrads: Mapping[str, tf.Tensor], guidance_loss):
 
 
 def greedy_hypergradients(*args, **kwargs):
-    """`hypergradients` followed by `reduce_and_sanitize`: (h, guidance_loss, n_nonfinite, result)."""
+    """`hypergradients`, then `reduce_and_sanitize`: (h, guidance_loss, n_nonfinite, result)."""
     result = hypergradients(*args, **kwargs)
     h, loss, n_bad = reduce_and_sanitize(result.hypergradients, result.guidance_loss)
     return h, loss, n_bad, result
@@ -477,9 +486,20 @@ def guided_step(
 
     def compute():
         result = hypergradients(
-            guide_loss_fn, rule, grads, params, slots, options, base_hparams, raw, step,
-            state, guidance_batch, guidance_weight=guidance_weight,
-            hparam_dtype=hparam_dtype, commit=commit,
+            guide_loss_fn,
+            rule,
+            grads,
+            params,
+            slots,
+            options,
+            base_hparams,
+            raw,
+            step,
+            state,
+            guidance_batch,
+            guidance_weight=guidance_weight,
+            hparam_dtype=hparam_dtype,
+            commit=commit,
         )
         holder["update"] = UpdateWithTangents(result.new_params, result.new_slots, [])
         return [result.hypergradients[n] for n in names], tf.cast(result.guidance_loss, loss_dtype)
@@ -487,7 +507,8 @@ def guided_step(
     # No cross-replica communication inside (reduce_and_sanitize comes after): a plain
     # conditional under any strategy.
     h_local, loss_local = F.replica_safe_cond(
-        apply, compute,
+        apply,
+        compute,
         lambda: ([tf.zeros((), raw[n].dtype) for n in names], tf.zeros((), loss_dtype)),
         communicates=False,
     )
@@ -507,8 +528,7 @@ def guided_step(
         values={n: activate(n, raw[n]) for n in names},
         new_raw={n: select(updated[n][0], raw[n]) for n in names},
         new_meta_slots={
-            n: {k: select(v, meta_slots[n][k]) for k, v in updated[n][1].items()}
-            for n in names
+            n: {k: select(v, meta_slots[n][k]) for k, v in updated[n][1].items()} for n in names
         },
         update=holder.get("update"),
     )

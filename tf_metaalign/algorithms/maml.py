@@ -43,6 +43,7 @@ goes through the forward passes in the order: for k: for t: support pass; then f
 k in the query steps: query pass. Batch statistics are those of each pass's batch
 (`training=True` in `loss_fn`), as in the reference MAML.
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
@@ -173,8 +174,7 @@ def _task_gradient(inner_loss_fn, theta, state, batch, mode, order_weight, loss_
     with tf.GradientTape() as tape:
         tape.watch(theta)
         loss, (state, _) = inner_loss_fn(theta, state, batch)
-    grad = F.densify(tape.gradient(loss, theta,
-                                   unconnected_gradients=tf.UnconnectedGradients.ZERO))
+    grad = F.densify(tape.gradient(loss, theta, unconnected_gradients=tf.UnconnectedGradients.ZERO))
     if loss_scale is not None:
         grad = [g / tf.cast(loss_scale, g.dtype) for g in grad]
         loss = loss / tf.cast(loss_scale, loss.dtype)
@@ -183,8 +183,7 @@ def _task_gradient(inner_loss_fn, theta, state, batch, mode, order_weight, loss_
     elif order_weight is not None:
         # Value g; derivative order_weight * dg (MAML++ derivative-order annealing).
         w = order_weight
-        grad = [tf.stop_gradient(g) + tf.cast(w, g.dtype) * (g - tf.stop_gradient(g))
-                for g in grad]
+        grad = [tf.stop_gradient(g) + tf.cast(w, g.dtype) * (g - tf.stop_gradient(g)) for g in grad]
     return loss, grad, state
 
 
@@ -244,15 +243,19 @@ def adapt(
     steps = len(learning_rates)
     if steps == 0:
         # Zero inner steps (meta-test's unadapted score): theta itself for every task.
-        return AdaptResult([[list(params)] for _ in support_batches], list(state), [],
-                           [] if sharing is not None and sharing_training else None, [])
+        return AdaptResult(
+            [[list(params)] for _ in support_batches],
+            list(state),
+            [],
+            [] if sharing is not None and sharing_training else None,
+            [],
+        )
     if sharing is not None and (sharing_m is None or sharing_lambda is None or g_hat is None):
         raise ValueError("adapt: gradient sharing needs sharing_m, sharing_lambda and g_hat.")
     mode = "const" if first_order else "diff"
 
     def support_step(theta, state, batch):
-        return _task_gradient(inner_loss_fn, theta, state, batch, mode, order_weight,
-                              loss_scale)
+        return _task_gradient(inner_loss_fn, theta, state, batch, mode, order_weight, loss_scale)
 
     support_step = F.traced_once(support_step)
     thetas = [[list(params)] for _ in support_batches]
@@ -276,23 +279,36 @@ def adapt(
             g = sharing.shared_direction(task_grads, reduce)
             if first_order:
                 g = [tf.stop_gradient(x) for x in g]
-            s = sharing.step(task_grads, sharing_m[k], sharing_lambda[k], g_hat[k],
-                             g_hat_initialized, g=g)
+            s = sharing.step(
+                task_grads, sharing_m[k], sharing_lambda[k], g_hat[k], g_hat_initialized, g=g
+            )
             deltas = s.deltas
             new_g_hat.append(s.g_hat)
         else:
-            deltas = sharing.test_deltas(task_grads, sharing_lambda[k], g_hat[k],
-                                         g_hat_initialized)
+            deltas = sharing.test_deltas(task_grads, sharing_lambda[k], g_hat[k], g_hat_initialized)
         record.append((task_grads, g))
         for t in range(len(support_batches)):
             thetas[t].append(_sgd(thetas[t][-1], learning_rates[k], deltas[t]))
         support_losses.append(tf.add_n(losses) / tf.cast(len(losses), losses[0].dtype))
-    return AdaptResult(thetas, state, support_losses,
-                       new_g_hat if sharing is not None and sharing_training else None, record)
+    return AdaptResult(
+        thetas,
+        state,
+        support_losses,
+        new_g_hat if sharing is not None and sharing_training else None,
+        record,
+    )
 
 
-def replay(params, record, learning_rates, sharing=None, sharing_m=None,
-           sharing_lambda=None, g_hat=None, g_hat_initialized=False):
+def replay(
+    params,
+    record,
+    learning_rates,
+    sharing=None,
+    sharing_m=None,
+    sharing_lambda=None,
+    g_hat=None,
+    g_hat_initialized=False,
+):
     """The trajectories of `adapt` recomputed from its recorded (constant) gradients:
     no forward pass, only the update rule (differentiable in params, the learning rates,
     m and lambda). Returns (trajectories, new g_hat or None)."""
@@ -303,8 +319,9 @@ def replay(params, record, learning_rates, sharing=None, sharing_m=None,
         if sharing is None:
             deltas = task_grads
         else:
-            s = sharing.step(task_grads, sharing_m[k], sharing_lambda[k], g_hat[k],
-                             g_hat_initialized, g=g)
+            s = sharing.step(
+                task_grads, sharing_m[k], sharing_lambda[k], g_hat[k], g_hat_initialized, g=g
+            )
             deltas = s.deltas
             new_g_hat.append(s.g_hat)
         for t in range(tasks):
@@ -312,8 +329,14 @@ def replay(params, record, learning_rates, sharing=None, sharing_m=None,
     return thetas, (new_g_hat if sharing is not None else None)
 
 
-def query_objective(query_loss_fn, trajectories, state, query_batches, step_weights=None,
-                    step_statistics: StepStatistics | None = None):
+def query_objective(
+    query_loss_fn,
+    trajectories,
+    state,
+    query_batches,
+    step_weights=None,
+    step_statistics: StepStatistics | None = None,
+):
     """Mean over tasks of sum_k w_k L_t^query(theta_{t,k}) (k = 1..K; w = None: the last
     step only). Returns (objective, state, y_pred of theta_{t,K} concatenated, per-task
     losses at theta_{t,K}). With `step_statistics`, the pass at theta_{t,k} uses (and
@@ -376,66 +399,119 @@ def meta_gradient(
     """
     params = [tf.convert_to_tensor(p) for p in params]
     if not learning_rates_fn({n: hyper[n] for n in hyper}):
-        raise ValueError("meta_gradient: at least one inner step (learning_rates_fn gives "
-                         "no step).")
+        raise ValueError(
+            "meta_gradient: at least one inner step (learning_rates_fn gives no step)."
+        )
     if len(support_batches) != len(query_batches):
-        raise ValueError(f"meta_gradient: {len(support_batches)} support batches but "
-                         f"{len(query_batches)} query batches.")
+        raise ValueError(
+            f"meta_gradient: {len(support_batches)} support batches but "
+            f"{len(query_batches)} query batches."
+        )
     names = sorted(hyper)
     hyper_values = [tf.convert_to_tensor(hyper[n]) for n in names]
+
     def sharing_args(h):
         if sharing is None:
             return {}
-        return dict(sharing=sharing, sharing_m=h["sharing_m"], sharing_lambda=h["sharing_lambda"],
-                    g_hat=g_hat, g_hat_initialized=g_hat_initialized)
+        return dict(
+            sharing=sharing,
+            sharing_m=h["sharing_m"],
+            sharing_lambda=h["sharing_lambda"],
+            g_hat=g_hat,
+            g_hat_initialized=g_hat_initialized,
+        )
 
     if first_order:
         # The inner loop off the outer tape: constant gradients, then a replay on it.
         constant = dict(zip(names, [tf.stop_gradient(v) for v in hyper_values]))
-        inner = adapt(inner_loss_fn, [tf.stop_gradient(p) for p in params], state,
-                      support_batches, learning_rates_fn(constant), first_order=True,
-                      reduce=reduce, loss_scale=loss_scale, step_statistics=step_statistics,
-                      **sharing_args(constant))
+        inner = adapt(
+            inner_loss_fn,
+            [tf.stop_gradient(p) for p in params],
+            state,
+            support_batches,
+            learning_rates_fn(constant),
+            first_order=True,
+            reduce=reduce,
+            loss_scale=loss_scale,
+            step_statistics=step_statistics,
+            **sharing_args(constant),
+        )
         state = inner.state
     with tf.GradientTape() as tape:
         tape.watch(params)
         tape.watch(hyper_values)
         h = dict(zip(names, hyper_values))
         if first_order:
-            trajectories, new_g_hat = replay(params, inner.record, learning_rates_fn(h),
-                                             **sharing_args(h))
+            trajectories, new_g_hat = replay(
+                params, inner.record, learning_rates_fn(h), **sharing_args(h)
+            )
             support_losses = inner.support_losses
         else:
-            inner = adapt(inner_loss_fn, params, state, support_batches, learning_rates_fn(h),
-                          first_order=False, order_weight=order_weight, reduce=reduce,
-                          loss_scale=loss_scale, step_statistics=step_statistics,
-                          **sharing_args(h))
+            inner = adapt(
+                inner_loss_fn,
+                params,
+                state,
+                support_batches,
+                learning_rates_fn(h),
+                first_order=False,
+                order_weight=order_weight,
+                reduce=reduce,
+                loss_scale=loss_scale,
+                step_statistics=step_statistics,
+                **sharing_args(h),
+            )
             trajectories, new_g_hat, state = inner.trajectories, inner.g_hat, inner.state
             support_losses = inner.support_losses
         objective, state, y_pred, finals = query_objective(
-            query_loss_fn, trajectories, state, query_batches, step_weights, step_statistics)
-    grads = tape.gradient(objective, params + hyper_values,
-                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            query_loss_fn, trajectories, state, query_batches, step_weights, step_statistics
+        )
+    grads = tape.gradient(
+        objective, params + hyper_values, unconnected_gradients=tf.UnconnectedGradients.ZERO
+    )
     grads = F.densify(grads)
     n = len(params)
-    new_g_hat = None if new_g_hat is None else [[tf.stop_gradient(x) for x in step]
-                                                for step in new_g_hat]
+    new_g_hat = (
+        None if new_g_hat is None else [[tf.stop_gradient(x) for x in step] for step in new_g_hat]
+    )
     return MetaGradientResult(
-        loss=objective, grads=grads[:n], hyper_grads=dict(zip(names, grads[n:])),
-        state=state, y_pred=y_pred, g_hat=new_g_hat,
+        loss=objective,
+        grads=grads[:n],
+        hyper_grads=dict(zip(names, grads[n:])),
+        state=state,
+        y_pred=y_pred,
+        g_hat=new_g_hat,
         support_losses=[tf.stop_gradient(x) for x in support_losses],
         query_losses=[tf.stop_gradient(x) for x in finals],
     )
 
 
-def adapt_and_evaluate(inner_loss_fn, query_loss_fn, params, state, support_batches,
-                       query_batches, learning_rates, **adapt_kwargs):
+def adapt_and_evaluate(
+    inner_loss_fn,
+    query_loss_fn,
+    params,
+    state,
+    support_batches,
+    query_batches,
+    learning_rates,
+    **adapt_kwargs,
+):
     """Meta-test: `adapt` (no outer tape; first order, since nothing is differentiated)
     then the query losses at theta_{t,K}. Returns (mean query loss, state, y_pred
     concatenated over tasks, per-task losses, AdaptResult)."""
-    result = adapt(inner_loss_fn, params, state, support_batches, learning_rates,
-                   first_order=True, **adapt_kwargs)
+    result = adapt(
+        inner_loss_fn,
+        params,
+        state,
+        support_batches,
+        learning_rates,
+        first_order=True,
+        **adapt_kwargs,
+    )
     objective, state, y_pred, finals = query_objective(
-        query_loss_fn, result.trajectories, result.state, query_batches,
-        step_statistics=adapt_kwargs.get("step_statistics"))
+        query_loss_fn,
+        result.trajectories,
+        result.state,
+        query_batches,
+        step_statistics=adapt_kwargs.get("step_statistics"),
+    )
     return objective, state, y_pred, finals, result

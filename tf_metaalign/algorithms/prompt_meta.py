@@ -36,6 +36,7 @@ the inner gradients are taken in the task's own units (Keras's per-replica divis
 the compiled loss undone: `task_units`); the gradients returned for the outer optimizer are
 in Keras's per-replica units (what `apply_gradients` sums over replicas).
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
@@ -57,8 +58,7 @@ def prompt_indices(variables: Sequence, prompt_variables=None) -> tuple[int, ...
     """
     variables = list(variables)
     if prompt_variables is None:
-        chosen = [i for i, v in enumerate(variables)
-                  if DEFAULT_PROMPT_SUBSTRING in _path(v)]
+        chosen = [i for i, v in enumerate(variables) if DEFAULT_PROMPT_SUBSTRING in _path(v)]
         what = f'variables whose path contains "{DEFAULT_PROMPT_SUBSTRING}"'
     elif callable(prompt_variables):
         chosen = [i for i, v in enumerate(variables) if prompt_variables(_path(v))]
@@ -68,18 +68,20 @@ def prompt_indices(variables: Sequence, prompt_variables=None) -> tuple[int, ...
         missing = [_path(v) for v in prompt_variables if id(v) not in ids]
         if missing:
             raise ValueError(
-                f"`prompt_variables` must be trainable variables of the model; {missing} "
-                "are not.")
+                f"`prompt_variables` must be trainable variables of the model; {missing} are not."
+            )
         chosen = sorted({ids[id(v)] for v in prompt_variables})
         what = "variables in `prompt_variables`"
     else:
         raise ValueError(
             "`prompt_variables` must be None, a list of the model's variables or a "
-            f"predicate on `variable.path`; got {type(prompt_variables).__name__}.")
+            f"predicate on `variable.path`; got {type(prompt_variables).__name__}."
+        )
     if not chosen:
         raise ValueError(
             f"`prompt_variables`: no trainable variable selected (looked for {what} among "
-            f"{[_path(v) for v in variables]}).")
+            f"{[_path(v) for v in variables]})."
+        )
     return tuple(chosen)
 
 
@@ -111,9 +113,18 @@ def task_units(grads):
     return grads if n == 1 else F.scale(n, grads)
 
 
-def prompt_inner_loop(loss_fn: Callable, params, state, batches, indices, optimizer,
-                      variables, optimizer_state=None, loss_scale=None,
-                      reduce: Callable = task_units) -> R.InnerLoopResult:
+def prompt_inner_loop(
+    loss_fn: Callable,
+    params,
+    state,
+    batches,
+    indices,
+    optimizer,
+    variables,
+    optimizer_state=None,
+    loss_scale=None,
+    reduce: Callable = task_units,
+) -> R.InnerLoopResult:
     """T = len(batches) first-order inner steps on the PROMPT only (`R.inner_loop` on a
     loss of the prompt tensors, the other weights held at `params`): no gradient of the
     other weights is computed and they are returned unchanged. `optimizer_state` covers the
@@ -125,9 +136,17 @@ def prompt_inner_loop(loss_fn: Callable, params, state, batches, indices, optimi
     def prompt_loss_fn(prompt, state, batch):
         return loss_fn(merge(fixed, indices, prompt), state, batch)
 
-    result = R.inner_loop(prompt_loss_fn, take(fixed, indices), state, batches, optimizer,
-                          take(variables, indices), optimizer_state=optimizer_state,
-                          loss_scale=loss_scale, reduce=reduce)
+    result = R.inner_loop(
+        prompt_loss_fn,
+        take(fixed, indices),
+        state,
+        batches,
+        optimizer,
+        take(variables, indices),
+        optimizer_state=optimizer_state,
+        loss_scale=loss_scale,
+        reduce=reduce,
+    )
     return result._replace(params=merge(fixed, indices, result.params))
 
 
@@ -162,9 +181,19 @@ def _check_tasks(tasks):
             raise ValueError(f"`tasks[{t}]` has no support batch (at least one inner step).")
 
 
-def prompt_fomaml(loss_fn: Callable, params, state, tasks, indices, optimizer, variables,
-                  optimizer_states=None, carry_inner_state=True, loss_scale=None,
-                  reduce: Callable = task_units) -> PromptMetaResult:
+def prompt_fomaml(
+    loss_fn: Callable,
+    params,
+    state,
+    tasks,
+    indices,
+    optimizer,
+    variables,
+    optimizer_states=None,
+    carry_inner_state=True,
+    loss_scale=None,
+    reduce: Callable = task_units,
+) -> PromptMetaResult:
     """Prompt FOMAML over one meta-batch (`MetaLearner.forward`, algorithm "fomaml").
 
     Args:
@@ -184,13 +213,26 @@ def prompt_fomaml(loss_fn: Callable, params, state, tasks, indices, optimizer, v
     _check_tasks(tasks)
     loss_fn = F.traced_once(loss_fn)  # one trace for every task's passes
     prompt_vars = take(variables, indices)
-    start = (optimizer_states[0] if optimizer_states is not None
-             else optimizer.initial_state(prompt_vars))
+    start = (
+        optimizer_states[0]
+        if optimizer_states is not None
+        else optimizer.initial_state(prompt_vars)
+    )
     inner_state, total = start, None
     support_losses, query_losses, outputs = [], [], []
     for support, query in tasks:
-        r = prompt_inner_loop(loss_fn, params, state, support, indices, optimizer, variables,
-                              inner_state if carry_inner_state else start, loss_scale, reduce)
+        r = prompt_inner_loop(
+            loss_fn,
+            params,
+            state,
+            support,
+            indices,
+            optimizer,
+            variables,
+            inner_state if carry_inner_state else start,
+            loss_scale,
+            reduce,
+        )
         query_loss, grads, (state, y_pred) = F.value_and_grad(loss_fn, r.params, r.state, query)
         total = grads if total is None else F.add(total, grads)
         inner_state = r.optimizer_state
@@ -198,13 +240,29 @@ def prompt_fomaml(loss_fn: Callable, params, state, tasks, indices, optimizer, v
         query_losses.append(_unscaled(query_loss, loss_scale))
         outputs.append(y_pred)
     gradients = F.scale(1.0 / len(tasks), total)
-    return PromptMetaResult(gradients, state, (inner_state if carry_inner_state else start,),
-                            support_losses, query_losses, outputs)
+    return PromptMetaResult(
+        gradients,
+        state,
+        (inner_state if carry_inner_state else start,),
+        support_losses,
+        query_losses,
+        outputs,
+    )
 
 
-def prompt_reptile(loss_fn: Callable, params, state, tasks, indices, optimizer, variables,
-                   optimizer_states=None, carry_inner_state=True, loss_scale=None,
-                   reduce: Callable = task_units) -> PromptMetaResult:
+def prompt_reptile(
+    loss_fn: Callable,
+    params,
+    state,
+    tasks,
+    indices,
+    optimizer,
+    variables,
+    optimizer_states=None,
+    carry_inner_state=True,
+    loss_scale=None,
+    reduce: Callable = task_units,
+) -> PromptMetaResult:
     """Prompt Reptile over one meta-batch (`MetaLearner.forward`, algorithm "reptile").
 
     Per task: T prompt-only inner steps, then ONE step of the same inner optimizer on all
@@ -228,8 +286,18 @@ def prompt_reptile(loss_fn: Callable, params, state, tasks, indices, optimizer, 
     support_losses, query_losses, outputs = [], [], []
     for support, query in tasks:
         prompt_state, other_state = inner_states if carry_inner_state else start
-        r = prompt_inner_loop(loss_fn, phi, state, support, indices, optimizer, variables,
-                              prompt_state, loss_scale, reduce)
+        r = prompt_inner_loop(
+            loss_fn,
+            phi,
+            state,
+            support,
+            indices,
+            optimizer,
+            variables,
+            prompt_state,
+            loss_scale,
+            reduce,
+        )
         query_loss, grads, (state, y_pred) = F.value_and_grad(loss_fn, r.params, r.state, query)
         grads = reduce(grads)
         if loss_scale is not None:
@@ -237,11 +305,13 @@ def prompt_reptile(loss_fn: Callable, params, state, tasks, indices, optimizer, 
         grads = [tf.stop_gradient(g) for g in grads]
         # The full-model step: one update of every variable, each group at its own count.
         new_prompt, prompt_state = optimizer.apply_on_tensors(
-            take(grads, indices), take(r.params, indices), r.optimizer_state, prompt_vars)
+            take(grads, indices), take(r.params, indices), r.optimizer_state, prompt_vars
+        )
         new_params = merge(r.params, indices, new_prompt)
         if others:
             new_other, other_state = optimizer.apply_on_tensors(
-                take(grads, others), take(r.params, others), other_state, other_vars)
+                take(grads, others), take(r.params, others), other_state, other_vars
+            )
             new_params = merge(new_params, others, new_other)
         ends.append([tf.stop_gradient(p) for p in new_params])
         inner_states = (prompt_state, other_state)
@@ -251,9 +321,14 @@ def prompt_reptile(loss_fn: Callable, params, state, tasks, indices, optimizer, 
     delta = R.mean_reptile_gradient(phi, ends)
     if loss_scale is not None:
         delta = [d * tf.cast(loss_scale, d.dtype) for d in delta]
-    return PromptMetaResult(F.replica_share(delta), state,
-                            inner_states if carry_inner_state else start,
-                            support_losses, query_losses, outputs)
+    return PromptMetaResult(
+        F.replica_share(delta),
+        state,
+        inner_states if carry_inner_state else start,
+        support_losses,
+        query_losses,
+        outputs,
+    )
 
 
 def _unscaled(loss, loss_scale):

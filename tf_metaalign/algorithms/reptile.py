@@ -19,6 +19,7 @@ per-replica gradients with `reduce` (default `functional.all_reduce_sum`), so th
 optimizer sees the global-batch gradient (Keras's per-replica loss units sum to the
 global mean) and theta_k is identical on every replica.
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
@@ -86,7 +87,9 @@ def inner_loop(
             grads = [g / tf.cast(loss_scale, g.dtype) for g in grads]
         # First order: the trajectory is a constant for any outer tape.
         grads = [tf.stop_gradient(g) for g in grads]
-        theta, optimizer_state = optimizer.apply_on_tensors(grads, theta, optimizer_state, variables)
+        theta, optimizer_state = optimizer.apply_on_tensors(
+            grads, theta, optimizer_state, variables
+        )
         theta = [tf.stop_gradient(t) for t in theta]
         losses.append(loss)
     return InnerLoopResult(theta, state, optimizer_state, losses, y_pred)
@@ -102,8 +105,10 @@ def mean_reptile_gradient(phi: Sequence[tf.Tensor], thetas: Sequence[Sequence[tf
     if not thetas:
         raise ValueError("mean_reptile_gradient: no task end points given.")
     n = len(thetas)
-    return [tf.add_n([reptile_gradient([p], [th[i]])[0] for th in thetas]) / tf.cast(n, p.dtype)
-            for i, p in enumerate(phi)]
+    return [
+        tf.add_n([reptile_gradient([p], [th[i]])[0] for th in thetas]) / tf.cast(n, p.dtype)
+        for i, p in enumerate(phi)
+    ]
 
 
 def fomaml_gradient(loss_fn: Callable, theta: Sequence[tf.Tensor], state, query_batch):

@@ -15,6 +15,7 @@ Our experiments' task builders and pipelines (WordNet, Django catalogs, translat
 prompted tasks, the small T5 and its pre-training, the MiniLM encoder, the synthetic
 problems) are not library code: they live in the repository's `trainers/experiments/`.
 """
+
 from tf_metaalign.data import episodes, meta_batches, multitask, omniglot, sinusoid
 from tf_metaalign.data.digits import load_digits
 from tf_metaalign.data.episodes import EpisodeSampler, mean_confidence_interval
@@ -40,14 +41,32 @@ from tf_metaalign.data.tfds import load_tfds
 
 __all__ = [
     # modules
-    "episodes", "meta_batches", "multitask", "omniglot", "sinusoid",
+    "episodes",
+    "meta_batches",
+    "multitask",
+    "omniglot",
+    "sinusoid",
     # multi-task streams and heads
-    "MultiTaskStream", "PerTaskHead", "model_inputs", "one_head_per_task_model", "task_ids",
+    "MultiTaskStream",
+    "PerTaskHead",
+    "model_inputs",
+    "one_head_per_task_model",
+    "task_ids",
     "task_probabilities",
     # episodes and meta-batches
-    "EpisodeSampler", "mean_confidence_interval", "stack_task", "stacked_batches",
+    "EpisodeSampler",
+    "mean_confidence_interval",
+    "stack_task",
+    "stacked_batches",
     # standard datasets
-    "load_digits", "load_omniglot", "split_classes", "augment_rotations",
-    "load_official_runs", "evaluate_official_runs", "official_runs_dataset", "load_tfds",
-    "Splits", "make_dataset",
+    "load_digits",
+    "load_omniglot",
+    "split_classes",
+    "augment_rotations",
+    "load_official_runs",
+    "evaluate_official_runs",
+    "official_runs_dataset",
+    "load_tfds",
+    "Splits",
+    "make_dataset",
 ]

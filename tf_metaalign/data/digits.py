@@ -1,4 +1,5 @@
 """scikit-learn's digits: 1,797 real 8x8 handwritten digits, 10 classes (bundled, offline)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,9 +22,7 @@ def load_digits(test_fraction: float = 0.25, seed: int = 0, flatten: bool = True
     try:
         from sklearn.datasets import load_digits as _sk_load_digits
     except ImportError as e:  # pragma: no cover - sklearn is a test/examples extra
-        raise ImportError(
-            "load_digits needs scikit-learn: `pip install scikit-learn`."
-        ) from e
+        raise ImportError("load_digits needs scikit-learn: `pip install scikit-learn`.") from e
     bunch = _sk_load_digits()
     x = (bunch.data / 16.0).astype(np.float32)
     y = bunch.target.astype(np.int32)
@@ -31,6 +30,11 @@ def load_digits(test_fraction: float = 0.25, seed: int = 0, flatten: bool = True
         x = x.reshape(-1, 8, 8, 1)
     train, test = stratified_split(y, test_fraction, seed)
     return Splits(
-        x_train=take(x, train), y_train=y[train], x_test=take(x, test), y_test=y[test],
-        num_classes=10, class_names=[str(i) for i in range(10)], name="digits",
+        x_train=take(x, train),
+        y_train=y[train],
+        x_test=take(x, test),
+        y_test=y[test],
+        num_classes=10,
+        class_names=[str(i) for i in range(10)],
+        name="digits",
     )

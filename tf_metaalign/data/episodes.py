@@ -54,6 +54,7 @@ Confidence intervals
 `mean_confidence_interval(values, confidence=0.95)` is the Student-t interval of a mean
 (e.g. of per-episode or per-run accuracies), the usual "mean ± 95% CI" of few-shot papers.
 """
+
 from __future__ import annotations
 
 import math
@@ -88,9 +89,13 @@ def student_t_ppf(p: float, df: float) -> float:
 
     def cdf(t):  # for t >= 0
         x = df / (df + t * t)
-        return 1.0 - 0.5 * float(tf.math.betainc(tf.constant(df / 2, tf.float64),
-                                                 tf.constant(0.5, tf.float64),
-                                                 tf.constant(x, tf.float64)))
+        return 1.0 - 0.5 * float(
+            tf.math.betainc(
+                tf.constant(df / 2, tf.float64),
+                tf.constant(0.5, tf.float64),
+                tf.constant(x, tf.float64),
+            )
+        )
 
     lo, hi = 0.0, 1.0
     while cdf(hi) < upper:
@@ -124,11 +129,14 @@ def mean_confidence_interval(values, confidence: float = 0.95) -> tuple[float, f
       `(mean, half_width)` as Python floats; `half_width` is nan for a single value
       (no spread can be estimated) and 0 when all values are equal.
     """
-    if isinstance(confidence, bool) or not isinstance(
-        confidence, (int, float, np.floating)
-    ) or not (0.0 < float(confidence) < 1.0):
-        raise ValueError(f"`confidence` must be a number strictly between 0 and 1; got "
-                         f"{confidence!r}.")
+    if (
+        isinstance(confidence, bool)
+        or not isinstance(confidence, (int, float, np.floating))
+        or not (0.0 < float(confidence) < 1.0)
+    ):
+        raise ValueError(
+            f"`confidence` must be a number strictly between 0 and 1; got {confidence!r}."
+        )
     v = np.asarray(values, np.float64)
     if v.ndim != 1:
         raise ValueError(f"`values` must be 1-D; got shape {v.shape}.")
@@ -160,15 +168,17 @@ def _as_class_arrays(classes) -> tuple[list[str], list[np.ndarray]]:
         raise ValueError(
             "`classes` must be a mapping class name -> array [n_examples, ...] or a list of "
             f"such arrays (one per class); got {type(classes).__name__}. For (x, y) arrays "
-            "or a labelled tf.data.Dataset use EpisodeSampler.from_labelled(x, y, ...).")
+            "or a labelled tf.data.Dataset use EpisodeSampler.from_labelled(x, y, ...)."
+        )
     if not arrays:
         raise ValueError("`classes` is empty: give at least one class.")
     out = []
     for name, a in zip(names, arrays):
         a = np.asarray(a)
         if a.ndim == 0:
-            raise ValueError(f"`classes`[{name!r}] must be an array with a leading example "
-                             f"axis; got a scalar.")
+            raise ValueError(
+                f"`classes`[{name!r}] must be an array with a leading example axis; got a scalar."
+            )
         if a.shape[0] == 0:
             raise ValueError(f"`classes`[{name!r}]: class {name!r} has 0 examples.")
         out.append(a)
@@ -178,7 +188,8 @@ def _as_class_arrays(classes) -> tuple[list[str], list[np.ndarray]]:
             raise ValueError(
                 f"`classes`[{name!r}] has examples of shape {a.shape[1:]} and dtype {a.dtype} "
                 f"where `classes`[{names[0]!r}] has {first.shape[1:]} and {first.dtype}; all "
-                "classes share episodes, so these must match.")
+                "classes share episodes, so these must match."
+            )
     return names, out
 
 
@@ -204,8 +215,16 @@ class EpisodeSampler:
       shots, queries, tasks_per_batch, seed, shuffle, element_spec.
     """
 
-    def __init__(self, classes, ways: int, shots: int, queries: int,
-                 tasks_per_batch: int = 1, seed: int = 0, shuffle: bool = False):
+    def __init__(
+        self,
+        classes,
+        ways: int,
+        shots: int,
+        queries: int,
+        tasks_per_batch: int = 1,
+        seed: int = 0,
+        shuffle: bool = False,
+    ):
         self.ways = check_positive_int(ways, "ways")
         self.shots = check_positive_int(shots, "shots")
         self.queries = check_positive_int(queries, "queries")
@@ -219,8 +238,10 @@ class EpisodeSampler:
         self.num_classes = len(names)
         self.class_sizes = np.asarray([a.shape[0] for a in arrays], np.int64)
         if self.ways > self.num_classes:
-            raise ValueError(f"`ways`={self.ways} is larger than the number of classes "
-                             f"({self.num_classes}); an episode needs `ways` distinct classes.")
+            raise ValueError(
+                f"`ways`={self.ways} is larger than the number of classes "
+                f"({self.num_classes}); an episode needs `ways` distinct classes."
+            )
         need = self.shots + self.queries
         small = [(n, int(s)) for n, s in zip(names, self.class_sizes) if s < need]
         if small:
@@ -230,19 +251,30 @@ class EpisodeSampler:
                 f"`shots` + `queries` = {self.shots} + {self.queries} = {need} is larger than "
                 f"the number of examples of {len(small)} class(es): {listed}{more}; every "
                 "class of an episode needs shots + queries distinct examples (lower `shots` "
-                "or `queries`, or drop those classes).")
+                "or `queries`, or drop those classes)."
+            )
         self._example_shape = arrays[0].shape[1:]
         self._dtype = arrays[0].dtype
         self._data = tf.constant(np.concatenate(arrays, axis=0))
         self._sizes = tf.constant(self.class_sizes)
         self._offsets = tf.constant(
-            np.concatenate([[0], np.cumsum(self.class_sizes)[:-1]]).astype(np.int64))
+            np.concatenate([[0], np.cumsum(self.class_sizes)[:-1]]).astype(np.int64)
+        )
         self._max_size = int(self.class_sizes.max())
 
     @classmethod
-    def from_labelled(cls, x, y=None, *, ways: int, shots: int, queries: int,
-                      tasks_per_batch: int = 1, seed: int = 0, shuffle: bool = False
-                      ) -> "EpisodeSampler":
+    def from_labelled(
+        cls,
+        x,
+        y=None,
+        *,
+        ways: int,
+        shots: int,
+        queries: int,
+        tasks_per_batch: int = 1,
+        seed: int = 0,
+        shuffle: bool = False,
+    ) -> "EpisodeSampler":
         """A sampler over the classes of labelled examples.
 
         Args:
@@ -253,12 +285,15 @@ class EpisodeSampler:
         """
         if isinstance(x, tf.data.Dataset):
             if y is not None:
-                raise ValueError("Give `y` only with array `x`: a tf.data.Dataset `x` holds "
-                                 "(x, y) pairs.")
+                raise ValueError(
+                    "Give `y` only with array `x`: a tf.data.Dataset `x` holds (x, y) pairs."
+                )
             card = int(x.cardinality())
             if card == tf.data.INFINITE_CARDINALITY:
-                raise ValueError("`x` is an infinite tf.data.Dataset; give a finite dataset "
-                                 "of unbatched (x, y) examples (it is read into memory).")
+                raise ValueError(
+                    "`x` is an infinite tf.data.Dataset; give a finite dataset "
+                    "of unbatched (x, y) examples (it is read into memory)."
+                )
             parts = list(x.batch(4096).as_numpy_iterator())
             if not parts:
                 raise ValueError("`x`: the dataset is empty.")
@@ -272,25 +307,37 @@ class EpisodeSampler:
         if y.ndim != 1:
             raise ValueError(f"`y` must be 1-D (one label per example); got shape {y.shape}.")
         if x.ndim == 0 or x.shape[0] != y.shape[0]:
-            raise ValueError(f"`x` and `y` must have the same number of examples; got "
-                             f"{x.shape[0] if x.ndim else 'a scalar'} and {y.shape[0]}.")
+            raise ValueError(
+                f"`x` and `y` must have the same number of examples; got "
+                f"{x.shape[0] if x.ndim else 'a scalar'} and {y.shape[0]}."
+            )
         if y.size == 0:
             raise ValueError("`x`, `y` are empty.")
         labels, inverse = np.unique(y, return_inverse=True)
         order = np.argsort(inverse, kind="stable")
         counts = np.bincount(inverse, minlength=len(labels))
         groups = np.split(x[order], np.cumsum(counts)[:-1])
-        classes = {str(lab.item() if hasattr(lab, "item") else lab): g
-                   for lab, g in zip(labels, groups)}
+        classes = {
+            str(lab.item() if hasattr(lab, "item") else lab): g for lab, g in zip(labels, groups)
+        }
         if len(classes) != len(labels):
             raise ValueError("`y` has labels with equal string forms; use integer labels.")
-        return cls(classes, ways=ways, shots=shots, queries=queries,
-                   tasks_per_batch=tasks_per_batch, seed=seed, shuffle=shuffle)
+        return cls(
+            classes,
+            ways=ways,
+            shots=shots,
+            queries=queries,
+            tasks_per_batch=tasks_per_batch,
+            seed=seed,
+            shuffle=shuffle,
+        )
 
     def __repr__(self):
-        return (f"EpisodeSampler(num_classes={self.num_classes}, ways={self.ways}, "
-                f"shots={self.shots}, queries={self.queries}, "
-                f"tasks_per_batch={self.tasks_per_batch}, seed={self.seed})")
+        return (
+            f"EpisodeSampler(num_classes={self.num_classes}, ways={self.ways}, "
+            f"shots={self.shots}, queries={self.queries}, "
+            f"tasks_per_batch={self.tasks_per_batch}, seed={self.seed})"
+        )
 
     # ------------------------------------------------------------------ sampling
 
@@ -302,17 +349,22 @@ class EpisodeSampler:
     def _spec(self, t):
         n, k, q = self.ways, self.shots, self.queries
         dt = tf.as_dtype(self._dtype)
-        return ((tf.TensorSpec([t, n * k, *self._example_shape], dt),
-                 tf.TensorSpec([t, n * k], tf.int32),
-                 tf.TensorSpec([t, n * q, *self._example_shape], dt)),
-                tf.TensorSpec([t, n * q], tf.int32))
+        return (
+            (
+                tf.TensorSpec([t, n * k, *self._example_shape], dt),
+                tf.TensorSpec([t, n * k], tf.int32),
+                tf.TensorSpec([t, n * q, *self._example_shape], dt),
+            ),
+            tf.TensorSpec([t, n * q], tf.int32),
+        )
 
     def _step_seeds(self, seed, k, salt: int, num: int):
         base = tf.stack([tf.constant(seed, tf.int64) * 2 + salt, k])
         return tf.random.experimental.stateless_split(base, num=num)
 
-    def episode_indices(self, k, salt: int = 0, seed: int | None = None,
-                        tasks_per_batch: int | None = None):
+    def episode_indices(
+        self, k, salt: int = 0, seed: int | None = None, tasks_per_batch: int | None = None
+    ):
         """Which examples batch `k` holds, as int64 tensors:
         `(classes [T, N], support_rows [T, N*K], query_rows [T, N*Q],
         support_y [T, N*K], query_y [T, N*Q])`, where `classes[t, j]` is the class (index
@@ -364,16 +416,17 @@ class EpisodeSampler:
         ds = tf.data.Dataset.counter(start, dtype=tf.int64)
         if num_batches is not None:
             ds = ds.take(check_positive_int(num_batches, "num_batches"))
-        return (ds.map(self._make_batch, num_parallel_calls=tf.data.AUTOTUNE,
-                       deterministic=True)
-                .prefetch(tf.data.AUTOTUNE))
+        return ds.map(
+            self._make_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
+        ).prefetch(tf.data.AUTOTUNE)
 
     def numpy_batches(self, start: int = 0, num_batches: int | None = None):
         """`dataset(start, num_batches)` as an iterator of numpy nests."""
         return self.dataset(start, num_batches).as_numpy_iterator()
 
-    def evaluation_dataset(self, num_batches: int, seed: int | None = None,
-                           tasks_per_batch: int | None = None) -> tf.data.Dataset:
+    def evaluation_dataset(
+        self, num_batches: int, seed: int | None = None, tasks_per_batch: int | None = None
+    ) -> tf.data.Dataset:
         """A fixed, finite dataset of `num_batches` batches of episodes, the same each time
         for a `seed` (default: the sampler's), and not the training stream's batches.
 
@@ -382,8 +435,11 @@ class EpisodeSampler:
         make a sampler over the held-out (validation / test) classes for evaluation.
         """
         num_batches = check_positive_int(num_batches, "num_batches")
-        t = self.tasks_per_batch if tasks_per_batch is None else check_positive_int(
-            tasks_per_batch, "tasks_per_batch")
+        t = (
+            self.tasks_per_batch
+            if tasks_per_batch is None
+            else check_positive_int(tasks_per_batch, "tasks_per_batch")
+        )
         if seed is None:
             seed = self.seed
         elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
@@ -393,6 +449,8 @@ class EpisodeSampler:
         def fn(k):
             return self._make_batch(k, salt=1, seed=seed, tasks_per_batch=t)
 
-        return (tf.data.Dataset.range(num_batches)
-                .map(fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-                .prefetch(tf.data.AUTOTUNE))
+        return (
+            tf.data.Dataset.range(num_batches)
+            .map(fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            .prefetch(tf.data.AUTOTUNE)
+        )

@@ -27,6 +27,7 @@ openai/supervised-reptile's FOMAML (the last mini-batch).
 
 `stack_task(x, y, num_batches, batch_size, rng)` is the one-task building block (NumPy).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -50,7 +51,8 @@ def stack_task(x, y, num_batches: int, batch_size: int, rng=None, stack_axis: in
     if x.ndim == 0 or y.ndim == 0 or x.shape[0] != y.shape[0]:
         raise ValueError(
             "`x` and `y` of a task must be arrays with the same number of examples on axis "
-            f"0 ([n, ...]); got shapes {x.shape} and {y.shape}.")
+            f"0 ([n, ...]); got shapes {x.shape} and {y.shape}."
+        )
     n = x.shape[0]
     if n == 0:
         raise ValueError("A task has no examples (`x` is empty).")
@@ -87,13 +89,20 @@ def _task_fn(task_sampler):
     if not callable(task_sampler):
         raise ValueError(
             "`task_sampler` must be a callable `i -> (x, y)` (the examples of task i) or a "
-            f"tf_metaalign.data.EpisodeSampler; got {type(task_sampler).__name__}.")
+            f"tf_metaalign.data.EpisodeSampler; got {type(task_sampler).__name__}."
+        )
     return task_sampler
 
 
-def stacked_batches(task_sampler, num_batches: int, batch_size: int,
-                    num_elements: int | None = None, stack_axis: int = 0, seed: int = 0,
-                    start: int = 0) -> tf.data.Dataset:
+def stacked_batches(
+    task_sampler,
+    num_batches: int,
+    batch_size: int,
+    num_elements: int | None = None,
+    stack_axis: int = 0,
+    seed: int = 0,
+    start: int = 0,
+) -> tf.data.Dataset:
     """A `tf.data.Dataset` of stacked elements `(x [k, B, ...], y [k, B, ...])`, one task
     per element (see the module doc).
 
@@ -125,12 +134,15 @@ def stacked_batches(task_sampler, num_batches: int, batch_size: int,
 
     def element(i):
         x, y = task(i)
-        return stack_task(x, y, num_batches, batch_size,
-                          np.random.default_rng([int(seed), int(i)]), stack_axis)
+        return stack_task(
+            x, y, num_batches, batch_size, np.random.default_rng([int(seed), int(i)]), stack_axis
+        )
 
     first_x, first_y = element(start)
-    spec = (tf.TensorSpec(first_x.shape, tf.as_dtype(first_x.dtype)),
-            tf.TensorSpec(first_y.shape, tf.as_dtype(first_y.dtype)))
+    spec = (
+        tf.TensorSpec(first_x.shape, tf.as_dtype(first_x.dtype)),
+        tf.TensorSpec(first_y.shape, tf.as_dtype(first_y.dtype)),
+    )
 
     def generate():
         i = int(start)
@@ -141,7 +153,8 @@ def stacked_batches(task_sampler, num_batches: int, batch_size: int,
                 raise ValueError(
                     f"stacked_batches: task {i} gives elements of shapes {x.shape} and "
                     f"{y.shape}, task {start} gave {first_x.shape} and {first_y.shape}: "
-                    "every task's examples need the same shape.")
+                    "every task's examples need the same shape."
+                )
             yield x, y
             i += 1
 

@@ -53,6 +53,7 @@ dtypes and per-example shapes (pad text to one sequence length), since they shar
 The examples are captured as constants of the input pipeline's graph, so their total size
 must stay under protobuf's 2 GB (fine for text token ids and small images).
 """
+
 from __future__ import annotations
 
 import math
@@ -67,8 +68,13 @@ from tf_metaalign.data.splits import check_positive_int
 DEFAULT_Q = 0.2
 
 __all__ = [
-    "DEFAULT_Q", "task_probabilities", "MultiTaskStream", "model_inputs", "task_ids",
-    "PerTaskHead", "one_head_per_task_model",
+    "DEFAULT_Q",
+    "task_probabilities",
+    "MultiTaskStream",
+    "model_inputs",
+    "task_ids",
+    "PerTaskHead",
+    "one_head_per_task_model",
 ]
 
 
@@ -76,16 +82,20 @@ __all__ = [
 
 
 def _check_q(q) -> float:
-    if isinstance(q, bool) or not isinstance(q, (int, float, np.integer, np.floating)) or (
-        not math.isfinite(float(q))
+    if (
+        isinstance(q, bool)
+        or not isinstance(q, (int, float, np.integer, np.floating))
+        or (not math.isfinite(float(q)))
     ):
         raise ValueError(f"`q` must be a finite number (e.g. 0.2, 0 or 1); got {q!r}.")
     return float(q)
 
 
-def task_probabilities(sizes: Mapping[str, int], q: float | None = None,
-                       weights: Mapping[str, float] | Sequence[float] | None = None
-                       ) -> dict[str, float]:
+def task_probabilities(
+    sizes: Mapping[str, int],
+    q: float | None = None,
+    weights: Mapping[str, float] | Sequence[float] | None = None,
+) -> dict[str, float]:
     """The probability of drawing each task: p_t ∝ N_t^q, or p_t ∝ weights[t].
 
     Args:
@@ -99,8 +109,10 @@ def task_probabilities(sizes: Mapping[str, int], q: float | None = None,
       task name -> probability, in the order of `sizes`, summing to 1.
     """
     if not isinstance(sizes, Mapping):
-        raise ValueError(f"`sizes` must be a mapping task name -> number of examples; "
-                         f"got {type(sizes).__name__}.")
+        raise ValueError(
+            f"`sizes` must be a mapping task name -> number of examples; "
+            f"got {type(sizes).__name__}."
+        )
     if len(sizes) == 0:
         raise ValueError("`sizes` is empty: give at least one task.")
     names = list(sizes)
@@ -108,11 +120,14 @@ def task_probabilities(sizes: Mapping[str, int], q: float | None = None,
     for name in names:
         size = sizes[name]
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
-            raise ValueError(f"`sizes`[{name!r}] must be a non-negative integer number of "
-                             f"examples; got {size!r}.")
+            raise ValueError(
+                f"`sizes`[{name!r}] must be a non-negative integer number of "
+                f"examples; got {size!r}."
+            )
         if size == 0:
-            raise ValueError(f"`sizes`[{name!r}]: task {name!r} has 0 examples; remove it "
-                             "or give it data.")
+            raise ValueError(
+                f"`sizes`[{name!r}]: task {name!r} has 0 examples; remove it or give it data."
+            )
         n.append(float(size))
     n = np.asarray(n, np.float64)
     if weights is not None:
@@ -121,24 +136,26 @@ def task_probabilities(sizes: Mapping[str, int], q: float | None = None,
         if isinstance(weights, Mapping):
             unknown = [k for k in weights if k not in sizes]
             if unknown:
-                raise ValueError(f"`weights` names unknown tasks {unknown}; the tasks are "
-                                 f"{names}.")
+                raise ValueError(f"`weights` names unknown tasks {unknown}; the tasks are {names}.")
             missing = [k for k in names if k not in weights]
             if missing:
-                raise ValueError(f"`weights` has no weight for tasks {missing}; give one for "
-                                 f"every task of {names}.")
+                raise ValueError(
+                    f"`weights` has no weight for tasks {missing}; give one for "
+                    f"every task of {names}."
+                )
             w = [weights[k] for k in names]
         else:
             w = list(weights)
             if len(w) != len(names):
-                raise ValueError(f"`weights` has {len(w)} entries for {len(names)} tasks "
-                                 f"{names}.")
+                raise ValueError(f"`weights` has {len(w)} entries for {len(names)} tasks {names}.")
         for name, value in zip(names, w):
-            if isinstance(value, bool) or not isinstance(
-                value, (int, float, np.integer, np.floating)
-            ) or not math.isfinite(float(value)) or value <= 0:
-                raise ValueError(f"`weights`[{name!r}] must be a finite number > 0; "
-                                 f"got {value!r}.")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float, np.integer, np.floating))
+                or not math.isfinite(float(value))
+                or value <= 0
+            ):
+                raise ValueError(f"`weights`[{name!r}] must be a finite number > 0; got {value!r}.")
         p = np.asarray(w, np.float64)
     else:
         q = DEFAULT_Q if q is None else _check_q(q)
@@ -181,7 +198,8 @@ def _check_batch_x(x):
         raise ValueError(
             "A multi-task batch's `x` must be a dict {'inputs': ..., 'task_id': int32 [B]} "
             f"(see tf_metaalign.data.multitask); got {type(x).__name__}"
-            + (f" with keys {sorted(x)}" if isinstance(x, Mapping) else "") + "."
+            + (f" with keys {sorted(x)}" if isinstance(x, Mapping) else "")
+            + "."
         )
 
 
@@ -191,12 +209,13 @@ def _check_batch_x(x):
 def _materialise(name, dataset: tf.data.Dataset):
     card = int(dataset.cardinality())
     if card == tf.data.INFINITE_CARDINALITY:
-        raise ValueError(f"`tasks`[{name!r}] is an infinite tf.data.Dataset; give a finite "
-                         "dataset of unbatched examples (it is read once into memory).")
+        raise ValueError(
+            f"`tasks`[{name!r}] is an infinite tf.data.Dataset; give a finite "
+            "dataset of unbatched examples (it is read once into memory)."
+        )
     parts = [b for b in dataset.batch(4096).as_numpy_iterator()]
     if not parts:
-        raise ValueError(f"`tasks`[{name!r}]: task {name!r} has 0 examples (its dataset is "
-                         "empty).")
+        raise ValueError(f"`tasks`[{name!r}]: task {name!r} has 0 examples (its dataset is empty).")
     return tf.nest.map_structure(lambda *a: np.concatenate(a, axis=0), *parts)
 
 
@@ -205,18 +224,22 @@ def _as_examples(name, value):
     if isinstance(value, tf.data.Dataset):
         value = _materialise(name, value)
     if not isinstance(value, (tuple, list)) or len(value) not in (2, 3):
-        raise ValueError(f"`tasks`[{name!r}] must be (x, y), (x, y, sample_weight) or a "
-                         f"tf.data.Dataset of such unbatched examples; got "
-                         f"{type(value).__name__}"
-                         + (f" of length {len(value)}" if isinstance(value, (tuple, list))
-                            else "") + ".")
+        raise ValueError(
+            f"`tasks`[{name!r}] must be (x, y), (x, y, sample_weight) or a "
+            f"tf.data.Dataset of such unbatched examples; got "
+            f"{type(value).__name__}"
+            + (f" of length {len(value)}" if isinstance(value, (tuple, list)) else "")
+            + "."
+        )
     value = tuple(tf.nest.map_structure(np.asarray, tuple(value)))
     leaves = tf.nest.flatten(value)
     lengths = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
     if None in lengths or len(lengths) != 1:
-        raise ValueError(f"`tasks`[{name!r}]: every array must have the same leading "
-                         f"(example) dimension; got lengths "
-                         f"{[leaf.shape[0] if leaf.ndim else 'scalar' for leaf in leaves]}.")
+        raise ValueError(
+            f"`tasks`[{name!r}]: every array must have the same leading "
+            f"(example) dimension; got lengths "
+            f"{[leaf.shape[0] if leaf.ndim else 'scalar' for leaf in leaves]}."
+        )
     (n,) = lengths
     if n == 0:
         raise ValueError(f"`tasks`[{name!r}]: task {name!r} has 0 examples.")
@@ -243,11 +266,19 @@ class MultiTaskStream:
       num_tasks, batch_size, seed.
     """
 
-    def __init__(self, tasks: Mapping[str, Any], batch_size: int, q: float = DEFAULT_Q,
-                 weights: Mapping[str, float] | None = None, seed: int = 0):
+    def __init__(
+        self,
+        tasks: Mapping[str, Any],
+        batch_size: int,
+        q: float = DEFAULT_Q,
+        weights: Mapping[str, float] | None = None,
+        seed: int = 0,
+    ):
         if not isinstance(tasks, Mapping):
-            raise ValueError("`tasks` must be a mapping task name -> (x, y) or dataset; got "
-                             f"{type(tasks).__name__}.")
+            raise ValueError(
+                "`tasks` must be a mapping task name -> (x, y) or dataset; got "
+                f"{type(tasks).__name__}."
+            )
         if len(tasks) == 0:
             raise ValueError("`tasks` is empty: give at least one task.")
         self.batch_size = check_positive_int(batch_size, "batch_size")
@@ -264,7 +295,8 @@ class MultiTaskStream:
             sizes[name] = n
         self.sizes = sizes
         self.probabilities = task_probabilities(
-            sizes, q=None if weights is not None else _check_q(q), weights=weights)
+            sizes, q=None if weights is not None else _check_q(q), weights=weights
+        )
         self._check_fits(self.batch_size, "batch_size")
 
         first = self.task_names[0]
@@ -275,17 +307,20 @@ class MultiTaskStream:
                 raise ValueError(
                     f"`tasks`[{name!r}] has another structure than `tasks`[{first!r}] (both "
                     "must be (x, y) or both (x, y, sample_weight), with the same nest of x): "
-                    f"{e}") from None
+                    f"{e}"
+                ) from None
             for a, b in zip(tf.nest.flatten(examples[0]), tf.nest.flatten(value)):
                 if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
                     raise ValueError(
                         f"`tasks`[{name!r}] has an array of per-example shape {b.shape[1:]} "
                         f"and dtype {b.dtype} where `tasks`[{first!r}] has {a.shape[1:]} "
                         f"and {a.dtype}; tasks share batches, so these must match (pad "
-                        "sequences to one length).")
+                        "sequences to one length)."
+                    )
         # All tasks in one array per leaf; task t is rows offsets[t] : offsets[t] + N_t.
         self._data = tf.nest.map_structure(
-            lambda *a: tf.constant(np.concatenate(a, axis=0)), *examples)
+            lambda *a: tf.constant(np.concatenate(a, axis=0)), *examples
+        )
         n = np.asarray([sizes[k] for k in self.task_names], np.int64)
         self._sizes = tf.constant(n)
         self._offsets = tf.constant(np.concatenate([[0], np.cumsum(n)[:-1]]).astype(np.int64))
@@ -294,15 +329,17 @@ class MultiTaskStream:
         self._logits = tf.constant(np.log(p), tf.float32)[tf.newaxis]
 
     def __repr__(self):
-        return (f"MultiTaskStream(tasks={self.sizes}, batch_size={self.batch_size}, "
-                f"seed={self.seed})")
+        return (
+            f"MultiTaskStream(tasks={self.sizes}, batch_size={self.batch_size}, seed={self.seed})"
+        )
 
     def _check_fits(self, batch_size, arg_name, names=None):
         for name in names or self.task_names:
             if self.sizes[name] < batch_size:
                 raise ValueError(
                     f"`{arg_name}`={batch_size} is larger than task {name!r}, which has "
-                    f"{self.sizes[name]} examples (a batch samples without replacement).")
+                    f"{self.sizes[name]} examples (a batch samples without replacement)."
+                )
 
     # ------------------------------------------------------------------ stateless sampling
 
@@ -333,8 +370,9 @@ class MultiTaskStream:
         """Batch `k` of `single_task_batches()` (a pure function of `(seed, k)`)."""
         k = tf.cast(k, tf.int64)
         task_seed, example_seed = tf.unstack(self._step_seeds(k, salt=0, num=2))
-        task = tf.random.stateless_categorical(self._logits, 1, seed=task_seed,
-                                               dtype=tf.int32)[0]  # [1]
+        task = tf.random.stateless_categorical(self._logits, 1, seed=task_seed, dtype=tf.int32)[
+            0
+        ]  # [1]
         rows = self._sample_examples(example_seed, task, self.batch_size)
         tids = tf.fill([self.batch_size], task[0])
         return self._element(rows, tids)
@@ -344,10 +382,11 @@ class MultiTaskStream:
         with probability p_t (Sequential Reptile's sampling); begins at batch `start` (to
         resume: the trainer's checkpointed step count)."""
         start = _check_start(start)
-        return (tf.data.Dataset.counter(start, dtype=tf.int64)
-                .map(self.single_task_batch, num_parallel_calls=tf.data.AUTOTUNE,
-                     deterministic=True)
-                .prefetch(tf.data.AUTOTUNE))
+        return (
+            tf.data.Dataset.counter(start, dtype=tf.int64)
+            .map(self.single_task_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            .prefetch(tf.data.AUTOTUNE)
+        )
 
     def _check_mixed(self, tasks_per_batch, per_task_batch_size):
         per_task_batch_size = check_positive_int(per_task_batch_size, "per_task_batch_size")
@@ -355,27 +394,36 @@ class MultiTaskStream:
             tasks_per_batch = self.num_tasks
         tasks_per_batch = check_positive_int(tasks_per_batch, "tasks_per_batch")
         if tasks_per_batch > self.num_tasks:
-            raise ValueError(f"`tasks_per_batch`={tasks_per_batch} is larger than the number "
-                             f"of tasks ({self.num_tasks}).")
+            raise ValueError(
+                f"`tasks_per_batch`={tasks_per_batch} is larger than the number "
+                f"of tasks ({self.num_tasks})."
+            )
         # Any task may be drawn; with every task, every task is.
         self._check_fits(per_task_batch_size, "per_task_batch_size")
         return tasks_per_batch, per_task_batch_size
 
-    def mixed_batch(self, k, tasks_per_batch: int | None = None,
-                    per_task_batch_size: int | None = None, interleave: bool = False):
+    def mixed_batch(
+        self,
+        k,
+        tasks_per_batch: int | None = None,
+        per_task_batch_size: int | None = None,
+        interleave: bool = False,
+    ):
         """Batch `k` of `mixed_batches(...)` (a pure function of `(seed, k)`)."""
         if per_task_batch_size is None:
             per_task_batch_size = self.batch_size
-        tasks_per_batch, per_task_batch_size = self._check_mixed(tasks_per_batch,
-                                                                 per_task_batch_size)
+        tasks_per_batch, per_task_batch_size = self._check_mixed(
+            tasks_per_batch, per_task_batch_size
+        )
         k = tf.cast(k, tf.int64)
         task_seed, example_seed = tf.unstack(self._step_seeds(k, salt=1, num=2))
         if tasks_per_batch == self.num_tasks:
             tasks = tf.range(self.num_tasks, dtype=tf.int32)
         else:
             # Gumbel top-k: tasks_per_batch tasks drawn with p_t without replacement.
-            u = tf.random.stateless_uniform([self.num_tasks], seed=task_seed,
-                                            minval=1e-20, maxval=1.0)
+            u = tf.random.stateless_uniform(
+                [self.num_tasks], seed=task_seed, minval=1e-20, maxval=1.0
+            )
             gumbel = -tf.math.log(-tf.math.log(u))
             _, tasks = tf.math.top_k(self._logits[0] + gumbel, k=tasks_per_batch)
             tasks = tf.sort(tasks)
@@ -385,9 +433,13 @@ class MultiTaskStream:
             rows, tids = tf.transpose(rows), tf.transpose(tids)
         return self._element(rows, tids)
 
-    def mixed_batches(self, tasks_per_batch: int | None = None,
-                      per_task_batch_size: int | None = None, interleave: bool = False,
-                      start: int = 0) -> tf.data.Dataset:
+    def mixed_batches(
+        self,
+        tasks_per_batch: int | None = None,
+        per_task_batch_size: int | None = None,
+        interleave: bool = False,
+        start: int = 0,
+    ) -> tf.data.Dataset:
         """Infinite dataset of mixed batches: `per_task_batch_size` (default `batch_size`)
         examples of each of `tasks_per_batch` tasks (default all; fewer are drawn with p_t
         without replacement), `tasks_per_batch * per_task_batch_size` examples in all.
@@ -400,22 +452,27 @@ class MultiTaskStream:
         """
         if per_task_batch_size is None:
             per_task_batch_size = self.batch_size
-        tasks_per_batch, per_task_batch_size = self._check_mixed(tasks_per_batch,
-                                                                 per_task_batch_size)
+        tasks_per_batch, per_task_batch_size = self._check_mixed(
+            tasks_per_batch, per_task_batch_size
+        )
         start = _check_start(start)
 
         def fn(k):
             return self.mixed_batch(k, tasks_per_batch, per_task_batch_size, interleave)
 
-        return (tf.data.Dataset.counter(start, dtype=tf.int64)
-                .map(fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-                .prefetch(tf.data.AUTOTUNE))
+        return (
+            tf.data.Dataset.counter(start, dtype=tf.int64)
+            .map(fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            .prefetch(tf.data.AUTOTUNE)
+        )
 
 
 def _check_start(start) -> int:
     if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
-        raise ValueError(f"`start` must be an integer >= 0 (the number of batches already "
-                         f"consumed); got {start!r}.")
+        raise ValueError(
+            f"`start` must be an integer >= 0 (the number of batches already "
+            f"consumed); got {start!r}."
+        )
     return int(start)
 
 
@@ -435,11 +492,13 @@ class PerTaskHead(keras.layers.Layer):
     columns ignores them (labels of task t must lie in `[0, num_outputs[t])`).
     """
 
-    def __init__(self, num_outputs_per_task: Sequence[int], masked_logit: float | None = None,
-                 **kwargs):
+    def __init__(
+        self, num_outputs_per_task: Sequence[int], masked_logit: float | None = None, **kwargs
+    ):
         super().__init__(**kwargs)
-        self.num_outputs_per_task = [check_positive_int(n, "num_outputs_per_task")
-                                     for n in num_outputs_per_task]
+        self.num_outputs_per_task = [
+            check_positive_int(n, "num_outputs_per_task") for n in num_outputs_per_task
+        ]
         if not self.num_outputs_per_task:
             raise ValueError("`num_outputs_per_task` is empty: give one number per task.")
         self.masked_logit = masked_logit
@@ -449,17 +508,22 @@ class PerTaskHead(keras.layers.Layer):
     def build(self, input_shape):
         features_shape = input_shape[0]
         dim = features_shape[-1]
-        self.kernel = self.add_weight(name="kernel", shape=(dim, self.num_tasks * self.max_outputs),
-                                      initializer="glorot_uniform")
-        self.bias = self.add_weight(name="bias", shape=(self.num_tasks * self.max_outputs,),
-                                    initializer="zeros")
+        self.kernel = self.add_weight(
+            name="kernel",
+            shape=(dim, self.num_tasks * self.max_outputs),
+            initializer="glorot_uniform",
+        )
+        self.bias = self.add_weight(
+            name="bias", shape=(self.num_tasks * self.max_outputs,), initializer="zeros"
+        )
 
     def call(self, inputs):
         features, task_id = inputs
         ops = keras.ops
         task_id = ops.cast(ops.reshape(task_id, (-1,)), "int32")
         out = ops.matmul(features, ops.cast(self.kernel, features.dtype)) + ops.cast(
-            self.bias, features.dtype)
+            self.bias, features.dtype
+        )
         out = ops.reshape(out, (-1, self.num_tasks, self.max_outputs))
         out = ops.take_along_axis(out, task_id[:, None, None], axis=1)[:, 0]  # [B, M]
         if min(self.num_outputs_per_task) < self.max_outputs:
@@ -467,8 +531,9 @@ class PerTaskHead(keras.layers.Layer):
             valid = ops.arange(self.max_outputs, dtype="int32")[None, :] < n[:, None]
             masked = self.masked_logit
             if masked is None:
-                masked = -3.0e4 if keras.backend.standardize_dtype(out.dtype) == "float16" \
-                    else -1.0e9
+                masked = (
+                    -3.0e4 if keras.backend.standardize_dtype(out.dtype) == "float16" else -1.0e9
+                )
             out = ops.where(valid, out, ops.cast(masked, out.dtype))
         return out
 
@@ -476,12 +541,14 @@ class PerTaskHead(keras.layers.Layer):
         return (input_shape[0][0], self.max_outputs)
 
     def get_config(self):
-        return {**super().get_config(), "num_outputs_per_task": self.num_outputs_per_task,
-                "masked_logit": self.masked_logit}
+        return {
+            **super().get_config(),
+            "num_outputs_per_task": self.num_outputs_per_task,
+            "masked_logit": self.masked_logit,
+        }
 
 
-def one_head_per_task_model(backbone: keras.Model, num_outputs_per_task, name=None
-                            ) -> keras.Model:
+def one_head_per_task_model(backbone: keras.Model, num_outputs_per_task, name=None) -> keras.Model:
     """A functional model called on the batch's whole `x` dict `{"inputs", "task_id"}`.
 
     Args:

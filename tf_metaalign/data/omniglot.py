@@ -40,6 +40,7 @@ Decoded arrays are cached as `.npz` under `cache_dir` (default `$TF_METAALIGN_CA
 hash of the source zips (path, size and mtime of the files of a source folder), the image
 size and the resize method; `cache_dir=False` turns caching off.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,10 +60,19 @@ from tf_metaalign.data.episodes import mean_confidence_interval
 from tf_metaalign.data.splits import check_positive_int
 
 __all__ = [
-    "SMALL_SETS", "OFFICIAL_SETS", "default_omniglot_root", "load_omniglot",
-    "ClassSplit", "split_classes", "augment_rotations", "alphabet_of",
-    "OfficialRun", "load_official_runs", "official_runs_dataset",
-    "OfficialRunsResult", "evaluate_official_runs",
+    "SMALL_SETS",
+    "OFFICIAL_SETS",
+    "default_omniglot_root",
+    "load_omniglot",
+    "ClassSplit",
+    "split_classes",
+    "augment_rotations",
+    "alphabet_of",
+    "OfficialRun",
+    "load_official_runs",
+    "official_runs_dataset",
+    "OfficialRunsResult",
+    "evaluate_official_runs",
 ]
 
 #: The two small background subsets shipped in ../shared/data/omniglot.
@@ -100,8 +110,9 @@ def _check_image_size(image_size):
     return check_positive_int(image_size, "image_size")
 
 
-def _decode_images(pngs: Sequence[bytes], image_size: int | None, resize_method: str,
-                   what: str = "images") -> np.ndarray:
+def _decode_images(
+    pngs: Sequence[bytes], image_size: int | None, resize_method: str, what: str = "images"
+) -> np.ndarray:
     """PNG bytes -> float32 [n, S, S, 1], strokes = 1 (see the module doc)."""
     decoded = []
     for i, b in enumerate(pngs):
@@ -119,16 +130,19 @@ def _decode_images(pngs: Sequence[bytes], image_size: int | None, resize_method:
         if image_size is not None and shape[:2] != (image_size, image_size):
             parts = []
             for s in range(0, len(x), 2048):
-                r = tf.image.resize(x[s:s + 2048], (image_size, image_size),
-                                    method=resize_method, antialias=True)
+                r = tf.image.resize(
+                    x[s : s + 2048], (image_size, image_size), method=resize_method, antialias=True
+                )
                 parts.append(np.clip(r.numpy(), 0.0, 1.0).astype(np.float32))
             x = np.concatenate(parts)
         out.append((idx, x))
     if len(out) == 1:
         return out[0][1]
     if image_size is None:
-        raise ValueError(f"{what} have different sizes {sorted(s[:2] for s in shapes)}; give "
-                         "`image_size` to resize them to one size.")
+        raise ValueError(
+            f"{what} have different sizes {sorted(s[:2] for s in shapes)}; give "
+            "`image_size` to resize them to one size."
+        )
     result = np.empty((len(decoded), image_size, image_size, 1), np.float32)
     for idx, x in out:
         result[idx] = x
@@ -152,7 +166,8 @@ class _Source:
                 f"{dir_path} exists (`root`={str(root)!r}). The official zips are "
                 "images_background.zip / images_evaluation.zip from "
                 "github.com/brendenlake/omniglot (python/); point `root` at the folder "
-                "holding them.")
+                "holding them."
+            )
 
     def fingerprint(self) -> str:
         h = hashlib.sha256()
@@ -163,8 +178,7 @@ class _Source:
         else:
             for p in sorted(self.path.rglob("*.png")):
                 st = p.stat()
-                h.update(f"{p.relative_to(self.path)}:{st.st_size}:{st.st_mtime_ns}\n"
-                         .encode())
+                h.update(f"{p.relative_to(self.path)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
         return f"{self.name}:{'zip' if self.is_zip else 'dir'}:{h.hexdigest()}"
 
     def characters(self) -> dict[tuple[str, str], list[bytes]]:
@@ -174,30 +188,37 @@ class _Source:
             with zipfile.ZipFile(self.path) as zf:
                 for info in zf.infolist():
                     parts = info.filename.split("/")
-                    if (info.is_dir() or len(parts) != 4 or parts[0].startswith("__MACOSX")
-                            or not parts[3].lower().endswith(".png")
-                            or parts[3].startswith(".")):
+                    if (
+                        info.is_dir()
+                        or len(parts) != 4
+                        or parts[0].startswith("__MACOSX")
+                        or not parts[3].lower().endswith(".png")
+                        or parts[3].startswith(".")
+                    ):
                         continue
-                    chars.setdefault((parts[1], parts[2]), []).append(
-                        (parts[3], zf.read(info)))
+                    chars.setdefault((parts[1], parts[2]), []).append((parts[3], zf.read(info)))
         else:
             for p in self.path.glob("*/*/*.png"):
                 if p.name.startswith("."):
                     continue
                 chars.setdefault((p.parent.parent.name, p.parent.name), []).append(
-                    (p.name, p.read_bytes()))
+                    (p.name, p.read_bytes())
+                )
         if not chars:
             raise ValueError(
                 f"{self.path} holds no images in the Omniglot layout "
-                f"'{self.name}/<Alphabet>/<character>/<file>.png'.")
-        return {k: [b for _, b in sorted(v, key=lambda e: e[0])]
-                for k, v in sorted(chars.items())}
+                f"'{self.name}/<Alphabet>/<character>/<file>.png'."
+            )
+        return {k: [b for _, b in sorted(v, key=lambda e: e[0])] for k, v in sorted(chars.items())}
 
 
-def load_omniglot(root: str | os.PathLike | None = None, sets: Sequence[str] = SMALL_SETS,
-                  image_size: int | None = 28, resize_method: str = "lanczos3",
-                  cache_dir: str | os.PathLike | None | bool = None
-                  ) -> dict[str, np.ndarray]:
+def load_omniglot(
+    root: str | os.PathLike | None = None,
+    sets: Sequence[str] = SMALL_SETS,
+    image_size: int | None = 28,
+    resize_method: str = "lanczos3",
+    cache_dir: str | os.PathLike | None | bool = None,
+) -> dict[str, np.ndarray]:
     """Omniglot characters as classes: `"Alphabet/characterNN" -> float32 [n, S, S, 1]`.
 
     Args:
@@ -221,22 +242,28 @@ def load_omniglot(root: str | os.PathLike | None = None, sets: Sequence[str] = S
         sets = (sets,)
     sets = tuple(sets)
     if not sets:
-        raise ValueError("`sets` is empty: name at least one set, e.g. "
-                         "'images_background'.")
+        raise ValueError("`sets` is empty: name at least one set, e.g. 'images_background'.")
     if len(set(sets)) != len(sets):
         raise ValueError(f"`sets` lists a set twice: {sets}.")
     if not root.is_dir():
         raise FileNotFoundError(
             f"Omniglot `root` {str(root)!r} is not a folder; give the folder holding "
-            f"{', '.join(s + '.zip' for s in sets)} (or set $TF_METAALIGN_OMNIGLOT_DIR).")
+            f"{', '.join(s + '.zip' for s in sets)} (or set $TF_METAALIGN_OMNIGLOT_DIR)."
+        )
     sources = [_Source(root, s) for s in sets]
 
     cache_path = None
     if cache_dir is not False:
         cache_root = Path(cache_dir) if cache_dir not in (None, True) else _default_cache_dir()
-        key = json.dumps({"v": _CACHE_VERSION, "sources": [s.fingerprint() for s in sources],
-                          "image_size": image_size, "resize_method": resize_method},
-                         sort_keys=True)
+        key = json.dumps(
+            {
+                "v": _CACHE_VERSION,
+                "sources": [s.fingerprint() for s in sources],
+                "image_size": image_size,
+                "resize_method": resize_method,
+            },
+            sort_keys=True,
+        )
         digest = hashlib.sha256(key.encode()).hexdigest()[:24]
         cache_path = cache_root / f"omniglot_{digest}.npz"
         if cache_path.is_file():
@@ -263,7 +290,7 @@ def load_omniglot(root: str | os.PathLike | None = None, sets: Sequence[str] = S
 
 def _to_classes(names, counts, images) -> dict[str, np.ndarray]:
     bounds = np.concatenate([[0], np.cumsum(counts)])
-    return {n: images[bounds[i]:bounds[i + 1]] for i, n in enumerate(names)}
+    return {n: images[bounds[i] : bounds[i + 1]] for i, n in enumerate(names)}
 
 
 def _write_cache(path: Path, names, counts, images):
@@ -272,8 +299,12 @@ def _write_cache(path: Path, names, counts, images):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz.tmp")
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, images=images, counts=np.asarray(counts, np.int64),
-                     names=np.asarray(names, dtype=str))
+            np.savez(
+                f,
+                images=images,
+                counts=np.asarray(counts, np.int64),
+                names=np.asarray(names, dtype=str),
+            )
         os.replace(tmp, path)  # atomic: a concurrent reader never sees a partial file
     except OSError:  # e.g. a read-only cache folder: go on without caching
         if tmp is not None and os.path.exists(tmp):
@@ -297,6 +328,7 @@ def alphabet_of(name: str) -> str:
 
 class ClassSplit(NamedTuple):
     """Disjoint class sets (ordered dicts name -> array) for meta-learning."""
+
     train: dict
     validation: dict
     test: dict
@@ -317,11 +349,14 @@ def _split_counts(n: int, fractions, counts) -> tuple[int, int, int]:
             counts[0] = n - sum(rest)
         for c in counts:
             if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0:
-                raise ValueError(f"`counts` must be integers >= 0 (train may be None: the "
-                                 f"rest); got {counts!r} for {n} classes.")
+                raise ValueError(
+                    f"`counts` must be integers >= 0 (train may be None: the "
+                    f"rest); got {counts!r} for {n} classes."
+                )
         if sum(counts) != n:
-            raise ValueError(f"`counts` {counts} sum to {sum(counts)}, not to the number of "
-                             f"classes ({n}).")
+            raise ValueError(
+                f"`counts` {counts} sum to {sum(counts)}, not to the number of classes ({n})."
+            )
         return tuple(int(c) for c in counts)
     if fractions is None:
         fractions = (0.7, 0.1, 0.2)
@@ -330,8 +365,9 @@ def _split_counts(n: int, fractions, counts) -> tuple[int, int, int]:
         isinstance(f, bool) or not isinstance(f, (int, float, np.floating)) or f < 0
         for f in fractions
     ):
-        raise ValueError(f"`fractions` must be three numbers >= 0 (train, validation, test); "
-                         f"got {fractions!r}.")
+        raise ValueError(
+            f"`fractions` must be three numbers >= 0 (train, validation, test); got {fractions!r}."
+        )
     if abs(sum(fractions) - 1.0) > 1e-6:
         raise ValueError(f"`fractions` {fractions} must sum to 1.")
     n_val = int(round(fractions[1] * n))
@@ -339,9 +375,13 @@ def _split_counts(n: int, fractions, counts) -> tuple[int, int, int]:
     return n - n_val - n_test, n_val, n_test
 
 
-def split_classes(classes: Mapping[str, np.ndarray], fractions: Sequence[float] | None = None,
-                  counts: Sequence[int | None] | None = None, seed: int = 0,
-                  disjoint_alphabets: bool = False) -> ClassSplit:
+def split_classes(
+    classes: Mapping[str, np.ndarray],
+    fractions: Sequence[float] | None = None,
+    counts: Sequence[int | None] | None = None,
+    seed: int = 0,
+    disjoint_alphabets: bool = False,
+) -> ClassSplit:
     """Split classes into meta-train / validation / test sets, disjoint and complete.
 
     Args:
@@ -364,8 +404,9 @@ def split_classes(classes: Mapping[str, np.ndarray], fractions: Sequence[float] 
       `ClassSplit(train, validation, test)`, each an ordered dict in `classes`' order.
     """
     if not isinstance(classes, Mapping):
-        raise ValueError(f"`classes` must be a mapping class name -> array; got "
-                         f"{type(classes).__name__}.")
+        raise ValueError(
+            f"`classes` must be a mapping class name -> array; got {type(classes).__name__}."
+        )
     names = [str(k) for k in classes]
     if not names:
         raise ValueError("`classes` is empty.")
@@ -374,7 +415,8 @@ def split_classes(classes: Mapping[str, np.ndarray], fractions: Sequence[float] 
         raise ValueError(
             f"`classes` holds rotated classes (e.g. {rotated[0]!r}): split the unrotated "
             "classes first and call augment_rotations on each split, so that all rotations "
-            "of a character land in the same split.")
+            "of a character land in the same split."
+        )
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise ValueError(f"`seed` must be an integer; got {seed!r}.")
     n = len(names)
@@ -383,9 +425,8 @@ def split_classes(classes: Mapping[str, np.ndarray], fractions: Sequence[float] 
     if not disjoint_alphabets:
         order = rng.permutation(n)
         test = set(order[:n_test].tolist())
-        val = set(order[n_test:n_test + n_val].tolist())
-        assign = ["test" if i in test else "validation" if i in val else "train"
-                  for i in range(n)]
+        val = set(order[n_test : n_test + n_val].tolist())
+        assign = ["test" if i in test else "validation" if i in val else "train" for i in range(n)]
     else:
         alphabets = sorted({alphabet_of(nm) for nm in names})
         sizes = {a: 0 for a in alphabets}
@@ -408,8 +449,9 @@ def split_classes(classes: Mapping[str, np.ndarray], fractions: Sequence[float] 
     return ClassSplit(out["train"], out["validation"], out["test"])
 
 
-def augment_rotations(classes: Mapping[str, np.ndarray], angles: Sequence[int] = (0, 90, 180, 270)
-                      ) -> dict[str, np.ndarray]:
+def augment_rotations(
+    classes: Mapping[str, np.ndarray], angles: Sequence[int] = (0, 90, 180, 270)
+) -> dict[str, np.ndarray]:
     """Each class once per angle, as a new class `"<name>/rotNNN"`: the examples rotated
     by NNN degrees counter-clockwise (`np.rot90(x, k=NNN // 90, axes=(1, 2))`).
 
@@ -417,14 +459,18 @@ def augment_rotations(classes: Mapping[str, np.ndarray], angles: Sequence[int] =
     to each split of `split_classes` separately. Images must be square ([n, S, S, ...]).
     """
     if not isinstance(classes, Mapping):
-        raise ValueError(f"`classes` must be a mapping class name -> array; got "
-                         f"{type(classes).__name__}.")
+        raise ValueError(
+            f"`classes` must be a mapping class name -> array; got {type(classes).__name__}."
+        )
     angles = list(angles)
     if not angles:
         raise ValueError("`angles` is empty.")
     for a in angles:
-        if isinstance(a, bool) or not isinstance(a, (int, np.integer)) or a % 90 or not (
-            0 <= a < 360
+        if (
+            isinstance(a, bool)
+            or not isinstance(a, (int, np.integer))
+            or a % 90
+            or not (0 <= a < 360)
         ):
             raise ValueError(f"`angles` must be multiples of 90 in [0, 360); got {angles!r}.")
     if len(set(angles)) != len(angles):
@@ -433,13 +479,16 @@ def augment_rotations(classes: Mapping[str, np.ndarray], angles: Sequence[int] =
     for name, x in classes.items():
         x = np.asarray(x)
         if x.ndim < 3 or x.shape[1] != x.shape[2]:
-            raise ValueError(f"`classes`[{name!r}] must be square images [n, S, S, ...] to "
-                             f"be rotated; got shape {x.shape}.")
+            raise ValueError(
+                f"`classes`[{name!r}] must be square images [n, S, S, ...] to "
+                f"be rotated; got shape {x.shape}."
+            )
         if _ROT_SUFFIX.search(str(name)):
             raise ValueError(f"`classes`[{name!r}] is already a rotated class.")
         for a in angles:
             out[f"{name}/rot{int(a):03d}"] = np.ascontiguousarray(
-                np.rot90(x, k=int(a) // 90, axes=(1, 2)))
+                np.rot90(x, k=int(a) // 90, axes=(1, 2))
+            )
     return out
 
 
@@ -453,6 +502,7 @@ class OfficialRun(NamedTuple):
     support_y: [20] int32, = 0..19; query_x: [20, S, S, 1], test item i at row i
     (itemII.png); query_y: [20] int32, the class of each test item (class_labels.txt).
     """
+
     support_x: np.ndarray
     support_y: np.ndarray
     query_x: np.ndarray
@@ -463,8 +513,11 @@ class OfficialRun(NamedTuple):
 _RUN_FILE = re.compile(r"^(?:.*/)?(run\d+)/(training|test)/(class|item)(\d+)\.png$")
 
 
-def load_official_runs(path: str | os.PathLike | None = None, image_size: int | None = 28,
-                       resize_method: str = "lanczos3") -> list[OfficialRun]:
+def load_official_runs(
+    path: str | os.PathLike | None = None,
+    image_size: int | None = 28,
+    resize_method: str = "lanczos3",
+) -> list[OfficialRun]:
     """Lake's official one-shot runs (`all_runs.zip`): 20 runs of 20-way 1-shot.
 
     Layout: `runNN/training/classKK.png` (one image per class), `runNN/test/itemKK.png`
@@ -498,23 +551,26 @@ def load_official_runs(path: str | os.PathLike | None = None, image_size: int | 
         raise FileNotFoundError(
             f"Official runs not found: `path` {str(path)!r} is neither all_runs.zip nor a "
             "folder holding run01/... (all_runs.zip is in github.com/brendenlake/omniglot, "
-            "python/one-shot-classification).")
+            "python/one-shot-classification)."
+        )
 
     runs: dict[str, dict] = {}
     for fname in files:
         m = _RUN_FILE.match(fname)
         if m:
             run, part, _, idx = m.groups()
-            runs.setdefault(run, {"training": {}, "test": {}, "labels": None})[part][
-                int(idx)] = fname
+            runs.setdefault(run, {"training": {}, "test": {}, "labels": None})[part][int(idx)] = (
+                fname
+            )
         elif fname.endswith("class_labels.txt"):
             run = fname.split("/")[-2] if "/" in fname else None
             if run and re.fullmatch(r"run\d+", run):
-                runs.setdefault(run, {"training": {}, "test": {}, "labels": None})[
-                    "labels"] = fname
+                runs.setdefault(run, {"training": {}, "test": {}, "labels": None})["labels"] = fname
     if not runs:
-        raise ValueError(f"{path} holds no runs in the layout runNN/training/classKK.png, "
-                         "runNN/test/itemKK.png, runNN/class_labels.txt.")
+        raise ValueError(
+            f"{path} holds no runs in the layout runNN/training/classKK.png, "
+            "runNN/test/itemKK.png, runNN/class_labels.txt."
+        )
 
     out = []
     for run in sorted(runs, key=lambda r: int(r[3:])):
@@ -525,11 +581,15 @@ def load_official_runs(path: str | os.PathLike | None = None, image_size: int | 
         if not train_idx or not test_idx:
             raise ValueError(f"{path}: {run} has no training or no test images.")
         if train_idx != list(range(1, len(train_idx) + 1)):
-            raise ValueError(f"{path}: {run}/training/ must hold class01.png ... "
-                             f"class{len(train_idx):02d}.png; got numbers {train_idx}.")
+            raise ValueError(
+                f"{path}: {run}/training/ must hold class01.png ... "
+                f"class{len(train_idx):02d}.png; got numbers {train_idx}."
+            )
         if test_idx != list(range(1, len(test_idx) + 1)):
-            raise ValueError(f"{path}: {run}/test/ must hold item01.png ... "
-                             f"item{len(test_idx):02d}.png; got numbers {test_idx}.")
+            raise ValueError(
+                f"{path}: {run}/test/ must hold item01.png ... "
+                f"item{len(test_idx):02d}.png; got numbers {test_idx}."
+            )
         labels = {}
         text = files[entry["labels"]].decode("utf-8")
         for line_no, line in enumerate(text.splitlines(), 1):
@@ -539,30 +599,40 @@ def load_official_runs(path: str | os.PathLike | None = None, image_size: int | 
             ma = _RUN_FILE.match(parts[0]) if len(parts) == 2 else None
             mb = _RUN_FILE.match(parts[1]) if len(parts) == 2 else None
             if not (ma and mb and ma.group(2) == "test" and mb.group(2) == "training"):
-                raise ValueError(f"{path}: {run}/class_labels.txt line {line_no} is not "
-                                 f"'<run>/test/itemII.png <run>/training/classJJ.png': "
-                                 f"{line!r}.")
+                raise ValueError(
+                    f"{path}: {run}/class_labels.txt line {line_no} is not "
+                    f"'<run>/test/itemII.png <run>/training/classJJ.png': "
+                    f"{line!r}."
+                )
             item, cls = int(ma.group(4)), int(mb.group(4))
             if item not in entry["test"] or cls not in entry["training"]:
-                raise ValueError(f"{path}: {run}/class_labels.txt line {line_no} names a "
-                                 f"missing image: {line!r}.")
+                raise ValueError(
+                    f"{path}: {run}/class_labels.txt line {line_no} names a "
+                    f"missing image: {line!r}."
+                )
             labels[item] = cls - 1
         if sorted(labels) != test_idx:
-            raise ValueError(f"{path}: {run}/class_labels.txt labels items "
-                             f"{sorted(labels)}, not every test item {test_idx}.")
+            raise ValueError(
+                f"{path}: {run}/class_labels.txt labels items "
+                f"{sorted(labels)}, not every test item {test_idx}."
+            )
         pngs = [files[entry["training"][i]] for i in train_idx]
         pngs += [files[entry["test"][i]] for i in test_idx]
         images = _decode_images(pngs, image_size, resize_method, what=f"{path}: {run}")
         n = len(train_idx)
-        out.append(OfficialRun(
-            support_x=images[:n], support_y=np.arange(n, dtype=np.int32),
-            query_x=images[n:], query_y=np.asarray([labels[i] for i in test_idx], np.int32),
-            name=run))
+        out.append(
+            OfficialRun(
+                support_x=images[:n],
+                support_y=np.arange(n, dtype=np.int32),
+                query_x=images[n:],
+                query_y=np.asarray([labels[i] for i in test_idx], np.int32),
+                name=run,
+            )
+        )
     return out
 
 
-def official_runs_dataset(runs: Sequence[OfficialRun], tasks_per_batch: int = 1
-                          ) -> tf.data.Dataset:
+def official_runs_dataset(runs: Sequence[OfficialRun], tasks_per_batch: int = 1) -> tf.data.Dataset:
     """The runs in the episode batch format `((support_x, support_y, query_x), query_y)`
     (see `tf_metaalign.data.episodes`), `tasks_per_batch` runs per batch (the last batch
     smaller when it does not divide the number of runs), e.g. for a meta-learning
@@ -583,6 +653,7 @@ class OfficialRunsResult:
     """Accuracy on Lake's runs: `per_run_accuracy` [R], their mean, the half-width of its
     Student-t confidence interval over the R runs (`mean ± ci`), and the error rate
     (`1 - mean_accuracy`, what Lake et al. report)."""
+
     per_run_accuracy: np.ndarray
     mean_accuracy: float
     ci: float
@@ -590,12 +661,15 @@ class OfficialRunsResult:
     error_rate: float
 
     def __str__(self):
-        return (f"{self.mean_accuracy:.2%} ± {self.ci:.2%} ({self.confidence:.0%} CI over "
-                f"{len(self.per_run_accuracy)} runs; error rate {self.error_rate:.2%})")
+        return (
+            f"{self.mean_accuracy:.2%} ± {self.ci:.2%} ({self.confidence:.0%} CI over "
+            f"{len(self.per_run_accuracy)} runs; error rate {self.error_rate:.2%})"
+        )
 
 
-def evaluate_official_runs(predict_fn, runs: Sequence[OfficialRun] | None = None,
-                           confidence: float = 0.95) -> OfficialRunsResult:
+def evaluate_official_runs(
+    predict_fn, runs: Sequence[OfficialRun] | None = None, confidence: float = 0.95
+) -> OfficialRunsResult:
     """Score `predict_fn` on Lake's runs (20-way 1-shot).
 
     Args:
@@ -620,15 +694,23 @@ def evaluate_official_runs(predict_fn, runs: Sequence[OfficialRun] | None = None
         elif out.shape == (n_q,):
             if not np.issubdtype(out.dtype, np.integer):
                 if not np.all(np.equal(np.mod(out, 1), 0)):
-                    raise ValueError(f"`predict_fn` returned non-integer labels of shape "
-                                     f"{out.shape} for {run.name}.")
+                    raise ValueError(
+                        f"`predict_fn` returned non-integer labels of shape "
+                        f"{out.shape} for {run.name}."
+                    )
             pred = out.astype(np.int64)
         else:
             raise ValueError(
                 f"`predict_fn` must return logits [{n_q}, {n_way}] or labels [{n_q}] for "
-                f"{run.name}; got shape {out.shape}.")
+                f"{run.name}; got shape {out.shape}."
+            )
         accs.append(float(np.mean(pred == run.query_y)))
     accs = np.asarray(accs)
     mean, ci = mean_confidence_interval(accs, confidence)
-    return OfficialRunsResult(per_run_accuracy=accs, mean_accuracy=mean, ci=ci,
-                              confidence=float(confidence), error_rate=1.0 - mean)
+    return OfficialRunsResult(
+        per_run_accuracy=accs,
+        mean_accuracy=mean,
+        ci=ci,
+        confidence=float(confidence),
+        error_rate=1.0 - mean,
+    )

@@ -11,6 +11,7 @@ query set). Batches are in the episode format of `tf_metaalign.data.episodes` (w
 all float32. Batch i is a pure function of `(seed, i)` (numpy's `default_rng([seed, i])`),
 so a run is reproducible and the evaluation tasks (another seed) are fixed.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -40,8 +41,9 @@ class SinusoidTasks:
       seed: integer; batch i depends only on `(seed, i)`.
     """
 
-    def __init__(self, shots: int = 10, queries: int = 10, tasks_per_batch: int = 25,
-                 seed: int = 0):
+    def __init__(
+        self, shots: int = 10, queries: int = 10, tasks_per_batch: int = 25, seed: int = 0
+    ):
         self.shots = check_positive_int(shots, "shots")
         self.queries = check_positive_int(queries, "queries")
         self.tasks_per_batch = check_positive_int(tasks_per_batch, "tasks_per_batch")

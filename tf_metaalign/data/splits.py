@@ -1,4 +1,5 @@
 """Train/test splits shared by the offline loaders: a fixed-seed, stratified split."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,19 +29,34 @@ class Splits:
     class_names: Sequence[str]
     name: str = ""
 
-    def train_dataset(self, batch_size: int, shuffle: bool = True, seed: int = 0,
-                      repeat: bool = False, drop_remainder: bool = False) -> tf.data.Dataset:
+    def train_dataset(
+        self,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        repeat: bool = False,
+        drop_remainder: bool = False,
+    ) -> tf.data.Dataset:
         """Batches of `(x, y)` from the train split, shuffled with `seed` (same order each time)."""
-        return make_dataset(self.x_train, self.y_train, batch_size, shuffle=shuffle,
-                            seed=seed, repeat=repeat, drop_remainder=drop_remainder)
+        return make_dataset(
+            self.x_train,
+            self.y_train,
+            batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            repeat=repeat,
+            drop_remainder=drop_remainder,
+        )
 
     def test_dataset(self, batch_size: int) -> tf.data.Dataset:
         """Batches of `(x, y)` from the test split, in order."""
         return make_dataset(self.x_test, self.y_test, batch_size, shuffle=False)
 
     def __repr__(self):
-        return (f"Splits(name={self.name!r}, train={len(self.y_train)}, test={len(self.y_test)}, "
-                f"num_classes={self.num_classes})")
+        return (
+            f"Splits(name={self.name!r}, train={len(self.y_train)}, test={len(self.y_test)}, "
+            f"num_classes={self.num_classes})"
+        )
 
 
 def check_positive_int(value, arg_name: str) -> int:
@@ -50,8 +66,10 @@ def check_positive_int(value, arg_name: str) -> int:
 
 
 def check_fraction(value, arg_name: str = "test_fraction") -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not (
-        0.0 < float(value) < 1.0
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float, np.floating))
+        or not (0.0 < float(value) < 1.0)
     ):
         raise ValueError(f"`{arg_name}` must be a number strictly between 0 and 1; got {value!r}.")
     return float(value)
@@ -91,8 +109,15 @@ def stratified_split(labels: np.ndarray, test_fraction: float, seed: int):
     return train, test
 
 
-def make_dataset(x, y, batch_size: int, shuffle: bool = True, seed: int = 0,
-                 repeat: bool = False, drop_remainder: bool = False) -> tf.data.Dataset:
+def make_dataset(
+    x,
+    y,
+    batch_size: int,
+    shuffle: bool = True,
+    seed: int = 0,
+    repeat: bool = False,
+    drop_remainder: bool = False,
+) -> tf.data.Dataset:
     """A `tf.data.Dataset` of `(x, y)` batches; the shuffle order depends only on `seed`."""
     batch_size = check_positive_int(batch_size, "batch_size")
     n = len(y)

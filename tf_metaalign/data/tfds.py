@@ -1,4 +1,5 @@
 """TensorFlow Datasets by name, read from disk only (`download=False`, no GCS)."""
+
 from __future__ import annotations
 
 import os
@@ -8,8 +9,14 @@ class DatasetNotPreparedError(FileNotFoundError):
     """The TFDS dataset is not prepared in `data_dir`."""
 
 
-def load_tfds(name: str, split="train", data_dir: str | os.PathLike | None = None,
-              as_supervised: bool = True, shuffle_files: bool = False, **kwargs):
+def load_tfds(
+    name: str,
+    split="train",
+    data_dir: str | os.PathLike | None = None,
+    as_supervised: bool = True,
+    shuffle_files: bool = False,
+    **kwargs,
+):
     """`tfds.load(name, split=split, data_dir=data_dir, download=False)`.
 
     The dataset must already be prepared under `data_dir` (default: $TFDS_DATA_DIR or
@@ -37,9 +44,16 @@ def load_tfds(name: str, split="train", data_dir: str | os.PathLike | None = Non
             "and loaders never download. Prepare it on a machine with network access "
             f"(`tfds build {name} --data_dir=<dir>`) and pass `data_dir=<dir>`."
         )
-    return tfds.load(name, split=split, data_dir=data_dir, download=False,
-                     as_supervised=as_supervised, shuffle_files=shuffle_files,
-                     try_gcs=False, **kwargs)
+    return tfds.load(
+        name,
+        split=split,
+        data_dir=data_dir,
+        download=False,
+        as_supervised=as_supervised,
+        shuffle_files=shuffle_files,
+        try_gcs=False,
+        **kwargs,
+    )
 
 
 def _is_prepared(builder) -> bool:

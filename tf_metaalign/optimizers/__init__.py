@@ -1,6 +1,7 @@
 """T5/Pegasus/BERT-faithful optimizers; each rule is a pure function (`UpdateRule.update`) used
 both by the Keras optimizer and by code that differentiates through an update.
 See docs/optimizers.md."""
+
 from tf_metaalign.optimizers import differentiable, schedules
 from tf_metaalign.optimizers.adafactor import Adafactor, AdafactorRule, factored_dims
 from tf_metaalign.optimizers.adam import Adam, AdamRule, AdamW, AdamWRule

@@ -1,5 +1,6 @@
 """Adafactor with Mesh TensorFlow / t5x (T5) semantics; `factoring="last_two"` gives the
 tensor2tensor (Pegasus) rule."""
+
 import keras
 import tensorflow as tf
 
@@ -115,9 +116,7 @@ class AdafactorRule(base.UpdateRule):
         return shapes
 
     def update(self, grad, var, slots, hparams, step, options=None):
-        g, w, slots, hp, t, options, dtype = self._prepare(
-            grad, var, slots, hparams, step, options
-        )
+        g, w, slots, hp, t, options, dtype = self._prepare(grad, var, slots, hparams, step, options)
         c = lambda x: tf.cast(x, dtype)  # noqa: E731  (float64 scalar -> compute dtype)
         decay = 1.0 - tf.pow(tf.maximum(t - float(self.decay_offset), 1.0), -hp["decay_rate"])
         rho, mixing = c(decay), c(1.0 - decay)
@@ -209,7 +208,9 @@ class Adafactor(base.BaseOptimizer):
         if decay_rate > 1:
             raise ValueError(f"`decay_rate` must be in (0, 1], got decay_rate={decay_rate}.")
         if isinstance(decay_offset, bool) or not isinstance(decay_offset, int) or decay_offset < 0:
-            raise ValueError(f"`decay_offset` must be an int >= 0, got decay_offset={decay_offset!r}.")
+            raise ValueError(
+                f"`decay_offset` must be an int >= 0, got decay_offset={decay_offset!r}."
+            )
         epsilon_1 = base.check_non_negative("epsilon_1", epsilon_1)
         epsilon_2 = base.check_non_negative("epsilon_2", epsilon_2)
         clipping_threshold = base.check_non_negative(

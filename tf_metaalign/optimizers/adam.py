@@ -1,4 +1,5 @@
 """Adam, Keras semantics, as a pure rule plus a Keras optimizer."""
+
 import keras
 import tensorflow as tf
 
@@ -8,9 +9,9 @@ from tf_metaalign.optimizers import base
 class AdamRule(base.UpdateRule):
     """The `keras.optimizers.Adam` rule (amsgrad=False), step t 1-based:
 
-        m <- m + (1 - beta_1) * (g - m)
-        v <- v + (1 - beta_2) * (g^2 - v)
-        w <- w - lr * sqrt(1 - beta_2^t) / (1 - beta_1^t) * m / (sqrt(v) + epsilon)
+    m <- m + (1 - beta_1) * (g - m)
+    v <- v + (1 - beta_2) * (g^2 - v)
+    w <- w - lr * sqrt(1 - beta_2^t) / (1 - beta_1^t) * m / (sqrt(v) + epsilon)
     """
 
     hyperparameter_names = ("beta_1", "beta_2", "epsilon")
@@ -22,9 +23,7 @@ class AdamRule(base.UpdateRule):
         return {"m": tuple(shape), "v": tuple(shape)}
 
     def update(self, grad, var, slots, hparams, step, options=None):
-        g, w, slots, hp, t, options, dtype = self._prepare(
-            grad, var, slots, hparams, step, options
-        )
+        g, w, slots, hp, t, options, dtype = self._prepare(grad, var, slots, hparams, step, options)
         b1, b2 = hp["beta_1"], hp["beta_2"]
         m = slots["m"] + tf.cast(1.0 - b1, dtype) * (g - slots["m"])
         v = slots["v"] + tf.cast(1.0 - b2, dtype) * (tf.square(g) - slots["v"])

@@ -1,4 +1,5 @@
 """BERT's AdamWeightDecayOptimizer (google-research/bert optimization.py)."""
+
 import keras
 import tensorflow as tf
 
@@ -33,9 +34,7 @@ class AdamWeightDecayRule(base.UpdateRule):
         return {"m": tuple(shape), "v": tuple(shape)}
 
     def update(self, grad, var, slots, hparams, step, options=None):
-        g, w, slots, hp, _, options, dtype = self._prepare(
-            grad, var, slots, hparams, step, options
-        )
+        g, w, slots, hp, _, options, dtype = self._prepare(grad, var, slots, hparams, step, options)
         c = lambda x: tf.cast(x, dtype)  # noqa: E731  (float64 scalar -> compute dtype)
         b1, b2 = hp["beta_1"], hp["beta_2"]
         m = c(b1) * slots["m"] + c(1.0 - b1) * g

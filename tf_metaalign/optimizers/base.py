@@ -43,6 +43,7 @@ and guided learning): `apply_rule` (the rule on every variable) and, with the op
 hyperparameters, clipping and per-variable options, `BaseOptimizer.apply_on_tensors` on an
 `OptimizerState`.
 """
+
 import contextlib
 import numbers
 import re
@@ -272,7 +273,9 @@ def apply_rule(rule, grads, params, slots, options, hparams, step):
     grads = _as_list(grads, "grads", "apply_rule")
     params = _as_list(params, "params", "apply_rule")
     slots = _as_list(slots, "slots", "apply_rule")
-    options = [None] * len(params) if options is None else _as_list(options, "options", "apply_rule")
+    options = (
+        [None] * len(params) if options is None else _as_list(options, "options", "apply_rule")
+    )
     if not (len(grads) == len(params) == len(slots) == len(options)):
         raise ValueError(
             "apply_rule: `grads`, `params`, `slots` and `options` must have one entry per "
@@ -306,7 +309,10 @@ class OptimizerState(NamedTuple):
 def _as_list(values, name, where):
     """`values` as a list with one entry per variable. A single tensor is refused, since
     `list(tensor)` would silently split it along its first axis."""
-    if isinstance(values, (tf.Tensor, tf.Variable, keras.Variable, np.ndarray, dict)) or values is None:
+    if (
+        isinstance(values, (tf.Tensor, tf.Variable, keras.Variable, np.ndarray, dict))
+        or values is None
+    ):
         raise ValueError(
             f"{where}: `{name}` must be a list with one entry per variable; got "
             f"{type(values).__name__}."
@@ -460,7 +466,8 @@ class BaseOptimizer(keras.optimizers.Optimizer):
     def hyperparameters_at(self, iterations):
         """The rule's `hparams` for update number `iterations + 1`; works unbuilt.
 
-        "learning_rate" (float32, or float64 as `learning_rate_tensor` says): `learning_rate_at(iterations)` times `learning_rate_scale`
+        "learning_rate" (float32, or float64 as `learning_rate_tensor` says):
+        `learning_rate_at(iterations)` times `learning_rate_scale`
         (1 before `build`). Each other name of the optimizer's variable hyperparameters
         (float64): its variable's current value, or before `build` its configured value.
         """

@@ -14,6 +14,7 @@ mode (`tf_metaalign.forward_mode`): the rule runs with the hyperparameters as
 * `as_rule_optimizer(optimizer)`: a Keras `Adam`/`AdamW`/`SGD` as the tf_metaalign optimizer
   with the identical rule (guided learning converts its optimizer and `meta_optimizer` so).
 """
+
 import functools
 import warnings
 
@@ -325,7 +326,9 @@ def as_rule_optimizer(optimizer):
             "has no tf_metaalign rule (Keras applies the decay outside the SGD update); use "
             "weight_decay=None, or tf_metaalign.optimizers.AdamW."
         )
-    arguments = {name: config[name] for name in rule_arguments + _KERAS_BASE_ARGUMENTS if name in config}
+    arguments = {
+        name: config[name] for name in rule_arguments + _KERAS_BASE_ARGUMENTS if name in config
+    }
     if target is not AdamW:
         arguments.pop("weight_decay", None)  # None here (a decay was refused or moved above)
     converted = target(learning_rate=_learning_rate_from_config(config, optimizer), **arguments)

@@ -1,4 +1,5 @@
 """LAMB as in google-research/bert and ALBERT `lamb_optimizer.py` (and the tf-addons variant)."""
+
 import keras
 import tensorflow as tf
 
@@ -47,9 +48,7 @@ class LambRule(base.UpdateRule):
         return {"m": tuple(shape), "v": tuple(shape)}
 
     def update(self, grad, var, slots, hparams, step, options=None):
-        g, w, slots, hp, t, options, dtype = self._prepare(
-            grad, var, slots, hparams, step, options
-        )
+        g, w, slots, hp, t, options, dtype = self._prepare(grad, var, slots, hparams, step, options)
         c = lambda x: tf.cast(x, dtype)  # noqa: E731  (float64 scalar -> compute dtype)
         b1, b2 = hp["beta_1"], hp["beta_2"]
         m = c(b1) * slots["m"] + c(1.0 - b1) * g

@@ -1,4 +1,5 @@
 """RecAdam (Chen et al. 2020, "Recall and Learn"; Sanyuan-Chen/RecAdam RecAdam.py)."""
+
 import math
 import numbers
 import warnings
@@ -18,11 +19,16 @@ def anneal_lambda(anneal_fun, step, k, t0, weight):
     step = tf.cast(step, tf.float64)
     weight = tf.constant(float(weight), tf.float64)
     if anneal_fun == "sigmoid":
-        return weight / (1.0 + tf.exp(tf.constant(-float(k), tf.float64)
-                                      * (step - tf.constant(float(t0), tf.float64))))
+        return weight / (
+            1.0
+            + tf.exp(
+                tf.constant(-float(k), tf.float64) * (step - tf.constant(float(t0), tf.float64))
+            )
+        )
     if anneal_fun == "linear":
-        return weight * tf.minimum(tf.constant(1.0, tf.float64),
-                                   step / tf.constant(float(t0), tf.float64))
+        return weight * tf.minimum(
+            tf.constant(1.0, tf.float64), step / tf.constant(float(t0), tf.float64)
+        )
     return weight + 0.0 * step
 
 
@@ -52,11 +58,22 @@ class RecAdamRule(base.UpdateRule):
 
     hyperparameter_names = ("beta_1", "beta_2", "epsilon", "weight_decay_rate")
 
-    def __init__(self, beta_1=0.9, beta_2=0.999, epsilon=1e-6, weight_decay_rate=0.0,
-                 correct_bias=True, anneal_fun="sigmoid", anneal_k=0.0, anneal_t0=0.0,
-                 anneal_w=1.0, pretrain_cof=5000.0):
-        super().__init__(beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
-                         weight_decay_rate=weight_decay_rate)
+    def __init__(
+        self,
+        beta_1=0.9,
+        beta_2=0.999,
+        epsilon=1e-6,
+        weight_decay_rate=0.0,
+        correct_bias=True,
+        anneal_fun="sigmoid",
+        anneal_k=0.0,
+        anneal_t0=0.0,
+        anneal_w=1.0,
+        pretrain_cof=5000.0,
+    ):
+        super().__init__(
+            beta_1=beta_1, beta_2=beta_2, epsilon=epsilon, weight_decay_rate=weight_decay_rate
+        )
         self.correct_bias = bool(correct_bias)
         self.anneal_fun = anneal_fun
         self.anneal_k = float(anneal_k)
@@ -76,9 +93,7 @@ class RecAdamRule(base.UpdateRule):
         return slots
 
     def update(self, grad, var, slots, hparams, step, options=None):
-        g, w, slots, hp, t, options, dtype = self._prepare(
-            grad, var, slots, hparams, step, options
-        )
+        g, w, slots, hp, t, options, dtype = self._prepare(grad, var, slots, hparams, step, options)
         c = lambda x: tf.cast(x, dtype)  # noqa: E731
         b1, b2, lr = hp["beta_1"], hp["beta_2"], hp["learning_rate"]
         m = c(b1) * slots["m"] + c(1.0 - b1) * g
@@ -103,24 +118,33 @@ def _check_anneal(anneal_fun, anneal_k, anneal_t0, anneal_w, pretrain_cof):
     if anneal_fun not in ANNEAL_FUNCTIONS:
         raise ValueError(f"`anneal_fun` must be one of {ANNEAL_FUNCTIONS}; got {anneal_fun!r}.")
     for name, value in (("anneal_k", anneal_k), ("anneal_t0", anneal_t0)):
-        if (isinstance(value, bool) or not isinstance(value, numbers.Number)
-                or not math.isfinite(value)):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Number)
+            or not math.isfinite(value)
+        ):
             raise ValueError(f"`{name}` must be a finite number; got {name}={value!r}.")
     anneal_w = base.check_non_negative("anneal_w", anneal_w)
     pretrain_cof = base.check_non_negative("pretrain_cof", pretrain_cof)
     if anneal_fun == "linear" and not anneal_t0 > 0:
         raise ValueError(
             f"`anneal_t0` must be > 0 with anneal_fun='linear' (lambda = min(1, t / t0)); "
-            f"got anneal_t0={anneal_t0!r}.")
+            f"got anneal_t0={anneal_t0!r}."
+        )
     if anneal_fun == "sigmoid" and anneal_k == 0 and anneal_w > 0:
         warnings.warn(
             "RecAdam: anneal_k=0 makes the sigmoid annealing constant: lambda(t) = "
             "anneal_w / (1 + exp(0)) = anneal_w / 2 at every step"
-            + (" (the reference's defaults anneal_k = anneal_t0 = 0 give 0.5)"
-               if anneal_t0 == 0 else "")
+            + (
+                " (the reference's defaults anneal_k = anneal_t0 = 0 give 0.5)"
+                if anneal_t0 == 0
+                else ""
+            )
             + ". Set anneal_k > 0 (the paper uses 0.05 to 1) and anneal_t0 for an annealed "
             "schedule.",
-            UserWarning, stacklevel=3)
+            UserWarning,
+            stacklevel=3,
+        )
     return float(anneal_k), float(anneal_t0), anneal_w, pretrain_cof
 
 
@@ -183,12 +207,23 @@ class RecAdam(base.BaseOptimizer):
         if not isinstance(correct_bias, bool):
             raise ValueError(f"`correct_bias` must be a bool; got correct_bias={correct_bias!r}.")
         anneal_k, anneal_t0, anneal_w, pretrain_cof = _check_anneal(
-            anneal_fun, anneal_k, anneal_t0, anneal_w, pretrain_cof)
+            anneal_fun, anneal_k, anneal_t0, anneal_w, pretrain_cof
+        )
         exclude = base.check_name_patterns("exclude_from_recall", exclude_from_recall or ())
         super().__init__(
             learning_rate,
-            RecAdamRule(beta_1, beta_2, epsilon, weight_decay_rate, correct_bias, anneal_fun,
-                        anneal_k, anneal_t0, anneal_w, pretrain_cof),
+            RecAdamRule(
+                beta_1,
+                beta_2,
+                epsilon,
+                weight_decay_rate,
+                correct_bias,
+                anneal_fun,
+                anneal_k,
+                anneal_t0,
+                anneal_w,
+                pretrain_cof,
+            ),
             variable_hyperparameters={"beta_1": beta_1, "beta_2": beta_2},
             aggregated_clipnorm=aggregated_clipnorm,
             name=name,
@@ -203,8 +238,11 @@ class RecAdam(base.BaseOptimizer):
         self.exclude_from_recall_patterns = exclude
 
     def variable_options(self, variable):
-        return {"recall": not base.matches_any(base.variable_path(variable),
-                                               self.exclude_from_recall_patterns)}
+        return {
+            "recall": not base.matches_any(
+                base.variable_path(variable), self.exclude_from_recall_patterns
+            )
+        }
 
     def build(self, variables):
         if self.built:
@@ -217,7 +255,8 @@ class RecAdam(base.BaseOptimizer):
             for variable, slots in zip(variables, self._slot_variables):
                 if "pretrained" in slots:
                     slots["pretrained"].assign(
-                        tf.cast(tf.convert_to_tensor(variable), slots["pretrained"].dtype))
+                        tf.cast(tf.convert_to_tensor(variable), slots["pretrained"].dtype)
+                    )
 
     def get_config(self):
         config = super().get_config()

@@ -3,6 +3,7 @@
 Keras calls a schedule with `optimizer.iterations`, the number of updates already applied
 (0 for the first update), which is the TF1 `global_step` the reference code reads.
 """
+
 import keras
 import tensorflow as tf
 
@@ -58,11 +59,17 @@ class BertSchedule(keras.optimizers.schedules.LearningRateSchedule):
     """
 
     def __init__(
-        self, init_learning_rate, num_train_steps, num_warmup_steps=0, end_learning_rate=0.0,
+        self,
+        init_learning_rate,
+        num_train_steps,
+        num_warmup_steps=0,
+        end_learning_rate=0.0,
         power=1.0,
     ):
         self.init_learning_rate = float(_check("init_learning_rate", init_learning_rate))
-        self.num_train_steps = _check("num_train_steps", num_train_steps, positive=True, integer=True)
+        self.num_train_steps = _check(
+            "num_train_steps", num_train_steps, positive=True, integer=True
+        )
         self.num_warmup_steps = _check("num_warmup_steps", num_warmup_steps, integer=True)
         self.end_learning_rate = float(_check("end_learning_rate", end_learning_rate))
         self.power = float(_check("power", power))
@@ -99,12 +106,16 @@ class PegasusSchedule(keras.optimizers.schedules.LearningRateSchedule):
         if warmup_steps is not None:
             _check("warmup_steps", warmup_steps, positive=True, integer=True)
         self.warmup_steps = warmup_steps
-        self.decay_start_step = _check("decay_start_step", decay_start_step, positive=True, integer=True)
+        self.decay_start_step = _check(
+            "decay_start_step", decay_start_step, positive=True, integer=True
+        )
 
     def __call__(self, step):
         step = tf.cast(step, _dtype())
-        lr = self.init_learning_rate / 0.01 * tf.math.rsqrt(
-            tf.maximum(step, float(self.decay_start_step))
+        lr = (
+            self.init_learning_rate
+            / 0.01
+            * tf.math.rsqrt(tf.maximum(step, float(self.decay_start_step)))
         )
         if self.warmup_steps is not None:
             lr = tf.minimum((step + 1.0) / float(self.warmup_steps) * self.init_learning_rate, lr)

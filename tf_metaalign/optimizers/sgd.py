@@ -1,4 +1,5 @@
 """SGD with (Nesterov) momentum, Keras semantics, as a pure rule plus a Keras optimizer."""
+
 import keras
 import tensorflow as tf
 

@@ -2,7 +2,8 @@
 shallow and deep prompts for T5Backbone, shallow prompts for BertBackbone-family encoders,
 T5 scoring and greedy generation, prompt-only files; prompt templates, rank
 classification, the few-shot prompt-tuning protocol and Average Relative Gain."""
-from tf_metaalign.prompts import base, bert, evaluation, storage, t5, t5_lm, templates
+
+from tf_metaalign.prompts import base, bert, evaluation, storage, t5, t5_lm, templates  # noqa: F401
 from tf_metaalign.prompts.bert import PromptedBert, prompt_bert
 from tf_metaalign.prompts.evaluation import (
     BootstrapResult,

@@ -1,6 +1,7 @@
 """What every prompted backbone shares: the wrapped keras-hub backbone, the prompt's
 length / mode / which weights train, its prompt variables, and the configuration that
 `model.save` and `save_prompt` / `load_prompt` rely on."""
+
 from __future__ import annotations
 
 import keras
@@ -15,8 +16,16 @@ class PromptedBackbone(keras.Model):
 
     ARCHITECTURE = None
 
-    def __init__(self, backbone, length=20, mode="shallow", train="prompt",
-                 init_vocabulary_rows=5000, seed=0, **kwargs):
+    def __init__(
+        self,
+        backbone,
+        length=20,
+        mode="shallow",
+        train="prompt",
+        init_vocabulary_rows=5000,
+        seed=0,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self.backbone = backbone
         self.length = storage.check_length(length)
@@ -30,11 +39,17 @@ class PromptedBackbone(keras.Model):
         """L vectors initialised from random rows among the first `init_vocabulary_rows`
         rows of the backbone's token embedding (Wu et al.; Lester et al. 2021)."""
         initial = storage.vocabulary_rows_init(
-            self.backbone.token_embedding.embeddings.numpy(), self.length,
-            self.init_vocabulary_rows, self.seed)
+            self.backbone.token_embedding.embeddings.numpy(),
+            self.length,
+            self.init_vocabulary_rows,
+            self.seed,
+        )
         return self.add_weight(
-            shape=initial.shape, initializer=keras.initializers.Constant(initial),
-            dtype=self.backbone.dtype_policy.variable_dtype, name=name)
+            shape=initial.shape,
+            initializer=keras.initializers.Constant(initial),
+            dtype=self.backbone.dtype_policy.variable_dtype,
+            name=name,
+        )
 
     def _select_trainable(self):
         storage.apply_train(self.train, self.backbone, self.prompt_variables)
@@ -46,14 +61,23 @@ class PromptedBackbone(keras.Model):
         storage.apply_train(self.train, self.backbone, self.prompt_variables)
 
     def prompt_metadata(self):
-        return {"architecture": self.ARCHITECTURE, "mode": self.mode, "length": self.length,
-                "shapes": {v.name: list(v.shape) for v in self.prompt_variables}}
+        return {
+            "architecture": self.ARCHITECTURE,
+            "mode": self.mode,
+            "length": self.length,
+            "shapes": {v.name: list(v.shape) for v in self.prompt_variables},
+        }
 
     def get_config(self):
-        return {"name": self.name,
-                "backbone": keras.saving.serialize_keras_object(self.backbone),
-                "length": self.length, "mode": self.mode, "train": self.train,
-                "init_vocabulary_rows": self.init_vocabulary_rows, "seed": self.seed}
+        return {
+            "name": self.name,
+            "backbone": keras.saving.serialize_keras_object(self.backbone),
+            "length": self.length,
+            "mode": self.mode,
+            "train": self.train,
+            "init_vocabulary_rows": self.init_vocabulary_rows,
+            "seed": self.seed,
+        }
 
     @classmethod
     def from_config(cls, config):

@@ -14,12 +14,12 @@ added to a learned vector is absorbed by it, so a position embedding there would
 change the initial value. Attention in BERT has no relative bias, so nothing else depends
 on positions.
 """
+
 from __future__ import annotations
 
 import keras
 from keras import ops
 
-from tf_metaalign.prompts import storage
 from tf_metaalign.prompts.base import PromptedBackbone
 
 
@@ -45,17 +45,29 @@ class PromptedBert(PromptedBackbone):
 
     ARCHITECTURE = "bert"
 
-    def __init__(self, backbone, length=20, mode="shallow", train="prompt",
-                 init_vocabulary_rows=5000, seed=0, **kwargs):
+    def __init__(
+        self,
+        backbone,
+        length=20,
+        mode="shallow",
+        train="prompt",
+        init_vocabulary_rows=5000,
+        seed=0,
+        **kwargs,
+    ):
         import keras_hub
 
         if not isinstance(backbone, keras_hub.models.BertBackbone):
-            raise ValueError(f"`backbone` must be a keras_hub.models.BertBackbone (or a "
-                             f"subclass); received {type(backbone).__name__}.")
+            raise ValueError(
+                f"`backbone` must be a keras_hub.models.BertBackbone (or a "
+                f"subclass); received {type(backbone).__name__}."
+            )
         if mode != "shallow":
-            raise ValueError(f"`mode` must be 'shallow' for BERT-family encoders (deep "
-                             f"key/value prefixes are implemented for T5 only); received "
-                             f"mode={mode!r}.")
+            raise ValueError(
+                f"`mode` must be 'shallow' for BERT-family encoders (deep "
+                f"key/value prefixes are implemented for T5 only); received "
+                f"mode={mode!r}."
+            )
         super().__init__(backbone, length, mode, train, init_vocabulary_rows, seed, **kwargs)
         self.prompt_embeddings = self._shallow_prompt()
         self.prompt_variables = [self.prompt_embeddings]
@@ -75,7 +87,8 @@ class PromptedBert(PromptedBackbone):
         x = ops.concatenate([x[:, :1], prompt, x[:, 1:]], axis=1)
         mask = ops.cast(padding_mask, "int32")
         mask = ops.concatenate(
-            [mask[:, :1], ops.ones((batch_size, self.length), "int32"), mask[:, 1:]], axis=1)
+            [mask[:, :1], ops.ones((batch_size, self.length), "int32"), mask[:, 1:]], axis=1
+        )
         x = b.embeddings_layer_norm(x)
         x = b.embeddings_dropout(x, training=training)
         for layer in b.transformer_layers:
@@ -83,15 +96,32 @@ class PromptedBert(PromptedBackbone):
         return x, mask
 
     def call(self, inputs, training=False):
-        x, _ = self.encode(inputs["token_ids"], inputs["segment_ids"], inputs["padding_mask"],
-                           training=training)
-        sequence_output = ops.concatenate([x[:, :1], x[:, 1 + self.length:]], axis=1)
-        return {"sequence_output": sequence_output,
-                "pooled_output": self.backbone.pooled_dense(x[:, 0, :])}
+        x, _ = self.encode(
+            inputs["token_ids"], inputs["segment_ids"], inputs["padding_mask"], training=training
+        )
+        sequence_output = ops.concatenate([x[:, :1], x[:, 1 + self.length :]], axis=1)
+        return {
+            "sequence_output": sequence_output,
+            "pooled_output": self.backbone.pooled_dense(x[:, 0, :]),
+        }
 
 
-def prompt_bert(backbone, length=20, mode="shallow", train="prompt", init_vocabulary_rows=5000,
-                seed=0, name=None) -> PromptedBert:
+def prompt_bert(
+    backbone,
+    length=20,
+    mode="shallow",
+    train="prompt",
+    init_vocabulary_rows=5000,
+    seed=0,
+    name=None,
+) -> PromptedBert:
     """A `PromptedBert` around `backbone` (see its docstring for the arguments)."""
-    return PromptedBert(backbone, length=length, mode=mode, train=train,
-                        init_vocabulary_rows=init_vocabulary_rows, seed=seed, name=name)
+    return PromptedBert(
+        backbone,
+        length=length,
+        mode=mode,
+        train=train,
+        init_vocabulary_rows=init_vocabulary_rows,
+        seed=seed,
+        name=name,
+    )

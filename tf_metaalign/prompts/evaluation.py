@@ -27,6 +27,7 @@ tasks. The two agree when every dataset has the same number of templates. (The p
 was not available offline to confirm which one it uses; see the tests for the hand
 computation.) Significance: a paired bootstrap over evaluation examples (below).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,9 +40,19 @@ import numpy as np
 from tf_metaalign.data.splits import check_positive_int
 
 __all__ = [
-    "REDUCTIONS", "token_log_likelihoods", "choice_scores", "rank_classification", "rank_classify_examples",
-    "accuracy", "sample_few_shot", "FewShotResult", "few_shot_prompt_tuning",
-    "relative_gain", "average_relative_gain", "BootstrapResult", "paired_bootstrap_arg",
+    "REDUCTIONS",
+    "token_log_likelihoods",
+    "choice_scores",
+    "rank_classification",
+    "rank_classify_examples",
+    "accuracy",
+    "sample_few_shot",
+    "FewShotResult",
+    "few_shot_prompt_tuning",
+    "relative_gain",
+    "average_relative_gain",
+    "BootstrapResult",
+    "paired_bootstrap_arg",
 ]
 
 REDUCTIONS = ("mean", "sum")
@@ -78,19 +89,29 @@ def choice_scores(token_log_likelihoods, target_mask, reduction: str = "mean") -
     ll = np.asarray(token_log_likelihoods, np.float64)
     mask = np.asarray(target_mask, np.float64)
     if ll.shape != mask.shape:
-        raise ValueError(f"`token_log_likelihoods` has shape {ll.shape} but `target_mask` "
-                         f"{mask.shape}; they must match.")
+        raise ValueError(
+            f"`token_log_likelihoods` has shape {ll.shape} but `target_mask` "
+            f"{mask.shape}; they must match."
+        )
     lengths = mask.sum(-1)
     if np.any(lengths <= 0):
-        raise ValueError("`target_mask` has a sequence with no target token; every choice "
-                         "needs at least one (its EOS).")
+        raise ValueError(
+            "`target_mask` has a sequence with no target token; every choice "
+            "needs at least one (its EOS)."
+        )
     total = np.where(mask > 0, ll, 0.0).sum(-1)
     return total / lengths if reduction == "mean" else total
 
 
-def rank_classification(score_fn: Callable, input_ids, choice_target_ids, choice_target_mask,
-                        choice_mask=None, reduction: str = "mean",
-                        batch_size: int | None = None):
+def rank_classification(
+    score_fn: Callable,
+    input_ids,
+    choice_target_ids,
+    choice_target_mask,
+    choice_mask=None,
+    reduction: str = "mean",
+    batch_size: int | None = None,
+):
     """Rank classification on pre-tokenized inputs.
 
     Args:
@@ -119,11 +140,15 @@ def rank_classification(score_fn: Callable, input_ids, choice_target_ids, choice
     if input_ids.ndim != 2:
         raise ValueError(f"`input_ids` must be [B, S]; got shape {input_ids.shape}.")
     if target_ids.ndim != 3 or target_ids.shape[0] != input_ids.shape[0]:
-        raise ValueError(f"`choice_target_ids` must be [B, C, T] with B={input_ids.shape[0]} "
-                         f"(the rows of `input_ids`); got shape {target_ids.shape}.")
+        raise ValueError(
+            f"`choice_target_ids` must be [B, C, T] with B={input_ids.shape[0]} "
+            f"(the rows of `input_ids`); got shape {target_ids.shape}."
+        )
     if target_mask.shape != target_ids.shape:
-        raise ValueError(f"`choice_target_mask` has shape {target_mask.shape}; it must match "
-                         f"`choice_target_ids` {target_ids.shape}.")
+        raise ValueError(
+            f"`choice_target_mask` has shape {target_mask.shape}; it must match "
+            f"`choice_target_ids` {target_ids.shape}."
+        )
     b, c, t = target_ids.shape
     if choice_mask is None:
         choice_mask = np.ones((b, c), bool)
@@ -132,8 +157,11 @@ def rank_classification(score_fn: Callable, input_ids, choice_target_ids, choice
         raise ValueError(f"`choice_mask` must be [B, C] = {(b, c)}; got {choice_mask.shape}.")
     if not choice_mask.any(-1).all():
         raise ValueError("`choice_mask` leaves an example with no answer choice.")
-    if batch_size is not None and (isinstance(batch_size, bool) or
-                                   not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
+    if batch_size is not None and (
+        isinstance(batch_size, bool)
+        or not isinstance(batch_size, (int, np.integer))
+        or batch_size < 1
+    ):
         raise ValueError(f"`batch_size` must be an integer >= 1 or None; got {batch_size!r}.")
     # Only real choices are scored; a padding choice's rows would be wasted model calls.
     rows_b, rows_c = np.nonzero(choice_mask)
@@ -146,9 +174,11 @@ def rank_classification(score_fn: Callable, input_ids, choice_target_ids, choice
         sl = slice(start, start + step)
         ll = np.asarray(score_fn(flat_inputs[sl], flat_targets[sl], flat_mask[sl]))
         if ll.shape != flat_targets[sl].shape:
-            raise ValueError(f"`score_fn` returned shape {ll.shape} for targets of shape "
-                             f"{flat_targets[sl].shape}; it must return one log-likelihood "
-                             "per target token.")
+            raise ValueError(
+                f"`score_fn` returned shape {ll.shape} for targets of shape "
+                f"{flat_targets[sl].shape}; it must return one log-likelihood "
+                "per target token."
+            )
         pieces.append(ll)
     flat_scores = choice_scores(np.concatenate(pieces), flat_mask, reduction)
     scores = np.full((b, c), -np.inf)
@@ -161,22 +191,30 @@ def _pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.nda
     ids = np.full((len(rows), length), pad_id, np.int64)
     mask = np.zeros((len(rows), length), np.int64)
     for i, r in enumerate(rows):
-        ids[i, :len(r)] = r
-        mask[i, :len(r)] = 1
+        ids[i, : len(r)] = r
+        mask[i, : len(r)] = 1
     return ids, mask
 
 
 def _token_list(tokenize, text: str, must_be_non_empty: bool = False) -> list[int]:
     ids = np.asarray(tokenize(text)).reshape(-1).tolist()
     if not ids and must_be_non_empty:
-        raise ValueError(f"`tokenize` gave no token for the answer choice {text!r} and no "
-                         "`eos_id` was given: a choice needs at least one target token.")
+        raise ValueError(
+            f"`tokenize` gave no token for the answer choice {text!r} and no "
+            "`eos_id` was given: a choice needs at least one target token."
+        )
     return [int(i) for i in ids]
 
 
-def rank_classify_examples(score_fn: Callable, tokenize: Callable, examples: Sequence,
-                           eos_id: int | None = None, pad_id: int = 0,
-                           reduction: str = "mean", batch_size: int | None = None):
+def rank_classify_examples(
+    score_fn: Callable,
+    tokenize: Callable,
+    examples: Sequence,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+    reduction: str = "mean",
+    batch_size: int | None = None,
+):
     """Rank classification of `PromptedExample`s (or any objects with `input_text`,
     `answer_choices` and `label`) with a tokenizer-like callable.
 
@@ -198,24 +236,32 @@ def rank_classify_examples(score_fn: Callable, tokenize: Callable, examples: Seq
         raise ValueError("`examples` is empty.")
     for i, e in enumerate(examples):
         if not getattr(e, "answer_choices", ()):
-            raise ValueError(f"`examples`[{i}] has no answer choices: rank classification "
-                             "needs a template with `answer_choices`.")
+            raise ValueError(
+                f"`examples`[{i}] has no answer choices: rank classification "
+                "needs a template with `answer_choices`."
+            )
     inputs, _ = _pad([_token_list(tokenize, e.input_text) for e in examples], pad_id)
     extra = [] if eos_id is None else [int(eos_id)]
     num_choices = max(len(e.answer_choices) for e in examples)
-    targets = [[_token_list(tokenize, ch, must_be_non_empty=eos_id is None) + extra
-                for ch in e.answer_choices] for e in examples]
+    targets = [
+        [
+            _token_list(tokenize, ch, must_be_non_empty=eos_id is None) + extra
+            for ch in e.answer_choices
+        ]
+        for e in examples
+    ]
     t = max(len(seq) for ex in targets for seq in ex)
     ids = np.full((len(examples), num_choices, t), pad_id, np.int64)
     mask = np.zeros_like(ids)
     choice_mask = np.zeros((len(examples), num_choices), bool)
     for i, ex in enumerate(targets):
         for j, seq in enumerate(ex):
-            ids[i, j, :len(seq)] = seq
-            mask[i, j, :len(seq)] = 1
+            ids[i, j, : len(seq)] = seq
+            mask[i, j, : len(seq)] = 1
             choice_mask[i, j] = True
-    predictions, scores = rank_classification(score_fn, inputs, ids, mask, choice_mask,
-                                              reduction=reduction, batch_size=batch_size)
+    predictions, scores = rank_classification(
+        score_fn, inputs, ids, mask, choice_mask, reduction=reduction, batch_size=batch_size
+    )
     labels = np.asarray([e.label for e in examples], np.int64)
     return predictions, scores, labels
 
@@ -224,8 +270,10 @@ def accuracy(predictions, labels) -> float:
     """The fraction of `predictions` equal to `labels`."""
     predictions, labels = np.asarray(predictions), np.asarray(labels)
     if predictions.shape != labels.shape or predictions.size == 0:
-        raise ValueError(f"`predictions` {predictions.shape} and `labels` {labels.shape} must "
-                         "be non-empty and of one shape.")
+        raise ValueError(
+            f"`predictions` {predictions.shape} and `labels` {labels.shape} must "
+            "be non-empty and of one shape."
+        )
     return float(np.mean(predictions == labels))
 
 
@@ -237,15 +285,18 @@ def stable_seed(*parts) -> list[int]:
     return [zlib.crc32(str(p).encode()) for p in parts]
 
 
-def sample_few_shot(num_examples: int, num_shots: int = 16, seed: int = 0,
-                    dataset: str = "", template: str = "") -> np.ndarray:
+def sample_few_shot(
+    num_examples: int, num_shots: int = 16, seed: int = 0, dataset: str = "", template: str = ""
+) -> np.ndarray:
     """The indices of the `num_shots` training examples of one (dataset, template):
     sampled without replacement, a pure function of `(seed, dataset, template)`."""
     check_positive_int(num_examples, "num_examples")
     check_positive_int(num_shots, "num_shots")
     if num_shots > num_examples:
-        raise ValueError(f"`num_shots`={num_shots} exceeds the {num_examples} training "
-                         f"examples of dataset {dataset!r} template {template!r}.")
+        raise ValueError(
+            f"`num_shots`={num_shots} exceeds the {num_examples} training "
+            f"examples of dataset {dataset!r} template {template!r}."
+        )
     rng = np.random.default_rng([int(seed)] + stable_seed(dataset, template))
     return np.sort(rng.choice(num_examples, size=num_shots, replace=False))
 
@@ -256,6 +307,7 @@ class FewShotResult:
 
     `correct` is the per-example 0/1 correctness on the evaluation examples after the final
     epoch (for the bootstrap); `accuracy` its mean; `train_indices` the sampled examples."""
+
     accuracy: float
     correct: np.ndarray
     train_indices: np.ndarray
@@ -290,17 +342,23 @@ def few_shot_prompt_tuning(
     check_positive_int(num_shots, "num_shots")
     check_positive_int(epochs, "epochs")
     if not isinstance(tasks, Mapping) or not tasks:
-        raise ValueError("`tasks` must be a non-empty mapping {dataset: {template: "
-                         "(train_examples, eval_examples)}}.")
+        raise ValueError(
+            "`tasks` must be a non-empty mapping {dataset: {template: "
+            "(train_examples, eval_examples)}}."
+        )
     results = {}
     for dataset, templates in tasks.items():
         if not isinstance(templates, Mapping) or not templates:
-            raise ValueError(f"`tasks`[{dataset!r}] must be a non-empty mapping {{template: "
-                             "(train_examples, eval_examples)}}.")
+            raise ValueError(
+                f"`tasks`[{dataset!r}] must be a non-empty mapping {{template: "
+                "(train_examples, eval_examples)}}."
+            )
         for template, pair in templates.items():
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                raise ValueError(f"`tasks`[{dataset!r}][{template!r}] must be a pair "
-                                 "(train_examples, eval_examples).")
+                raise ValueError(
+                    f"`tasks`[{dataset!r}][{template!r}] must be a pair "
+                    "(train_examples, eval_examples)."
+                )
             train_examples, eval_examples = pair
             index = sample_few_shot(len(train_examples), num_shots, seed, dataset, template)
             model = build_model(dataset, template)
@@ -308,9 +366,11 @@ def few_shot_prompt_tuning(
             model = model if trained is None else trained
             correct = np.asarray(evaluate(model, eval_examples)).astype(np.float64).reshape(-1)
             if correct.size != len(eval_examples) or not np.isin(correct, (0.0, 1.0)).all():
-                raise ValueError(f"`evaluate` must return one 0/1 correctness per evaluation "
-                                 f"example ({len(eval_examples)} for {dataset!r}/{template!r});"
-                                 f" got {correct.size} values.")
+                raise ValueError(
+                    f"`evaluate` must return one 0/1 correctness per evaluation "
+                    f"example ({len(eval_examples)} for {dataset!r}/{template!r});"
+                    f" got {correct.size} values."
+                )
             results[(dataset, template)] = FewShotResult(float(correct.mean()), correct, index)
     return results
 
@@ -320,8 +380,11 @@ def few_shot_prompt_tuning(
 
 def relative_gain(accuracy_: float, num_choices: int) -> float:
     """`(accuracy - chance) / chance` with `chance = 1 / num_choices`."""
-    if isinstance(num_choices, bool) or not isinstance(num_choices, (int, np.integer)) or \
-            num_choices < 2:
+    if (
+        isinstance(num_choices, bool)
+        or not isinstance(num_choices, (int, np.integer))
+        or num_choices < 2
+    ):
         raise ValueError(f"`num_choices` must be an integer >= 2; got {num_choices!r}.")
     chance = 1.0 / num_choices
     return (float(accuracy_) - chance) / chance
@@ -337,15 +400,15 @@ def _choices_of(num_choices, key) -> int:
             return num_choices[key]
         if dataset in num_choices:
             return num_choices[dataset]
-        raise ValueError(f"`num_choices` has no entry for dataset {dataset!r} (or for "
-                         f"{key!r}).")
+        raise ValueError(f"`num_choices` has no entry for dataset {dataset!r} (or for {key!r}).")
     return num_choices
 
 
 def _check_keys(results, arg_name) -> list:
     if not isinstance(results, Mapping) or not results:
-        raise ValueError(f"`{arg_name}` must be a non-empty mapping {{(dataset, template): "
-                         "value}}.")
+        raise ValueError(
+            f"`{arg_name}` must be a non-empty mapping {{(dataset, template): value}}}}."
+        )
     for key in results:
         if not isinstance(key, tuple) or len(key) != 2:
             raise ValueError(f"`{arg_name}` keys must be (dataset, template) pairs; got {key!r}.")
@@ -363,9 +426,11 @@ def _weights(keys, weighting) -> np.ndarray:
     return np.asarray([1.0 / (len(per_dataset) * per_dataset[d]) for d, _ in keys])
 
 
-def average_relative_gain(accuracies: Mapping[tuple[str, str], Any],
-                          num_choices: Mapping[Hashable, int] | int,
-                          weighting: str = "dataset") -> float:
+def average_relative_gain(
+    accuracies: Mapping[tuple[str, str], Any],
+    num_choices: Mapping[Hashable, int] | int,
+    weighting: str = "dataset",
+) -> float:
     """ARG = the average over datasets and templates of `relative_gain(accuracy, choices)`.
 
     Args:
@@ -377,8 +442,9 @@ def average_relative_gain(accuracies: Mapping[tuple[str, str], Any],
         "template" (every (dataset, template) pair weighs the same).
     """
     keys = _check_keys(accuracies, "accuracies")
-    gains = np.asarray([relative_gain(_accuracy_of(accuracies[k]), _choices_of(num_choices, k))
-                        for k in keys])
+    gains = np.asarray(
+        [relative_gain(_accuracy_of(accuracies[k]), _choices_of(num_choices, k)) for k in keys]
+    )
     return float(np.dot(_weights(keys, weighting), gains))
 
 
@@ -395,6 +461,7 @@ def _accuracy_of(value) -> float:
 class BootstrapResult:
     """`arg_a`, `arg_b`: the observed ARGs; `difference` = arg_a - arg_b; `p_value`: the
     one-sided bootstrap p-value of "ARG(A) > ARG(B)"; `differences`: the resampled ones."""
+
     arg_a: float
     arg_b: float
     difference: float
@@ -403,11 +470,14 @@ class BootstrapResult:
     differences: np.ndarray
 
 
-def paired_bootstrap_arg(correct_a: Mapping[tuple[str, str], Any],
-                         correct_b: Mapping[tuple[str, str], Any],
-                         num_choices: Mapping[Hashable, int] | int,
-                         num_resamples: int = 1000, seed: int = 0,
-                         weighting: str = "dataset") -> BootstrapResult:
+def paired_bootstrap_arg(
+    correct_a: Mapping[tuple[str, str], Any],
+    correct_b: Mapping[tuple[str, str], Any],
+    num_choices: Mapping[Hashable, int] | int,
+    num_resamples: int = 1000,
+    seed: int = 0,
+    weighting: str = "dataset",
+) -> BootstrapResult:
     """Paired bootstrap p-value for "method A has a higher ARG than method B".
 
     Both methods are evaluated on the same examples: `correct_a[(dataset, template)]` and
@@ -423,10 +493,15 @@ def paired_bootstrap_arg(correct_a: Mapping[tuple[str, str], Any],
     """
     keys = _check_keys(correct_a, "correct_a")
     if set(keys) != set(_check_keys(correct_b, "correct_b")):
-        raise ValueError(f"`correct_a` and `correct_b` must have the same (dataset, template) "
-                         f"keys; got {sorted(keys)} and {sorted(correct_b)}.")
-    if isinstance(num_resamples, bool) or not isinstance(num_resamples, (int, np.integer)) or \
-            num_resamples < 1:
+        raise ValueError(
+            f"`correct_a` and `correct_b` must have the same (dataset, template) "
+            f"keys; got {sorted(keys)} and {sorted(correct_b)}."
+        )
+    if (
+        isinstance(num_resamples, bool)
+        or not isinstance(num_resamples, (int, np.integer))
+        or num_resamples < 1
+    ):
         raise ValueError(f"`num_resamples` must be an integer >= 1; got {num_resamples!r}.")
     keys = sorted(keys)  # the resampling order must not depend on the dicts' order
     weights = _weights(keys, weighting)
@@ -434,11 +509,15 @@ def paired_bootstrap_arg(correct_a: Mapping[tuple[str, str], Any],
     observed = np.zeros(2)
     resampled = np.zeros((2, num_resamples))
     for key, w in zip(keys, weights):
-        a, b = (_correctness(c[key], name, key) for c, name in
-                ((correct_a, "correct_a"), (correct_b, "correct_b")))
+        a, b = (
+            _correctness(c[key], name, key)
+            for c, name in ((correct_a, "correct_a"), (correct_b, "correct_b"))
+        )
         if a.shape != b.shape:
-            raise ValueError(f"{key!r}: `correct_a` has {a.size} examples and `correct_b` "
-                             f"{b.size}; a paired test needs the same examples.")
+            raise ValueError(
+                f"{key!r}: `correct_a` has {a.size} examples and `correct_b` "
+                f"{b.size}; a paired test needs the same examples."
+            )
         chance = 1.0 / _checked_choices(_choices_of(num_choices, key))
         index = rng.integers(0, a.size, size=(num_resamples, a.size))
         for row, values in enumerate((a, b)):
@@ -446,9 +525,14 @@ def paired_bootstrap_arg(correct_a: Mapping[tuple[str, str], Any],
             resampled[row] += w * (values[index].mean(-1) - chance) / chance
     differences = resampled[0] - resampled[1]
     p_value = (np.sum(differences < 0) + 0.5 * np.sum(differences == 0)) / num_resamples
-    return BootstrapResult(float(observed[0]), float(observed[1]),
-                           float(observed[0] - observed[1]), float(p_value), int(num_resamples),
-                           differences)
+    return BootstrapResult(
+        float(observed[0]),
+        float(observed[1]),
+        float(observed[0] - observed[1]),
+        float(p_value),
+        int(num_resamples),
+        differences,
+    )
 
 
 def _checked_choices(n) -> int:
@@ -461,6 +545,7 @@ def _correctness(value, arg_name, key) -> np.ndarray:
         value = value.correct
     value = np.asarray(value, np.float64).reshape(-1)
     if value.size == 0 or not np.isin(value, (0.0, 1.0)).all() or not math.isfinite(value.sum()):
-        raise ValueError(f"`{arg_name}`[{key!r}] must be a non-empty 0/1 per-example "
-                         "correctness array.")
+        raise ValueError(
+            f"`{arg_name}`[{key!r}] must be a non-empty 0/1 per-example correctness array."
+        )
     return value

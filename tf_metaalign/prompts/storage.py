@@ -12,6 +12,7 @@ Promptability" (EMNLP 2022), code allenai/better-promptability:
 (following Lester et al. 2021), and `models/prefix_transformer.py` saves only the
 prompt weights when the transformer is frozen (`on_save_checkpoint`).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,20 +27,25 @@ _METADATA_KEY = "__prompt_metadata__"
 def check_length(length) -> int:
     """`length` as an int >= 0, or a ValueError naming it."""
     if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 0:
-        raise ValueError(f"`length` must be an integer >= 0 (the number of prompt vectors); "
-                         f"received length={length!r}.")
+        raise ValueError(
+            f"`length` must be an integer >= 0 (the number of prompt vectors); "
+            f"received length={length!r}."
+        )
     return int(length)
 
 
 def check_train(train) -> str:
     if train not in TRAIN_CHOICES:
-        raise ValueError(f"`train` must be one of {TRAIN_CHOICES} (which weights train: the "
-                         f"prompt only, the transformer only, or both); received train={train!r}.")
+        raise ValueError(
+            f"`train` must be one of {TRAIN_CHOICES} (which weights train: the "
+            f"prompt only, the transformer only, or both); received train={train!r}."
+        )
     return train
 
 
-def vocabulary_rows_init(embeddings, length: int, init_vocabulary_rows: int,
-                         seed: int) -> np.ndarray:
+def vocabulary_rows_init(
+    embeddings, length: int, init_vocabulary_rows: int, seed: int
+) -> np.ndarray:
     """Initial shallow prompt: `length` rows of the embedding matrix `embeddings`, drawn
     without replacement among its first `init_vocabulary_rows` rows (Lester et al. 2021; the
     reference's `np.random.permutation(range(5000))[:n_prefix]`), seeded.
@@ -47,10 +53,15 @@ def vocabulary_rows_init(embeddings, length: int, init_vocabulary_rows: int,
     When fewer rows are available than `length` (tiny vocabularies), rows are drawn with
     replacement. The result is a NumPy copy used as the variable's initial value only.
     """
-    if isinstance(init_vocabulary_rows, bool) or not isinstance(
-            init_vocabulary_rows, (int, np.integer)) or init_vocabulary_rows < 1:
-        raise ValueError(f"`init_vocabulary_rows` must be an integer >= 1; received "
-                         f"init_vocabulary_rows={init_vocabulary_rows!r}.")
+    if (
+        isinstance(init_vocabulary_rows, bool)
+        or not isinstance(init_vocabulary_rows, (int, np.integer))
+        or init_vocabulary_rows < 1
+    ):
+        raise ValueError(
+            f"`init_vocabulary_rows` must be an integer >= 1; received "
+            f"init_vocabulary_rows={init_vocabulary_rows!r}."
+        )
     table = np.asarray(embeddings)
     available = min(int(init_vocabulary_rows), table.shape[0])
     rng = np.random.default_rng(seed)
@@ -99,24 +110,32 @@ def load_prompt(model, path) -> None:
     _check_prompted(model)
     with np.load(os.fspath(path), allow_pickle=False) as data:
         if _METADATA_KEY not in data:
-            raise ValueError(f"`path` {path!r} is not a prompt file written by save_prompt "
-                             f"(no {_METADATA_KEY!r} entry).")
+            raise ValueError(
+                f"`path` {path!r} is not a prompt file written by save_prompt "
+                f"(no {_METADATA_KEY!r} entry)."
+            )
         saved = json.loads(str(data[_METADATA_KEY]))
         expected = model.prompt_metadata()
         for key in ("architecture", "mode", "length"):
             if saved.get(key) != expected[key]:
-                raise ValueError(f"The prompt in {path!r} has {key}={saved.get(key)!r} but the "
-                                 f"model expects {key}={expected[key]!r}.")
+                raise ValueError(
+                    f"The prompt in {path!r} has {key}={saved.get(key)!r} but the "
+                    f"model expects {key}={expected[key]!r}."
+                )
         values = []
         for variable in model.prompt_variables:
             if variable.name not in data:
-                raise ValueError(f"The prompt in {path!r} has no array {variable.name!r}; it "
-                                 f"holds {sorted(k for k in data if k != _METADATA_KEY)}.")
+                raise ValueError(
+                    f"The prompt in {path!r} has no array {variable.name!r}; it "
+                    f"holds {sorted(k for k in data if k != _METADATA_KEY)}."
+                )
             value = data[variable.name]
             if tuple(value.shape) != tuple(variable.shape):
-                raise ValueError(f"The prompt array {variable.name!r} in {path!r} has shape "
-                                 f"{tuple(value.shape)} but the model's variable has shape "
-                                 f"{tuple(variable.shape)}.")
+                raise ValueError(
+                    f"The prompt array {variable.name!r} in {path!r} has shape "
+                    f"{tuple(value.shape)} but the model's variable has shape "
+                    f"{tuple(variable.shape)}."
+                )
             values.append(value)
     for variable, value in zip(model.prompt_variables, values):
         variable.assign(value.astype(variable.dtype))
@@ -124,5 +143,7 @@ def load_prompt(model, path) -> None:
 
 def _check_prompted(model):
     if not (hasattr(model, "prompt_variables") and hasattr(model, "prompt_metadata")):
-        raise ValueError(f"`model` must be a prompted model (PromptedT5 or PromptedBert); "
-                         f"received {type(model).__name__}.")
+        raise ValueError(
+            f"`model` must be a prompted model (PromptedT5 or PromptedBert); "
+            f"received {type(model).__name__}."
+        )

@@ -32,13 +32,13 @@ uses as is. (keras-hub's "updated cache" route would splice with `slice_update`,
 no gradient in TF: XlaDynamicUpdateSlice.) A zero-length prompt is the plain backbone bit
 for bit, in both modes.
 """
+
 from __future__ import annotations
 
 import keras
 import numpy as np
 from keras import ops
 
-from tf_metaalign.prompts import storage
 from tf_metaalign.prompts.base import PromptedBackbone
 
 MODES = ("shallow", "deep")
@@ -80,15 +80,26 @@ class PromptedT5(PromptedBackbone):
 
     ARCHITECTURE = "t5"
 
-    def __init__(self, backbone, length=20, mode="shallow", train="prompt",
-                 init_vocabulary_rows=5000, seed=0, **kwargs):
+    def __init__(
+        self,
+        backbone,
+        length=20,
+        mode="shallow",
+        train="prompt",
+        init_vocabulary_rows=5000,
+        seed=0,
+        **kwargs,
+    ):
         import keras_hub
 
         if not isinstance(backbone, keras_hub.models.T5Backbone):
-            raise ValueError(f"`backbone` must be a keras_hub.models.T5Backbone; received "
-                             f"{type(backbone).__name__}.")
-        super().__init__(backbone, length, _check_mode(mode), train, init_vocabulary_rows,
-                         seed, **kwargs)
+            raise ValueError(
+                f"`backbone` must be a keras_hub.models.T5Backbone; received "
+                f"{type(backbone).__name__}."
+            )
+        super().__init__(
+            backbone, length, _check_mode(mode), train, init_vocabulary_rows, seed, **kwargs
+        )
         self.num_heads = backbone.num_heads
         self.key_value_dim = backbone.key_value_dim or backbone.hidden_dim // backbone.num_heads
         variable_dtype = backbone.dtype_policy.variable_dtype
@@ -103,8 +114,11 @@ class PromptedT5(PromptedBackbone):
             for name in ("encoder_self_prefix", "decoder_self_prefix", "decoder_cross_prefix"):
                 initial = rng.standard_normal((self.length, width))
                 variable = self.add_weight(
-                    shape=initial.shape, initializer=keras.initializers.Constant(initial),
-                    dtype=variable_dtype, name=name)
+                    shape=initial.shape,
+                    initializer=keras.initializers.Constant(initial),
+                    dtype=variable_dtype,
+                    name=name,
+                )
                 setattr(self, name, variable)
                 self.prompt_variables.append(variable)
         self._select_trainable()
@@ -113,9 +127,10 @@ class PromptedT5(PromptedBackbone):
 
     def _layer_prefixes(self, variable, layer_index, batch_size):
         """Layer `layer_index`'s (key, value) prefixes of a stack matrix, as [B, L, h, d]."""
-        prefix = ops.reshape(ops.cast(variable, self.backbone.compute_dtype),
-                             (self.length, self.backbone.num_layers, 2, self.num_heads,
-                              self.key_value_dim))
+        prefix = ops.reshape(
+            ops.cast(variable, self.backbone.compute_dtype),
+            (self.length, self.backbone.num_layers, 2, self.num_heads, self.key_value_dim),
+        )
         key, value = prefix[:, layer_index, 0], prefix[:, layer_index, 1]
         shape = (batch_size, self.length, self.num_heads, self.key_value_dim)
         return ops.broadcast_to(key[None], shape), ops.broadcast_to(value[None], shape)
@@ -134,9 +149,13 @@ class PromptedT5(PromptedBackbone):
 
         keys = heads(attention.key_projector(key_value_inputs))
         values = heads(attention.value_projector(key_value_inputs))
-        return ops.stack([ops.concatenate([ops.cast(key, keys.dtype), keys], axis=1),
-                          ops.concatenate([ops.cast(value, values.dtype), values], axis=1)],
-                         axis=1)
+        return ops.stack(
+            [
+                ops.concatenate([ops.cast(key, keys.dtype), keys], axis=1),
+                ops.concatenate([ops.cast(value, values.dtype), values], axis=1),
+            ],
+            axis=1,
+        )
 
     def _prefixed_position_bias(self, attention, query_length, key_mask):
         """Relative position bias for prefix + real keys with the mask folded in, as
@@ -173,29 +192,48 @@ class PromptedT5(PromptedBackbone):
             attention_mask = mask[:, None, :]
             position_bias = None
             for layer in b.encoder_transformer_layers:
-                x, position_bias = layer(x, attention_mask=attention_mask,
-                                         position_bias=position_bias, use_causal_mask=False,
-                                         training=training)
+                x, position_bias = layer(
+                    x,
+                    attention_mask=attention_mask,
+                    position_bias=position_bias,
+                    use_causal_mask=False,
+                    training=training,
+                )
         else:
             key_mask = self._with_prefix_ones(
-                ops.broadcast_to(mask[:, None, :], (batch_size, seq_length, seq_length)))
+                ops.broadcast_to(mask[:, None, :], (batch_size, seq_length, seq_length))
+            )
             position_bias = self._prefixed_position_bias(
-                b.encoder_transformer_layers[0].self_attention, seq_length, key_mask)
+                b.encoder_transformer_layers[0].self_attention, seq_length, key_mask
+            )
             for i, layer in enumerate(b.encoder_transformer_layers):
                 # The layer normalises x again inside for its queries (same layer, same
                 # result); its keys/values come from the cache.
-                cache = self._prefixed_key_values(self.encoder_self_prefix, i,
-                                                  layer.self_attention,
-                                                  layer.self_attention_layer_norm(x))
+                cache = self._prefixed_key_values(
+                    self.encoder_self_prefix,
+                    i,
+                    layer.self_attention,
+                    layer.self_attention_layer_norm(x),
+                )
                 x, position_bias, _, _ = layer(
-                    x, position_bias=position_bias, use_causal_mask=False,
-                    self_attention_cache=cache, training=training)
+                    x,
+                    position_bias=position_bias,
+                    use_causal_mask=False,
+                    self_attention_cache=cache,
+                    training=training,
+                )
         x = b.encoder_layer_norm(x)
         x = b.encoder_dropout(x, training=training)
         return x, mask
 
-    def decode(self, encoder_hidden_states, encoder_mask, decoder_token_ids,
-               decoder_padding_mask, training=False):
+    def decode(
+        self,
+        encoder_hidden_states,
+        encoder_mask,
+        decoder_token_ids,
+        decoder_padding_mask,
+        training=False,
+    ):
         """The decoder [B, T, H], given `encode`'s outputs (teacher forcing, no cache)."""
         b = self.backbone
         x = b.token_embedding(decoder_token_ids)
@@ -207,43 +245,63 @@ class PromptedT5(PromptedBackbone):
             position_bias = None
             for layer in b.decoder_transformer_layers:
                 x, position_bias = layer(
-                    x, attention_mask=decoder_mask[:, None, :], position_bias=position_bias,
+                    x,
+                    attention_mask=decoder_mask[:, None, :],
+                    position_bias=position_bias,
                     encoder_hidden_states=encoder_hidden_states,
-                    encoder_attention_mask=encoder_attention_mask, use_causal_mask=True,
-                    training=training)
+                    encoder_attention_mask=encoder_attention_mask,
+                    use_causal_mask=True,
+                    training=training,
+                )
         else:
             target_length = ops.shape(x)[1]
             causal = ops.arange(target_length)[:, None] >= ops.arange(target_length)[None, :]
             self_mask = ops.logical_and(causal[None], ops.cast(decoder_mask[:, None, :], "bool"))
             key_mask = self._with_prefix_ones(self_mask)
             position_bias = self._prefixed_position_bias(
-                b.decoder_transformer_layers[0].self_attention, target_length, key_mask)
+                b.decoder_transformer_layers[0].self_attention, target_length, key_mask
+            )
             # Cross-attention: keras-hub folds this mask in itself (zero bias there).
             encoder_attention_mask = self._with_prefix_ones(encoder_mask)[:, None, :]
             for i, layer in enumerate(b.decoder_transformer_layers):
                 self_cache = self._prefixed_key_values(
-                    self.decoder_self_prefix, i, layer.self_attention,
-                    layer.self_attention_layer_norm(x))
+                    self.decoder_self_prefix,
+                    i,
+                    layer.self_attention,
+                    layer.self_attention_layer_norm(x),
+                )
                 cross_cache = self._prefixed_key_values(
-                    self.decoder_cross_prefix, i, layer.cross_attention, encoder_hidden_states)
+                    self.decoder_cross_prefix, i, layer.cross_attention, encoder_hidden_states
+                )
                 x, position_bias, _, _ = layer(
-                    x, position_bias=position_bias,
+                    x,
+                    position_bias=position_bias,
                     encoder_hidden_states=encoder_hidden_states,
-                    encoder_attention_mask=encoder_attention_mask, use_causal_mask=True,
-                    self_attention_cache=self_cache, cross_attention_cache=cross_cache,
-                    training=training)
+                    encoder_attention_mask=encoder_attention_mask,
+                    use_causal_mask=True,
+                    self_attention_cache=self_cache,
+                    cross_attention_cache=cross_cache,
+                    training=training,
+                )
         x = b.decoder_layer_norm(x)
         return b.decoder_dropout(x, training=training)
 
     def call(self, inputs, training=False):
         encoder_hidden, encoder_mask = self.encode(
-            inputs["encoder_token_ids"], inputs["encoder_padding_mask"], training=training)
+            inputs["encoder_token_ids"], inputs["encoder_padding_mask"], training=training
+        )
         decoder_hidden = self.decode(
-            encoder_hidden, encoder_mask, inputs["decoder_token_ids"],
-            inputs["decoder_padding_mask"], training=training)
+            encoder_hidden,
+            encoder_mask,
+            inputs["decoder_token_ids"],
+            inputs["decoder_padding_mask"],
+            training=training,
+        )
         prompt_positions = self.length if self.mode == "shallow" else 0
-        return {"encoder_sequence_output": encoder_hidden[:, prompt_positions:, :],
-                "decoder_sequence_output": decoder_hidden}
+        return {
+            "encoder_sequence_output": encoder_hidden[:, prompt_positions:, :],
+            "decoder_sequence_output": decoder_hidden,
+        }
 
     def lm_logits(self, decoder_hidden_states):
         """Vocabulary logits exactly as `keras_hub.models.T5Seq2SeqLM._logits`: through the
@@ -251,22 +309,37 @@ class PromptedT5(PromptedBackbone):
         b = self.backbone
         if b.tie_embedding_weights:
             decoder_hidden_states = ops.multiply(
-                decoder_hidden_states,
-                ops.cast(b.hidden_dim ** -0.5, decoder_hidden_states.dtype))
+                decoder_hidden_states, ops.cast(b.hidden_dim**-0.5, decoder_hidden_states.dtype)
+            )
         return b.token_embedding(decoder_hidden_states, reverse=True)
 
 
-def prompt_t5(backbone, length=20, mode="shallow", train="prompt", init_vocabulary_rows=5000,
-              seed=0, name=None) -> PromptedT5:
+def prompt_t5(
+    backbone,
+    length=20,
+    mode="shallow",
+    train="prompt",
+    init_vocabulary_rows=5000,
+    seed=0,
+    name=None,
+) -> PromptedT5:
     """A `PromptedT5` around `backbone` (see its docstring for the arguments)."""
-    return PromptedT5(backbone, length=length, mode=mode, train=train,
-                      init_vocabulary_rows=init_vocabulary_rows, seed=seed, name=name)
+    return PromptedT5(
+        backbone,
+        length=length,
+        mode=mode,
+        train=train,
+        init_vocabulary_rows=init_vocabulary_rows,
+        seed=seed,
+        name=name,
+    )
 
 
 def _check_prompted_t5(model):
     if not isinstance(model, PromptedT5):
-        raise ValueError(f"`model` must be a PromptedT5 (see prompt_t5); received "
-                         f"{type(model).__name__}.")
+        raise ValueError(
+            f"`model` must be a PromptedT5 (see prompt_t5); received {type(model).__name__}."
+        )
 
 
 def shift_right(target_ids, start_token_id=0):
@@ -277,8 +350,15 @@ def shift_right(target_ids, start_token_id=0):
     return ops.concatenate([start, target_ids[:, :-1]], axis=1)
 
 
-def t5_token_log_likelihoods(model, encoder_token_ids, encoder_padding_mask, target_ids,
-                             target_padding_mask=None, start_token_id=0, training=False):
+def t5_token_log_likelihoods(
+    model,
+    encoder_token_ids,
+    encoder_padding_mask,
+    target_ids,
+    target_padding_mask=None,
+    start_token_id=0,
+    training=False,
+):
     """Per-token log-likelihoods log p(y_t | y_<t, x) [B, T] of `target_ids` given the
     encoder input, by teacher forcing (decoder input = `shift_right(target_ids)`), through
     the LM head exactly as `T5Seq2SeqLM` computes its logits (`PromptedT5.lm_logits`), then
@@ -295,18 +375,27 @@ def t5_token_log_likelihoods(model, encoder_token_ids, encoder_padding_mask, tar
     decoder_token_ids = shift_right(target_ids, start_token_id)
     # The decoder's own padding mask: position t reads y_{t-1}; the start token is real.
     decoder_padding_mask = shift_right(target_padding_mask, 1)
-    encoder_hidden, encoder_mask = model.encode(encoder_token_ids, encoder_padding_mask,
-                                                training=training)
-    hidden = model.decode(encoder_hidden, encoder_mask, decoder_token_ids,
-                          decoder_padding_mask, training=training)
+    encoder_hidden, encoder_mask = model.encode(
+        encoder_token_ids, encoder_padding_mask, training=training
+    )
+    hidden = model.decode(
+        encoder_hidden, encoder_mask, decoder_token_ids, decoder_padding_mask, training=training
+    )
     logits = ops.cast(model.lm_logits(hidden), "float32")
     log_probs = ops.log_softmax(logits, axis=-1)
     picked = ops.take_along_axis(log_probs, target_ids[..., None], axis=-1)[..., 0]
     return picked * ops.cast(target_padding_mask, picked.dtype)
 
 
-def t5_generate(model, encoder_token_ids, encoder_padding_mask, max_length,
-                start_token_id=0, end_token_id=1, pad_token_id=0):
+def t5_generate(
+    model,
+    encoder_token_ids,
+    encoder_padding_mask,
+    max_length,
+    start_token_id=0,
+    end_token_id=1,
+    pad_token_id=0,
+):
     """Greedy decoding with a `PromptedT5`: [B, max_length] generated ids (the start token
     not included); after a row's `end_token_id` the row is `pad_token_id`
     (`end_token_id=None`: always generate `max_length` tokens). With L = 0 this is
@@ -317,18 +406,21 @@ def t5_generate(model, encoder_token_ids, encoder_padding_mask, max_length,
     the short answers of prompted tasks. Eager NumPy loop; not traced.
     """
     _check_prompted_t5(model)
-    if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) \
-            or max_length < 1:
+    if (
+        isinstance(max_length, bool)
+        or not isinstance(max_length, (int, np.integer))
+        or max_length < 1
+    ):
         raise ValueError(f"`max_length` must be an integer >= 1; received {max_length!r}.")
     encoder_hidden, encoder_mask = model.encode(encoder_token_ids, encoder_padding_mask)
     batch_size = int(ops.shape(encoder_hidden)[0])
     decoder_ids = np.full((batch_size, 1), start_token_id, dtype="int32")
     done = np.zeros((batch_size,), dtype=bool)
     for _ in range(max_length):
-        hidden = model.decode(encoder_hidden, encoder_mask, decoder_ids,
-                              np.ones_like(decoder_ids))
-        next_ids = np.argmax(ops.convert_to_numpy(model.lm_logits(hidden[:, -1:, :]))[:, 0],
-                             axis=-1).astype("int32")
+        hidden = model.decode(encoder_hidden, encoder_mask, decoder_ids, np.ones_like(decoder_ids))
+        next_ids = np.argmax(
+            ops.convert_to_numpy(model.lm_logits(hidden[:, -1:, :]))[:, 0], axis=-1
+        ).astype("int32")
         next_ids = np.where(done, pad_token_id, next_ids)
         if end_token_id is not None:
             done |= next_ids == end_token_id
@@ -337,6 +429,7 @@ def t5_generate(model, encoder_token_ids, encoder_padding_mask, max_length,
             break
     generated = decoder_ids[:, 1:]
     if generated.shape[1] < max_length:
-        generated = np.pad(generated, ((0, 0), (0, max_length - generated.shape[1])),
-                           constant_values=pad_token_id)
+        generated = np.pad(
+            generated, ((0, 0), (0, max_length - generated.shape[1])), constant_values=pad_token_id
+        )
     return generated

@@ -13,6 +13,7 @@ which the decoder input is the labels shifted right with the pad id as the start
 encoder = input tokens + EOS, target = target tokens + EOS, decoder input =
 `shift_right(target)`.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -48,8 +49,7 @@ class PromptedT5LM(keras.Model):
         return self.prompted.lm_logits(hidden)
 
     def get_config(self):
-        return {"name": self.name,
-                "prompted": keras.saving.serialize_keras_object(self.prompted)}
+        return {"name": self.name, "prompted": keras.saving.serialize_keras_object(self.prompted)}
 
     @classmethod
     def from_config(cls, config):
@@ -63,15 +63,17 @@ def masked_token_loss() -> keras.losses.Loss:
     pad id 0 (`ignore_class=0` masks them; `mean_with_sample_weight` divides by their count,
     where Keras's default would divide by every position, padding included)."""
     return keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, ignore_class=PAD_ID, reduction="mean_with_sample_weight")
+        from_logits=True, ignore_class=PAD_ID, reduction="mean_with_sample_weight"
+    )
 
 
 def _ids(tokenize: Callable, text: str) -> list[int]:
     return [int(i) for i in np.asarray(tokenize(text)).reshape(-1).tolist()]
 
 
-def encode_examples(examples: Sequence, tokenize: Callable, encoder_length: int,
-                    decoder_length: int) -> tuple[dict, np.ndarray]:
+def encode_examples(
+    examples: Sequence, tokenize: Callable, encoder_length: int, decoder_length: int
+) -> tuple[dict, np.ndarray]:
     """`(x, y)` for `PromptedT5LM`: x the backbone's input dict (int32 / bool arrays), y the
     target ids `[N, decoder_length]` (0 = padding, ignored by `masked_token_loss`).
 
@@ -81,8 +83,9 @@ def encode_examples(examples: Sequence, tokenize: Callable, encoder_length: int,
     """
     for value, name in ((encoder_length, "encoder_length"), (decoder_length, "decoder_length")):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 2:
-            raise ValueError(f"`{name}` must be an integer >= 2 (at least one token and EOS); "
-                             f"got {value!r}.")
+            raise ValueError(
+                f"`{name}` must be an integer >= 2 (at least one token and EOS); got {value!r}."
+            )
     examples = list(examples)
     if not examples:
         raise ValueError("`examples` is empty.")
@@ -91,12 +94,16 @@ def encode_examples(examples: Sequence, tokenize: Callable, encoder_length: int,
     target = np.zeros((n, decoder_length), np.int32)
     for i, e in enumerate(examples):
         source, goal = (e.input_text, e.target_text) if hasattr(e, "input_text") else e
-        ids = _ids(tokenize, source)[:encoder_length - 1] + [EOS_ID]
-        encoder[i, :len(ids)] = ids
-        ids = _ids(tokenize, goal)[:decoder_length - 1] + [EOS_ID]
-        target[i, :len(ids)] = ids
+        ids = _ids(tokenize, source)[: encoder_length - 1] + [EOS_ID]
+        encoder[i, : len(ids)] = ids
+        ids = _ids(tokenize, goal)[: decoder_length - 1] + [EOS_ID]
+        target[i, : len(ids)] = ids
     decoder = np.concatenate([np.full((n, 1), PAD_ID, np.int32), target[:, :-1]], axis=1)
     decoder_mask = np.concatenate([np.ones((n, 1), bool), target[:, :-1] != PAD_ID], axis=1)
-    x = {"encoder_token_ids": encoder, "encoder_padding_mask": encoder != PAD_ID,
-         "decoder_token_ids": decoder, "decoder_padding_mask": decoder_mask}
+    x = {
+        "encoder_token_ids": encoder,
+        "encoder_padding_mask": encoder != PAD_ID,
+        "decoder_token_ids": decoder,
+        "decoder_padding_mask": decoder_mask,
+    }
     return x, target

@@ -15,6 +15,7 @@ example's fields and `{answer}` (= `answer_choices[label]`), as promptsource's
 `{{ answer_choices[label] }}`. Answer choices are a fixed list or a function of the
 example (e.g. the two candidates of a coreference example).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +35,10 @@ def template_fields(template: str, arg_name: str = "template") -> tuple[str, ...
     flat dict, and a positional or attribute field would fail only when applied.
     """
     if not isinstance(template, str):
-        raise ValueError(f"`{arg_name}` must be a str with {{field}} placeholders; "
-                         f"got {type(template).__name__}.")
+        raise ValueError(
+            f"`{arg_name}` must be a str with {{field}} placeholders; "
+            f"got {type(template).__name__}."
+        )
     names = []
     try:
         parsed = list(string.Formatter().parse(template))
@@ -45,8 +48,10 @@ def template_fields(template: str, arg_name: str = "template") -> tuple[str, ...
         if name is None:
             continue
         if not name.isidentifier():
-            raise ValueError(f"`{arg_name}`={template!r} has the field {{{name}}}: fields "
-                             "must be plain names of the example's keys, e.g. {text}.")
+            raise ValueError(
+                f"`{arg_name}`={template!r} has the field {{{name}}}: fields "
+                "must be plain names of the example's keys, e.g. {text}."
+            )
         if name not in names:
             names.append(name)
     return tuple(names)
@@ -63,6 +68,7 @@ class PromptedExample:
         a target), or `()` for a template without choices (generation).
       label: index of the right choice in `answer_choices`, or -1 without choices.
     """
+
     input_text: str
     target_text: str
     answer_choices: tuple[str, ...] = ()
@@ -83,6 +89,7 @@ class Template:
         (the right choice); default "{answer}".
       label_field: the example's key holding the index of the right choice.
     """
+
     name: str
     input_template: str
     answer_choices: Sequence[str] | Callable[[Mapping[str, Any]], Sequence[str]] | None
@@ -93,18 +100,24 @@ class Template:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"`name` must be a non-empty str; got {self.name!r}.")
         if ANSWER_FIELD in template_fields(self.input_template, "input_template"):
-            raise ValueError(f"`input_template` of template {self.name!r} uses "
-                             f"{{{ANSWER_FIELD}}}: the answer may appear only in the target.")
+            raise ValueError(
+                f"`input_template` of template {self.name!r} uses "
+                f"{{{ANSWER_FIELD}}}: the answer may appear only in the target."
+            )
         target_fields = template_fields(self.target_template, "target_template")
         choices = self.answer_choices
         if choices is None:
             if ANSWER_FIELD in target_fields:
-                raise ValueError(f"Template {self.name!r}: `target_template` uses "
-                                 f"{{{ANSWER_FIELD}}} but `answer_choices` is None.")
+                raise ValueError(
+                    f"Template {self.name!r}: `target_template` uses "
+                    f"{{{ANSWER_FIELD}}} but `answer_choices` is None."
+                )
         elif not callable(choices):
             if isinstance(choices, str) or not isinstance(choices, Sequence) or not choices:
-                raise ValueError(f"Template {self.name!r}: `answer_choices` must be a "
-                                 f"non-empty sequence of str or a callable; got {choices!r}.")
+                raise ValueError(
+                    f"Template {self.name!r}: `answer_choices` must be a "
+                    f"non-empty sequence of str or a callable; got {choices!r}."
+                )
             for c in choices:
                 template_fields(c, "answer_choices")
             object.__setattr__(self, "answer_choices", tuple(choices))
@@ -130,7 +143,8 @@ class Template:
             field = e.args[0]
             raise ValueError(
                 f"Template {self.name!r}: the example has no field {field!r} needed by its "
-                f"{what} {text!r}; the example's fields are {sorted(values)}.") from None
+                f"{what} {text!r}; the example's fields are {sorted(values)}."
+            ) from None
 
     def choices_for(self, example: Mapping[str, Any]) -> tuple[str, ...]:
         """The answer choices filled for `example` (`()` without choices)."""
@@ -138,10 +152,16 @@ class Template:
             return ()
         if callable(self.answer_choices):
             choices = self.answer_choices(example)
-            if isinstance(choices, str) or not isinstance(choices, Sequence) or not choices or \
-                    not all(isinstance(c, str) for c in choices):
-                raise ValueError(f"Template {self.name!r}: `answer_choices(example)` must "
-                                 f"return a non-empty sequence of str; got {choices!r}.")
+            if (
+                isinstance(choices, str)
+                or not isinstance(choices, Sequence)
+                or not choices
+                or not all(isinstance(c, str) for c in choices)
+            ):
+                raise ValueError(
+                    f"Template {self.name!r}: `answer_choices(example)` must "
+                    f"return a non-empty sequence of str; got {choices!r}."
+                )
             return tuple(choices)
         return tuple(self._format(c, example, "answer choice") for c in self.answer_choices)
 
@@ -152,11 +172,15 @@ class Template:
         when the label is not an index into the choices.
         """
         if not isinstance(example, Mapping):
-            raise ValueError(f"Template {self.name!r}: `example` must be a mapping of fields; "
-                             f"got {type(example).__name__}.")
+            raise ValueError(
+                f"Template {self.name!r}: `example` must be a mapping of fields; "
+                f"got {type(example).__name__}."
+            )
         if ANSWER_FIELD in example:
-            raise ValueError(f"Template {self.name!r}: the example has a field "
-                             f"{ANSWER_FIELD!r}, reserved for the right answer choice.")
+            raise ValueError(
+                f"Template {self.name!r}: the example has a field "
+                f"{ANSWER_FIELD!r}, reserved for the right answer choice."
+            )
         input_text = self._format(self.input_template, example, "input template")
         choices = self.choices_for(example)
         label = -1
@@ -165,29 +189,36 @@ class Template:
             if self.label_field not in example:
                 raise ValueError(
                     f"Template {self.name!r}: the example has no label field "
-                    f"{self.label_field!r}; the example's fields are {sorted(example)}.")
+                    f"{self.label_field!r}; the example's fields are {sorted(example)}."
+                )
             raw = example[self.label_field]
             if isinstance(raw, bool) or not hasattr(raw, "__index__"):
-                raise ValueError(f"Template {self.name!r}: `{self.label_field}` must be an "
-                                 f"integer index into the answer choices; got {raw!r}.")
+                raise ValueError(
+                    f"Template {self.name!r}: `{self.label_field}` must be an "
+                    f"integer index into the answer choices; got {raw!r}."
+                )
             label = int(raw)
             if not 0 <= label < len(choices):
-                raise ValueError(f"Template {self.name!r}: `{self.label_field}`={label} is not "
-                                 f"an index into the {len(choices)} answer choices {choices}.")
+                raise ValueError(
+                    f"Template {self.name!r}: `{self.label_field}`={label} is not "
+                    f"an index into the {len(choices)} answer choices {choices}."
+                )
             values[ANSWER_FIELD] = choices[label]
         target_text = self._format(self.target_template, values, "target template")
         return PromptedExample(input_text, target_text, choices, label)
 
 
-def apply_templates(templates: Sequence[Template] | Template,
-                    examples: Sequence[Mapping[str, Any]]) -> dict[str, list[PromptedExample]]:
+def apply_templates(
+    templates: Sequence[Template] | Template, examples: Sequence[Mapping[str, Any]]
+) -> dict[str, list[PromptedExample]]:
     """Every template applied to every example: `{template.name: [PromptedExample, ...]}`."""
     if isinstance(templates, Template):
         templates = (templates,)
     templates = tuple(templates)
     if not templates or not all(isinstance(t, Template) for t in templates):
-        raise ValueError(f"`templates` must be a non-empty sequence of Template; "
-                         f"got {templates!r}.")
+        raise ValueError(
+            f"`templates` must be a non-empty sequence of Template; got {templates!r}."
+        )
     names = [t.name for t in templates]
     if len(set(names)) != len(names):
         raise ValueError(f"`templates` have duplicate names: {names}.")

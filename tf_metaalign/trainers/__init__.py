@@ -1,4 +1,5 @@
 """Keras trainers: `keras.Model` wrappers whose `train_step` runs an algorithm."""
+
 from tf_metaalign.trainers.base import Diagnostic, EveryKSteps, MetaTrainer, commit_weights
 from tf_metaalign.trainers.dotprod import DotProdTrainer
 from tf_metaalign.trainers.multitask import MultiTaskTrainer

@@ -70,6 +70,7 @@ not training on them), so the resumed run sees the same batches as an uninterrup
 one. This needs the data to come in the same order on the restarted epoch (no shuffle,
 or a deterministic one).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -108,13 +109,16 @@ class Diagnostic(keras.metrics.Metric):
         super().__init__(name=name, dtype=dtype)
         self.reduction = reduction
         if reduction == "mean":
-            self.total = self.add_variable((), "zeros", dtype=self.dtype,
-                                           aggregation="sum", name="total")
-            self.count = self.add_variable((), "zeros", dtype=self.dtype,
-                                           aggregation="sum", name="count")
+            self.total = self.add_variable(
+                (), "zeros", dtype=self.dtype, aggregation="sum", name="total"
+            )
+            self.count = self.add_variable(
+                (), "zeros", dtype=self.dtype, aggregation="sum", name="count"
+            )
         else:
-            self.last = self.add_variable((), "zeros", dtype=self.dtype,
-                                          aggregation="mean", name="last")
+            self.last = self.add_variable(
+                (), "zeros", dtype=self.dtype, aggregation="mean", name="last"
+            )
 
     def update_state(self, value, weight=1.0):
         value = tf.cast(value, self.dtype)
@@ -159,8 +163,12 @@ class EveryKSteps(keras.layers.Layer):
         super().__init__(name=name, **kwargs)
         self.k = int(k)
         self.count = self.add_weight(
-            name="count", shape=(), dtype="int64", initializer="zeros",
-            trainable=False, aggregation="only_first_replica",
+            name="count",
+            shape=(),
+            dtype="int64",
+            initializer="zeros",
+            trainable=False,
+            aggregation="only_first_replica",
         )
         self.built = True
 
@@ -199,8 +207,10 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
             )
         super().__init__(**kwargs)
         strategy = tf.distribute.get_strategy()
-        if (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-                or strategy.num_replicas_in_sync > 1):
+        if (
+            isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+            or strategy.num_replicas_in_sync > 1
+        ):
             # Keras 3.15's fit fails under MultiWorkerMirroredStrategy, and under any
             # strategy of several replicas when the first batch's shards differ in size (it
             # builds by averaging them: a first batch of 11 rows on 2 replicas).
@@ -267,8 +277,16 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
         `evaluate` reports; training steps use `loss_fn`, the same loss at given weights)."""
         if self._building_from_training_batch:
             x, y, sample_weight = self.example_batch(x, y, sample_weight)
-        return F.compute_loss(self.model, x, y, y_pred, sample_weight, self.model.losses,
-                              training=training, loss=self._compiled_loss())
+        return F.compute_loss(
+            self.model,
+            x,
+            y,
+            y_pred,
+            sample_weight,
+            self.model.losses,
+            training=training,
+            loss=self._compiled_loss(),
+        )
 
     def compute_metrics(self, x, y, y_pred, sample_weight=None):
         if self._building_from_training_batch:
@@ -284,8 +302,12 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
         and the first one's is kept.
         """
         return self.add_weight(
-            name=name, shape=shape, dtype=dtype, initializer=initializer,
-            trainable=False, aggregation="only_first_replica",
+            name=name,
+            shape=shape,
+            dtype=dtype,
+            initializer=initializer,
+            trainable=False,
+            aggregation="only_first_replica",
         )
 
     def add_weights_copy(self, name):
@@ -309,9 +331,11 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
         if copies is None:
             raise ValueError(
                 f"The weights copy {name!r} does not exist yet: "
-                + ("register it with add_weights_copy() in __init__."
-                   if name not in self._weight_copies else
-                   "it is created when the model is built (call the trainer or fit first).")
+                + (
+                    "register it with add_weights_copy() in __init__."
+                    if name not in self._weight_copies
+                    else "it is created when the model is built (call the trainer or fit first)."
+                )
             )
         return copies
 
@@ -331,8 +355,11 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
                     sources = self.model.trainable_variables
                 copies = [
                     self.add_weight(
-                        name=f"{name}_{i}", shape=v.shape, dtype=v.dtype,
-                        initializer=_value_initializer(v), trainable=False,
+                        name=f"{name}_{i}",
+                        shape=v.shape,
+                        dtype=v.dtype,
+                        initializer=_value_initializer(v),
+                        trainable=False,
                         aggregation="only_first_replica",
                     )
                     for i, v in enumerate(sources)
@@ -344,8 +371,9 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
 
     def _seed_indices(self):
         """Positions of the random-seed states among the model's non-trainable variables."""
-        return [i for i, v in enumerate(self.model.non_trainable_variables)
-                if _compat.is_seed_state(v)]
+        return [
+            i for i, v in enumerate(self.model.non_trainable_variables) if _compat.is_seed_state(v)
+        ]
 
     def load_own_variables(self, store):
         # Called for the trainer by load_weights (BackupAndRestore) and load_model.
@@ -398,13 +426,15 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
         The loss `fit` would compute (compiled loss, loss weights, the model's
         `compute_loss` and own losses) in Keras's per-replica units, times `loss_scale`.
         """
-        return F.make_loss_fn(self.model, self._compiled_loss(), training=training,
-                              loss_scale=loss_scale)
+        return F.make_loss_fn(
+            self.model, self._compiled_loss(), training=training, loss_scale=loss_scale
+        )
 
     def split_loss_fn(self, n_first, loss_scale=None, training=True):
         """Like `loss_fn`, but `L(b1) + L(b2)` from one pass (`functional.make_split_loss_fn`)."""
-        return F.make_split_loss_fn(self.model, self._compiled_loss(), n_first,
-                                    training=training, loss_scale=loss_scale)
+        return F.make_split_loss_fn(
+            self.model, self._compiled_loss(), n_first, training=training, loss_scale=loss_scale
+        )
 
     def loss_scale(self):
         """The optimizer's loss scale (1 unless it is a `LossScaleOptimizer`)."""
@@ -447,11 +477,14 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
             raise ValueError(
                 f"{type(self).__name__} unrolls its loop over the tasks of a batch, so their "
                 "number must be static: batch the task dataset with drop_remainder=True, or "
-                "give `tasks_per_batch` (the global number of tasks per batch).")
+                "give `tasks_per_batch` (the global number of tasks per batch)."
+            )
         replicas = F.num_replicas()
         if self.tasks_per_batch % replicas:
-            raise ValueError(f"`tasks_per_batch`={self.tasks_per_batch} is not a multiple of "
-                             f"the {replicas} replicas.")
+            raise ValueError(
+                f"`tasks_per_batch`={self.tasks_per_batch} is not a multiple of "
+                f"the {replicas} replicas."
+            )
         return self.tasks_per_batch // replicas
 
     def check_finite_loss(self, loss, where="the training loss"):
@@ -470,9 +503,19 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
             "TerminateOnNaN to stop without an error",
         )
 
-    def finish_step(self, data, y_pred, loss, *, new_state=None, gradients=None,
-                    new_params=None, update=None, diagnostics=None,
-                    where="the training loss"):
+    def finish_step(
+        self,
+        data,
+        y_pred,
+        loss,
+        *,
+        new_state=None,
+        gradients=None,
+        new_params=None,
+        update=None,
+        diagnostics=None,
+        where="the training loss",
+    ):
         """The one way to end a `train_step`; returns its logs.
 
         Args:
@@ -558,8 +601,10 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
                 self._building_from_training_batch = False
                 self._skip_batches = int(self.epoch_steps.numpy())
                 if self._skip_batches:
-                    logging.info("Resuming mid-epoch: skipping %d batches already trained on.",
-                                 self._skip_batches)
+                    logging.info(
+                        "Resuming mid-epoch: skipping %d batches already trained on.",
+                        self._skip_batches,
+                    )
             if self._skip_batches >= self.steps_per_execution:
                 for _ in range(self.steps_per_execution):
                     next(iterator)
@@ -578,9 +623,18 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
 
     # ------------------------------------------------------------------ compiling
 
-    def compile(self, optimizer="rmsprop", loss=None, loss_weights=None, metrics=None,
-                weighted_metrics=None, run_eagerly=False, steps_per_execution=1,
-                jit_compile="auto", auto_scale_loss=True):
+    def compile(
+        self,
+        optimizer="rmsprop",
+        loss=None,
+        loss_weights=None,
+        metrics=None,
+        weighted_metrics=None,
+        run_eagerly=False,
+        steps_per_execution=1,
+        jit_compile="auto",
+        auto_scale_loss=True,
+    ):
         """`keras.Model.compile`; with a `loss`, the wrapped model is compiled too.
 
         The user's code keeps calling its own model after `trainer.fit` (`model.evaluate`,
@@ -591,14 +645,20 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
         `keras.models.load_model` gives the model back compiled, as a model trained with
         its own `fit` would be (where the trainer trains variables of its own besides the
         model's, e.g. MAML's learned inner learning rates, the model alone cannot reload
-        the optimizer's slots and Keras says so: save the trainer to resume training). With `loss=None` the trainer trains with the wrapped
+        the optimizer's slots and Keras says so: save the trainer to resume training). With
+        `loss=None` the trainer trains with the wrapped
         model's own compiled loss (a model the user compiled before wrapping it), and the
         model's compilation is left as the user made it.
         """
         super().compile(
-            optimizer=optimizer, loss=loss, loss_weights=loss_weights, metrics=metrics,
-            weighted_metrics=weighted_metrics, run_eagerly=run_eagerly,
-            steps_per_execution=steps_per_execution, jit_compile=jit_compile,
+            optimizer=optimizer,
+            loss=loss,
+            loss_weights=loss_weights,
+            metrics=metrics,
+            weighted_metrics=weighted_metrics,
+            run_eagerly=run_eagerly,
+            steps_per_execution=steps_per_execution,
+            jit_compile=jit_compile,
             auto_scale_loss=auto_scale_loss,
         )
         if loss is None:
@@ -606,10 +666,15 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
         self.model.compile(
             # The trainer's optimizer (already wrapped in a LossScaleOptimizer where
             # Keras wraps one): one optimizer, so its state is saved with either model.
-            optimizer=self.optimizer, loss=loss, loss_weights=loss_weights,
-            metrics=_fresh_metrics(metrics), weighted_metrics=_fresh_metrics(weighted_metrics),
-            run_eagerly=run_eagerly, steps_per_execution=steps_per_execution,
-            jit_compile=self.jit_compile, auto_scale_loss=False,
+            optimizer=self.optimizer,
+            loss=loss,
+            loss_weights=loss_weights,
+            metrics=_fresh_metrics(metrics),
+            weighted_metrics=_fresh_metrics(weighted_metrics),
+            run_eagerly=run_eagerly,
+            steps_per_execution=steps_per_execution,
+            jit_compile=self.jit_compile,
+            auto_scale_loss=False,
         )
 
     # ------------------------------------------------------------------ saving
@@ -683,9 +748,7 @@ def commit_weights(variables, values):
     """
     variables, values = list(variables), list(values)
     if len(variables) != len(values):
-        raise ValueError(
-            f"commit_weights: {len(values)} values for {len(variables)} variables."
-        )
+        raise ValueError(f"commit_weights: {len(values)} values for {len(variables)} variables.")
     ctx = tf.distribute.get_replica_context()
     if ctx is None or F.num_replicas() == 1:
         for v, x in zip(variables, values):
@@ -695,7 +758,9 @@ def commit_weights(variables, values):
     def merge_fn(strategy, values):
         for v, x in zip(variables, values):
             strategy.extended.update(
-                v.value, lambda var, x: var.assign(tf.cast(x, var.dtype)), args=(x,),
+                v.value,
+                lambda var, x: var.assign(tf.cast(x, var.dtype)),
+                args=(x,),
                 group=False,
             )
 

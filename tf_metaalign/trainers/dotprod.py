@@ -1,4 +1,5 @@
 """`DotProdTrainer`: Meta DotProd (Kedia et al., Algorithm 1) inside `model.fit`."""
+
 from __future__ import annotations
 
 import inspect
@@ -177,8 +178,7 @@ class DotProdTrainer(MetaTrainer):
         acc = F.accumulation_dtype(self.model.trainable_variables)
         n_t = tf.cast(n, acc)
         # One scalar all-reduce: any replica too small, and the global example count.
-        too_small, total = tf.unstack(F.all_reduce_sum(
-            tf.stack([tf.cast(n_t < 2.0, acc), n_t])))
+        too_small, total = tf.unstack(F.all_reduce_sum(tf.stack([tf.cast(n_t < 2.0, acc), n_t])))
         # Replica r's share of a plain step: its mean gradient weighted by n_r * R / N, so
         # the optimizer's sum is the gradient of the global mean (empty replicas: 0).
         scale = tf.math.divide_no_nan(n_t * float(replicas), total)
@@ -192,10 +192,12 @@ class DotProdTrainer(MetaTrainer):
         else:
             n_1 = tf.where(small, n, n // 2)
             start_2 = tf.where(small, tf.zeros_like(n_1), n // 2)
-        batch_1 = tf.nest.map_structure(lambda t: None if t is None else t[:n_1],
-                                        (x, y, sample_weight))
-        batch_2 = tf.nest.map_structure(lambda t: None if t is None else t[start_2:],
-                                        (x, y, sample_weight))
+        batch_1 = tf.nest.map_structure(
+            lambda t: None if t is None else t[:n_1], (x, y, sample_weight)
+        )
+        batch_2 = tf.nest.map_structure(
+            lambda t: None if t is None else t[start_2:], (x, y, sample_weight)
+        )
 
         loss_scale = self.loss_scale()
         params = F.current_params(self.model)
@@ -239,15 +241,25 @@ class DotProdTrainer(MetaTrainer):
                 size_1 * tf.cast(r.loss_1, acc) + size_2 * tf.cast(r.loss_2, acc),
                 size_1 + size_2,
             )
-            return (r.gradient, loss, y_pred, r.aux_2[0],
-                    r.grad_dot, r.grad_cosine, r.reg_ratio, measured)
+            return (
+                r.gradient,
+                loss,
+                y_pred,
+                r.aux_2[0],
+                r.grad_dot,
+                r.grad_cosine,
+                r.reg_ratio,
+                measured,
+            )
 
         def skipped():
             # G1 + G2 = grad(L(b1) + L(b2)), in one pass over the whole batch. On a batch
             # too small to split (dynamic size, one replica): b1 = b, b2 = empty (loss 0)
             # and the gradient doubled, i.e. 2 * grad L(b).
             _, grads, (new_state, y_pred, loss_1, loss_2) = F.value_and_grad(
-                self.split_loss_fn(n_1, loss_scale=loss_scale), params, state,
+                self.split_loss_fn(n_1, loss_scale=loss_scale),
+                params,
+                state,
                 (x, y, sample_weight),
             )
             n_f, n_1f = tf.cast(n, acc), tf.cast(n_1, acc)
@@ -266,7 +278,10 @@ class DotProdTrainer(MetaTrainer):
             # with_dotprod all-reduces G1 and G2: on several replicas the all-reduces run
             # on every pair and only the G21 pass is conditional (inside dotprod_gradient).
             outputs = self.schedule.cond(
-                self.schedule.is_first(), with_dotprod, skipped, communicates=True,
+                self.schedule.is_first(),
+                with_dotprod,
+                skipped,
+                communicates=True,
                 merged=lambda due: with_dotprod(apply_regularizer=due),
             )
         gradient, loss, y_pred, new_state, grad_dot, grad_cosine, reg_ratio, measured = outputs
@@ -279,10 +294,17 @@ class DotProdTrainer(MetaTrainer):
         loss = loss / tf.cast(loss_scale, loss.dtype)
         # Skipped pairs (every > 1) do not measure G1.G2: weight 0 keeps them out of the mean.
         return self.finish_step(
-            data, y_pred, loss, new_state=new_state, gradients=gradient,
-            diagnostics={"grad_dot": (grad_dot, measured), "grad_cosine": (grad_cosine, measured),
-                         "reg_ratio": (reg_ratio, measured),
-                         "unsplit_fraction": tf.cast(small, tf.float32)},
+            data,
+            y_pred,
+            loss,
+            new_state=new_state,
+            gradients=gradient,
+            diagnostics={
+                "grad_dot": (grad_dot, measured),
+                "grad_cosine": (grad_cosine, measured),
+                "reg_ratio": (reg_ratio, measured),
+                "unsplit_fraction": tf.cast(small, tf.float32),
+            },
             where="the loss of the pair (b1, b2)",
         )
 
@@ -293,15 +315,20 @@ class DotProdTrainer(MetaTrainer):
         if self.on_divergence is not None and not any(
             isinstance(c, DivergenceGuard) for c in callbacks
         ):
-            extra.append(DivergenceGuard(
-                self.on_divergence, every_n_batches=50,
-                advice=(f"DotProdTrainer(weight={self.weight}, alignment={self.alignment!r}): "
+            extra.append(
+                DivergenceGuard(
+                    self.on_divergence,
+                    every_n_batches=50,
+                    advice=(
+                        f"DotProdTrainer(weight={self.weight}, alignment={self.alignment!r}): "
                         "the Meta DotProd term can make the model grow its gradients to raise "
                         "G1.G2 (the paper's step ascends the loss once weight*lambda_max(H) "
-                        "passes ~2). Lower `weight`, use alignment=\"capped\" (the default) "
+                        'passes ~2). Lower `weight`, use alignment="capped" (the default) '
                         "or a smaller `cap`, or a lower learning rate. "
-                        "on_divergence=\"stop\" stops the run here."),
-            ))
+                        'on_divergence="stop" stops the run here.'
+                    ),
+                )
+            )
         bound.arguments["callbacks"] = callbacks + extra
         return super().fit(*bound.args[1:], **bound.kwargs)
 
@@ -336,4 +363,7 @@ class _UnsplitBatchesReport(keras.callbacks.Callback):
             "DotProdTrainer: %.3g%% of epoch %d's batches had fewer than 2 examples on some "
             "replica, so they could not be split into b1, b2; each was trained as a plain "
             "step on (b, b) (G = 2 * grad L(b), no regulariser). Said once per fit; the "
-            "share is logged as `unsplit_fraction`.", 100 * fraction, epoch + 1)
+            "share is logged as `unsplit_fraction`.",
+            100 * fraction,
+            epoch + 1,
+        )

@@ -8,6 +8,7 @@ Two entry points share one implementation of the greedy step:
 
 See `tf_metaalign.algorithms.guided` for the maths and docs/guided.md for usage.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,7 +19,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_metaalign import _compat
 from tf_metaalign import functional as F
 from tf_metaalign import optimizers as opt_lib
 from tf_metaalign.algorithms import guided as alg
@@ -34,6 +34,8 @@ from tf_metaalign.trainers.pipeline import Preprocessed, preprocess_data
 
 DEFAULT_HYPERPARAMETERS = ("learning_rate", "beta_1")
 DEFAULT_META_LEARNING_RATE = 3e-5
+
+
 @keras.saving.register_keras_serializable(package="tf_metaalign")
 class GuidedHyperparameters(keras.layers.Layer):
     """The state of guided learning: learned raw values, meta-optimizer slots, counters.
@@ -57,7 +59,9 @@ class GuidedHyperparameters(keras.layers.Layer):
         @tf.function
         def step(batch, guidance_batch):
             params, state = functional.current_params(model), functional.current_state(model)
-            loss, grads, (new_state, _) = functional.value_and_grad(train_loss, params, state, batch)
+            loss, grads, (new_state, _) = functional.value_and_grad(
+                train_loss, params, state, batch
+            )
             return guided_update(hyper, model, optimizer, guide_loss, grads, new_state,
                                  guidance_batch)
 
@@ -81,8 +85,14 @@ class GuidedHyperparameters(keras.layers.Layer):
         `reuse_lookahead` still load.)
     """
 
-    def __init__(self, hyperparameters=None, meta_optimizer=None, guidance_every=1,
-                 commit_forward_update=True, **kwargs):
+    def __init__(
+        self,
+        hyperparameters=None,
+        meta_optimizer=None,
+        guidance_every=1,
+        commit_forward_update=True,
+        **kwargs,
+    ):
         if "reuse_lookahead" in kwargs:  # its name before 0.2
             commit_forward_update = kwargs.pop("reuse_lookahead")
         super().__init__(**kwargs)
@@ -99,7 +109,9 @@ class GuidedHyperparameters(keras.layers.Layer):
                 f"got {hyperparameters!r}."
             )
         if not hyperparameters:
-            raise ValueError("`hyperparameters` is empty: name at least one hyperparameter to learn.")
+            raise ValueError(
+                "`hyperparameters` is empty: name at least one hyperparameter to learn."
+            )
         if len(set(hyperparameters)) != len(hyperparameters):
             raise ValueError(f"`hyperparameters` has duplicates: {hyperparameters!r}.")
         if (
@@ -128,8 +140,12 @@ class GuidedHyperparameters(keras.layers.Layer):
 
         def state(name, dtype, shape=()):
             return self.add_weight(
-                name=name, shape=shape, dtype=dtype, initializer="zeros",
-                trainable=False, aggregation="only_first_replica",
+                name=name,
+                shape=shape,
+                dtype=dtype,
+                initializer="zeros",
+                trainable=False,
+                aggregation="only_first_replica",
             )
 
         self.raw = {n: state(f"raw_{n}", "float64") for n in self.names}
@@ -181,7 +197,10 @@ class GuidedHyperparameters(keras.layers.Layer):
 
     def values(self):
         """name -> current learned value (learning_rate: the scale), float64 tensors."""
-        return {n: alg.activate(k, tf.convert_to_tensor(self.raw[n].value)) for n, k in self.active.items()}
+        return {
+            n: alg.activate(k, tf.convert_to_tensor(self.raw[n].value))
+            for n, k in self.active.items()
+        }
 
     def get_config(self):
         config = super().get_config()
@@ -242,8 +261,9 @@ def _optimizer_variable(optimizer, key):
     return variables[key]
 
 
-def guided_update(hyper, model, optimizer, guide_loss_fn, grads, new_state, guidance_batch,
-                  guidance_weight=None):
+def guided_update(
+    hyper, model, optimizer, guide_loss_fn, grads, new_state, guidance_batch, guidance_weight=None
+):
     """Run `algorithms.guided.guided_step` against a Keras model and optimizer.
 
     `grads` is this replica's training gradient of the (loss-scaled, under a
@@ -299,29 +319,44 @@ def guided_update(hyper, model, optimizer, guide_loss_fn, grads, new_state, guid
     # With a hypergradient every step, the forward-mode update IS this step's update:
     # commit it (group by group) instead of recomputing it in apply_gradients.
     commit_now = (
-        hyper.commit_forward_update and hyper.guidance_every == 1 and not scaled
+        hyper.commit_forward_update
+        and hyper.guidance_every == 1
+        and not scaled
         and not getattr(inner, "use_ema", False)
     )
     commit = None
     if commit_now:
+
         def commit(i, new_value, new_slots):
             return inner.assign_variable_update(variables[i], new_value, new_slots)
 
     guide = guide_loss_fn
     if scaled:
+
         def guide(p, s, b):  # scaled like the training loss, against float16 underflow
             value, aux = guide_loss_fn(p, s, b)
             return value * tf.cast(loss_scale, value.dtype), aux
 
     r = alg.guided_step(
-        guide, inner.rule, g_global, F.current_params(model), slots,
-        [inner.options_for(v) for v in variables], base, raw,
-        tf.cast(inner.iterations + 1, tf.float32), new_state, guidance_batch,
-        meta_rule=hyper.meta_rule, meta_slots=meta_slots,
+        guide,
+        inner.rule,
+        g_global,
+        F.current_params(model),
+        slots,
+        [inner.options_for(v) for v in variables],
+        base,
+        raw,
+        tf.cast(inner.iterations + 1, tf.float32),
+        new_state,
+        guidance_batch,
+        meta_rule=hyper.meta_rule,
+        meta_slots=meta_slots,
         meta_hparams={"learning_rate": tf.cast(meta_lr, tf.float64)},
         meta_step=tf.cast(hyper.guided_steps + 1, tf.float64),
-        apply=apply, guidance_weight=guidance_weight,
-        hparam_dtype={k: opt_vars[k].dtype for k in keys}, commit=commit,
+        apply=apply,
+        guidance_weight=guidance_weight,
+        hparam_dtype={k: opt_vars[k].dtype for k in keys},
+        commit=commit,
     )
     h, guidance_loss = r.hypergradients, r.guidance_loss
     if scaled:
@@ -481,17 +516,29 @@ def split_guidance_batch(dataset: tf.data.Dataset, num_batches: int = 1, holdout
 
     specs = tf.nest.flatten(dataset.element_spec)
     if not all(isinstance(spec, tf.TensorSpec) for spec in specs):
-        raise _identity_error(dataset, reason, "its examples are not all dense tensors (ragged "
-                              "or sparse), which identity cannot compare")
+        raise _identity_error(
+            dataset,
+            reason,
+            "its examples are not all dense tensors (ragged "
+            "or sparse), which identity cannot compare",
+        )
     if not all(spec.shape.rank and spec.shape[1:].is_fully_defined() for spec in specs):
-        raise _identity_error(dataset, reason, "an example's shape depends on its batch "
-                              "(padded per batch, or no batch axis), so identity cannot "
-                              "recognise it in another batch")
+        raise _identity_error(
+            dataset,
+            reason,
+            "an example's shape depends on its batch "
+            "(padded per batch, or no batch axis), so identity cannot "
+            "recognise it in another batch",
+        )
     if holdout == "auto" and _draws_random_numbers(graph):
-        raise _identity_error(dataset, reason, "its map functions draw random numbers "
-                              "(augmentation?), so an example is another tensor every epoch "
-                              "and identity cannot recognise it (holdout='identity' if they "
-                              "do not change the examples)")
+        raise _identity_error(
+            dataset,
+            reason,
+            "its map functions draw random numbers "
+            "(augmentation?), so an example is another tensor every epoch "
+            "and identity cannot recognise it (holdout='identity' if they "
+            "do not change the examples)",
+        )
     held_out = tf.concat([example_fingerprints(b) for b in head], axis=0)
 
     def drop_guidance(*element):
@@ -502,7 +549,9 @@ def split_guidance_batch(dataset: tf.data.Dataset, num_batches: int = 1, holdout
 
     logging.info(
         "split_guidance_batch: holding the %d guidance examples out by identity, since %s; "
-        "training batches that held one come out smaller.", int(held_out.shape[0]), reason,
+        "training batches that held one come out smaller.",
+        int(held_out.shape[0]),
+        reason,
     )
     # `map` keeps the number of batches (a `filter` of emptied batches would make it
     # unknown: Keras then warns every epoch and fixes the count of later epochs to the first's).
@@ -525,7 +574,9 @@ def _stack(batches):
 
 def _as_batch(element, arg="guidance_data"):
     if isinstance(element, dict):
-        raise ValueError(f"`{arg}` elements must be (x, y) or (x, y, sample_weight) tuples, not a dict.")
+        raise ValueError(
+            f"`{arg}` elements must be (x, y) or (x, y, sample_weight) tuples, not a dict."
+        )
     if not isinstance(element, (tuple, list)) or len(element) not in (2, 3):
         raise ValueError(
             f"`{arg}` must be a batch (x, y) / (x, y, sample_weight) or a tf.data.Dataset of "
@@ -552,7 +603,8 @@ class GuidanceData:
             batches = [_as_batch(b) for b in data.take(max_batches + 1)]
             if len(batches) > max_batches:
                 logging.warning(
-                    "guidance_data: using the first %d batches of the dataset (max_guidance_batches).",
+                    "guidance_data: using the first %d batches of the dataset "
+                    "(max_guidance_batches).",
                     max_batches,
                 )
                 batches = batches[:max_batches]
@@ -630,7 +682,8 @@ class GuidedTrainer(MetaTrainer):
     Compile with one of `tf_metaalign.optimizers` (SGD, Adam, AdamW, AdamWeightDecay, Lamb,
     Adafactor, RecAdam), or Keras's Adam, AdamW or SGD ("adam", `keras.optimizers.Adam(1e-3)`,
     ...), which `compile` converts to the tf_metaalign optimizer with the same rule and
-    hyperparameters (logged; see `compile`); under `mixed_float16` Keras wraps it in a `LossScaleOptimizer`, which is
+    hyperparameters (logged; see `compile`); under `mixed_float16` Keras wraps it in a
+    `LossScaleOptimizer`, which is
     supported (the update is then recomputed by the optimizer, which skips steps whose
     gradient overflowed; those steps take no hypergradient step). Logs, per step
     (batch-level logs, TensorBoard `update_freq="batch"`) and per epoch (History: the
@@ -662,17 +715,25 @@ class GuidedTrainer(MetaTrainer):
             raise ValueError(
                 f"`max_guidance_batches` must be an integer >= 1; got {max_guidance_batches!r}."
             )
-        # Raw guidance data for a keras-hub task goes through the task's preprocessor, as fit's does.
+        # Raw guidance data for a keras-hub task goes through the task's preprocessor, as fit's
+        # does.
         guidance = GuidanceData(preprocess_data(model, guidance_data), max_guidance_batches)
         super().__init__(model, **kwargs)
         self._guidance = [guidance]  # a list hides the holder from Keras's tracking
         self.max_guidance_batches = max_guidance_batches
         self.guided = GuidedHyperparameters(
-            hyperparameters, meta_optimizer, guidance_every,
-            commit_forward_update=commit_forward_update, name="guided_hyperparameters",
+            hyperparameters,
+            meta_optimizer,
+            guidance_every,
+            commit_forward_update=commit_forward_update,
+            name="guided_hyperparameters",
         )
-        for name in ("learning_rate_scale", "effective_learning_rate", "guidance_loss",
-                     "nonfinite_hypergrads"):
+        for name in (
+            "learning_rate_scale",
+            "effective_learning_rate",
+            "guidance_loss",
+            "nonfinite_hypergrads",
+        ):
             self.add_diagnostic(name, "last")
         for name in self.guided.names:
             if name != "learning_rate":
@@ -717,19 +778,28 @@ class GuidedTrainer(MetaTrainer):
         guidance_batch, weight = self.guidance.shard(index)
         loss_scale = self.loss_scale()
         loss, grads, (new_state, y_pred) = F.value_and_grad(
-            self.loss_fn(loss_scale=loss_scale), F.current_params(self.model),
-            F.current_state(self.model), (x, y, sample_weight),
+            self.loss_fn(loss_scale=loss_scale),
+            F.current_params(self.model),
+            F.current_state(self.model),
+            (x, y, sample_weight),
         )
 
         def update():
             return guided_update(
-                self.guided, self.model, self.optimizer, self.loss_fn(training=False),
-                grads, new_state, guidance_batch, guidance_weight=weight,
+                self.guided,
+                self.model,
+                self.optimizer,
+                self.loss_fn(training=False),
+                grads,
+                new_state,
+                guidance_batch,
+                guidance_weight=weight,
             )
 
         # The state is assigned by finish_step after the guided step has read `new_state`.
-        return self.finish_step(data, y_pred, loss / tf.cast(loss_scale, loss.dtype),
-                                update=update, new_state=new_state)
+        return self.finish_step(
+            data, y_pred, loss / tf.cast(loss_scale, loss.dtype), update=update, new_state=new_state
+        )
 
     def get_config(self):
         config = super().get_config()
@@ -738,7 +808,8 @@ class GuidedTrainer(MetaTrainer):
                 "num_batches": self.guidance.num_batches,
                 # (x, y[, sample_weight]) with a leading batch-index axis; x may be a dict.
                 "stacked": [
-                    {k: _encode_array(v) for k, v in e.items()} if isinstance(e, dict)
+                    {k: _encode_array(v) for k, v in e.items()}
+                    if isinstance(e, dict)
                     else _encode_array(e)
                     for e in self.guidance.stacked
                 ],
@@ -757,12 +828,14 @@ class GuidedTrainer(MetaTrainer):
         data = config["guidance_data"]
         if isinstance(data, dict) and "stacked" in data:
             stacked = tuple(
-                {k: _decode_array(v) for k, v in e.items()} if "values" not in e
+                {k: _decode_array(v) for k, v in e.items()}
+                if "values" not in e
                 else _decode_array(e)
                 for e in data["stacked"]
             )
             config["guidance_data"] = Preprocessed(  # stored after preprocessing
-                tf.nest.map_structure(lambda a: a[0], stacked) if data["num_batches"] == 1
+                tf.nest.map_structure(lambda a: a[0], stacked)
+                if data["num_batches"] == 1
                 else tf.data.Dataset.from_tensor_slices(stacked)
             )
         config.pop("memory_efficient", None)  # see GuidedHyperparameters.from_config

@@ -6,6 +6,7 @@ The maths lives in `tf_metaalign.algorithms.maml` and
 learned variables (inner learning rates, gradient sharing's m, lambda, g_hat), hands the
 outer gradient to the compiled (OUTER) optimizer and logs.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -168,43 +169,60 @@ class MAMLTrainer(MetaTrainer):
         dimension is not static (see Data).
     """
 
-    def __init__(self, model, inner_steps=1, inner_learning_rate=0.01, first_order=False,
-                 learn_inner_learning_rates="none", gradient_sharing=None,
-                 multi_step_loss=False, multi_step_loss_epochs=10, first_order_epochs=0,
-                 per_step_batch_norm_statistics=False, evaluation_inner_steps=None,
-                 transductive_evaluation=None, tasks_per_batch=None, inner_training=True,
-                 **kwargs):
+    def __init__(
+        self,
+        model,
+        inner_steps=1,
+        inner_learning_rate=0.01,
+        first_order=False,
+        learn_inner_learning_rates="none",
+        gradient_sharing=None,
+        multi_step_loss=False,
+        multi_step_loss_epochs=10,
+        first_order_epochs=0,
+        per_step_batch_norm_statistics=False,
+        evaluation_inner_steps=None,
+        transductive_evaluation=None,
+        tasks_per_batch=None,
+        inner_training=True,
+        **kwargs,
+    ):
         inner_steps = R.validate_steps("inner_steps", inner_steps)
         inner_learning_rate = R.validate_rate("inner_learning_rate", inner_learning_rate)
         first_order = _check_bool("first_order", first_order)
         learn = M.validate_learn_inner_learning_rates(learn_inner_learning_rates)
         sharing = as_gradient_sharing(gradient_sharing)
         multi_step_loss = _check_bool("multi_step_loss", multi_step_loss)
-        multi_step_loss_epochs = _check_epochs("multi_step_loss_epochs",
-                                               multi_step_loss_epochs, 1)
+        multi_step_loss_epochs = _check_epochs("multi_step_loss_epochs", multi_step_loss_epochs, 1)
         first_order_epochs = _check_epochs("first_order_epochs", first_order_epochs)
         if first_order and first_order_epochs:
             raise ValueError(
                 "`first_order_epochs` (derivative-order annealing: first order, then second "
                 "order) needs first_order=False; got first_order=True and "
-                f"first_order_epochs={first_order_epochs}.")
+                f"first_order_epochs={first_order_epochs}."
+            )
         if evaluation_inner_steps is not None:
-            evaluation_inner_steps = R.validate_steps("evaluation_inner_steps",
-                                                      evaluation_inner_steps)
+            evaluation_inner_steps = R.validate_steps(
+                "evaluation_inner_steps", evaluation_inner_steps
+            )
         inner_training = _check_bool("inner_training", inner_training)
         if transductive_evaluation is not None:
-            transductive_evaluation = _check_bool("transductive_evaluation",
-                                                  transductive_evaluation)
+            transductive_evaluation = _check_bool(
+                "transductive_evaluation", transductive_evaluation
+            )
         if tasks_per_batch is not None:
             tasks_per_batch = R.validate_steps("tasks_per_batch", tasks_per_batch)
         per_step = _check_bool("per_step_batch_norm_statistics", per_step_batch_norm_statistics)
         if per_step and not model.built:
-            raise ValueError("per_step_batch_norm_statistics=True copies the model's statistics "
-                             "per inner step: the model must be built (give it Input shapes).")
+            raise ValueError(
+                "per_step_batch_norm_statistics=True copies the model's statistics "
+                "per inner step: the model must be built (give it Input shapes)."
+            )
         if learn != "none" and not model.built:
             raise ValueError(
                 f"learn_inner_learning_rates={learn!r} creates one learning rate per weight: "
-                "the model must be built (give it Input shapes, or call it once).")
+                "the model must be built (give it Input shapes, or call it once)."
+            )
         super().__init__(model, **kwargs)
         self.inner_steps = inner_steps
         self.inner_learning_rate = inner_learning_rate
@@ -227,23 +245,40 @@ class MAMLTrainer(MetaTrainer):
         if multi_step_loss or first_order_epochs:
             self.epochs_done = self.add_state_variable("epochs_done", dtype="int64")
         self._learned = {}  # algorithm name -> trainer-owned trainable variable
-        dtype = (model.trainable_variables[0].dtype if model.built and model.trainable_variables
-                 else keras.backend.floatx())
+        dtype = (
+            model.trainable_variables[0].dtype
+            if model.built and model.trainable_variables
+            else keras.backend.floatx()
+        )
         with _compat.unlocked_state(self):
             if learn == "per_parameter":
                 self.inner_learning_rate_variables = [
-                    self._add_learned(f"inner_learning_rate_{i}", v.shape, inner_learning_rate,
-                                    v.dtype, key=f"lr_{i}")
-                    for i, v in enumerate(model.trainable_variables)]
+                    self._add_learned(
+                        f"inner_learning_rate_{i}",
+                        v.shape,
+                        inner_learning_rate,
+                        v.dtype,
+                        key=f"lr_{i}",
+                    )
+                    for i, v in enumerate(model.trainable_variables)
+                ]
             elif learn == "per_layer_per_step":
-                self.inner_learning_rate_variables = [self._add_learned(
-                    "inner_learning_rates", (inner_steps, len(model.trainable_variables)),
-                    inner_learning_rate, dtype, key="lslr")]
+                self.inner_learning_rate_variables = [
+                    self._add_learned(
+                        "inner_learning_rates",
+                        (inner_steps, len(model.trainable_variables)),
+                        inner_learning_rate,
+                        dtype,
+                        key="lslr",
+                    )
+                ]
             if sharing is not None:
-                self.sharing_m = self._add_learned("sharing_m", (inner_steps,),
-                                                 sharing.initial_m, dtype)
-                self.sharing_lambda = self._add_learned("sharing_lambda", (inner_steps,),
-                                                      sharing.initial_lambda, dtype)
+                self.sharing_m = self._add_learned(
+                    "sharing_m", (inner_steps,), sharing.initial_m, dtype
+                )
+                self.sharing_lambda = self._add_learned(
+                    "sharing_lambda", (inner_steps,), sharing.initial_lambda, dtype
+                )
         if sharing is not None:
             # g_hat_k: a weights copy per step (its initial value is never read: the
             # flag says "not initialised" until the first meta-iteration writes it).
@@ -257,16 +292,25 @@ class MAMLTrainer(MetaTrainer):
             state = model.non_trainable_variables
             self._statistics_indices = [i for i, v in enumerate(state) if i not in seeds]
             if not self._statistics_indices:
-                raise ValueError("per_step_batch_norm_statistics=True, but the model has no "
-                                 "statistics (no non-trainable variable but seed states).")
+                raise ValueError(
+                    "per_step_batch_norm_statistics=True, but the model has no "
+                    "statistics (no non-trainable variable but seed states)."
+                )
             with self.distribute_strategy.scope(), _compat.unlocked_state(self):
                 for k in range(inner_steps):
-                    self.step_statistics.append([
-                        self.add_weight(name=f"step_statistics_{k}_{j}", shape=state[i].shape,
-                                        dtype=state[i].dtype,
-                                        initializer=_value_initializer(state[i]),
-                                        trainable=False, aggregation="mean")
-                        for j, i in enumerate(self._statistics_indices)])
+                    self.step_statistics.append(
+                        [
+                            self.add_weight(
+                                name=f"step_statistics_{k}_{j}",
+                                shape=state[i].shape,
+                                dtype=state[i].dtype,
+                                initializer=_value_initializer(state[i]),
+                                trainable=False,
+                                aggregation="mean",
+                            )
+                            for j, i in enumerate(self._statistics_indices)
+                        ]
+                    )
         self.add_diagnostic("support_loss", "mean")
         if learn != "none":
             self.add_diagnostic("inner_learning_rate", "last")
@@ -281,7 +325,8 @@ class MAMLTrainer(MetaTrainer):
             return tf.fill(shape, F.scalar(value, dtype))
 
         variable = self.add_weight(
-            name=name, shape=shape, dtype=dtype, initializer=initializer, trainable=True)
+            name=name, shape=shape, dtype=dtype, initializer=initializer, trainable=True
+        )
         self._learned[key or name] = variable
         return variable
 
@@ -314,11 +359,13 @@ class MAMLTrainer(MetaTrainer):
             raise ValueError(
                 "MAMLTrainer: a batch must be ((support_x, support_y, query_x), query_y"
                 "[, query_sample_weight]), each with a leading task dimension; got x of type "
-                f"{type(x).__name__}" + (f" with {len(x)} parts." if isinstance(x, (tuple, list))
-                                         else "."))
+                f"{type(x).__name__}"
+                + (f" with {len(x)} parts." if isinstance(x, (tuple, list)) else ".")
+            )
         if y is None and require_y:
-            raise ValueError("MAMLTrainer: the batch has no query_y (the targets of the query "
-                             "sets).")
+            raise ValueError(
+                "MAMLTrainer: the batch has no query_y (the targets of the query sets)."
+            )
         parts = {"support_x": x[0], "support_y": x[1], "query_x": x[2]}
         if y is not None:
             parts["query_y"] = y
@@ -332,13 +379,15 @@ class MAMLTrainer(MetaTrainer):
                 if rank is not None and rank < need:
                     raise ValueError(
                         f"MAMLTrainer: `{name}` needs a leading task dimension ([T, N, ...]); "
-                        f"got shape {t.shape}. Batch the tasks (one element = T tasks).")
+                        f"got shape {t.shape}. Batch the tasks (one element = T tasks)."
+                    )
                 n = t.shape[0] if rank else None
                 if n is not None:
                     if tasks is not None and n != tasks:
                         raise ValueError(
                             f"MAMLTrainer: the parts of a batch have different task counts "
-                            f"({tasks} and {n} in `{name}`).")
+                            f"({tasks} and {n} in `{name}`)."
+                        )
                     tasks = n
         try:
             model_inputs = tf.nest.flatten(self.model.inputs)
@@ -351,8 +400,7 @@ class MAMLTrainer(MetaTrainer):
 
     def _split(self, data, require_y=True):
         """(support batches, query batches, flat query (x, y, sw)) per task."""
-        parts, tasks = self._parts(*keras.utils.unpack_x_y_sample_weight(data),
-                                   require_y=require_y)
+        parts, tasks = self._parts(*keras.utils.unpack_x_y_sample_weight(data), require_y=require_y)
         if tasks is None:
             tasks = self.static_tasks_per_replica(None)
 
@@ -360,8 +408,12 @@ class MAMLTrainer(MetaTrainer):
                 return task_batches.assert_task_count(self, t, tasks)
 
             parts = {k: tf.nest.map_structure(fix, v) for k, v in parts.items()}
-        support_x, support_y, query_x, y = (parts["support_x"], parts["support_y"],
-                                            parts["query_x"], parts.get("query_y"))
+        support_x, support_y, query_x, y = (
+            parts["support_x"],
+            parts["support_y"],
+            parts["query_x"],
+            parts.get("query_y"),
+        )
         sample_weight = parts.get("query_sample_weight")
 
         def task(nest, t):
@@ -374,7 +426,8 @@ class MAMLTrainer(MetaTrainer):
             if nest is None:
                 return None
             return tf.nest.map_structure(
-                lambda a: tf.reshape(a, tf.concat([[-1], tf.shape(a)[2:]], 0)), nest)
+                lambda a: tf.reshape(a, tf.concat([[-1], tf.shape(a)[2:]], 0)), nest
+            )
 
         return supports, queries, (flat(query_x), flat(y), flat(sample_weight))
 
@@ -382,7 +435,9 @@ class MAMLTrainer(MetaTrainer):
         # Keras builds the model, loss and metrics from a training batch: the first task's
         # query set is a model batch.
         if self._building_from_training_batch:
-            self._parts(x, y, sample_weight, require_y=False)  # a clear error for a batch of another format
+            self._parts(
+                x, y, sample_weight, require_y=False
+            )  # a clear error for a batch of another format
         return first_task_query_set(x, y, sample_weight)
 
     # -------------------------------------------------------------- the learned values
@@ -412,16 +467,24 @@ class MAMLTrainer(MetaTrainer):
 
     def _g_hat(self, steps):
         index = [min(k, self.inner_steps - 1) for k in range(steps)]
-        return [[tf.convert_to_tensor(v.value) for v in self.weights_copy(f"g_hat_{k}")]
-                for k in index]
+        return [
+            [tf.convert_to_tensor(v.value) for v in self.weights_copy(f"g_hat_{k}")] for k in index
+        ]
 
     def _step_statistics(self, steps):
         """A fresh `StepStatistics` from the copies (past K: step K's), or None."""
         if not self.per_step_batch_norm_statistics:
             return None
-        return M.StepStatistics(self._statistics_indices, [
-            [tf.convert_to_tensor(v.value) for v in self.step_statistics[min(k, self.inner_steps - 1)]]
-            for k in range(steps)])
+        return M.StepStatistics(
+            self._statistics_indices,
+            [
+                [
+                    tf.convert_to_tensor(v.value)
+                    for v in self.step_statistics[min(k, self.inner_steps - 1)]
+                ]
+                for k in range(steps)
+            ],
+        )
 
     def _g_hat_initialized(self):
         return tf.convert_to_tensor(self.g_hat_initialized.value) > 0
@@ -455,19 +518,35 @@ class MAMLTrainer(MetaTrainer):
             if self.multi_step_loss:
                 # In the weights' dtype: 1/K and 0.03/K are not exact in float32.
                 step_weights = M.multi_step_loss_weights(
-                    steps, epoch, self.multi_step_loss_epochs,
-                    dtype=self.model.trainable_variables[0].dtype)
+                    steps,
+                    epoch,
+                    self.multi_step_loss_epochs,
+                    dtype=self.model.trainable_variables[0].dtype,
+                )
         sharing_kwargs = {}
         if self.gradient_sharing is not None:
-            sharing_kwargs = dict(sharing=self.gradient_sharing, g_hat=self._g_hat(steps),
-                                  g_hat_initialized=self._g_hat_initialized())
+            sharing_kwargs = dict(
+                sharing=self.gradient_sharing,
+                g_hat=self._g_hat(steps),
+                g_hat_initialized=self._g_hat_initialized(),
+            )
         statistics = self._step_statistics(steps)
         result = M.meta_gradient(
-            inner_fn, query_fn, F.current_params(self.model), F.current_state(self.model),
-            supports, queries, self._hyper(), self._learning_rates_fn(steps),
-            first_order=self.first_order, order_weight=order_weight,
-            step_weights=step_weights, loss_scale=loss_scale, step_statistics=statistics,
-            **sharing_kwargs)
+            inner_fn,
+            query_fn,
+            F.current_params(self.model),
+            F.current_state(self.model),
+            supports,
+            queries,
+            self._hyper(),
+            self._learning_rates_fn(steps),
+            first_order=self.first_order,
+            order_weight=order_weight,
+            step_weights=step_weights,
+            loss_scale=loss_scale,
+            step_statistics=statistics,
+            **sharing_kwargs,
+        )
         new_state = result.state
         if statistics is not None:  # the model keeps the last step's statistics
             new_state = statistics.enter(steps - 1, new_state)
@@ -490,23 +569,33 @@ class MAMLTrainer(MetaTrainer):
                         v.assign(value)
 
         # The mean over ALL replicas' tasks (identical on every replica).
-        support_loss = F.all_reduce_sum(
-            F.replica_share(tf.stop_gradient(result.support_losses[0])))
+        support_loss = F.all_reduce_sum(F.replica_share(tf.stop_gradient(result.support_losses[0])))
         diagnostics = {"support_loss": support_loss}
         diagnostics.update(self._learned_diagnostics())
-        return self.finish_step(flat_query, result.y_pred, loss, new_state=new_state,
-                                update=update, diagnostics=diagnostics)
+        return self.finish_step(
+            flat_query,
+            result.y_pred,
+            loss,
+            new_state=new_state,
+            update=update,
+            diagnostics=diagnostics,
+        )
 
     def _learned_diagnostics(self):
         out = {}
         if self.learn_inner_learning_rates != "none":
-            values = [tf.reshape(tf.convert_to_tensor(v.value), [-1])
-                      for v in self.inner_learning_rate_variables]
+            values = [
+                tf.reshape(tf.convert_to_tensor(v.value), [-1])
+                for v in self.inner_learning_rate_variables
+            ]
             out["inner_learning_rate"] = tf.reduce_mean(tf.concat(values, 0))
         if self.gradient_sharing is not None:
-            out["sharing_m"] = tf.reduce_mean(tf.sigmoid(tf.convert_to_tensor(self.sharing_m.value)))
+            out["sharing_m"] = tf.reduce_mean(
+                tf.sigmoid(tf.convert_to_tensor(self.sharing_m.value))
+            )
             out["sharing_lambda"] = tf.reduce_mean(
-                tf.sigmoid(tf.convert_to_tensor(self.sharing_lambda.value)))
+                tf.sigmoid(tf.convert_to_tensor(self.sharing_lambda.value))
+            )
         return out
 
     # ------------------------------------------------------------------ evaluation
@@ -529,13 +618,25 @@ class MAMLTrainer(MetaTrainer):
         kwargs = {}
         if self.gradient_sharing is not None and steps:
             index = [min(k, self.inner_steps - 1) for k in range(steps)]
-            kwargs = dict(sharing=self.gradient_sharing, sharing_m=tf.gather(hyper["sharing_m"], index),
-                          sharing_lambda=tf.gather(hyper["sharing_lambda"], index),
-                          g_hat=self._g_hat(steps), sharing_training=False,
-                          g_hat_initialized=self._g_hat_initialized())
-        return M.adapt(inner_fn, F.current_params(self.model), F.current_state(self.model),
-                       supports, self._learning_rates_fn(steps)(hyper), first_order=True,
-                       loss_scale=loss_scale, step_statistics=statistics, **kwargs)
+            kwargs = dict(
+                sharing=self.gradient_sharing,
+                sharing_m=tf.gather(hyper["sharing_m"], index),
+                sharing_lambda=tf.gather(hyper["sharing_lambda"], index),
+                g_hat=self._g_hat(steps),
+                sharing_training=False,
+                g_hat_initialized=self._g_hat_initialized(),
+            )
+        return M.adapt(
+            inner_fn,
+            F.current_params(self.model),
+            F.current_state(self.model),
+            supports,
+            self._learning_rates_fn(steps)(hyper),
+            first_order=True,
+            loss_scale=loss_scale,
+            step_statistics=statistics,
+            **kwargs,
+        )
 
     def test_step(self, data):
         self.unpack(data)
@@ -544,11 +645,13 @@ class MAMLTrainer(MetaTrainer):
         statistics = self._step_statistics_for(self._evaluation_steps)
         adapted = self._adapt(supports, training=training, statistics=statistics)
         _, query_fn = self._loss_fns(None, training=training)
-        loss, _, y_pred, _ = M.query_objective(query_fn, adapted.trajectories, adapted.state,
-                                               queries, step_statistics=statistics)
+        loss, _, y_pred, _ = M.query_objective(
+            query_fn, adapted.trajectories, adapted.state, queries, step_statistics=statistics
+        )
         x, y, sample_weight = flat_query
         _compat.loss_tracker(self).update_state(
-            F.unscale_loss_for_distribution(loss), sample_weight=F.batch_size(x))
+            F.unscale_loss_for_distribution(loss), sample_weight=F.batch_size(x)
+        )
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return {k: v for k, v in logs.items() if k not in self._diagnostics}
 
@@ -569,8 +672,9 @@ class MAMLTrainer(MetaTrainer):
         for trajectory, (query_x, _, _) in zip(adapted.trajectories, queries):
             if statistics is not None:
                 state = statistics.enter(self._evaluation_steps - 1, state)
-            y_pred, state, _ = F.stateless_forward(self.model, trajectory[-1], state, query_x,
-                                                   training=training)
+            y_pred, state, _ = F.stateless_forward(
+                self.model, trajectory[-1], state, query_x, training=training
+            )
             outputs.append(y_pred)
         return tf.nest.map_structure(lambda *ys: tf.stack(ys, 0), *outputs)
 
@@ -625,8 +729,10 @@ class MAMLTrainer(MetaTrainer):
         support_y = tf.nest.map_structure(tf.convert_to_tensor, support_y)
         first = tf.nest.flatten(support_x)[0]
         if first.shape.rank is None or first.shape.rank < 2:
-            raise ValueError(f"adapt: `support_x` needs a leading task dimension ([T, N, ...]); "
-                             f"got shape {first.shape}.")
+            raise ValueError(
+                f"adapt: `support_x` needs a leading task dimension ([T, N, ...]); "
+                f"got shape {first.shape}."
+            )
         self._check_task_axis("adapt", "support_x", support_x)
         tasks = first.shape[0]
         for t in tf.nest.flatten(support_y):
@@ -634,14 +740,24 @@ class MAMLTrainer(MetaTrainer):
                 raise ValueError(
                     f"adapt: `support_y` must be [T, N, ...] with the T={tasks} tasks and "
                     f"N={first.shape[1]} examples of `support_x` (shape {first.shape}); got "
-                    f"shape {t.shape}.")
+                    f"shape {t.shape}."
+                )
         steps = self._evaluation_steps if inner_steps is None else inner_steps
         if steps == 0:
             return [list(F.current_params(self.model)) for _ in range(tasks)]
-        supports = [(tf.nest.map_structure(lambda a: a[t], support_x),
-                     tf.nest.map_structure(lambda a: a[t], support_y)) for t in range(tasks)]
-        result = self._adapt(supports, training=self.transductive_evaluation, steps=steps,
-                             statistics=self._step_statistics_for(steps))
+        supports = [
+            (
+                tf.nest.map_structure(lambda a: a[t], support_x),
+                tf.nest.map_structure(lambda a: a[t], support_y),
+            )
+            for t in range(tasks)
+        ]
+        result = self._adapt(
+            supports,
+            training=self.transductive_evaluation,
+            steps=steps,
+            statistics=self._step_statistics_for(steps),
+        )
         return [traj[-1] for traj in result.trajectories]
 
     def _check_task_axis(self, where, name, x):
@@ -663,7 +779,8 @@ class MAMLTrainer(MetaTrainer):
                     raise ValueError(
                         f"{where}: `{name}` needs a leading task dimension: shape [T, N, ...] "
                         f"of rank {_rank(i) + 1} for the model's input of shape {i.shape}; "
-                        f"got shape {t.shape}.")
+                        f"got shape {t.shape}."
+                    )
                 continue
             feature = tuple(i.shape[1:])
             shape = tuple(t.shape)
@@ -672,24 +789,30 @@ class MAMLTrainer(MetaTrainer):
 
             def fits(dims):
                 return len(dims) == len(feature) and all(
-                    a is None or b is None or a == b for a, b in zip(dims, feature))
+                    a is None or b is None or a == b for a, b in zip(dims, feature)
+                )
 
             if len(shape) == want and fits(shape[2:]):
                 continue
             if len(shape) == want - 1 and fits(shape[1:]):
                 raise ValueError(
-                    f"{where}: `{name}` of shape {shape} is ONE task without its task axis (the leading task dimension) "
+                    f"{where}: `{name}` of shape {shape} is ONE task without its task axis "
+                    "(the leading task dimension) "
                     f"(the model's input is {tuple(i.shape)}); {name} must be {expected} "
                     f"(tasks, examples, features): add the task axis, e.g. `{name}[None]` "
-                    "(a [1, N, ...] batch of one task).")
+                    "(a [1, N, ...] batch of one task)."
+                )
             if len(shape) == want - 1 and fits(shape[2:] + (1,)):
                 raise ValueError(
                     f"{where}: `{name}` of shape {shape} lacks the model's feature axis: the "
                     f"model's input is {tuple(i.shape)}, so {name} must be {expected} "
-                    f"(tasks, examples, features); add it, e.g. `{name}[..., None]`.")
+                    f"(tasks, examples, features); add it, e.g. `{name}[..., None]`."
+                )
             raise ValueError(
-                f"{where}: `{name}` must be {expected} (a leading task dimension, examples, features) for the "
-                f"model's input of shape {tuple(i.shape)}; got shape {shape}.")
+                f"{where}: `{name}` must be {expected} (a leading task dimension, examples, "
+                "features) for the "
+                f"model's input of shape {tuple(i.shape)}; got shape {shape}."
+            )
 
     # ------------------------------------------------------------------------- fit
 

@@ -1,4 +1,5 @@
 """`MultiTaskTrainer`: multi-task learning on mixed batches with gradient surgery."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,6 @@ from tf_metaalign.trainers.base import MetaTrainer
 TASK_PASSES = ("auto", "vectorized", "gathered", "masked")
 #: What a task is (see `MultiTaskTrainer`): rows of the batch (`task_id`) or model outputs.
 TASK_SETTINGS = ("rows", "outputs")
-
-
 
 
 @keras.saving.register_keras_serializable(package="tf_metaalign")
@@ -60,7 +59,8 @@ class MultiTaskTrainer(MetaTrainer):
       dicts (or plain model inputs). The rest of this doc describes how rows are masked.
 
     Per-task losses (tasks="rows"). One forward pass over the whole batch; task t's loss
-    is the trainer's compiled loss (`functional.compute_loss`, the loss `fit` uses) evaluated with the
+    is the trainer's compiled loss (`functional.compute_loss`, the loss `fit` uses) evaluated with
+    the
     sample weights `sample_weight * [task_id == t]` and rescaled to the task's MEAN:
     with Keras's default "sum_over_batch_size" reduction, the masked loss is
     `sum_{i in t} w_i l_i / B`, so it is multiplied by `B / n_t`, where n_t is the number of
@@ -202,75 +202,92 @@ class MultiTaskTrainer(MetaTrainer):
         compile_combination: bool = True,
         **kwargs,
     ):
-        if num_tasks is not None and (isinstance(num_tasks, bool)
-                                      or not isinstance(num_tasks, int) or num_tasks < 1):
-            raise ValueError(f"`num_tasks` must be an integer >= 1 (or None: one task per "
-                             f"output of a multi-output model); got {num_tasks!r}.")
+        if num_tasks is not None and (
+            isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1
+        ):
+            raise ValueError(
+                f"`num_tasks` must be an integer >= 1 (or None: one task per "
+                f"output of a multi-output model); got {num_tasks!r}."
+            )
         if tasks is not None and tasks not in TASK_SETTINGS:
             raise ValueError(f"`tasks` must be None, 'rows' or 'outputs'; got {tasks!r}.")
         if not isinstance(rep_grad, bool):
             raise ValueError(f"`rep_grad` must be a bool; got {rep_grad!r}.")
         if not isinstance(compile_combination, bool):
-            raise ValueError(f"`compile_combination` must be a bool; got "
-                             f"{compile_combination!r}.")
+            raise ValueError(f"`compile_combination` must be a bool; got {compile_combination!r}.")
         if representation is not None and not isinstance(representation, str):
-            raise ValueError(f"`representation` must be None or a layer name; got "
-                             f"{representation!r}.")
+            raise ValueError(
+                f"`representation` must be None or a layer name; got {representation!r}."
+            )
         if representation is not None and not rep_grad:
-            raise ValueError("`representation` names the layer for `rep_grad=True`; got "
-                             f"representation={representation!r} with rep_grad=False.")
+            raise ValueError(
+                "`representation` names the layer for `rep_grad=True`; got "
+                f"representation={representation!r} with rep_grad=False."
+            )
         setting = tasks or ("rows" if num_tasks is not None else "outputs")
         if setting == "rows" and num_tasks is None:
-            raise ValueError("`num_tasks` is required with tasks='rows' (the number of "
-                             "task_id values).")
+            raise ValueError(
+                "`num_tasks` is required with tasks='rows' (the number of task_id values)."
+            )
         if setting == "outputs":
             if model_takes_task_id:
-                raise ValueError("`model_takes_task_id=True` is for tasks='rows' (batches "
-                                 "with a task_id); got tasks='outputs'.")
+                raise ValueError(
+                    "`model_takes_task_id=True` is for tasks='rows' (batches "
+                    "with a task_id); got tasks='outputs'."
+                )
             if task_passes in ("gathered", "vectorized"):
-                raise ValueError(f"`task_passes`={task_passes!r} gathers the rows of each task; "
-                                 "with tasks='outputs' every row belongs to every task "
-                                 "(use 'auto' or 'masked').")
+                raise ValueError(
+                    f"`task_passes`={task_passes!r} gathers the rows of each task; "
+                    "with tasks='outputs' every row belongs to every task "
+                    "(use 'auto' or 'masked')."
+                )
             outputs = len(model.outputs) if model_graph.has_graph(model) else None
             if num_tasks is None:
                 if outputs is None:
                     raise ValueError(
                         f"`num_tasks` is None and the model {model.name!r} has no graph to "
                         "count its outputs: give `num_tasks` (one task per compiled output "
-                        "loss) with tasks='outputs'.")
+                        "loss) with tasks='outputs'."
+                    )
                 if outputs < 2:
                     raise ValueError(
                         f"`num_tasks` is None, which means one task per model output, but "
                         f"the model {model.name!r} has {outputs} output: give `num_tasks` "
                         "and batches {'inputs': ..., 'task_id': ...} for tasks that are "
-                        "rows of the batch, or a model with one output per task.")
+                        "rows of the batch, or a model with one output per task."
+                    )
                 num_tasks = outputs
         if not isinstance(model_takes_task_id, bool):
-            raise ValueError(
-                f"`model_takes_task_id` must be a bool; got {model_takes_task_id!r}.")
+            raise ValueError(f"`model_takes_task_id` must be a bool; got {model_takes_task_id!r}.")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"`seed` must be an integer; got {seed!r}.")
         if task_passes not in TASK_PASSES:
             raise ValueError(f"`task_passes` must be one of {TASK_PASSES}; got {task_passes!r}.")
         if measure_task_cosine not in (None, True, False):
-            raise ValueError(f"`measure_task_cosine` must be None, True or False; got "
-                             f"{measure_task_cosine!r}.")
+            raise ValueError(
+                f"`measure_task_cosine` must be None, True or False; got {measure_task_cosine!r}."
+            )
         if method_options is not None and not isinstance(method_options, dict):
-            raise ValueError(f"`method_options` must be a dict of the method's arguments; got "
-                             f"{method_options!r}.")
+            raise ValueError(
+                f"`method_options` must be a dict of the method's arguments; got "
+                f"{method_options!r}."
+            )
         options = dict(method_options or {})
-        shortcuts = {"gradvac_beta": ("gradvac", "beta", gradvac_beta),
-                     "gradnorm_alpha": ("gradnorm", "alpha", gradnorm_alpha),
-                     "gradnorm_learning_rate": ("gradnorm", "learning_rate",
-                                                gradnorm_learning_rate),
-                     "gradnorm_variable": ("gradnorm", "variable", gradnorm_variable)}
+        shortcuts = {
+            "gradvac_beta": ("gradvac", "beta", gradvac_beta),
+            "gradnorm_alpha": ("gradnorm", "alpha", gradnorm_alpha),
+            "gradnorm_learning_rate": ("gradnorm", "learning_rate", gradnorm_learning_rate),
+            "gradnorm_variable": ("gradnorm", "variable", gradnorm_variable),
+        }
         for arg, (owner, key, value) in shortcuts.items():
             if value is None:
                 continue
             if method != owner:
-                raise ValueError(f"`{arg}` is an option of method={owner!r}; got method="
-                                 f"{method!r} (give a method's options to its object or in "
-                                 "`method_options`).")
+                raise ValueError(
+                    f"`{arg}` is an option of method={owner!r}; got method="
+                    f"{method!r} (give a method's options to its object or in "
+                    "`method_options`)."
+                )
             options[key] = value
         self.method_object = methods.get_method(method, **options)
         self._task_specific_request = _check_task_specific_request(task_specific_variables)
@@ -298,27 +315,38 @@ class MultiTaskTrainer(MetaTrainer):
             if isinstance(initializer, (int, float)):
                 # Exact in the variable's dtype (Keras's Constant rounds through float32).
                 value = float(initializer)
-                initializer = (lambda v: lambda shape, dtype=None: tf.fill(
-                    shape, F.scalar(v, dtype or "float32")))(value)
+                initializer = (
+                    lambda v: (
+                        lambda shape, dtype=None: tf.fill(shape, F.scalar(v, dtype or "float32"))
+                    )
+                )(value)
             if spec.trainable:
                 # Trained by the compiled optimizer beside the model: in the dtype of the
                 # model's variables (float32 under mixed precision), like its slots.
-                variable = self.add_weight(name=name, shape=spec.shape,
-                                           dtype=keras.backend.floatx(),
-                                           initializer=initializer, trainable=True)
+                variable = self.add_weight(
+                    name=name,
+                    shape=spec.shape,
+                    dtype=keras.backend.floatx(),
+                    initializer=initializer,
+                    trainable=True,
+                )
                 self._trainable_method_state[key] = variable
             else:
                 variable = self.add_state_variable(name, spec.shape, spec.dtype, initializer)
             self.method_state[key] = variable
             setattr(self, name, variable)
-        self.epochs_done = (self.add_state_variable("epochs_done", dtype="int64")
-                            if getattr(self.method_object, "uses_epoch", False) else None)
+        self.epochs_done = (
+            self.add_state_variable("epochs_done", dtype="int64")
+            if getattr(self.method_object, "uses_epoch", False)
+            else None
+        )
         self.add_diagnostic("task_cosine", "mean")
         if rep_grad and not self.method_object.uses_gradients:
             raise ValueError(
                 f"`rep_grad=True` computes the task gradients at the shared representation; "
                 f"method={self.method!r} weighs the losses without task gradients (its "
-                "update is one backward pass already): use rep_grad=False.")
+                "update is one backward pass already): use rep_grad=False."
+            )
         if model.built:
             self._variable_split()  # bad task_specific_variables / GradNorm layer fail now
             if rep_grad:
@@ -347,14 +375,16 @@ class MultiTaskTrainer(MetaTrainer):
             raise ValueError(
                 "MultiTaskTrainer: a training batch's x must be a dict {'inputs': <model "
                 "inputs>, 'task_id': int [B]}; got "
-                + (f"a dict with keys {sorted(x)}" if isinstance(x, dict)
-                   else type(x).__name__) + " (for a model with one output per task, "
-                "compiled with a loss per output, use tasks='outputs' or num_tasks=None).")
+                + (f"a dict with keys {sorted(x)}" if isinstance(x, dict) else type(x).__name__)
+                + " (for a model with one output per task, "
+                "compiled with a loss per output, use tasks='outputs' or num_tasks=None)."
+            )
         task_id = x["task_id"]
         if not task_id.dtype.is_integer or task_id.shape.rank != 1:
             raise ValueError(
                 "MultiTaskTrainer: x['task_id'] must be an integer vector [B] (the task of "
-                f"each example); got dtype {task_id.dtype.name}, shape {task_id.shape}.")
+                f"each example); got dtype {task_id.dtype.name}, shape {task_id.shape}."
+            )
         if not self.model.built:
             self.model(self.model_inputs(x), training=False)
         return x, y, sample_weight
@@ -393,7 +423,8 @@ class MultiTaskTrainer(MetaTrainer):
                     if item not in by_path:
                         raise ValueError(
                             f"`task_specific_variables`: {item!r} is not the path of a "
-                            f"trainable variable of the model; paths: {sorted(by_path)}.")
+                            f"trainable variable of the model; paths: {sorted(by_path)}."
+                        )
                     specific.add(id(by_path[item]))
                 elif id(item) in by_id:
                     specific.add(id(item))
@@ -401,14 +432,16 @@ class MultiTaskTrainer(MetaTrainer):
                     raise ValueError(
                         "`task_specific_variables`: "
                         f"{getattr(item, 'path', item)!r} is not a trainable variable of the "
-                        "model (give the model's own variables or their paths).")
+                        "model (give the model's own variables or their paths)."
+                    )
         shared = [i for i, v in enumerate(variables) if id(v) not in specific]
         task_specific = [i for i, v in enumerate(variables) if id(v) in specific]
         if not shared and self.method_object.uses_gradients:
             raise ValueError(
                 f"MultiTaskTrainer(method={self.method!r}): every trainable variable is "
                 "task-specific, so there is no shared gradient to combine; check "
-                "`task_specific_variables`.")
+                "`task_specific_variables`."
+            )
         if isinstance(self.method_object, methods.GradNorm):
             self.method_object.variable_index([variables[i] for i in shared])
         return shared, task_specific
@@ -422,7 +455,6 @@ class MultiTaskTrainer(MetaTrainer):
 
     def train_step(self, data):
         x, y, sample_weight = self.unpack(data)
-        method = self.method_object
         T = self.num_tasks
         loss_scale = self.loss_scale()
         params, state = F.current_params(self.model), F.current_state(self.model)
@@ -437,8 +469,7 @@ class MultiTaskTrainer(MetaTrainer):
             present = tf.ones([T], acc)
 
             def task_losses_of(y_pred):
-                return self._output_task_losses(model_x, y, y_pred, sample_weight, compiled,
-                                                acc)
+                return self._output_task_losses(model_x, y, y_pred, sample_weight, compiled, acc)
         else:
             model_x = x if self.model_takes_task_id else x["inputs"]
             task_id = tf.cast(x["task_id"], tf.int32)
@@ -452,14 +483,21 @@ class MultiTaskTrainer(MetaTrainer):
             present = tf.cast(counts > 0, acc)
 
             def task_losses_of(y_pred):
-                return [self._masked_task_loss(model_x, y, y_pred, sample_weight, masks[t],
-                                               factors[t], compiled, acc) for t in range(T)]
+                return [
+                    self._masked_task_loss(
+                        model_x, y, y_pred, sample_weight, masks[t], factors[t], compiled, acc
+                    )
+                    for t in range(T)
+                ]
 
         shared_index, specific_index = self._variable_split()
         variables = self.model.trainable_variables
         step = tf.convert_to_tensor(self.steps.count.value)
-        epoch = (tf.convert_to_tensor(self.epochs_done.value) if self.epochs_done is not None
-                 else tf.constant(0, tf.int64))
+        epoch = (
+            tf.convert_to_tensor(self.epochs_done.value)
+            if self.epochs_done is not None
+            else tf.constant(0, tf.int64)
+        )
         method_state = {k: tf.convert_to_tensor(v.value) for k, v in self.method_state.items()}
 
         def task_inputs(losses, task_grads=None, gram=None, shared_variables=None):
@@ -468,8 +506,7 @@ class MultiTaskTrainer(MetaTrainer):
             shared_grads = None
             if task_grads is not None and gram is None:
                 stacked = [task_grads[i] for i in shared_index]
-                gram = (GS.stacked_gram_matrix(stacked) if shared_index
-                        else tf.zeros([T, T], acc))
+                gram = GS.stacked_gram_matrix(stacked) if shared_index else tf.zeros([T, T], acc)
                 # task t's list of gradients (graph pruning drops the slices unless a
                 # method reads them: GradNorm's layer norms)
                 per_variable = [tf.unstack(g, num=T) for g in stacked]
@@ -479,8 +516,15 @@ class MultiTaskTrainer(MetaTrainer):
             if shared_variables is None:
                 shared_variables = [variables[i] for i in shared_index]
             return methods.TaskInputs(
-                losses=losses, present=present, step=step, epoch=epoch, seed=self.seed,
-                gram=gram, task_grads=shared_grads, shared_variables=shared_variables)
+                losses=losses,
+                present=present,
+                step=step,
+                epoch=epoch,
+                seed=self.seed,
+                gram=gram,
+                task_grads=shared_grads,
+                shared_variables=shared_variables,
+            )
 
         regularizer = None
         if self.rep_grad:
@@ -488,25 +532,50 @@ class MultiTaskTrainer(MetaTrainer):
             # backward passes through the heads, the method on the Gram matrix of
             # r_t = sum over the batch of dL_t/dz, ONE backward pass of
             # sum_t c_t dL_t/dz through the encoder.
-            (losses, _, combination, cosine, gradient, new_state, y_pred,
-             regularizer) = self._rep_grad_step(params, state, model_x, y, task_losses_of,
-                                                loss_scale, acc, task_inputs, method_state,
-                                                task_id if self.tasks == "rows" else None)
+            (losses, _, combination, cosine, gradient, new_state, y_pred, regularizer) = (
+                self._rep_grad_step(
+                    params,
+                    state,
+                    model_x,
+                    y,
+                    task_losses_of,
+                    loss_scale,
+                    acc,
+                    task_inputs,
+                    method_state,
+                    task_id if self.tasks == "rows" else None,
+                )
+            )
             cosine_weight = tf.cast(tf.reduce_sum(present) >= 2, tf.float32)
             shared_c, _ = _coefficients(combination, acc)
         elif self._needs_task_gradients():
             passes = self._task_passes_used()
             if passes in ("vectorized", "gathered"):
-                task_passes_fn = (self._vectorized_task_passes if passes == "vectorized"
-                                  else self._gathered_task_passes)
+                task_passes_fn = (
+                    self._vectorized_task_passes
+                    if passes == "vectorized"
+                    else self._gathered_task_passes
+                )
                 task_losses, stacked, new_state, y_pred = task_passes_fn(
-                    params, state, model_x, y, sample_weight, task_id, counts, replicas,
-                    loss_scale, compiled, acc)
+                    params,
+                    state,
+                    model_x,
+                    y,
+                    sample_weight,
+                    task_id,
+                    counts,
+                    replicas,
+                    loss_scale,
+                    compiled,
+                    acc,
+                )
                 reg_grads = None
             else:
                 task_losses, task_grads, new_state, y_pred, regularizer, reg_grads = (
-                    self._masked_task_passes(params, state, model_x, y, task_losses_of,
-                                             loss_scale, acc))
+                    self._masked_task_passes(
+                        params, state, model_x, y, task_losses_of, loss_scale, acc
+                    )
+                )
                 stacked = [tf.stack([g[v] for g in task_grads]) for v in range(len(params))]
             # Global per-task losses and gradients (stacked by variable: [T, ...]),
             # identical on every replica.
@@ -526,10 +595,19 @@ class MultiTaskTrainer(MetaTrainer):
         else:
             # A loss-weighting method: the weights come from the losses alone, so ONE
             # backward pass of sum_t w_t L_t (the cost of plain fit for "sum").
-            (gradient, losses, combination, new_state, y_pred,
-             regularizer) = self._weighted_loss_pass(
-                params, state, model_x, y, task_losses_of, loss_scale, acc, task_inputs,
-                method_state)
+            (gradient, losses, combination, new_state, y_pred, regularizer) = (
+                self._weighted_loss_pass(
+                    params,
+                    state,
+                    model_x,
+                    y,
+                    task_losses_of,
+                    loss_scale,
+                    acc,
+                    task_inputs,
+                    method_state,
+                )
+            )
             cosine = tf.constant(0.0, acc)
             cosine_weight = tf.constant(0.0, tf.float32)
             shared_c, _ = _coefficients(combination, acc)
@@ -537,8 +615,11 @@ class MultiTaskTrainer(MetaTrainer):
         # The reported loss weighs each task as the method weighs its loss: the loss
         # weights it names, else its task-specific coefficients (1 for the gradient
         # methods, the weights of a weighting method).
-        loss_weights = next(tf.cast(w, acc) for w in (
-            combination.loss_weights, combination.specific, shared_c) if w is not None)
+        loss_weights = next(
+            tf.cast(w, acc)
+            for w in (combination.loss_weights, combination.specific, shared_c)
+            if w is not None
+        )
         total = tf.reduce_sum(loss_weights * losses)
         if regularizer is not None:
             total = total + tf.cast(F.all_reduce_sum(regularizer), acc)
@@ -553,15 +634,25 @@ class MultiTaskTrainer(MetaTrainer):
             gradient = [tf.identity(g) for g in gradient]
         diagnostics = {"task_cosine": (cosine, cosine_weight)}
         if not self._trainable_method_state:
-            return self.finish_step(data, y_pred, loss, new_state=new_state, gradients=gradient,
-                                    diagnostics=diagnostics, where="the multi-task loss")
+            return self.finish_step(
+                data,
+                y_pred,
+                loss,
+                new_state=new_state,
+                gradients=gradient,
+                diagnostics=diagnostics,
+                where="the multi-task loss",
+            )
         # Trainable method state (UW's log-variances): trained by the compiled optimizer
         # beside the model, with its global gradient shared out like the model's.
         keys = list(self._trainable_method_state)
         extra_vars = [self._trainable_method_state[k] for k in keys]
-        extra = F.replica_share([tf.cast(combination.state_gradients[k], v.dtype)
-                                 * tf.cast(loss_scale, v.dtype)
-                                 for k, v in zip(keys, extra_vars)])
+        extra = F.replica_share(
+            [
+                tf.cast(combination.state_gradients[k], v.dtype) * tf.cast(loss_scale, v.dtype)
+                for k, v in zip(keys, extra_vars)
+            ]
+        )
         by_id = {id(v): g for v, g in zip(list(variables) + extra_vars, list(gradient) + extra)}
         # In the trainer's variable order, the order Keras builds its optimizer in (on
         # reload too), so the slots line up.
@@ -573,8 +664,15 @@ class MultiTaskTrainer(MetaTrainer):
         def update():
             self.optimizer.apply_gradients(zip(all_grads, all_vars))
 
-        return self.finish_step(data, y_pred, loss, new_state=new_state, update=update,
-                                diagnostics=diagnostics, where="the multi-task loss")
+        return self.finish_step(
+            data,
+            y_pred,
+            loss,
+            new_state=new_state,
+            update=update,
+            diagnostics=diagnostics,
+            where="the multi-task loss",
+        )
 
     def _combine(self, inputs, method_state):
         """The method's combination and the task cosine, from the T x T quantities.
@@ -590,15 +688,27 @@ class MultiTaskTrainer(MetaTrainer):
         method = self.method_object
 
         def run(losses, present, step, epoch, gram, state):
-            fields = dataclasses.replace(inputs, losses=losses, present=present, step=step,
-                                         epoch=epoch, gram=gram)
+            fields = dataclasses.replace(
+                inputs, losses=losses, present=present, step=step, epoch=epoch, gram=gram
+            )
             c = method.combine(fields, state)
             cosine = GS.mean_pairwise_cosine(gram, present)
-            return (c.shared, c.specific, c.loss_weights, dict(c.state),
-                    dict(c.state_gradients)), cosine
+            return (
+                c.shared,
+                c.specific,
+                c.loss_weights,
+                dict(c.state),
+                dict(c.state_gradients),
+            ), cosine
 
-        args = (inputs.losses, inputs.present, inputs.step, inputs.epoch, inputs.gram,
-                dict(method_state))
+        args = (
+            inputs.losses,
+            inputs.present,
+            inputs.step,
+            inputs.epoch,
+            inputs.gram,
+            dict(method_state),
+        )
         if self.compile_combination and method.compiles_well:
             # A new function per trace of the step: `run` closes over this trace's
             # tensors (GradNorm reads one variable's task gradients).
@@ -606,16 +716,23 @@ class MultiTaskTrainer(MetaTrainer):
         else:
             parts, cosine = run(*args)
         shared, specific, loss_weights, state, state_gradients = parts
-        return methods.Combination(shared=shared, specific=specific, loss_weights=loss_weights,
-                                   state=state, state_gradients=state_gradients), cosine
+        return methods.Combination(
+            shared=shared,
+            specific=specific,
+            loss_weights=loss_weights,
+            state=state,
+            state_gradients=state_gradients,
+        ), cosine
 
-    def _weighted_loss_pass(self, params, state, model_x, y, task_losses_of, loss_scale, acc,
-                            task_inputs, method_state):
+    def _weighted_loss_pass(
+        self, params, state, model_x, y, task_losses_of, loss_scale, acc, task_inputs, method_state
+    ):
         """One forward and ONE backward pass of sum_t w_t L_t (w from the method)."""
         with tf.GradientTape() as tape:
             tape.watch(params)
             y_pred, new_state, model_losses = F.stateless_forward(
-                self.model, params, state, model_x, training=True)
+                self.model, params, state, model_x, training=True
+            )
             local = tf.stack(task_losses_of(y_pred))
             losses = F.all_reduce_sum(tf.stop_gradient(local))
             combination = self.method_object.combine(task_inputs(losses), method_state)
@@ -624,18 +741,29 @@ class MultiTaskTrainer(MetaTrainer):
             regularizer = self._regularizer(model_x, y, y_pred, model_losses)
             if regularizer is not None:
                 total = total + tf.cast(regularizer, acc) * tf.cast(loss_scale, acc)
-        gradient = F.densify(tape.gradient(total, params,
-                                           unconnected_gradients=tf.UnconnectedGradients.ZERO))
+        gradient = F.densify(
+            tape.gradient(total, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        )
         return gradient, losses, combination, new_state, y_pred, regularizer
 
     def _masked_task_loss(self, model_x, y, y_pred, sample_weight, mask, factor, compiled, acc):
         """Task loss from the whole batch's outputs: the compiled loss with the task's
         rows as sample weights, rescaled to the task's mean (see the class doc)."""
-        weight = mask if sample_weight is None else (
-            mask * tf.cast(tf.reshape(sample_weight, [-1]), acc))
-        value = F.compute_loss(self.model, model_x, y, y_pred,
-                               tf.cast(weight, _loss_weight_dtype(y)), [],
-                               training=True, loss=compiled)
+        weight = (
+            mask
+            if sample_weight is None
+            else (mask * tf.cast(tf.reshape(sample_weight, [-1]), acc))
+        )
+        value = F.compute_loss(
+            self.model,
+            model_x,
+            y,
+            y_pred,
+            tf.cast(weight, _loss_weight_dtype(y)),
+            [],
+            training=True,
+            loss=compiled,
+        )
         return tf.cast(value, acc) * factor
 
     def _output_task_losses(self, model_x, y, y_pred, sample_weight, compiled, acc):
@@ -647,18 +775,21 @@ class MultiTaskTrainer(MetaTrainer):
         if compile_loss is None:
             raise ValueError(
                 "MultiTaskTrainer(tasks='outputs'): no compiled loss; compile the trainer "
-                "with one loss per output, e.g. loss={'<output name>': ..., ...}.")
+                "with one loss per output, e.g. loss={'<output name>': ..., ...}."
+            )
         with _compat.recorded_loss_terms(compile_loss) as terms:
-            F.compute_loss(self.model, model_x, y, y_pred, sample_weight, [],
-                           training=True, loss=compiled)
+            F.compute_loss(
+                self.model, model_x, y, y_pred, sample_weight, [], training=True, loss=compiled
+            )
         if len(terms) != self.num_tasks:
             names = _compat.compile_loss_names(compile_loss)
             raise ValueError(
                 f"MultiTaskTrainer(tasks='outputs', num_tasks={self.num_tasks}): the compiled "
                 f"loss has {len(terms)} output losses ({names}); one task is one output's "
                 "loss: give a loss for each output (or num_tasks = their number)"
-                + (" (a compute_loss override must call the compiled loss)" if not terms
-                   else "") + ".")
+                + (" (a compute_loss override must call the compiled loss)" if not terms else "")
+                + "."
+            )
         if self._cache.task_names is None:
             self._cache.task_names = tuple(_compat.compile_loss_names(compile_loss) or ())
         losses = []
@@ -683,8 +814,16 @@ class MultiTaskTrainer(MetaTrainer):
         the model's `compute_loss`), without the compiled loss; None if it has none."""
         if not model_losses:
             return None
-        return F.compute_loss(self.model, model_x, y, y_pred, None, model_losses,
-                              training=True, loss=_no_compiled_loss)
+        return F.compute_loss(
+            self.model,
+            model_x,
+            y,
+            y_pred,
+            None,
+            model_losses,
+            training=True,
+            loss=_no_compiled_loss,
+        )
 
     def fit(self, *args, **kwargs):
         if self.epochs_done is not None:
@@ -698,7 +837,8 @@ class MultiTaskTrainer(MetaTrainer):
         with tf.GradientTape(persistent=True) as tape:
             tape.watch(params)
             y_pred, new_state, model_losses = F.stateless_forward(
-                self.model, params, state, model_x, training=True)
+                self.model, params, state, model_x, training=True
+            )
             task_losses = task_losses_of(y_pred)
             scaled = [v * tf.cast(loss_scale, acc) for v in task_losses]
             regularizer = self._regularizer(model_x, y, y_pred, model_losses)
@@ -707,13 +847,17 @@ class MultiTaskTrainer(MetaTrainer):
         inv_scale = 1.0 / tf.cast(loss_scale, acc)
         task_grads = []
         for t in range(T):
-            g = F.densify(tape.gradient(scaled[t], params,
-                                        unconnected_gradients=tf.UnconnectedGradients.ZERO))
+            g = F.densify(
+                tape.gradient(scaled[t], params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            )
             task_grads.append([gi * tf.cast(inv_scale, gi.dtype) for gi in g])
         reg_grads = None
         if regularizer is not None:
-            reg_grads = F.densify(tape.gradient(regularizer_scaled, params,
-                                                unconnected_gradients=tf.UnconnectedGradients.ZERO))
+            reg_grads = F.densify(
+                tape.gradient(
+                    regularizer_scaled, params, unconnected_gradients=tf.UnconnectedGradients.ZERO
+                )
+            )
         del tape
         return task_losses, task_grads, new_state, y_pred, regularizer, reg_grads
 
@@ -732,7 +876,8 @@ class MultiTaskTrainer(MetaTrainer):
             raise ValueError(
                 f"`rep_grad=True` needs a functional model (its graph says where the shared "
                 f"representation is); the model {model.name!r} is a "
-                f"{type(model).__name__} without one.")
+                f"{type(model).__name__} without one."
+            )
         if self.representation is not None:
             rep = model_graph.layer_output(model, self.representation)
         elif self.tasks == "rows":
@@ -741,7 +886,8 @@ class MultiTaskTrainer(MetaTrainer):
                 raise ValueError(
                     "`rep_grad=True` with tasks='rows': the model has no (single) PerTaskHead "
                     "layer whose input would be the shared representation; give "
-                    "`representation=<layer name>`.")
+                    "`representation=<layer name>`."
+                )
         else:
             rep = model_graph.shared_representation(model)
         variables = model.trainable_variables
@@ -755,13 +901,15 @@ class MultiTaskTrainer(MetaTrainer):
                 f"`rep_grad=True`: the variables {not_specific} are shared by the tasks but "
                 f"lie after the representation {rep.name!r} (the output of the last shared "
                 "layer): name a later layer with `representation=`, or list the variables "
-                "in `task_specific_variables` if each belongs to one task.")
+                "in `task_specific_variables` if each belongs to one task."
+            )
         in_encoder = [variables[i].path for i in encoder if i in set(specific)]
         if in_encoder:
             raise ValueError(
                 f"`rep_grad=True`: the task-specific variables {in_encoder} feed the "
                 f"representation {rep.name!r}; the representation must come after every "
-                "shared variable and before every task's own.")
+                "shared variable and before every task's own."
+            )
         tap = keras.Model(model.input, list(model.outputs) + [rep], name=f"{model.name}_rep")
         tap_params = [position[id(v)] for v in tap.trainable_variables]
         state_position = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
@@ -772,18 +920,32 @@ class MultiTaskTrainer(MetaTrainer):
         # Tasks as rows: dL_t/dz is nonzero on task t's rows only, so ONE backward pass of
         # sum_t L_t through the heads gives every task's rows at once -- unless a layer
         # after z mixes the rows of the batch (BatchNorm: a layer with state, seeds aside).
-        upstream = {id(v) for layer in _compat.flatten_layers(model)
-                    for v in layer.non_trainable_variables
-                    if set(map(id, layer.trainable_variables)) & {
-                        id(variables[i]) for i in encoder}}
+        upstream = {
+            id(v)
+            for layer in _compat.flatten_layers(model)
+            for v in layer.non_trainable_variables
+            if set(map(id, layer.trainable_variables)) & {id(variables[i]) for i in encoder}
+        }
         seeds = _seed_states(model)
-        plan.heads_mix_rows = any(id(v) not in upstream and id(v) not in seeds
-                                  for v in model.non_trainable_variables)
+        plan.heads_mix_rows = any(
+            id(v) not in upstream and id(v) not in seeds for v in model.non_trainable_variables
+        )
         self._cache.plan = plan
         return plan
 
-    def _rep_grad_step(self, params, state, model_x, y, task_losses_of, loss_scale, acc,
-                       task_inputs, method_state, task_id=None):
+    def _rep_grad_step(
+        self,
+        params,
+        state,
+        model_x,
+        y,
+        task_losses_of,
+        loss_scale,
+        acc,
+        task_inputs,
+        method_state,
+        task_id=None,
+    ):
         T = self.num_tasks
         plan = self._rep_plan()
         model = self.model
@@ -791,8 +953,12 @@ class MultiTaskTrainer(MetaTrainer):
         with tf.GradientTape(persistent=True) as tape:
             tape.watch(params)
             outputs, tap_state, model_losses = F.stateless_forward(
-                plan.tap, [params[i] for i in plan.tap_params],
-                [state[i] for i in plan.tap_state], model_x, training=True)
+                plan.tap,
+                [params[i] for i in plan.tap_params],
+                [state[i] for i in plan.tap_state],
+                model_x,
+                training=True,
+            )
             z = outputs[-1]
             y_pred = tf.nest.pack_sequence_as(model.output, outputs[:-1])
             task_losses = task_losses_of(y_pred)
@@ -809,59 +975,84 @@ class MultiTaskTrainer(MetaTrainer):
             # ONE backward pass through the heads: row r of d(sum_t L_t)/dz is
             # dL_task(r)/dz_r (the other tasks' losses weigh row r by 0).
             # (A list of targets: the gradient of their sum, on the recorded losses.)
-            rep_rows = tf.cast(tape.gradient(scaled, z,
-                                             unconnected_gradients=tf.UnconnectedGradients.ZERO),
-                               acc) / scale
+            rep_rows = (
+                tf.cast(
+                    tape.gradient(scaled, z, unconnected_gradients=tf.UnconnectedGradients.ZERO),
+                    acc,
+                )
+                / scale
+            )
             flat_rows = tf.reshape(rep_rows, [tf.shape(rep_rows)[0], -1])
             vectors = tf.math.unsorted_segment_sum(flat_rows, task_id, T)
         else:
             rep_grads, head_grads = [], []
             for t in range(T):
                 # Through the heads only (the encoder's part of this graph is never used).
-                g = tape.gradient(scaled[t], [z] + head_params,
-                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                g = tape.gradient(
+                    scaled[t], [z] + head_params, unconnected_gradients=tf.UnconnectedGradients.ZERO
+                )
                 g = F.densify(g)
                 rep_grads.append(tf.cast(g[0], acc) / scale)
                 head_grads.append([gi / tf.cast(scale, gi.dtype) for gi in g[1:]])
             # LibMTL: the representation gradient of each task summed over the batch.
-            vectors = tf.stack([tf.reshape(tf.reduce_sum(r, axis=0), [-1])
-                                for r in rep_grads])
+            vectors = tf.stack([tf.reshape(tf.reduce_sum(r, axis=0), [-1]) for r in rep_grads])
         losses, vectors = F.all_reduce_sum((tf.stack(task_losses), vectors))
         gram = tf.matmul(vectors, vectors, transpose_b=True)
-        inputs = task_inputs(losses, [[vectors[t]] for t in range(T)], gram=gram,
-                             shared_variables=[_Representation(plan.rep)])
+        inputs = task_inputs(
+            losses,
+            [[vectors[t]] for t in range(T)],
+            gram=gram,
+            shared_variables=[_Representation(plan.rep)],
+        )
         combination, cosine = self._combine(inputs, method_state)
         shared_c, specific_c = _coefficients(combination, acc)
         # ONE backward pass through the encoder of sum_t c_t dL_t/dz (c held fixed): the
         # encoder's gradient sum_t c_t J^T dL_t/dz. Per replica: the optimizer's
         # cross-replica sum of these local parts is the global gradient.
         if rows_disjoint:
-            row_c = tf.reshape(tf.gather(shared_c, task_id),
-                               tf.concat([[-1], tf.ones([tf.rank(rep_rows) - 1], tf.int32)], 0))
+            row_c = tf.reshape(
+                tf.gather(shared_c, task_id),
+                tf.concat([[-1], tf.ones([tf.rank(rep_rows) - 1], tf.int32)], 0),
+            )
             combined_rep = rep_rows * row_c * scale
         else:
             combined_rep = tf.add_n([shared_c[t] * rep_grads[t] for t in range(T)]) * scale
         encoder_params = [params[i] for i in plan.encoder]
-        encoder_grads = F.densify(tape.gradient(
-            z, encoder_params, output_gradients=tf.cast(combined_rep, z.dtype),
-            unconnected_gradients=tf.UnconnectedGradients.ZERO))
+        encoder_grads = F.densify(
+            tape.gradient(
+                z,
+                encoder_params,
+                output_gradients=tf.cast(combined_rep, z.dtype),
+                unconnected_gradients=tf.UnconnectedGradients.ZERO,
+            )
+        )
         gradient = [None] * len(params)
         for i, g in zip(plan.encoder, encoder_grads):
             gradient[i] = g
         if rows_disjoint and plan.heads:
             # The heads' sum_t s_t g_t: one more backward pass through the heads only.
-            head_gradient = F.densify(tape.gradient(
-                scaled, head_params, output_gradients=[tf.cast(specific_c[t], v.dtype)
-                                                       for t, v in enumerate(scaled)],
-                unconnected_gradients=tf.UnconnectedGradients.ZERO))
+            head_gradient = F.densify(
+                tape.gradient(
+                    scaled,
+                    head_params,
+                    output_gradients=[
+                        tf.cast(specific_c[t], v.dtype) for t, v in enumerate(scaled)
+                    ],
+                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                )
+            )
             for i, g in zip(plan.heads, head_gradient):
                 gradient[i] = g
         for k, i in enumerate(plan.heads if not rows_disjoint else []):
             gradient[i] = GS.combine([[h[k]] for h in head_grads], specific_c)[0] * tf.cast(
-                scale, head_grads[0][k].dtype)
+                scale, head_grads[0][k].dtype
+            )
         if regularizer is not None:
-            reg_grads = F.densify(tape.gradient(
-                regularizer_scaled, params, unconnected_gradients=tf.UnconnectedGradients.ZERO))
+            reg_grads = F.densify(
+                tape.gradient(
+                    regularizer_scaled, params, unconnected_gradients=tf.UnconnectedGradients.ZERO
+                )
+            )
             gradient = F.add(gradient, reg_grads)
         del tape
         return (losses, vectors, combination, cosine, gradient, new_state, y_pred, regularizer)
@@ -873,9 +1064,14 @@ class MultiTaskTrainer(MetaTrainer):
             return "masked"
         if self.task_passes != "auto":
             return self.task_passes
-        if (getattr(self, "jit_compile", False) is True or self.model.losses
-                or any(getattr(layer, "activity_regularizer", None) is not None
-                       for layer in [self.model, *_compat.flatten_layers(self.model)])):
+        if (
+            getattr(self, "jit_compile", False) is True
+            or self.model.losses
+            or any(
+                getattr(layer, "activity_regularizer", None) is not None
+                for layer in [self.model, *_compat.flatten_layers(self.model)]
+            )
+        ):
             return "masked"
         return "gathered" if self.model.non_trainable_variables else "vectorized"
 
@@ -894,11 +1090,24 @@ class MultiTaskTrainer(MetaTrainer):
                 f"other than dropout's seeds; the model has {other[:4]}"
                 f"{' ...' if len(other) > 4 else ''} (e.g. BatchNorm statistics): use "
                 "task_passes='gathered' (which threads the state through the tasks in "
-                "order) or 'auto'.")
+                "order) or 'auto'."
+            )
         self._cache.vectorizable = True
 
-    def _vectorized_task_passes(self, params, state, model_x, y, sample_weight, task_id,
-                                counts, replicas, loss_scale, compiled, acc):
+    def _vectorized_task_passes(
+        self,
+        params,
+        state,
+        model_x,
+        y,
+        sample_weight,
+        task_id,
+        counts,
+        replicas,
+        loss_scale,
+        compiled,
+        acc,
+    ):
         """Task t's loss and gradient over its own rows, the T tasks in ONE
         `tf.vectorized_map` pass over a [T, m, ...] batch.
 
@@ -923,11 +1132,11 @@ class MultiTaskTrainer(MetaTrainer):
         m = tf.maximum(tf.reduce_max(local_counts), 1)
         order = tf.argsort(task_id, stable=True)
         sorted_ids = tf.gather(task_id, order)
-        position = tf.range(rows) - tf.gather(tf.cumsum(local_counts, exclusive=True),
-                                              sorted_ids)
+        position = tf.range(rows) - tf.gather(tf.cumsum(local_counts, exclusive=True), sorted_ids)
         # index[t, j] = the batch row of task t's j-th row, or `rows` (the zero row).
-        index = tf.tensor_scatter_nd_update(tf.fill([T, m], rows),
-                                            tf.stack([sorted_ids, position], axis=1), order)
+        index = tf.tensor_scatter_nd_update(
+            tf.fill([T, m], rows), tf.stack([sorted_ids, position], axis=1), order
+        )
         valid = index < rows
         padded = tf.nest.map_structure(_with_zero_row, (model_x, y, sample_weight))
         gather = lambda a: None if a is None else tf.gather(a, index)  # noqa: E731
@@ -938,11 +1147,11 @@ class MultiTaskTrainer(MetaTrainer):
         factor = tf.math.divide_no_nan(tf.cast(m, acc) * replicas, counts)
 
         def one_task(args):
-            return self._sub_batch_pass(params, state, *args, loss_scale, compiled, acc,
-                                        "vectorized")
+            return self._sub_batch_pass(
+                params, state, *args, loss_scale, compiled, acc, "vectorized"
+            )
 
-        values, stacked, states, preds = tf.vectorized_map(one_task,
-                                                          (x_t, y_t, weight, factor))
+        values, stacked, states, preds = tf.vectorized_map(one_task, (x_t, y_t, weight, factor))
         task_losses = tf.unstack(values, num=T)
         new_state = [s[0] for s in states]
         # Predictions back in batch order (for the compiled metrics); the padding rows
@@ -957,31 +1166,48 @@ class MultiTaskTrainer(MetaTrainer):
         y_pred = tf.nest.map_structure(unpad, preds)
         return task_losses, list(stacked), new_state, y_pred
 
-    def _sub_batch_pass(self, params, state, x, y, weight, factor, loss_scale, compiled, acc,
-                        passes):
+    def _sub_batch_pass(
+        self, params, state, x, y, weight, factor, loss_scale, compiled, acc, passes
+    ):
         """One task's loss (Keras's mean over the sub-batch times `factor`, the task's
         share of the global batch) and its gradient (unscaled), from a forward and a
         backward pass over its rows: (loss, gradients, new state, predictions)."""
         with tf.GradientTape() as tape:
             tape.watch(params)
             y_pred, new_state, model_losses = F.stateless_forward(
-                self.model, params, state, x, training=True)
+                self.model, params, state, x, training=True
+            )
             if model_losses:
                 raise ValueError(
                     f"MultiTaskTrainer(task_passes={passes!r}): the model has its own "
                     "losses (regularisers, add_loss), which are not task losses; use "
-                    "task_passes='masked' (or 'auto', which picks it for such models).")
-            value = F.compute_loss(self.model, x, y, y_pred, weight, [], training=True,
-                                   loss=compiled)
+                    "task_passes='masked' (or 'auto', which picks it for such models)."
+                )
+            value = F.compute_loss(
+                self.model, x, y, y_pred, weight, [], training=True, loss=compiled
+            )
             value = tf.cast(value, acc) * factor
             scaled = value * tf.cast(loss_scale, acc)
-        g = F.densify(tape.gradient(scaled, params,
-                                    unconnected_gradients=tf.UnconnectedGradients.ZERO))
+        g = F.densify(
+            tape.gradient(scaled, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        )
         inv_scale = 1.0 / tf.cast(loss_scale, acc)
         return value, [gi * tf.cast(inv_scale, gi.dtype) for gi in g], new_state, y_pred
 
-    def _gathered_task_passes(self, params, state, model_x, y, sample_weight, task_id,
-                              counts, replicas, loss_scale, compiled, acc):
+    def _gathered_task_passes(
+        self,
+        params,
+        state,
+        model_x,
+        y,
+        sample_weight,
+        task_id,
+        counts,
+        replicas,
+        loss_scale,
+        compiled,
+        acc,
+    ):
         """Task t's loss and gradient from a forward and backward pass over its own rows.
 
         The per-replica task loss is (Keras's mean over the m gathered rows) * m * R /
@@ -995,15 +1221,13 @@ class MultiTaskTrainer(MetaTrainer):
         tf.debugging.assert_less(task_id, T, message="MultiTaskTrainer: a task_id is >= num_tasks")
         weight_dtype = _loss_weight_dtype(y)
         pad_row = tf.cast(tf.shape(task_id)[0], tf.int64)  # the appended zero row
-        padded = tf.nest.map_structure(
-            _with_zero_row, (model_x, y, sample_weight))
+        padded = tf.nest.map_structure(_with_zero_row, (model_x, y, sample_weight))
         task_losses, task_grads, rows_list, preds = [], [], [], []
         for t in range(T):
             rows = tf.reshape(tf.where(tf.equal(task_id, t)), [-1])
             n_local = tf.shape(rows)[0]
             present_here = n_local > 0
-            safe_rows = tf.cond(present_here, lambda: rows,
-                                lambda: tf.reshape(pad_row, [1]))
+            safe_rows = tf.cond(present_here, lambda: rows, lambda: tf.reshape(pad_row, [1]))
             m = tf.shape(safe_rows)[0]
             gather = lambda a: None if a is None else tf.gather(a, safe_rows)  # noqa: E731
             x_t, y_t, w_t = tf.nest.map_structure(gather, padded)
@@ -1012,7 +1236,8 @@ class MultiTaskTrainer(MetaTrainer):
                 weight = weight * tf.cast(tf.reshape(w_t, [-1]), weight_dtype)
             factor = tf.math.divide_no_nan(tf.cast(m, acc) * replicas, counts[t])
             value, g, state_t, y_pred_t = self._sub_batch_pass(
-                params, state, x_t, y_t, weight, factor, loss_scale, compiled, acc, "gathered")
+                params, state, x_t, y_t, weight, factor, loss_scale, compiled, acc, "gathered"
+            )
             task_grads.append(g)
             task_losses.append(value)
             state = [tf.where(present_here, new, old) for new, old in zip(state_t, state)]
@@ -1020,7 +1245,8 @@ class MultiTaskTrainer(MetaTrainer):
             preds.append(tf.nest.map_structure(lambda p: p[:n_local], y_pred_t))
         # Predictions back in batch order (for the compiled metrics).
         y_pred = tf.nest.map_structure(
-            lambda *parts: tf.dynamic_stitch(rows_list, list(parts)), *preds)
+            lambda *parts: tf.dynamic_stitch(rows_list, list(parts)), *preds
+        )
         stacked = [tf.stack([g[v] for g in task_grads]) for v in range(len(params))]
         return task_losses, stacked, state, y_pred
 
@@ -1032,8 +1258,10 @@ class MultiTaskTrainer(MetaTrainer):
             model_takes_task_id=self.model_takes_task_id,
             seed=self.seed,
             task_specific_variables=(
-                self._task_specific_request if self._task_specific_request in (None, "none")
-                else [getattr(v, "path", v) for v in self._task_specific_request]),
+                self._task_specific_request
+                if self._task_specific_request in (None, "none")
+                else [getattr(v, "path", v) for v in self._task_specific_request]
+            ),
             measure_task_cosine=self.measure_task_cosine,
             task_passes=self.task_passes,
             tasks=self.tasks,
@@ -1060,9 +1288,10 @@ def _check_task_specific_request(request):
         return request
     if isinstance(request, str) or not isinstance(request, (list, tuple)):
         raise ValueError(
-            '`task_specific_variables` must be None (the PerTaskHead layers\' variables), '
+            "`task_specific_variables` must be None (the PerTaskHead layers' variables), "
             '"none" (every variable shared) or a list of the model\'s variables or their '
-            f"paths; got {request!r}.")
+            f"paths; got {request!r}."
+        )
     return list(request)
 
 
@@ -1075,8 +1304,11 @@ def _coefficients(combination, acc):
 
 def _seed_states(model):
     """ids of the state variables of the model's random-seed generators (dropout)."""
-    return {id(generator.state) for layer in [model, *_compat.flatten_layers(model)]
-            for generator in getattr(layer, "_seed_generators", None) or []}
+    return {
+        id(generator.state)
+        for layer in [model, *_compat.flatten_layers(model)]
+        for generator in getattr(layer, "_seed_generators", None) or []
+    }
 
 
 def _with_zero_row(a):

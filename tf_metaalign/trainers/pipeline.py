@@ -1,4 +1,5 @@
-"""Raw data for keras-hub tasks: apply the wrapped model's preprocessor in `fit`/`evaluate`/`predict`.
+"""Raw data for keras-hub tasks: apply the wrapped model's preprocessor in `fit` /
+`evaluate` / `predict`.
 
 A keras-hub `Task` (e.g. `BertTextClassifier.from_preset(...)`) is a `PipelineModel`: its
 `fit(x, y)` takes raw data (strings, images), turns arrays and lists into a batched
@@ -34,6 +35,7 @@ given, i.e. exactly Keras. keras-hub is never imported here (duck typing): a mod
 treated as a pipeline when it has `preprocess_samples` and either a `preprocessor` that is
 not None or a `preprocess_samples` of its own (defined outside keras-hub).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -173,8 +175,9 @@ def split_for_validation(x, y, sample_weight, validation_split):
     return part(0, split_at), part(split_at, n)
 
 
-def make_dataset(preprocess_samples, x=None, y=None, sample_weight=None, batch_size=None,
-                 shuffle=False):
+def make_dataset(
+    preprocess_samples, x=None, y=None, sample_weight=None, batch_size=None, shuffle=False
+):
     """A `tf.data.Dataset` of preprocessed batches, as keras-hub's `PipelineModel` builds it.
 
     `x` a `tf.data.Dataset` (batched): `preprocess_samples` mapped over its elements
@@ -291,8 +294,9 @@ class PipelineDataMixin:
                 x, y, sample_weight, validation_split
             )
         built_here = not _is_tf_dataset(x)
-        x = make_dataset(preprocess, x, y, sample_weight, batch_size,
-                         shuffle=bool(shuffle) and built_here)
+        x = make_dataset(
+            preprocess, x, y, sample_weight, batch_size, shuffle=bool(shuffle) and built_here
+        )
         if validation_data is not None:
             if _is_tf_dataset(validation_data):
                 validation_data = make_dataset(preprocess, validation_data)
@@ -303,8 +307,9 @@ class PipelineDataMixin:
                 )
         # A dataset the caller built keeps Keras's handling of `shuffle` (it warns that it
         # is ignored); arrays were shuffled above, so Keras gets shuffle=False for them.
-        return super().fit(x=x, validation_data=validation_data,
-                           shuffle=shuffle if not built_here else False, **a)
+        return super().fit(
+            x=x, validation_data=validation_data, shuffle=shuffle if not built_here else False, **a
+        )
 
     def evaluate(self, *args, **kwargs):
         preprocess = self._preprocess_samples(self._first_arg(args, kwargs))
@@ -333,7 +338,9 @@ class PipelineDataMixin:
         if preprocess is None:
             return super().train_on_batch(*args, **kwargs)
         a = _bind(super().train_on_batch, args, kwargs)
-        x, y, sw = _to_tensors(preprocess(a.pop("x"), a.pop("y", None), a.pop("sample_weight", None)))
+        x, y, sw = _to_tensors(
+            preprocess(a.pop("x"), a.pop("y", None), a.pop("sample_weight", None))
+        )
         return super().train_on_batch(x=x, y=y, sample_weight=sw, **a)
 
     def test_on_batch(self, *args, **kwargs):
@@ -341,7 +348,9 @@ class PipelineDataMixin:
         if preprocess is None:
             return super().test_on_batch(*args, **kwargs)
         a = _bind(super().test_on_batch, args, kwargs)
-        x, y, sw = _to_tensors(preprocess(a.pop("x"), a.pop("y", None), a.pop("sample_weight", None)))
+        x, y, sw = _to_tensors(
+            preprocess(a.pop("x"), a.pop("y", None), a.pop("sample_weight", None))
+        )
         return super().test_on_batch(x=x, y=y, sample_weight=sw, **a)
 
     def predict_on_batch(self, *args, **kwargs):

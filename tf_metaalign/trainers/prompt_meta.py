@@ -18,6 +18,7 @@ The compiled optimizer is the OUTER optimizer (the paper: Adafactor at 1e-3, cli
 1.0: `default_adafactor(aggregated_clipnorm=1.0)`). Logs "loss" (the mean query loss at
 the adapted prompts) and "support_loss" (the mean over tasks of the last inner step's loss).
 """
+
 from __future__ import annotations
 
 import keras
@@ -36,8 +37,14 @@ def default_adafactor(learning_rate=1e-3, **kwargs):
     """The paper's optimizer: HF `transformers.Adafactor(lr=1e-3, scale_parameter=False,
     relative_step=False)` (decay -0.8, eps (1e-30, 1e-3), update clipping 1.0, no momentum,
     the last two dims of every rank >= 2 variable factored)."""
-    config = dict(beta_1=None, decay_rate=0.8, clipping_threshold=1.0, factoring="last_two",
-                  min_dim_size_to_factor=0, multiply_by_parameter_scale=False)
+    config = dict(
+        beta_1=None,
+        decay_rate=0.8,
+        clipping_threshold=1.0,
+        factoring="last_two",
+        min_dim_size_to_factor=0,
+        multiply_by_parameter_scale=False,
+    )
     config.update(kwargs)
     return O.Adafactor(learning_rate, **config)
 
@@ -52,12 +59,21 @@ class _PromptMetaTrainer(MetaTrainer):
     _algorithm = None  # P.prompt_fomaml / P.prompt_reptile
     _state_groups = ("prompt",)
 
-    def __init__(self, model, prompt_variables=None, inner_steps=7, inner_optimizer=None,
-                 carry_inner_state=True, tasks_per_batch=None, **kwargs):
+    def __init__(
+        self,
+        model,
+        prompt_variables=None,
+        inner_steps=7,
+        inner_optimizer=None,
+        carry_inner_state=True,
+        tasks_per_batch=None,
+        **kwargs,
+    ):
         inner_steps = R.validate_steps("inner_steps", inner_steps)
         if not isinstance(carry_inner_state, bool):
-            raise ValueError(f"`carry_inner_state` must be True or False; got "
-                             f"{carry_inner_state!r}.")
+            raise ValueError(
+                f"`carry_inner_state` must be True or False; got {carry_inner_state!r}."
+            )
         if tasks_per_batch is not None:
             tasks_per_batch = R.validate_steps("tasks_per_batch", tasks_per_batch)
         if isinstance(inner_optimizer, dict):  # from get_config
@@ -67,18 +83,25 @@ class _PromptMetaTrainer(MetaTrainer):
         if not isinstance(inner_optimizer, O.BaseOptimizer):
             raise ValueError(
                 "`inner_optimizer` must be a tf_metaalign optimizer (it steps on tensors: "
-                f"apply_on_tensors) or None (the paper's Adafactor); got {inner_optimizer!r}.")
+                f"apply_on_tensors) or None (the paper's Adafactor); got {inner_optimizer!r}."
+            )
         # What get_config saves: the selection itself when it is data, else the positions.
         self._prompt_config = prompt_variables
         if isinstance(prompt_variables, str):
             substring = prompt_variables
             prompt_variables = lambda path: substring in path  # noqa: E731
-        elif (isinstance(prompt_variables, (list, tuple)) and prompt_variables
-              and all(isinstance(p, str) for p in prompt_variables)):
+        elif (
+            isinstance(prompt_variables, (list, tuple))
+            and prompt_variables
+            and all(isinstance(p, str) for p in prompt_variables)
+        ):
             paths = set(prompt_variables)
             prompt_variables = lambda path: path in paths  # noqa: E731
-        elif (isinstance(prompt_variables, (list, tuple)) and prompt_variables
-              and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt_variables)):
+        elif (
+            isinstance(prompt_variables, (list, tuple))
+            and prompt_variables
+            and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt_variables)
+        ):
             positions = list(prompt_variables)
             prompt_variables = lambda variables: [variables[i] for i in positions]  # noqa: E731
             prompt_variables.positions = positions
@@ -116,7 +139,8 @@ class _PromptMetaTrainer(MetaTrainer):
                 if bad:
                     raise ValueError(
                         f"`prompt_variables`: positions {bad} are not positions among the "
-                        f"model's {len(variables)} trainable variables.")
+                        f"model's {len(variables)} trainable variables."
+                    )
                 selection = selection(variables)
             self._prompt_indices = P.prompt_indices(variables, selection)
         return self._prompt_indices
@@ -133,8 +157,11 @@ class _PromptMetaTrainer(MetaTrainer):
     def _create_weight_copies(self):
         super()._create_weight_copies()
         # The base class calls this from its __init__, before this class's attributes.
-        if (not getattr(self, "carry_inner_state", False) or not self.model.built
-                or self._inner_state_variables is not None):
+        if (
+            not getattr(self, "carry_inner_state", False)
+            or not self.model.built
+            or self._inner_state_variables is not None
+        ):
             return
         self._resolve_prompt()
         groups = []
@@ -143,15 +170,27 @@ class _PromptMetaTrainer(MetaTrainer):
                 initial = self.inner_optimizer.initial_state(self._group_variables(group))
                 slots = []
                 for j, slot in enumerate(initial.slots):
-                    slots.append({
-                        name: self.add_weight(
-                            name=f"inner_{group}_{name}_{j}", shape=value.shape,
-                            dtype=value.dtype, initializer="zeros", trainable=False,
-                            aggregation="only_first_replica")
-                        for name, value in slot.items()})
+                    slots.append(
+                        {
+                            name: self.add_weight(
+                                name=f"inner_{group}_{name}_{j}",
+                                shape=value.shape,
+                                dtype=value.dtype,
+                                initializer="zeros",
+                                trainable=False,
+                                aggregation="only_first_replica",
+                            )
+                            for name, value in slot.items()
+                        }
+                    )
                 iterations = self.add_weight(
-                    name=f"inner_{group}_iterations", shape=(), dtype="int64",
-                    initializer="zeros", trainable=False, aggregation="only_first_replica")
+                    name=f"inner_{group}_iterations",
+                    shape=(),
+                    dtype="int64",
+                    initializer="zeros",
+                    trainable=False,
+                    aggregation="only_first_replica",
+                )
                 groups.append((slots, iterations))
         # Zero slots and count are what `initial_state` gives for every rule of the package
         # (checked: a rule with non-zero initial slots would need its own initializer).
@@ -164,15 +203,19 @@ class _PromptMetaTrainer(MetaTrainer):
             raise ValueError(
                 f"{type(self).__name__} carries the inner optimizer's state in variables, "
                 "created when the model is built: give the model Input shapes or call the "
-                "trainer once on a model batch before fit().")
+                "trainer once on a model batch before fit()."
+            )
         return tuple(
             O.OptimizerState(
                 tuple({k: tf.convert_to_tensor(v.value) for k, v in s.items()} for s in slots),
-                tf.convert_to_tensor(iterations.value))
-            for slots, iterations in self._inner_state_variables)
+                tf.convert_to_tensor(iterations.value),
+            )
+            for slots, iterations in self._inner_state_variables
+        )
 
     def _assign_carried(self, states, keep_unless=True):
         """Store `states` where `keep_unless` (a boolean tensor) holds, else keep the old."""
+
         def pick(variable, value):
             value = tf.cast(value, variable.dtype)
             return tf.where(keep_unless, value, tf.convert_to_tensor(variable.value))
@@ -191,7 +234,8 @@ class _PromptMetaTrainer(MetaTrainer):
             raise ValueError(
                 f"{type(self).__name__}: a batch must be ((support_x, support_y, query_x), "
                 "query_y[, query_sample_weight]) with a leading task dimension; got x of type "
-                f"{type(x).__name__}.")
+                f"{type(x).__name__}."
+            )
         if y is None:
             raise ValueError(f"{type(self).__name__}: the batch has no query_y.")
         return x[0], x[1], x[2], y, sample_weight
@@ -206,17 +250,20 @@ class _PromptMetaTrainer(MetaTrainer):
         if _rank(first) is not None and _rank(first) < 3:
             raise ValueError(
                 f"{type(self).__name__}: `support_x` must be [B, S, N_support, ...] (tasks, "
-                f"S = inner_steps or 1 support batches, examples); got shape {first.shape}.")
+                f"S = inner_steps or 1 support batches, examples); got shape {first.shape}."
+            )
         steps = first.shape[1]
         if steps not in (1, self.inner_steps):
             raise ValueError(
                 f"{type(self).__name__}(inner_steps={self.inner_steps}): `support_x` must "
                 f"stack {self.inner_steps} support batches (one per inner step) or 1 (reused "
-                f"at every step) on axis 1; got shape {first.shape}.")
+                f"at every step) on axis 1; got shape {first.shape}."
+            )
         tasks = self.static_tasks_per_replica(first.shape[0])
         if first.shape[0] is None:  # tasks_per_batch: check every batch has that many
             support_x = tf.nest.map_structure(
-                lambda a: task_batches.assert_task_count(self, a, tasks), support_x)
+                lambda a: task_batches.assert_task_count(self, a, tasks), support_x
+            )
 
         def task(nest, t, s=None):
             if nest is None:
@@ -225,9 +272,13 @@ class _PromptMetaTrainer(MetaTrainer):
 
         out = []
         for t in range(tasks):
-            support = [(task(support_x, t, 0 if steps == 1 else s),
-                        task(support_y, t, 0 if steps == 1 else s))
-                       for s in range(self.inner_steps)]
+            support = [
+                (
+                    task(support_x, t, 0 if steps == 1 else s),
+                    task(support_y, t, 0 if steps == 1 else s),
+                )
+                for s in range(self.inner_steps)
+            ]
             out.append((support, (task(query_x, t), task(query_y, t), task(sample_weight, t))))
         return out
 
@@ -235,36 +286,48 @@ class _PromptMetaTrainer(MetaTrainer):
 
     def train_step(self, data):
         x, y, sample_weight = self.unpack(data)
-        support_x, support_y, query_x, query_y, sample_weight = self._parts(
-            (x, y, sample_weight))
+        support_x, support_y, query_x, query_y, sample_weight = self._parts((x, y, sample_weight))
         tasks = self._tasks(support_x, support_y, query_x, query_y, sample_weight)
         if not self.optimizer.built:  # before the control-dependent block (XLA)
             self.optimizer.build(self.model.trainable_variables)
         loss_scale = self.loss_scale()
         result = type(self)._algorithm(
-            self.loss_fn(loss_scale=loss_scale), F.current_params(self.model),
-            F.current_state(self.model), tasks, self._resolve_prompt(), self.inner_optimizer,
-            self.model.trainable_variables, optimizer_states=self._carried_states(),
-            carry_inner_state=self.carry_inner_state, loss_scale=loss_scale)
+            self.loss_fn(loss_scale=loss_scale),
+            F.current_params(self.model),
+            F.current_state(self.model),
+            tasks,
+            self._resolve_prompt(),
+            self.inner_optimizer,
+            self.model.trainable_variables,
+            optimizer_states=self._carried_states(),
+            carry_inner_state=self.carry_inner_state,
+            loss_scale=loss_scale,
+        )
         n = len(tasks)
         loss = tf.add_n(result.query_losses) / n
         support_loss = F.unscale_loss_for_distribution(tf.add_n(result.support_losses) / n)
 
         def update():
-            self.optimizer.apply_gradients(zip(result.gradients,
-                                               self.model.trainable_variables))
+            self.optimizer.apply_gradients(zip(result.gradients, self.model.trainable_variables))
             if self.carry_inner_state:
                 # A non-finite step (float16 overflow under a LossScaleOptimizer, which then
                 # skips the outer update) must not poison the carried state for good: keep
                 # the old state, as the outer optimizer keeps its own.
-                finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
-                                        for g in result.gradients])
+                finite = tf.reduce_all(
+                    [tf.reduce_all(tf.math.is_finite(g)) for g in result.gradients]
+                )
                 self._assign_carried(result.optimizer_states, keep_unless=finite)
 
         flat = self._flat((query_x, query_y, sample_weight))
         y_pred = tf.nest.map_structure(lambda *t: tf.concat(t, 0), *result.y_pred)
-        return self.finish_step(flat, y_pred, loss, new_state=result.state, update=update,
-                                diagnostics={"support_loss": support_loss})
+        return self.finish_step(
+            flat,
+            y_pred,
+            loss,
+            new_state=result.state,
+            update=update,
+            diagnostics={"support_loss": support_loss},
+        )
 
     def fit(self, *args, **kwargs):
         # A last batch with fewer tasks, or tasks that do not split among the replicas:
@@ -283,9 +346,14 @@ class _PromptMetaTrainer(MetaTrainer):
 
     def get_config(self):
         selection = self._prompt_config
-        if not (selection is None or isinstance(selection, str) or (
+        if not (
+            selection is None
+            or isinstance(selection, str)
+            or (
                 isinstance(selection, (list, tuple))
-                and all(isinstance(p, (str, int)) for p in selection))):
+                and all(isinstance(p, (str, int)) for p in selection)
+            )
+        ):
             # variables or a predicate: saved as positions among the trainable variables
             # (paths change when a model is reloaded: "sequential_3/prompt/x" -> "prompt/x").
             selection = list(self._resolve_prompt())

@@ -12,6 +12,7 @@ Two shapes (docs/trainers.md, "Where the weights live"):
   a stacked batch, on tensors (`optimizer.apply_on_tensors`), first order; the compiled
   optimizer is the OUTER optimizer.
 """
+
 from __future__ import annotations
 
 import keras
@@ -125,8 +126,15 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
         give the model the whole dict (True) or `x["inputs"]` (False, the default).
     """
 
-    def __init__(self, model, inner_steps, outer_learning_rate, reset_inner_optimizer=False,
-                 model_takes_task_id=False, **kwargs):
+    def __init__(
+        self,
+        model,
+        inner_steps,
+        outer_learning_rate,
+        reset_inner_optimizer=False,
+        model_takes_task_id=False,
+        **kwargs,
+    ):
         inner_steps = R.validate_steps("inner_steps", inner_steps)
         outer_learning_rate = R.validate_rate("outer_learning_rate", outer_learning_rate)
         _check_bool("reset_inner_optimizer", reset_inner_optimizer)
@@ -155,8 +163,11 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
             self.optimizer.build(self.model.trainable_variables)
         loss_scale = self.loss_scale()
         scaled_loss, grads, (new_state, y_pred) = F.value_and_grad(
-            self.loss_fn(loss_scale=loss_scale), F.current_params(self.model),
-            F.current_state(self.model), (x, y, sample_weight))
+            self.loss_fn(loss_scale=loss_scale),
+            F.current_params(self.model),
+            F.current_state(self.model),
+            (x, y, sample_weight),
+        )
         loss = scaled_loss / tf.cast(loss_scale, scaled_loss.dtype)
 
         def update():
@@ -182,8 +193,13 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
 
             # One replica: the outer update runs only at the trajectory's end (tf.cond),
             # so a step costs an inner step, not an inner step plus two weight copies.
-            self.schedule.cond(due, lambda: outer_step(True), lambda: tf.constant(False),
-                               communicates=True, merged=outer_step)
+            self.schedule.cond(
+                due,
+                lambda: outer_step(True),
+                lambda: tf.constant(False),
+                communicates=True,
+                merged=outer_step,
+            )
 
         return self.finish_step(data, y_pred, loss, new_state=new_state, update=update)
 
@@ -202,9 +218,11 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
         x = self._model_inputs(x)
         phi = [tf.convert_to_tensor(v.value) for v in self.weights_copy("slow")]
         loss, (_, y_pred) = self.loss_fn(training=False)(
-            phi, F.current_state(self.model), (x, y, sample_weight))
+            phi, F.current_state(self.model), (x, y, sample_weight)
+        )
         _compat.loss_tracker(self).update_state(
-            F.unscale_loss_for_distribution(loss), sample_weight=F.batch_size(x))
+            F.unscale_loss_for_distribution(loss), sample_weight=F.batch_size(x)
+        )
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return {k: v for k, v in logs.items() if k not in self._diagnostics}
 
@@ -252,8 +270,16 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
 
     _extra_batches = 0  # FOMAML: + 1 query batch
 
-    def __init__(self, model, inner_steps, inner_optimizer=0.1, stack_axis=0,
-                 model_takes_task_id=False, inner_training=True, **kwargs):
+    def __init__(
+        self,
+        model,
+        inner_steps,
+        inner_optimizer=0.1,
+        stack_axis=0,
+        model_takes_task_id=False,
+        inner_training=True,
+        **kwargs,
+    ):
         inner_steps = R.validate_steps("inner_steps", inner_steps)
         self.model_takes_task_id = _check_bool("model_takes_task_id", model_takes_task_id)
         self.inner_training = _check_bool("inner_training", inner_training)
@@ -274,8 +300,9 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
         self.inner_steps = inner_steps
         self.stack_axis = stack_axis
         self._inner_config = inner_optimizer
-        self.inner_optimizer = (O.SGD(inner_optimizer) if isinstance(inner_optimizer, float)
-                                else inner_optimizer)
+        self.inner_optimizer = (
+            O.SGD(inner_optimizer) if isinstance(inner_optimizer, float) else inner_optimizer
+        )
         # Outer steps (tasks) seen: `trainer.outer_steps`, checkpointed.
         self.schedule = self.every_k_steps(1, name="outer_steps")
 
@@ -291,6 +318,7 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
 
     def _pick(self, nest, *index):
         """The batch at `index` of the stacked axes (after the batch axis for stack_axis=1)."""
+
         def one(t):
             if t is None:
                 return None
@@ -331,17 +359,21 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
             rank, want = t.shape.rank, len(i.shape) + len(stacked)
             if rank is not None and rank != want:
                 expected = self._layout(stacked).replace(
-                    "*input_shape", ", ".join(str(d) for d in i.shape[1:]) or "")
+                    "*input_shape", ", ".join(str(d) for d in i.shape[1:]) or ""
+                )
                 expected = expected.replace(", ]", "]")
                 raise ValueError(
                     f"{type(self).__name__}(inner_steps={self.inner_steps}, stack_axis="
                     f"{self.stack_axis}) needs training elements {self._layout(stacked)} "
                     f"= {expected} (rank {want}) for the model's input of shape "
                     f"{tuple(i.shape)}; got x of shape {tuple(t.shape)} (rank {rank}). "
-                    + ("A model batch without the stacked axes: build the elements with "
-                       "`tf_metaalign.data.stacked_batches`."
-                       if rank == want - len(stacked) else
-                       "Build the elements with `tf_metaalign.data.stacked_batches`."))
+                    + (
+                        "A model batch without the stacked axes: build the elements with "
+                        "`tf_metaalign.data.stacked_batches`."
+                        if rank == want - len(stacked)
+                        else "Build the elements with `tf_metaalign.data.stacked_batches`."
+                    )
+                )
 
     def _batches(self, x, y, sample_weight):
         self._check_rank(x, [f"k={self.num_stacked}"])
@@ -355,7 +387,8 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
                 f"of shape {first.shape} (axis {self.stack_axis} unknown: an element built "
                 "with `.batch(k)` without drop_remainder=True, whose last element may hold "
                 "fewer batches). Batch with drop_remainder=True, or build the elements with "
-                f"`tf_metaalign.data.stacked_batches`. Expected {layout}.")
+                f"`tf_metaalign.data.stacked_batches`. Expected {layout}."
+            )
         if n != self.num_stacked:
             raise ValueError(
                 f"{type(self).__name__}(inner_steps={self.inner_steps}) needs training "
@@ -370,9 +403,12 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
         phi = F.current_params(self.model)
         variables = self.model.trainable_variables
         result = R.inner_loop(
-            self.loss_fn(loss_scale=loss_scale, training=self.inner_training), phi,
+            self.loss_fn(loss_scale=loss_scale, training=self.inner_training),
+            phi,
             F.current_state(self.model),
-            batches[: self.inner_steps], self.inner_optimizer, variables,
+            batches[: self.inner_steps],
+            self.inner_optimizer,
+            variables,
             loss_scale=loss_scale,
         )
         return phi, result
@@ -382,7 +418,8 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
         return {
             **super().get_config(),
             "inner_steps": self.inner_steps,
-            "inner_optimizer": inner if isinstance(inner, float)
+            "inner_optimizer": inner
+            if isinstance(inner, float)
             else keras.optimizers.serialize(inner),
             "stack_axis": self.stack_axis,
             "model_takes_task_id": self.model_takes_task_id,
@@ -447,8 +484,7 @@ class ReptileTrainer(_StackedInnerLoopTrainer):
         scale = tf.cast(loss_scale, phi[0].dtype) if phi else 1.0
         gradients = F.replica_share([d * tf.cast(scale, d.dtype) for d in delta])
         loss = tf.add_n(r.losses) / (len(r.losses) * tf.cast(loss_scale, r.losses[0].dtype))
-        return self.finish_step(batches[-1], r.y_pred, loss, new_state=r.state,
-                                gradients=gradients)
+        return self.finish_step(batches[-1], r.y_pred, loss, new_state=r.state, gradients=gradients)
 
 
 @keras.saving.register_keras_serializable(package="tf_metaalign")
@@ -476,8 +512,11 @@ class FOMAMLTrainer(_StackedInnerLoopTrainer):
         loss_scale = self.loss_scale()
         _, r = self._inner(batches, loss_scale)
         scaled, grads, (state, y_pred) = R.fomaml_gradient(
-            self.loss_fn(loss_scale=loss_scale, training=self.inner_training), r.params,
-            r.state, batches[-1])
+            self.loss_fn(loss_scale=loss_scale, training=self.inner_training),
+            r.params,
+            r.state,
+            batches[-1],
+        )
         loss = scaled / tf.cast(loss_scale, scaled.dtype)
         return self.finish_step(batches[-1], y_pred, loss, new_state=state, gradients=grads)
 
@@ -520,8 +559,10 @@ class MultiTaskReptileTrainer(_StackedInnerLoopTrainer):
                 "a multiple of batch_size), or use stack_axis=1 ([B, T, k, ...]: Keras "
                 "batches and splits B, T stays static)."
             )
-        return [[self._pick((x, y, sample_weight), t, i) for i in range(self.inner_steps)]
-                for t in range(tasks)]
+        return [
+            [self._pick((x, y, sample_weight), t, i) for i in range(self.inner_steps)]
+            for t in range(tasks)
+        ]
 
     def example_batch(self, x, y=None, sample_weight=None):
         self._check_rank(x, ["T", f"k={self.inner_steps}"])
@@ -536,14 +577,19 @@ class MultiTaskReptileTrainer(_StackedInnerLoopTrainer):
         variables = self.model.trainable_variables
         ends, losses, y_pred = [], [], None
         for batches in tasks:
-            r = R.inner_loop(self.loss_fn(loss_scale=loss_scale, training=self.inner_training),
-                             phi, state, batches,
-                             self.inner_optimizer, variables, loss_scale=loss_scale)
+            r = R.inner_loop(
+                self.loss_fn(loss_scale=loss_scale, training=self.inner_training),
+                phi,
+                state,
+                batches,
+                self.inner_optimizer,
+                variables,
+                loss_scale=loss_scale,
+            )
             ends.append(r.params)
             losses += r.losses
             state, y_pred = r.state, r.y_pred
         delta = R.mean_reptile_gradient(phi, ends)
         gradients = F.replica_share([d * tf.cast(loss_scale, d.dtype) for d in delta])
         loss = tf.add_n(losses) / (len(losses) * tf.cast(loss_scale, losses[0].dtype))
-        return self.finish_step(tasks[-1][-1], y_pred, loss, new_state=state,
-                                gradients=gradients)
+        return self.finish_step(tasks[-1][-1], y_pred, loss, new_state=state, gradients=gradients)

@@ -15,6 +15,7 @@ to do:
   replica count. With `tasks_per_batch` and a dynamic T, a batch of another size stops
   the step with an error saying so (`assert_task_count`).
 """
+
 from __future__ import annotations
 
 import tensorflow as tf
@@ -57,17 +58,20 @@ def check_task_input(trainer, x, batch_size=None, where="fit"):
                     f"(support_x {shape}), and {name} unrolls its loop over the tasks of a "
                     "batch: batch the tasks with `dataset.batch(T, drop_remainder=True)` "
                     "(a smaller last batch cannot be trained), or give "
-                    "`tasks_per_batch=T` (then every batch must have exactly T tasks).")
+                    "`tasks_per_batch=T` (then every batch must have exactly T tasks)."
+                )
             tasks = tasks_per_batch
         elif tasks_per_batch is not None and tasks != tasks_per_batch:
             raise ValueError(
                 f"{name}.{where}: the dataset's batches have {tasks} tasks, but "
-                f"tasks_per_batch={tasks_per_batch}.")
+                f"tasks_per_batch={tasks_per_batch}."
+            )
         if tasks % replicas:
             raise ValueError(
                 f"{name}.{where}: {tasks} tasks per batch do not split evenly among the "
                 f"{replicas} replicas (each replica unrolls the same number of tasks): use "
-                f"a number of tasks per batch that is a multiple of {replicas}.")
+                f"a number of tasks per batch that is a multiple of {replicas}."
+            )
         return
     if not (isinstance(x, (tuple, list)) and len(x) == 3):
         return
@@ -83,15 +87,19 @@ def check_task_input(trainer, x, batch_size=None, where="fit"):
             f"batch of {n % size} task(s), and {name} unrolls its loop over a static "
             f"number of tasks per batch (arrays are batched without drop_remainder): give "
             f"a number of tasks that is a multiple of batch_size (e.g. the first {full}), "
-            "another batch_size, or a tf.data.Dataset batched with drop_remainder=True.")
+            "another batch_size, or a tf.data.Dataset batched with drop_remainder=True."
+        )
     if tasks_per_batch is not None and size != tasks_per_batch:
-        raise ValueError(f"{name}.{where}: batch_size={size} tasks per batch, but "
-                         f"tasks_per_batch={tasks_per_batch}.")
+        raise ValueError(
+            f"{name}.{where}: batch_size={size} tasks per batch, but "
+            f"tasks_per_batch={tasks_per_batch}."
+        )
     if size % replicas:
         raise ValueError(
             f"{name}.{where}: batch_size={size} tasks per batch do not split evenly among "
             f"the {replicas} replicas (each replica unrolls the same number of tasks): use "
-            f"a batch_size that is a multiple of {replicas}.")
+            f"a batch_size that is a multiple of {replicas}."
+        )
 
 
 def check_fit_input(trainer, args, kwargs, validation=True):
@@ -150,5 +158,6 @@ class explain_task_count_error:
                 f"{self.name}: a batch does not have the tasks_per_batch={self.tasks_per_batch} "
                 "tasks every batch must have (typically the last, smaller batch of a dataset "
                 "batched without drop_remainder=True; the steps before it were trained): "
-                "batch the tasks with drop_remainder=True.") from error
+                "batch the tasks with drop_remainder=True."
+            ) from error
         return False

@@ -19,6 +19,7 @@ seen the same message in another language. An English msgid found in catalogs of
 different classes (e.g. "Delete" in both admin and core) is ambiguous and dropped
 (`DjangoTasks.dropped_ambiguous` counts them).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,9 +35,18 @@ from trainers.experiments.translation import django_locale_root
 
 #: The catalogs, as paths under the `django` package, in a fixed order.
 COMPONENTS = (
-    "conf", "contrib/admin", "contrib/admindocs", "contrib/auth", "contrib/contenttypes",
-    "contrib/flatpages", "contrib/gis", "contrib/humanize", "contrib/postgres",
-    "contrib/redirects", "contrib/sessions", "contrib/sites",
+    "conf",
+    "contrib/admin",
+    "contrib/admindocs",
+    "contrib/auth",
+    "contrib/contenttypes",
+    "contrib/flatpages",
+    "contrib/gis",
+    "contrib/humanize",
+    "contrib/postgres",
+    "contrib/redirects",
+    "contrib/sessions",
+    "contrib/sites",
 )
 
 #: The default 8 classes: the seven largest catalogs and "other" (the five smallest apps,
@@ -49,8 +59,13 @@ DEFAULT_LABELS = {
     "gis": ("contrib/gis",),
     "humanize": ("contrib/humanize",),
     "postgres": ("contrib/postgres",),
-    "other": ("contrib/contenttypes", "contrib/flatpages", "contrib/redirects",
-              "contrib/sessions", "contrib/sites"),
+    "other": (
+        "contrib/contenttypes",
+        "contrib/flatpages",
+        "contrib/redirects",
+        "contrib/sessions",
+        "contrib/sites",
+    ),
 }
 
 
@@ -70,8 +85,7 @@ def load_component_strings(lang: str, root: str | None = None):
     root = root or django_locale_root()
     rows = []
     for component in COMPONENTS:
-        path = os.path.join(root, *component.split("/"), "locale", lang, "LC_MESSAGES",
-                            "django.mo")
+        path = os.path.join(root, *component.split("/"), "locale", lang, "LC_MESSAGES", "django.mo")
         if not os.path.isfile(path):
             continue
         with open(path, "rb") as f:
@@ -84,7 +98,8 @@ def load_component_strings(lang: str, root: str | None = None):
     if not rows:
         raise ValueError(
             f"No Django catalog strings for language {lang!r} under {root}; available: "
-            f"{', '.join(available_languages(root))}.")
+            f"{', '.join(available_languages(root))}."
+        )
     return rows
 
 
@@ -93,6 +108,7 @@ class DjangoTasks:
     """One task per language. `train[lang]` / `test[lang]` are `(texts, labels)` with
     `texts` a list of str and `labels` int32 indices into `class_names`; `train_msgids` /
     `test_msgids[lang]` the English source string of each text."""
+
     class_names: tuple
     train: dict
     test: dict
@@ -111,9 +127,14 @@ def _test_msgid(msgid: str, test_fraction: float, seed: int) -> bool:
     return int.from_bytes(digest[:8], "big") / 2.0**64 < test_fraction
 
 
-def component_tasks(languages: Sequence[str], test_fraction: float = 0.25, seed: int = 0,
-                    labels: Mapping[str, Sequence[str]] | Sequence[str] | None = None,
-                    root: str | None = None, min_train: int = 1) -> DjangoTasks:
+def component_tasks(
+    languages: Sequence[str],
+    test_fraction: float = 0.25,
+    seed: int = 0,
+    labels: Mapping[str, Sequence[str]] | Sequence[str] | None = None,
+    root: str | None = None,
+    min_train: int = 1,
+) -> DjangoTasks:
     """Django's catalogs as `DjangoTasks`: translated UI string -> the part of Django.
 
     Args:
@@ -125,8 +146,9 @@ def component_tasks(languages: Sequence[str], test_fraction: float = 0.25, seed:
       min_train: a language with fewer training strings raises.
     """
     if isinstance(languages, str) or not languages:
-        raise ValueError(f"`languages` must be a non-empty sequence of language codes; "
-                         f"got {languages!r}.")
+        raise ValueError(
+            f"`languages` must be a non-empty sequence of language codes; got {languages!r}."
+        )
     if len(set(languages)) != len(languages):
         raise ValueError(f"`languages` has duplicates: {list(languages)!r}.")
     if not 0.0 < float(test_fraction) < 1.0:
@@ -138,8 +160,9 @@ def component_tasks(languages: Sequence[str], test_fraction: float = 0.25, seed:
     for index, (name, catalogs) in enumerate(labels.items()):
         for catalog in catalogs:
             if catalog not in COMPONENTS:
-                raise ValueError(f"`labels`[{name!r}] names an unknown catalog {catalog!r}; "
-                                 f"known: {COMPONENTS}.")
+                raise ValueError(
+                    f"`labels`[{name!r}] names an unknown catalog {catalog!r}; known: {COMPONENTS}."
+                )
             if catalog in class_of:
                 raise ValueError(f"`labels`: catalog {catalog!r} is in two classes.")
             class_of[catalog] = index
@@ -164,10 +187,11 @@ def component_tasks(languages: Sequence[str], test_fraction: float = 0.25, seed:
             parts[split][1].append(class_of[component])
             parts[split][2].append(src)
         if len(parts["train"][0]) < min_train or not parts["test"][0]:
-            raise ValueError(f"Language {lang!r} has {len(parts['train'][0])} training and "
-                             f"{len(parts['test'][0])} test strings (min_train={min_train}).")
+            raise ValueError(
+                f"Language {lang!r} has {len(parts['train'][0])} training and "
+                f"{len(parts['test'][0])} test strings (min_train={min_train})."
+            )
         train[lang] = (parts["train"][0], np.asarray(parts["train"][1], np.int32))
         test[lang] = (parts["test"][0], np.asarray(parts["test"][1], np.int32))
         msgids["train"][lang], msgids["test"][lang] = parts["train"][2], parts["test"][2]
-    return DjangoTasks(tuple(labels), train, test, len(ambiguous), msgids["train"],
-                       msgids["test"])
+    return DjangoTasks(tuple(labels), train, test, len(ambiguous), msgids["train"], msgids["test"])

@@ -32,6 +32,7 @@ English msgid (a test string is never trained on, in any language or task).
 T0 uses it with a 500k cap): dataset m is drawn with rate `min(N_m, cap) / sum_n
 min(N_n, cap)`, then one of its examples and one of its templates uniformly.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,10 +48,19 @@ from tf_metaalign.data.splits import check_fraction, check_positive_int
 from tf_metaalign.prompts.templates import PromptedExample, Template
 
 __all__ = [
-    "P3_REPOSITORY", "P3_EXAMPLE_NAMES", "P3NotAvailableError", "load_p3",
-    "p3_prompted_examples", "PromptedDataset", "TASK_TYPES", "TRAINING_TASK_TYPES",
-    "EVALUATION_TASK_TYPES", "offline_prompted_tasks", "split_by_task_type",
-    "mixing_rates", "PromptedMixture",
+    "P3_REPOSITORY",
+    "P3_EXAMPLE_NAMES",
+    "P3NotAvailableError",
+    "load_p3",
+    "p3_prompted_examples",
+    "PromptedDataset",
+    "TASK_TYPES",
+    "TRAINING_TASK_TYPES",
+    "EVALUATION_TASK_TYPES",
+    "offline_prompted_tasks",
+    "split_by_task_type",
+    "mixing_rates",
+    "PromptedMixture",
 ]
 
 # ----------------------------------------------------------------------------- P3
@@ -58,10 +68,15 @@ __all__ = [
 P3_REPOSITORY = "bigscience/P3"
 #: A few real P3 dataset-template names (held-out evaluation sets of T0 and of Wu et al.).
 P3_EXAMPLE_NAMES = (
-    "super_glue_rte_GPT_3_style", "super_glue_cb_GPT_3_style", "anli_GPT_3_style_r1",
-    "super_glue_copa_best_option", "super_glue_wic_GPT_3_prompt",
-    "super_glue_wsc.fixed_GPT_3_Style", "winogrande_winogrande_xl_fill_in_the_blank",
-    "hellaswag_Predict_ending_with_hint", "story_cloze_2016_Answer_Given_options",
+    "super_glue_rte_GPT_3_style",
+    "super_glue_cb_GPT_3_style",
+    "anli_GPT_3_style_r1",
+    "super_glue_copa_best_option",
+    "super_glue_wic_GPT_3_prompt",
+    "super_glue_wsc.fixed_GPT_3_Style",
+    "winogrande_winogrande_xl_fill_in_the_blank",
+    "hellaswag_Predict_ending_with_hint",
+    "story_cloze_2016_Answer_Given_options",
 )
 _P3_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
@@ -77,8 +92,9 @@ def _p3_roots(data_dir) -> list[str]:
     return roots
 
 
-def load_p3(name: str, split: str = "validation", data_dir: str | os.PathLike | None = None
-            ) -> list[dict]:
+def load_p3(
+    name: str, split: str = "validation", data_dir: str | os.PathLike | None = None
+) -> list[dict]:
     """The records of one P3 dataset-template pair, read from a local copy of P3.
 
     Args:
@@ -100,8 +116,10 @@ def load_p3(name: str, split: str = "validation", data_dir: str | os.PathLike | 
         no network). Use `offline_prompted_tasks()` for offline prompted tasks instead.
     """
     if not isinstance(name, str) or not _P3_NAME.match(name):
-        raise ValueError(f"`name` must be a P3 dataset-template name such as "
-                         f"'super_glue_rte_GPT_3_style'; got {name!r}.")
+        raise ValueError(
+            f"`name` must be a P3 dataset-template name such as "
+            f"'super_glue_rte_GPT_3_style'; got {name!r}."
+        )
     if split not in ("train", "validation", "test"):
         raise ValueError(f"`split` must be 'train', 'validation' or 'test'; got {split!r}.")
     tried = []
@@ -111,15 +129,19 @@ def load_p3(name: str, split: str = "validation", data_dir: str | os.PathLike | 
         files = sorted(f for f in glob.glob(pattern) if not f.endswith(".json"))
         if files:
             return _read_examples(files)
-    where = ("; looked for " + ", ".join(tried)) if tried else (
-        "; no `data_dir` was given and $P3_DATA_DIR is not set")
+    where = (
+        ("; looked for " + ", ".join(tried))
+        if tried
+        else ("; no `data_dir` was given and $P3_DATA_DIR is not set")
+    )
     raise P3NotAvailableError(
         f"P3 dataset {name!r} (split {split!r}) is not available offline{where}. P3 lives on "
         f"the Hugging Face hub as {P3_REPOSITORY!r} and this loader never downloads (there is "
         "no network at run time). On a machine with network access run `git lfs clone "
         "https://huggingface.co/datasets/bigscience/P3` and pass `data_dir=<that folder>` "
         "(or set P3_DATA_DIR); offline, use "
-        "`trainers.experiments.prompted_tasks.offline_prompted_tasks()` instead.")
+        "`trainers.experiments.prompted_tasks.offline_prompted_tasks()` instead."
+    )
 
 
 def _read_examples(files) -> list[dict]:
@@ -135,8 +157,11 @@ def _read_examples(files) -> list[dict]:
             if kind == "bytes_list":
                 values = [v.decode("utf-8") for v in values]
             # P3's text fields are single strings; answer_choices and token ids are lists.
-            record[key] = values[0] if kind == "bytes_list" and len(values) == 1 and \
-                key != "answer_choices" else values
+            record[key] = (
+                values[0]
+                if kind == "bytes_list" and len(values) == 1 and key != "answer_choices"
+                else values
+            )
         records.append(record)
     return records
 
@@ -151,8 +176,10 @@ def p3_prompted_examples(records: Sequence[Mapping]) -> list[PromptedExample]:
     out = []
     for i, r in enumerate(records):
         if "inputs_pretokenized" not in r or "targets_pretokenized" not in r:
-            raise ValueError(f"`records`[{i}] lacks inputs_pretokenized/targets_pretokenized; "
-                             f"its fields are {sorted(r)}.")
+            raise ValueError(
+                f"`records`[{i}] lacks inputs_pretokenized/targets_pretokenized; "
+                f"its fields are {sorted(r)}."
+            )
         target = str(r["targets_pretokenized"])
         choices = tuple(c.strip() for c in r.get("answer_choices", ()))
         label = choices.index(target.strip()) if target.strip() in choices else -1
@@ -182,6 +209,7 @@ class PromptedDataset:
     All templates of a dataset have the same number of answer choices (`num_choices`),
     so that its chance accuracy is `1 / num_choices` (for ARG).
     """
+
     name: str
     task_type: str
     templates: tuple
@@ -195,17 +223,21 @@ class PromptedDataset:
             raise ValueError(f"`split` must be 'train' or 'test'; got {split!r}.")
         names = [t.name for t in self.templates]
         if template is not None and template not in names:
-            raise ValueError(f"`template`={template!r} is not a template of {self.name!r}; "
-                             f"its templates are {names}.")
+            raise ValueError(
+                f"`template`={template!r} is not a template of {self.name!r}; "
+                f"its templates are {names}."
+            )
         examples = getattr(self, split)
         chosen = [t for t in self.templates if template in (None, t.name)]
         out = {t.name: [t.apply(e) for e in examples] for t in chosen}
         return out[template] if template is not None else out
 
     def __repr__(self):
-        return (f"PromptedDataset({self.name!r}, type={self.task_type!r}, "
-                f"train={len(self.train)}, test={len(self.test)}, "
-                f"choices={self.num_choices}, templates={[t.name for t in self.templates]})")
+        return (
+            f"PromptedDataset({self.name!r}, type={self.task_type!r}, "
+            f"train={len(self.train)}, test={len(self.test)}, "
+            f"choices={self.num_choices}, templates={[t.name for t in self.templates]})"
+        )
 
 
 def _subsample(rows: list, limit: int, rng: np.random.Generator) -> list:
@@ -224,8 +256,10 @@ def _wordnet_split(wordnet_dir, test_fraction, seed):
         rows = [(g, SUPERSENSES[l], w) for g, l, w in zip(glosses, labels, lemmas)]
         order = np.random.default_rng([seed, 7, k]).permutation(len(rows))
         n_test = int(round(test_fraction * len(rows)))
-        out[pos] = ([rows[i] for i in np.sort(order[n_test:])],
-                    [rows[i] for i in np.sort(order[:n_test])])
+        out[pos] = (
+            [rows[i] for i in np.sort(order[n_test:])],
+            [rows[i] for i in np.sort(order[:n_test])],
+        )
     return out
 
 
@@ -244,31 +278,45 @@ def _supersense_dataset(pos, split, limits, rng) -> PromptedDataset:
 
     def rows(source, limit):
         picked = _subsample(source, limit, rng)
-        return [{"gloss": g, "word": w, "options": options, "label": classes.index(c)}
-                for g, c, w in picked]
+        return [
+            {"gloss": g, "word": w, "options": options, "label": classes.index(c)}
+            for g, c, w in picked
+        ]
 
     templates = (
-        Template("category_of_definition",
-                 f"Which semantic category does this definition of {kind} belong to? {{gloss}}",
-                 choices),
+        Template(
+            "category_of_definition",
+            f"Which semantic category does this definition of {kind} belong to? {{gloss}}",
+            choices,
+        ),
         Template("word_and_definition", "{word}: {gloss}\nSemantic category:", choices),
-        Template("options_listed",
-                 "Definition: {gloss}\nPick its category among: {options}.", choices),
+        Template(
+            "options_listed", "Definition: {gloss}\nPick its category among: {options}.", choices
+        ),
     )
-    return PromptedDataset(f"wordnet_{pos}_supersense", "supersense", templates,
-                           rows(train_rows, limits[0]), rows(test_rows, limits[1]),
-                           len(choices))
+    return PromptedDataset(
+        f"wordnet_{pos}_supersense",
+        "supersense",
+        templates,
+        rows(train_rows, limits[0]),
+        rows(test_rows, limits[1]),
+        len(choices),
+    )
 
 
 def _two_pos_dataset(name, pos_pair, split, limits, rng, templates) -> PromptedDataset:
     def rows(part, limit):
         per_class = [_subsample(split[p][part], limit // 2, rng) for p in pos_pair]
-        out = [{"gloss": g, "word": w, "label": label}
-               for label, picked in enumerate(per_class) for g, _, w in picked]
+        out = [
+            {"gloss": g, "word": w, "label": label}
+            for label, picked in enumerate(per_class)
+            for g, _, w in picked
+        ]
         return [out[i] for i in rng.permutation(len(out))]
 
-    return PromptedDataset(name, "part_of_speech", templates, rows(0, limits[0]),
-                           rows(1, limits[1]), 2)
+    return PromptedDataset(
+        name, "part_of_speech", templates, rows(0, limits[0]), rows(1, limits[1]), 2
+    )
 
 
 def _gloss_match_dataset(split, limits, rng) -> PromptedDataset:
@@ -288,23 +336,37 @@ def _gloss_match_dataset(split, limits, rng) -> PromptedDataset:
 
     yes_no = ["no", "yes"]
     templates = (
-        Template("does_it_define", "Does \"{gloss}\" define the word \"{word}\"?", yes_no),
-        Template("dictionary_entry",
-                 "Dictionary entry: {word} - {gloss}\nIs this entry correct?", yes_no),
-        Template("true_false", "\"{word}\" means: {gloss}. True or false?",
-                 ["false", "true"]),
+        Template("does_it_define", 'Does "{gloss}" define the word "{word}"?', yes_no),
+        Template(
+            "dictionary_entry", "Dictionary entry: {word} - {gloss}\nIs this entry correct?", yes_no
+        ),
+        Template("true_false", '"{word}" means: {gloss}. True or false?', ["false", "true"]),
     )
-    return PromptedDataset("wordnet_gloss_match", "matching", templates,
-                           rows(0, limits[0]), rows(1, limits[1]), 2)
+    return PromptedDataset(
+        "wordnet_gloss_match", "matching", templates, rows(0, limits[0]), rows(1, limits[1]), 2
+    )
 
 
 #: Language code -> English name, for the Django language tasks.
-LANGUAGE_NAMES = {"de": "German", "fr": "French", "es": "Spanish", "it": "Italian",
-                  "nl": "Dutch", "pt": "Portuguese"}
+LANGUAGE_NAMES = {
+    "de": "German",
+    "fr": "French",
+    "es": "Spanish",
+    "it": "Italian",
+    "nl": "Dutch",
+    "pt": "Portuguese",
+}
 #: Django's default classes (`django_catalogs.DEFAULT_LABELS`) -> answer choices.
-COMPONENT_CHOICES = {"core": "core", "admin": "admin", "admindocs": "admin documentation",
-                     "auth": "authentication", "gis": "GIS", "humanize": "humanize",
-                     "postgres": "PostgreSQL", "other": "other apps"}
+COMPONENT_CHOICES = {
+    "core": "core",
+    "admin": "admin",
+    "admindocs": "admin documentation",
+    "auth": "authentication",
+    "gis": "GIS",
+    "humanize": "humanize",
+    "postgres": "PostgreSQL",
+    "other": "other apps",
+}
 
 
 def _django_datasets(languages, limits, seed, rng, root) -> list[PromptedDataset]:
@@ -314,22 +376,25 @@ def _django_datasets(languages, limits, seed, rng, root) -> list[PromptedDataset
     choices = [COMPONENT_CHOICES[c] for c in tasks.class_names]
     first = languages[0]
     component_templates = (
-        Template("which_part", "Which part of Django does this string come from? {text}",
-                 choices),
-        Template("ui_string", "Django user-interface string: \"{text}\"\nComponent:", choices),
+        Template("which_part", "Which part of Django does this string come from? {text}", choices),
+        Template("ui_string", 'Django user-interface string: "{text}"\nComponent:', choices),
     )
     names = [LANGUAGE_NAMES.get(lang, lang) for lang in languages]
 
     def component_rows(part, english, limit):
         texts, labels = getattr(tasks, part)[first]
         msgids = (tasks.train_msgids if part == "train" else tasks.test_msgids)[first]
-        rows = [{"text": m if english else t, "label": int(y)}
-                for t, y, m in zip(texts, labels, msgids)]
+        rows = [
+            {"text": m if english else t, "label": int(y)} for t, y, m in zip(texts, labels, msgids)
+        ]
         return _subsample(rows, limit, rng)
 
     def language_rows(part, limit):
-        rows = [{"text": t, "label": k} for k, lang in enumerate(languages)
-                for t in getattr(tasks, part)[lang][0]]
+        rows = [
+            {"text": t, "label": k}
+            for k, lang in enumerate(languages)
+            for t in getattr(tasks, part)[lang][0]
+        ]
         return _subsample(rows, limit, rng)
 
     def translation_rows(part, limit):
@@ -344,43 +409,90 @@ def _django_datasets(languages, limits, seed, rng, root) -> list[PromptedDataset
                     if texts[j] == text:
                         continue
                     text = texts[j]
-                out.append({"english": msgid, "translation": text, "language": names[k],
-                            "label": int(match)})
+                out.append(
+                    {
+                        "english": msgid,
+                        "translation": text,
+                        "language": names[k],
+                        "label": int(match),
+                    }
+                )
         return _subsample(out, limit, rng)
 
     en_name = f"django_component_{first}"
     yes_no = ["no", "yes"]
     return [
-        PromptedDataset("django_component_en", "component", component_templates,
-                        component_rows("train", True, limits[0]),
-                        component_rows("test", True, limits[1]), len(choices)),
-        PromptedDataset(en_name, "component", (
-            Template("which_part", "Which part of Django does this translated string come "
-                     "from? {text}", choices),) + component_templates[1:],
+        PromptedDataset(
+            "django_component_en",
+            "component",
+            component_templates,
+            component_rows("train", True, limits[0]),
+            component_rows("test", True, limits[1]),
+            len(choices),
+        ),
+        PromptedDataset(
+            en_name,
+            "component",
+            (
+                Template(
+                    "which_part",
+                    "Which part of Django does this translated string come from? {text}",
+                    choices,
+                ),
+            )
+            + component_templates[1:],
             component_rows("train", False, limits[0]),
-            component_rows("test", False, limits[1]), len(choices)),
-        PromptedDataset("django_language_id", "language_id", (
-            Template("what_language", "What language is this? {text}", names),
-            Template("language_suffix", "{text}\nLanguage:", names),
-            Template("identify", "Identify the language of this user-interface string: "
-                     "\"{text}\"", names)),
-            language_rows("train", limits[0]), language_rows("test", limits[1]),
-            len(names)),
-        PromptedDataset("django_translation_match", "matching", (
-            Template("is_translation", "Is \"{translation}\" the {language} translation of "
-                     "\"{english}\"?", yes_no),
-            Template("same_meaning", "English: {english}\n{language}: {translation}\n"
-                     "Do they mean the same?", yes_no)),
-            translation_rows("train", limits[0]), translation_rows("test", limits[1]), 2),
+            component_rows("test", False, limits[1]),
+            len(choices),
+        ),
+        PromptedDataset(
+            "django_language_id",
+            "language_id",
+            (
+                Template("what_language", "What language is this? {text}", names),
+                Template("language_suffix", "{text}\nLanguage:", names),
+                Template(
+                    "identify",
+                    'Identify the language of this user-interface string: "{text}"',
+                    names,
+                ),
+            ),
+            language_rows("train", limits[0]),
+            language_rows("test", limits[1]),
+            len(names),
+        ),
+        PromptedDataset(
+            "django_translation_match",
+            "matching",
+            (
+                Template(
+                    "is_translation",
+                    'Is "{translation}" the {language} translation of "{english}"?',
+                    yes_no,
+                ),
+                Template(
+                    "same_meaning",
+                    "English: {english}\n{language}: {translation}\nDo they mean the same?",
+                    yes_no,
+                ),
+            ),
+            translation_rows("train", limits[0]),
+            translation_rows("test", limits[1]),
+            2,
+        ),
     ]
 
 
-def offline_prompted_tasks(max_train: int = 1000, max_test: int = 200, seed: int = 0,
-                           sources: Sequence[str] = ("wordnet", "django"),
-                           languages: Sequence[str] = tuple(LANGUAGE_NAMES),
-                           wordnet_dir: str | os.PathLike | None = None,
-                           django_root: str | None = None, test_fraction: float = 0.2
-                           ) -> dict[str, PromptedDataset]:
+def offline_prompted_tasks(
+    max_train: int = 1000,
+    max_test: int = 200,
+    seed: int = 0,
+    sources: Sequence[str] = ("wordnet", "django"),
+    languages: Sequence[str] = tuple(LANGUAGE_NAMES),
+    wordnet_dir: str | os.PathLike | None = None,
+    django_root: str | None = None,
+    test_fraction: float = 0.2,
+) -> dict[str, PromptedDataset]:
     """The offline prompted datasets (module docstring), `{name: PromptedDataset}`.
 
     Args:
@@ -399,47 +511,84 @@ def offline_prompted_tasks(max_train: int = 1000, max_test: int = 200, seed: int
     max_test = check_positive_int(max_test, "max_test")
     test_fraction = check_fraction(test_fraction, "test_fraction")
     if isinstance(sources, str) or not sources or not set(sources) <= {"wordnet", "django"}:
-        raise ValueError(f"`sources` must be a non-empty sequence of 'wordnet', 'django'; "
-                         f"got {sources!r}.")
+        raise ValueError(
+            f"`sources` must be a non-empty sequence of 'wordnet', 'django'; got {sources!r}."
+        )
     if isinstance(languages, str) or len(languages) < 2 or len(set(languages)) != len(languages):
-        raise ValueError(f"`languages` must be at least two distinct Django language codes; "
-                         f"got {languages!r}.")
+        raise ValueError(
+            f"`languages` must be at least two distinct Django language codes; got {languages!r}."
+        )
     rng = np.random.default_rng(seed)
     limits = (max_train, max_test)
     datasets = []
     if "wordnet" in sources:
         split = _wordnet_split(wordnet_dir, test_fraction, seed)
-        datasets += [_supersense_dataset("noun", split, limits, rng),
-                     _supersense_dataset("verb", split, limits, rng)]
-        datasets.append(_two_pos_dataset("wordnet_noun_or_verb", ("noun", "verb"), split,
-                                         limits, rng, (
-            Template("noun_or_verb", "Is this the definition of a noun or a verb? {gloss}",
-                     ["noun", "verb"]),
-            Template("pos_suffix", "{gloss}\nPart of speech (noun or verb):",
-                     ["noun", "verb"]),
-            Template("thing_or_action", "Does \"{gloss}\" describe a thing or an action?",
-                     ["a thing", "an action"]))))
-        datasets.append(_two_pos_dataset("wordnet_adj_or_adv", ("adj", "adv"), split,
-                                         limits, rng, (
-            Template("adjective_or_adverb",
-                     "Is this the definition of an adjective or an adverb? {gloss}",
-                     ["adjective", "adverb"]),
-            Template("describes", "\"{gloss}\" describes a...",
-                     ["quality of a thing", "way of doing"]))))
+        datasets += [
+            _supersense_dataset("noun", split, limits, rng),
+            _supersense_dataset("verb", split, limits, rng),
+        ]
+        datasets.append(
+            _two_pos_dataset(
+                "wordnet_noun_or_verb",
+                ("noun", "verb"),
+                split,
+                limits,
+                rng,
+                (
+                    Template(
+                        "noun_or_verb",
+                        "Is this the definition of a noun or a verb? {gloss}",
+                        ["noun", "verb"],
+                    ),
+                    Template(
+                        "pos_suffix", "{gloss}\nPart of speech (noun or verb):", ["noun", "verb"]
+                    ),
+                    Template(
+                        "thing_or_action",
+                        'Does "{gloss}" describe a thing or an action?',
+                        ["a thing", "an action"],
+                    ),
+                ),
+            )
+        )
+        datasets.append(
+            _two_pos_dataset(
+                "wordnet_adj_or_adv",
+                ("adj", "adv"),
+                split,
+                limits,
+                rng,
+                (
+                    Template(
+                        "adjective_or_adverb",
+                        "Is this the definition of an adjective or an adverb? {gloss}",
+                        ["adjective", "adverb"],
+                    ),
+                    Template(
+                        "describes",
+                        '"{gloss}" describes a...',
+                        ["quality of a thing", "way of doing"],
+                    ),
+                ),
+            )
+        )
         datasets.append(_gloss_match_dataset(split, limits, rng))
     if "django" in sources:
         datasets += _django_datasets(tuple(languages), limits, seed, rng, django_root)
     return {d.name: d for d in datasets}
 
 
-def split_by_task_type(datasets: Mapping[str, PromptedDataset],
-                       evaluation_types: Sequence[str] = EVALUATION_TASK_TYPES):
+def split_by_task_type(
+    datasets: Mapping[str, PromptedDataset], evaluation_types: Sequence[str] = EVALUATION_TASK_TYPES
+):
     """`(training, evaluation)` dicts: the datasets of `evaluation_types` are held out whole
     (unseen task types, as T0 holds out NLI, coreference, ...), the others train."""
     unknown = set(evaluation_types) - {d.task_type for d in datasets.values()} - set(TASK_TYPES)
     if unknown:
-        raise ValueError(f"`evaluation_types` has unknown task types {sorted(unknown)}; "
-                         f"known: {sorted(TASK_TYPES)}.")
+        raise ValueError(
+            f"`evaluation_types` has unknown task types {sorted(unknown)}; "
+            f"known: {sorted(TASK_TYPES)}."
+        )
     training = {n: d for n, d in datasets.items() if d.task_type not in evaluation_types}
     evaluation = {n: d for n, d in datasets.items() if d.task_type in evaluation_types}
     return training, evaluation
@@ -467,8 +616,13 @@ class PromptedMixture:
     resumes a stream exactly (pass the number of pairs already consumed).
     """
 
-    def __init__(self, datasets: Mapping[str, PromptedDataset], cap: int = 500_000,
-                 seed: int = 0, split: str = "train"):
+    def __init__(
+        self,
+        datasets: Mapping[str, PromptedDataset],
+        cap: int = 500_000,
+        seed: int = 0,
+        split: str = "train",
+    ):
         if not isinstance(datasets, Mapping) or not datasets:
             raise ValueError("`datasets` must be a non-empty mapping name -> PromptedDataset.")
         if split not in ("train", "test"):
@@ -487,8 +641,9 @@ class PromptedMixture:
     def draw(self, k: int) -> tuple[str, int, str]:
         """`(dataset name, example index, template name)` of draw k."""
         rng = np.random.default_rng([self.seed, int(k)])
-        m = int(min(np.searchsorted(self._cumulative, rng.random(), side="right"),
-                    len(self.names) - 1))
+        m = int(
+            min(np.searchsorted(self._cumulative, rng.random(), side="right"), len(self.names) - 1)
+        )
         dataset = self.datasets[self.names[m]]
         index = int(rng.integers(len(getattr(dataset, self.split))))
         template = dataset.templates[int(rng.integers(len(dataset.templates)))]
@@ -503,8 +658,11 @@ class PromptedMixture:
             dataset = self.datasets[name]
             template = next(t for t in dataset.templates if t.name == template_name)
             p = template.apply(getattr(dataset, self.split)[index])
-            yield (name, template_name, p.input_text, p.target_text) if with_names else (
-                p.input_text, p.target_text)
+            yield (
+                (name, template_name, p.input_text, p.target_text)
+                if with_names
+                else (p.input_text, p.target_text)
+            )
             k += 1
 
     def take(self, n: int, start: int = 0, with_names: bool = False) -> list[tuple]:

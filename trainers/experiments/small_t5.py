@@ -25,6 +25,7 @@ Wu et al. (EMNLP 2022) start from T5 v1.1 "LM adapted" (Lester et al. 2021): spa
 corruption (Raffel et al. 2020) then 100k steps of the prefix-LM objective; `objective="both"`
 mixes the two instead of running them in sequence.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,17 +44,23 @@ from tf_metaalign.data.splits import check_positive_int
 #: Named sizes. "tiny" is for tests; "small" pre-trains in minutes on 2 CPU cores; "base-ish"
 #: is a long run (T5-small's widths, fewer layers).
 T5_SIZES = {
-    "tiny": dict(num_layers=2, num_heads=2, hidden_dim=32, intermediate_dim=64,
-                 key_value_dim=16),
-    "small": dict(num_layers=4, num_heads=4, hidden_dim=128, intermediate_dim=256,
-                  key_value_dim=32),
-    "base-ish": dict(num_layers=6, num_heads=8, hidden_dim=512, intermediate_dim=1024,
-                     key_value_dim=64),
+    "tiny": dict(num_layers=2, num_heads=2, hidden_dim=32, intermediate_dim=64, key_value_dim=16),
+    "small": dict(
+        num_layers=4, num_heads=4, hidden_dim=128, intermediate_dim=256, key_value_dim=32
+    ),
+    "base-ish": dict(
+        num_layers=6, num_heads=8, hidden_dim=512, intermediate_dim=1024, key_value_dim=64
+    ),
 }
 #: T5 v1.1 (the checkpoints LM adaptation starts from): gated GELU, untied input/output
 #: embeddings, epsilon 1e-6; dropout 0 during pre-training (T5 v1.1's pre-training setting).
-T5_V1_1 = dict(activation="gelu", use_gated_activation=True, layer_norm_epsilon=1e-6,
-               tie_embedding_weights=False, dropout=0.0)
+T5_V1_1 = dict(
+    activation="gelu",
+    use_gated_activation=True,
+    layer_norm_epsilon=1e-6,
+    tie_embedding_weights=False,
+    dropout=0.0,
+)
 OPTIMIZERS = ("adafactor", "adam")
 
 
@@ -63,8 +70,10 @@ def t5_config(size: str = "small", vocabulary_size: int = 4000, **overrides) -> 
         raise ValueError(f"`size` must be one of {tuple(T5_SIZES)}; got {size!r}.")
     unknown = set(overrides) - set(T5_SIZES[size]) - set(T5_V1_1)
     if unknown:
-        raise ValueError(f"Unknown T5 config overrides {sorted(unknown)}; allowed: "
-                         f"{sorted(set(T5_SIZES[size]) | set(T5_V1_1))}.")
+        raise ValueError(
+            f"Unknown T5 config overrides {sorted(unknown)}; allowed: "
+            f"{sorted(set(T5_SIZES[size]) | set(T5_V1_1))}."
+        )
     check_positive_int(vocabulary_size, "vocabulary_size")
     return {"vocabulary_size": int(vocabulary_size), **T5_SIZES[size], **T5_V1_1, **overrides}
 
@@ -95,8 +104,9 @@ def make_optimizer(name: str = "adafactor", learning_rate: float = 1e-2):
     raise ValueError(f"`optimizer` must be one of {OPTIMIZERS}; got {name!r}.")
 
 
-def compile_for_pretraining(model, optimizer="adafactor", learning_rate: float = 1e-2,
-                            jit_compile="auto"):
+def compile_for_pretraining(
+    model, optimizer="adafactor", learning_rate: float = 1e-2, jit_compile="auto"
+):
     """Compiles with token cross-entropy from logits averaged over the real target tokens
     (`reduction="mean_with_sample_weight"`: Keras's default divides by every position,
     padding included) and a weighted token accuracy. A fresh optimizer state."""
@@ -105,9 +115,11 @@ def compile_for_pretraining(model, optimizer="adafactor", learning_rate: float =
     model.compile(
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True, reduction="mean_with_sample_weight"),
+            from_logits=True, reduction="mean_with_sample_weight"
+        ),
         weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-        jit_compile=jit_compile)
+        jit_compile=jit_compile,
+    )
     return model
 
 
@@ -128,12 +140,23 @@ class _Timer(keras.callbacks.Callback):
         self.steady_seconds = end - (self.first_epoch_end or self.start)
 
 
-def pretrain_t5(model, tokenizer, corpus: Sequence[str] | None, objective: str = "span_corruption",
-                steps: int = 1000, batch_size: int = 32, sequence_length: int = 64,
-                learning_rate: float = 1e-2, seed: int = 0, progress: bool = True,
-                optimizer: str = "adafactor", log_every: int | None = None,
-                token_docs: Sequence[np.ndarray] | None = None, jit_compile="auto",
-                callbacks: Sequence = ()):
+def pretrain_t5(
+    model,
+    tokenizer,
+    corpus: Sequence[str] | None,
+    objective: str = "span_corruption",
+    steps: int = 1000,
+    batch_size: int = 32,
+    sequence_length: int = 64,
+    learning_rate: float = 1e-2,
+    seed: int = 0,
+    progress: bool = True,
+    optimizer: str = "adafactor",
+    log_every: int | None = None,
+    token_docs: Sequence[np.ndarray] | None = None,
+    jit_compile="auto",
+    callbacks: Sequence = (),
+):
     """Pre-trains `model` (a `T5Seq2SeqLM`) with `model.fit` on a `tf.data` stream of
     `objective` ("span_corruption", "lm_adaptation" or "both") built from `corpus`.
 
@@ -159,24 +182,35 @@ def pretrain_t5(model, tokenizer, corpus: Sequence[str] | None, objective: str =
     vocabulary_size = int(tokenizer.vocabulary_size())
     model_vocab = int(model.backbone.vocabulary_size)
     if model_vocab != vocabulary_size:
-        raise ValueError(f"The model's vocabulary ({model_vocab}) differs from the tokenizer's "
-                         f"({vocabulary_size}).")
-    ds = tp.pretraining_dataset(token_docs, objective, sequence_length, vocabulary_size,
-                                batch_size, seed)
+        raise ValueError(
+            f"The model's vocabulary ({model_vocab}) differs from the tokenizer's "
+            f"({vocabulary_size})."
+        )
+    ds = tp.pretraining_dataset(
+        token_docs, objective, sequence_length, vocabulary_size, batch_size, seed
+    )
     # Always compiled here: keras-hub's Task compiles itself at construction with its own
     # defaults (Adam 2e-5, a loss averaged over padding too).
     compile_for_pretraining(model, optimizer, learning_rate, jit_compile)
     timer = _Timer()
     epochs = max(1, steps // log_every)
     # shuffle=False: the stream shuffles itself (Keras warns that it ignores shuffle=True).
-    history = model.fit(ds.repeat(), steps_per_epoch=log_every, epochs=epochs, shuffle=False,
-                        verbose=2 if progress else 0, callbacks=[timer, *callbacks])
+    history = model.fit(
+        ds.repeat(),
+        steps_per_epoch=log_every,
+        epochs=epochs,
+        shuffle=False,
+        verbose=2 if progress else 0,
+        callbacks=[timer, *callbacks],
+    )
     steady_steps = (epochs - 1) * log_every
     positions = sequence_length + tp.decoder_length_for(objective, sequence_length)
     history.history["seconds"] = timer.seconds
     history.history["tokens_per_second"] = (
         positions * batch_size * steady_steps / timer.steady_seconds
-        if steady_steps and timer.steady_seconds > 0 else float("nan"))
+        if steady_steps and timer.steady_seconds > 0
+        else float("nan")
+    )
     history.history["steps"] = [log_every * (i + 1) for i in range(epochs)]
     return history
 
@@ -185,11 +219,11 @@ def heldout_loss(model, x, y, sample_weight, batch_size: int = 64) -> float:
     """Mean nats per real target token (weight > 0), computed from the logits in NumPy."""
     total, count = 0.0, 0.0
     for start in range(0, len(y), batch_size):
-        xb = {k: v[start:start + batch_size] for k, v in x.items()}
+        xb = {k: v[start : start + batch_size] for k, v in x.items()}
         logits = np.asarray(model(xb, training=False), np.float64)
         logits = logits - logits.max(-1, keepdims=True)
         log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-        yb, wb = y[start:start + batch_size], sample_weight[start:start + batch_size]
+        yb, wb = y[start : start + batch_size], sample_weight[start : start + batch_size]
         nll = -np.take_along_axis(log_p, yb[..., None], -1)[..., 0]
         total += float((nll * wb).sum())
         count += float(wb.sum())
@@ -200,13 +234,23 @@ def _hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def cached_pretrained_t5(cache_dir: str | os.PathLike, corpus: Sequence[str] | None = None,
-                         size: str = "small", vocabulary_size: int = 4000,
-                         objective: str = "span_corruption", steps: int = 2000,
-                         batch_size: int = 32, sequence_length: int = 64,
-                         learning_rate: float = 1e-2, seed: int = 0, optimizer: str = "adafactor",
-                         num_extra_ids: int = tp.T5_NUM_EXTRA_IDS, progress: bool = True,
-                         config_overrides: dict | None = None, callbacks: Sequence = ()):
+def cached_pretrained_t5(
+    cache_dir: str | os.PathLike,
+    corpus: Sequence[str] | None = None,
+    size: str = "small",
+    vocabulary_size: int = 4000,
+    objective: str = "span_corruption",
+    steps: int = 2000,
+    batch_size: int = 32,
+    sequence_length: int = 64,
+    learning_rate: float = 1e-2,
+    seed: int = 0,
+    optimizer: str = "adafactor",
+    num_extra_ids: int = tp.T5_NUM_EXTRA_IDS,
+    progress: bool = True,
+    config_overrides: dict | None = None,
+    callbacks: Sequence = (),
+):
     """A pre-trained T5 paid for once: `(model, tokenizer, info)`.
 
     The SentencePiece model is `train_sentencepiece(corpus, cache_dir / "spm")` (default
@@ -222,10 +266,19 @@ def cached_pretrained_t5(cache_dir: str | os.PathLike, corpus: Sequence[str] | N
     spm_path = tp.train_sentencepiece(corpus, cache_dir / "spm", vocabulary_size, num_extra_ids)
     tokenizer = tp.t5_tokenizer(spm_path)
     config = t5_config(size, tokenizer.vocabulary_size(), **(config_overrides or {}))
-    settings = dict(config=config, objective=objective, steps=steps, batch_size=batch_size,
-                    sequence_length=sequence_length, learning_rate=learning_rate, seed=seed,
-                    optimizer=optimizer, corpus=tp.corpus_hash(corpus),
-                    spm=hashlib.sha256(spm_path.read_bytes()).hexdigest(), version=1)
+    settings = dict(
+        config=config,
+        objective=objective,
+        steps=steps,
+        batch_size=batch_size,
+        sequence_length=sequence_length,
+        learning_rate=learning_rate,
+        seed=seed,
+        optimizer=optimizer,
+        corpus=tp.corpus_hash(corpus),
+        spm=hashlib.sha256(spm_path.read_bytes()).hexdigest(),
+        version=1,
+    )
     key = _hash(settings)
     weights = cache_dir / f"t5-{key}.weights.h5"
     meta = cache_dir / f"t5-{key}.json"
@@ -235,12 +288,29 @@ def cached_pretrained_t5(cache_dir: str | os.PathLike, corpus: Sequence[str] | N
         info = json.loads(meta.read_text())
         info["cached"] = True
         return model, tokenizer, info
-    history = pretrain_t5(model, tokenizer, corpus, objective, steps, batch_size,
-                          sequence_length, learning_rate, seed, progress, optimizer,
-                          callbacks=callbacks)
-    info = {"key": key, "settings": settings, "spm_path": str(spm_path),
-            "history": {k: (v if isinstance(v, (list, float, int)) else list(v))
-                        for k, v in history.history.items()}}
+    history = pretrain_t5(
+        model,
+        tokenizer,
+        corpus,
+        objective,
+        steps,
+        batch_size,
+        sequence_length,
+        learning_rate,
+        seed,
+        progress,
+        optimizer,
+        callbacks=callbacks,
+    )
+    info = {
+        "key": key,
+        "settings": settings,
+        "spm_path": str(spm_path),
+        "history": {
+            k: (v if isinstance(v, (list, float, int)) else list(v))
+            for k, v in history.history.items()
+        },
+    }
     tmp = weights.with_name(f"tmp{os.getpid()}-" + weights.name)
     # The backbone holds every weight (the LM head is its ReversibleEmbedding); saving the
     # task would also save the optimizer, which a loaded model's fresh one cannot take.

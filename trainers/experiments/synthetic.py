@@ -15,6 +15,7 @@ and outputs phi for every example; the target of an example of task i is x_i, an
 the package run on it unchanged (`synthetic_tasks` gives the per-task examples in the
 form `tf_metaalign.data.multitask.MultiTaskStream` takes).
 """
+
 from __future__ import annotations
 
 import keras
@@ -70,8 +71,9 @@ class PointLayer(keras.layers.Layer):
     def __init__(self, start=START, **kwargs):
         super().__init__(**kwargs)
         self.start = tuple(float(v) for v in start)
-        self.phi = self.add_weight(name="phi", shape=(2,),
-                                   initializer=keras.initializers.Constant(self.start))
+        self.phi = self.add_weight(
+            name="phi", shape=(2,), initializer=keras.initializers.Constant(self.start)
+        )
 
     def call(self, x):
         return tf.zeros_like(x[:, :1], dtype=self.phi.dtype) + self.phi
@@ -92,13 +94,22 @@ def point_model(start=START, dtype="float32"):
 def synthetic_tasks(examples_per_task=8, names=("task_1", "task_2", "task_3"), dtype="float32"):
     """name -> (x, y): `examples_per_task` dummy inputs, each with target x_i."""
     return {
-        name: (np.zeros((examples_per_task, 1), dtype),
-               np.tile(np.asarray(optimum, dtype), (examples_per_task, 1)))
+        name: (
+            np.zeros((examples_per_task, 1), dtype),
+            np.tile(np.asarray(optimum, dtype), (examples_per_task, 1)),
+        )
         for name, optimum in zip(names, OPTIMA)
     }
 
 
 __all__ = [
-    "OPTIMA", "START", "PointLayer", "SyntheticTaskLoss", "mean_pairwise_cosine",
-    "point_model", "synthetic_tasks", "task_gradient", "task_loss",
+    "OPTIMA",
+    "START",
+    "PointLayer",
+    "SyntheticTaskLoss",
+    "mean_pairwise_cosine",
+    "point_model",
+    "synthetic_tasks",
+    "task_gradient",
+    "task_loss",
 ]

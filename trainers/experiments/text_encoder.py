@@ -6,6 +6,7 @@ holds a Hugging Face folder (config, safetensors, vocab) that keras-hub's
 `BertBackbone.from_preset` / `BertTokenizer.from_preset` read from disk: nothing is
 downloaded. The encoder is a 6-layer BERT (hidden 384, 22.7M parameters).
 """
+
 from __future__ import annotations
 
 import os
@@ -54,9 +55,7 @@ def load_minilm_backbone(load_weights: bool = True, dtype=None):
     path = minilm_path()
     _offline()
     kwargs = {} if dtype is None else {"dtype": dtype}
-    return keras_hub.models.BertBackbone.from_preset(
-        str(path), load_weights=load_weights, **kwargs
-    )
+    return keras_hub.models.BertBackbone.from_preset(str(path), load_weights=load_weights, **kwargs)
 
 
 def load_minilm_tokenizer():
@@ -76,7 +75,11 @@ def tokenize(texts, tokenizer=None, sequence_length: int = 32, batch_size: int =
     """
     import keras_hub
 
-    if isinstance(sequence_length, bool) or not isinstance(sequence_length, int) or sequence_length < 3:
+    if (
+        isinstance(sequence_length, bool)
+        or not isinstance(sequence_length, int)
+        or sequence_length < 3
+    ):
         raise ValueError(f"`sequence_length` must be an integer >= 3; got {sequence_length!r}.")
     texts = [str(t) for t in np.asarray(texts, dtype=object).reshape(-1)]
     if not texts:
@@ -91,7 +94,7 @@ def tokenize(texts, tokenizer=None, sequence_length: int = 32, batch_size: int =
     )
     ids, masks = [], []
     for start in range(0, len(texts), batch_size):
-        token_ids, mask = packer(tokenizer(texts[start:start + batch_size]))
+        token_ids, mask = packer(tokenizer(texts[start : start + batch_size]))
         ids.append(np.asarray(token_ids, dtype=np.int32))
         masks.append(np.asarray(mask, dtype=bool))
     token_ids = np.concatenate(ids)
@@ -102,9 +105,15 @@ def tokenize(texts, tokenizer=None, sequence_length: int = 32, batch_size: int =
     }
 
 
-def build_text_classifier(num_classes: int, backbone=None, sequence_length: int = 32,
-                          pooling: str = "mean", dropout: float = 0.1, seed: int = 0,
-                          name: str = "text_classifier") -> keras.Model:
+def build_text_classifier(
+    num_classes: int,
+    backbone=None,
+    sequence_length: int = 32,
+    pooling: str = "mean",
+    dropout: float = 0.1,
+    seed: int = 0,
+    name: str = "text_classifier",
+) -> keras.Model:
     """A functional Keras classifier: backbone -> pooling -> Dropout -> Dense(num_classes).
 
     Args:

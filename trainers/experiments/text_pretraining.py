@@ -25,6 +25,7 @@ Randomness: every function takes a `numpy.random.Generator` (or a seed). The mas
 *distribution* is T5's; the draws are NumPy's, so masks are not bit-identical to T5's
 `stateless_shuffle` ones for the same seed.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -69,9 +70,14 @@ def split_wordnet_gloss(gloss: str) -> tuple[str, list[str]]:
     return definition, examples
 
 
-def english_corpus(sources: Sequence[str] = CORPUS_SOURCES, include_lemma: bool = True,
-                   max_texts: int | None = None, seed: int = 0, wordnet_dir=None,
-                   django_languages: Sequence[str] = DJANGO_MSGID_LANGUAGES) -> list[str]:
+def english_corpus(
+    sources: Sequence[str] = CORPUS_SOURCES,
+    include_lemma: bool = True,
+    max_texts: int | None = None,
+    seed: int = 0,
+    wordnet_dir=None,
+    django_languages: Sequence[str] = DJANGO_MSGID_LANGUAGES,
+) -> list[str]:
     """An offline English corpus: a de-duplicated list of strings in a fixed order.
 
     Sources (`CORPUS_SOURCES`):
@@ -91,8 +97,9 @@ def english_corpus(sources: Sequence[str] = CORPUS_SOURCES, include_lemma: bool 
     sources = tuple(sources)
     unknown = [s for s in sources if s not in CORPUS_SOURCES]
     if not sources or unknown:
-        raise ValueError(f"`sources` must be a non-empty subset of {CORPUS_SOURCES}; "
-                         f"got {sources!r}.")
+        raise ValueError(
+            f"`sources` must be a non-empty subset of {CORPUS_SOURCES}; got {sources!r}."
+        )
     texts: list[str] = []
     if "wordnet_definitions" in sources or "wordnet_examples" in sources:
         from trainers.experiments.wordnet import PARTS_OF_SPEECH, read_synsets
@@ -114,16 +121,18 @@ def english_corpus(sources: Sequence[str] = CORPUS_SOURCES, include_lemma: bool 
     if max_texts is not None:
         max_texts = check_positive_int(max_texts, "max_texts")
         if max_texts < len(texts):
-            keep = np.sort(np.random.default_rng(seed).choice(len(texts), max_texts,
-                                                              replace=False))
+            keep = np.sort(np.random.default_rng(seed).choice(len(texts), max_texts, replace=False))
             texts = [texts[i] for i in keep]
     return texts
 
 
 def corpus_statistics(texts: Sequence[str]) -> dict:
     """`{"texts", "words" (whitespace-separated), "characters"}` of a corpus."""
-    return {"texts": len(texts), "words": sum(len(t.split()) for t in texts),
-            "characters": sum(len(t) for t in texts)}
+    return {
+        "texts": len(texts),
+        "words": sum(len(t.split()) for t in texts),
+        "characters": sum(len(t) for t in texts),
+    }
 
 
 def corpus_hash(texts: Sequence[str]) -> str:
@@ -139,6 +148,7 @@ def corpus_hash(texts: Sequence[str]) -> str:
 # 2. The SentencePiece vocabulary
 # ----------------------------------------------------------------------------------------
 
+
 def sentinel_id(vocabulary_size: int, index: int = 0) -> int:
     """The id of `<extra_id_{index}>`: T5 counts sentinels DOWN from the last id
     (`t5.data.preprocessors.sentinel_id` is `vocabulary.vocab_size - 1`)."""
@@ -152,11 +162,16 @@ def _check_int(name, value, minimum):
     return int(value)
 
 
-def train_sentencepiece(corpus: Sequence[str], directory: str | os.PathLike,
-                        vocabulary_size: int = 4000, num_extra_ids: int = T5_NUM_EXTRA_IDS,
-                        model_type: str = "unigram", character_coverage: float = 1.0,
-                        normalization_rule_name: str = "nmt_nfkc",
-                        max_sentence_length: int = 4192) -> Path:
+def train_sentencepiece(
+    corpus: Sequence[str],
+    directory: str | os.PathLike,
+    vocabulary_size: int = 4000,
+    num_extra_ids: int = T5_NUM_EXTRA_IDS,
+    model_type: str = "unigram",
+    character_coverage: float = 1.0,
+    normalization_rule_name: str = "nmt_nfkc",
+    max_sentence_length: int = 4192,
+) -> Path:
     """Trains (or reuses) a SentencePiece model with T5's conventions; returns its path.
 
     The model has `vocabulary_size` pieces in all: `vocabulary_size - num_extra_ids`
@@ -179,23 +194,33 @@ def train_sentencepiece(corpus: Sequence[str], directory: str | os.PathLike,
     vocabulary_size = _check_int("vocabulary_size", vocabulary_size, 8)
     num_extra_ids = _check_int("num_extra_ids", num_extra_ids, 0)
     if num_extra_ids > T5_NUM_EXTRA_IDS:
-        raise ValueError(f"`num_extra_ids` must be at most {T5_NUM_EXTRA_IDS} (T5's sentinels); "
-                         f"got {num_extra_ids}.")
+        raise ValueError(
+            f"`num_extra_ids` must be at most {T5_NUM_EXTRA_IDS} (T5's sentinels); "
+            f"got {num_extra_ids}."
+        )
     if vocabulary_size - num_extra_ids < 8:
-        raise ValueError(f"`vocabulary_size` ({vocabulary_size}) must exceed `num_extra_ids` "
-                         f"({num_extra_ids}) by at least 8 trained pieces.")
+        raise ValueError(
+            f"`vocabulary_size` ({vocabulary_size}) must exceed `num_extra_ids` "
+            f"({num_extra_ids}) by at least 8 trained pieces."
+        )
     if model_type not in ("unigram", "bpe"):
         raise ValueError(f"`model_type` must be 'unigram' or 'bpe'; got {model_type!r}.")
     if not 0.0 < float(character_coverage) <= 1.0:
         raise ValueError(f"`character_coverage` must be in (0, 1]; got {character_coverage!r}.")
     if isinstance(corpus, str) or len(corpus) == 0:
         raise ValueError("`corpus` must be a non-empty sequence of strings.")
-    settings = dict(vocabulary_size=vocabulary_size, num_extra_ids=num_extra_ids,
-                    model_type=model_type, character_coverage=float(character_coverage),
-                    normalization_rule_name=normalization_rule_name,
-                    max_sentence_length=max_sentence_length, version=1)
+    settings = dict(
+        vocabulary_size=vocabulary_size,
+        num_extra_ids=num_extra_ids,
+        model_type=model_type,
+        character_coverage=float(character_coverage),
+        normalization_rule_name=normalization_rule_name,
+        max_sentence_length=max_sentence_length,
+        version=1,
+    )
     key = hashlib.sha256(
-        (corpus_hash(corpus) + json.dumps(settings, sort_keys=True)).encode()).hexdigest()[:16]
+        (corpus_hash(corpus) + json.dumps(settings, sort_keys=True)).encode()
+    ).hexdigest()[:16]
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"spm-{key}.model"
@@ -205,14 +230,24 @@ def train_sentencepiece(corpus: Sequence[str], directory: str | os.PathLike,
 
     buffer = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus), model_writer=buffer,
-        vocab_size=vocabulary_size - num_extra_ids, model_type=model_type,
-        character_coverage=character_coverage, normalization_rule_name=normalization_rule_name,
-        pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=-1,
-        pad_piece="<pad>", eos_piece="</s>", unk_piece="<unk>",
-        max_sentence_length=max_sentence_length, num_threads=1,
+        sentence_iterator=iter(corpus),
+        model_writer=buffer,
+        vocab_size=vocabulary_size - num_extra_ids,
+        model_type=model_type,
+        character_coverage=character_coverage,
+        normalization_rule_name=normalization_rule_name,
+        pad_id=PAD_ID,
+        eos_id=EOS_ID,
+        unk_id=UNK_ID,
+        bos_id=-1,
+        pad_piece="<pad>",
+        eos_piece="</s>",
+        unk_piece="<unk>",
+        max_sentence_length=max_sentence_length,
+        num_threads=1,
         # A small corpus cannot always fill the requested vocabulary: fail loudly instead.
-        hard_vocab_limit=True, minloglevel=2,
+        hard_vocab_limit=True,
+        minloglevel=2,
     )
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(buffer.getvalue())
@@ -247,7 +282,7 @@ def tokenize_texts(texts: Sequence[str], tokenizer, batch_size: int = 4096) -> l
     """Each text -> an int32 numpy array of ids (no EOS), batched through the tokenizer."""
     out: list[np.ndarray] = []
     for start in range(0, len(texts), batch_size):
-        rows = tokenizer(list(texts[start:start + batch_size]))
+        rows = tokenizer(list(texts[start : start + batch_size]))
         # keras-hub returns python lists for python-list input, a RaggedTensor otherwise.
         rows = rows.to_list() if hasattr(rows, "to_list") else rows
         out.extend(np.asarray(row, np.int32) for row in rows)
@@ -258,8 +293,10 @@ def tokenize_texts(texts: Sequence[str], tokenizer, batch_size: int = 4096) -> l
 # 3. T5's objectives on token ids (NumPy ports of t5.data.preprocessors)
 # ----------------------------------------------------------------------------------------
 
-def num_noise_tokens_and_spans(length: int, noise_density: float = 0.15,
-                               mean_noise_span_length: float = 3.0) -> tuple[int, int]:
+
+def num_noise_tokens_and_spans(
+    length: int, noise_density: float = 0.15, mean_noise_span_length: float = 3.0
+) -> tuple[int, int]:
     """T5's deterministic counts in `random_spans_noise_mask`:
         num_noise_tokens = clip(round(max(length, 2) * noise_density), 1, length - 1)
         num_noise_spans  = max(round(num_noise_tokens / mean_noise_span_length), 1)
@@ -282,8 +319,9 @@ def _random_segmentation(num_items: int, num_segments: int, rng) -> np.ndarray:
     return np.bincount(segment_id, minlength=num_segments)
 
 
-def random_spans_noise_mask(length: int, noise_density: float = 0.15,
-                            mean_noise_span_length: float = 3.0, rng=None) -> np.ndarray:
+def random_spans_noise_mask(
+    length: int, noise_density: float = 0.15, mean_noise_span_length: float = 3.0, rng=None
+) -> np.ndarray:
     """T5's `random_spans_noise_mask` (t5/data/preprocessors.py): a bool mask of `length`.
 
     Spans alternate non-noise, noise, non-noise, ..., starting with non-noise and ending
@@ -297,8 +335,7 @@ def random_spans_noise_mask(length: int, noise_density: float = 0.15,
         raise ValueError(f"`mean_noise_span_length` must be >= 1; got {mean_noise_span_length!r}.")
     rng = np.random.default_rng(rng)
     orig_length, length = length, max(length, 2)  # T5: "increase length to avoid degeneracy"
-    num_noise, num_spans = num_noise_tokens_and_spans(length, noise_density,
-                                                      mean_noise_span_length)
+    num_noise, num_spans = num_noise_tokens_and_spans(length, noise_density, mean_noise_span_length)
     noise_lengths = _random_segmentation(num_noise, num_spans, rng)
     nonnoise_lengths = _random_segmentation(length - num_noise, num_spans, rng)
     interleaved = np.stack([nonnoise_lengths, noise_lengths], axis=1).reshape(-1)
@@ -306,15 +343,18 @@ def random_spans_noise_mask(length: int, noise_density: float = 0.15,
     return (span_index % 2 == 1)[:orig_length]
 
 
-def noise_span_to_unique_sentinel(tokens: np.ndarray, noise_mask: np.ndarray,
-                                  vocabulary_size: int) -> np.ndarray:
+def noise_span_to_unique_sentinel(
+    tokens: np.ndarray, noise_mask: np.ndarray, vocabulary_size: int
+) -> np.ndarray:
     """T5's `noise_span_to_unique_sentinel`: each noise span -> one sentinel, the k-th span
     (0-based) getting `sentinel_id(vocabulary_size, k)` = vocabulary_size - 1 - k."""
     tokens = np.asarray(tokens)
     noise_mask = np.asarray(noise_mask, bool)
     if tokens.shape != noise_mask.shape or tokens.ndim != 1:
-        raise ValueError(f"`tokens` and `noise_mask` must be 1-D of one shape; got "
-                         f"{tokens.shape} and {noise_mask.shape}.")
+        raise ValueError(
+            f"`tokens` and `noise_mask` must be 1-D of one shape; got "
+            f"{tokens.shape} and {noise_mask.shape}."
+        )
     prev_is_noise = np.concatenate([[False], noise_mask[:-1]])
     first_noise = noise_mask & ~prev_is_noise
     subsequent_noise = noise_mask & prev_is_noise
@@ -328,9 +368,15 @@ def nonnoise_span_to_unique_sentinel(tokens, noise_mask, vocabulary_size) -> np.
     return noise_span_to_unique_sentinel(tokens, ~np.asarray(noise_mask, bool), vocabulary_size)
 
 
-def span_corruption(tokens, vocabulary_size: int, rng=None, noise_density: float = 0.15,
-                    mean_noise_span_length: float = 3.0, num_extra_ids: int = T5_NUM_EXTRA_IDS,
-                    eos_id: int = EOS_ID) -> tuple[np.ndarray, np.ndarray]:
+def span_corruption(
+    tokens,
+    vocabulary_size: int,
+    rng=None,
+    noise_density: float = 0.15,
+    mean_noise_span_length: float = 3.0,
+    num_extra_ids: int = T5_NUM_EXTRA_IDS,
+    eos_id: int = EOS_ID,
+) -> tuple[np.ndarray, np.ndarray]:
     """T5's span corruption of one token sequence: `(inputs, targets)`, each ending in EOS.
 
     `t5.data.preprocessors.span_corruption` = `denoise(noise_mask_fn=random_spans_noise_mask,
@@ -345,19 +391,21 @@ def span_corruption(tokens, vocabulary_size: int, rng=None, noise_density: float
         raise ValueError(f"`tokens` must be a non-empty 1-D id array; got shape {tokens.shape}.")
     _, num_spans = num_noise_tokens_and_spans(tokens.size, noise_density, mean_noise_span_length)
     if num_spans > num_extra_ids:
-        raise ValueError(f"A sequence of {tokens.size} tokens has {num_spans} noise spans but "
-                         f"only `num_extra_ids`={num_extra_ids} sentinels exist; use shorter "
-                         "sequences.")
+        raise ValueError(
+            f"A sequence of {tokens.size} tokens has {num_spans} noise spans but "
+            f"only `num_extra_ids`={num_extra_ids} sentinels exist; use shorter "
+            "sequences."
+        )
     mask = random_spans_noise_mask(tokens.size, noise_density, mean_noise_span_length, rng)
     eos = np.array([eos_id], np.int32)
     inputs = np.concatenate([noise_span_to_unique_sentinel(tokens, mask, vocabulary_size), eos])
-    targets = np.concatenate([nonnoise_span_to_unique_sentinel(tokens, mask, vocabulary_size),
-                              eos])
+    targets = np.concatenate([nonnoise_span_to_unique_sentinel(tokens, mask, vocabulary_size), eos])
     return inputs, targets
 
 
-def random_spans_helper(inputs_length: int = 512, noise_density: float = 0.15,
-                        mean_noise_span_length: float = 3.0) -> tuple[int, int]:
+def random_spans_helper(
+    inputs_length: int = 512, noise_density: float = 0.15, mean_noise_span_length: float = 3.0
+) -> tuple[int, int]:
     """T5's `random_spans_helper`: the raw chunk length whose span-corrupted inputs (with
     one sentinel per span and EOS) fill `inputs_length`, and the targets' length.
     T5: inputs_length 512 -> (568, 114). Uses Python's `round`, as T5 does here."""
@@ -389,35 +437,45 @@ def random_prefix_noise_mask(length: int, rng=None, noise_density: float = 0.5) 
     """
     length = _check_int("length", length, 2)
     if not 0.0 < float(noise_density) <= 0.5:
-        raise ValueError(f"`noise_density` must be in (0, 0.5] (T5 raises above 0.5); got "
-                         f"{noise_density!r}.")
+        raise ValueError(
+            f"`noise_density` must be in (0, 0.5] (T5 raises above 0.5); got {noise_density!r}."
+        )
     rng = np.random.default_rng(rng)
     max_inputs = length - 1
-    min_inputs = min(max_inputs, max(1, int(np.round(np.float32(1 - 2 * noise_density)
-                                                     * np.float32(max_inputs)))))
+    min_inputs = min(
+        max_inputs,
+        max(1, int(np.round(np.float32(1 - 2 * noise_density) * np.float32(max_inputs)))),
+    )
     num_inputs = int(rng.integers(min_inputs, max_inputs + 1))
     return np.arange(length) >= num_inputs
 
 
-def lm_adaptation(tokens, rng=None, noise_density: float = 0.5,
-                  eos_id: int = EOS_ID) -> tuple[np.ndarray, np.ndarray]:
+def lm_adaptation(
+    tokens, rng=None, noise_density: float = 0.5, eos_id: int = EOS_ID
+) -> tuple[np.ndarray, np.ndarray]:
     """LM adaptation (Lester et al. 2021, "The Power of Scale for Parameter-Efficient Prompt
     Tuning", sec. 3.2; T5's `prefix_lm` preprocessor): inputs = a random prefix + EOS,
     targets = the rest + EOS, so `inputs[:-1] ++ targets[:-1] == tokens`."""
     tokens = np.asarray(tokens, np.int32)
     if tokens.ndim != 1 or tokens.size < 2:
-        raise ValueError(f"`tokens` must be a 1-D id array of at least 2 ids; got shape "
-                         f"{tokens.shape}.")
+        raise ValueError(
+            f"`tokens` must be a 1-D id array of at least 2 ids; got shape {tokens.shape}."
+        )
     mask = random_prefix_noise_mask(tokens.size, rng, noise_density)
     eos = np.array([eos_id], np.int32)
     return np.concatenate([tokens[~mask], eos]), np.concatenate([tokens[mask], eos])
 
 
-def restore_from_span_corruption(inputs, targets, vocabulary_size: int,
-                                 num_extra_ids: int = T5_NUM_EXTRA_IDS,
-                                 eos_id: int = EOS_ID) -> np.ndarray:
+def restore_from_span_corruption(
+    inputs,
+    targets,
+    vocabulary_size: int,
+    num_extra_ids: int = T5_NUM_EXTRA_IDS,
+    eos_id: int = EOS_ID,
+) -> np.ndarray:
     """Inverts `span_corruption`: each sentinel of `inputs` replaced by what follows the same
     sentinel in `targets` (up to the next sentinel or EOS). Trailing EOS/pad are dropped."""
+
     def strip(ids):
         ids = list(np.asarray(ids).tolist())
         while ids and ids[-1] in (eos_id, PAD_ID):
@@ -444,6 +502,7 @@ def restore_from_span_corruption(inputs, targets, vocabulary_size: int,
 # 4. Streams of model features
 # ----------------------------------------------------------------------------------------
 
+
 def pack_seq2seq(inputs, targets, encoder_length: int, decoder_length: int) -> tuple:
     """One example -> `T5Seq2SeqLM` features, as keras-hub's `T5Seq2SeqLMPreprocessor`
     packs them: encoder = inputs padded with <pad>; decoder input = <pad> (T5's decoder
@@ -452,18 +511,26 @@ def pack_seq2seq(inputs, targets, encoder_length: int, decoder_length: int) -> t
     inputs = np.asarray(inputs, np.int32)[:encoder_length]
     targets = np.asarray(targets, np.int32)[:decoder_length]
     enc = np.full(encoder_length, PAD_ID, np.int32)
-    enc[:inputs.size] = inputs
+    enc[: inputs.size] = inputs
     labels = np.full(decoder_length, PAD_ID, np.int32)
-    labels[:targets.size] = targets
+    labels[: targets.size] = targets
     dec = np.concatenate([[PAD_ID], labels[:-1]]).astype(np.int32)
-    weight = (np.arange(decoder_length) < targets.size)
-    x = {"encoder_token_ids": enc, "encoder_padding_mask": np.arange(encoder_length) < inputs.size,
-         "decoder_token_ids": dec, "decoder_padding_mask": weight.copy()}
+    weight = np.arange(decoder_length) < targets.size
+    x = {
+        "encoder_token_ids": enc,
+        "encoder_padding_mask": np.arange(encoder_length) < inputs.size,
+        "decoder_token_ids": dec,
+        "decoder_padding_mask": weight.copy(),
+    }
     return x, labels, weight.astype(np.float32)
 
 
-def chunk_length_for(objective: str, sequence_length: int,
-                     noise_density: float = 0.15, mean_noise_span_length: float = 3.0) -> int:
+def chunk_length_for(
+    objective: str,
+    sequence_length: int,
+    noise_density: float = 0.15,
+    mean_noise_span_length: float = 3.0,
+) -> int:
     """How many raw tokens one example of `objective` consumes so that its inputs (and its
     targets) fit `sequence_length`: `random_spans_helper` for span corruption, and
     sequence_length - 1 for LM adaptation (each part plus EOS fits)."""
@@ -471,12 +538,17 @@ def chunk_length_for(objective: str, sequence_length: int,
         return random_spans_helper(sequence_length, noise_density, mean_noise_span_length)[0]
     if objective == "lm_adaptation":
         return sequence_length - 1
-    raise ValueError(f"`objective` must be 'span_corruption' or 'lm_adaptation'; got "
-                     f"{objective!r}.")
+    raise ValueError(
+        f"`objective` must be 'span_corruption' or 'lm_adaptation'; got {objective!r}."
+    )
 
 
-def decoder_length_for(objective: str, sequence_length: int, noise_density: float = 0.15,
-                       mean_noise_span_length: float = 3.0) -> int:
+def decoder_length_for(
+    objective: str,
+    sequence_length: int,
+    noise_density: float = 0.15,
+    mean_noise_span_length: float = 3.0,
+) -> int:
     """The decoder length of `objective`'s examples: span corruption's targets are short
     (`random_spans_helper`'s targets length, as T5 packs 512 inputs with 114 targets), so
     they are padded only that far; LM adaptation and "both" use `sequence_length`."""
@@ -487,11 +559,17 @@ def decoder_length_for(objective: str, sequence_length: int, noise_density: floa
     raise ValueError(f"`objective` must be one of {OBJECTIVES}; got {objective!r}.")
 
 
-def pretraining_examples(token_docs: Sequence[np.ndarray], objective: str,
-                         sequence_length: int, vocabulary_size: int, seed: int = 0,
-                         noise_density: float = 0.15, mean_noise_span_length: float = 3.0,
-                         num_extra_ids: int = T5_NUM_EXTRA_IDS,
-                         repeat: bool = True) -> Iterator[tuple]:
+def pretraining_examples(
+    token_docs: Sequence[np.ndarray],
+    objective: str,
+    sequence_length: int,
+    vocabulary_size: int,
+    seed: int = 0,
+    noise_density: float = 0.15,
+    mean_noise_span_length: float = 3.0,
+    num_extra_ids: int = T5_NUM_EXTRA_IDS,
+    repeat: bool = True,
+) -> Iterator[tuple]:
     """An endless (or one-pass with `repeat=False`) deterministic stream of packed examples.
 
     As T5's pre-training pipeline (`reduce_concat_tokens` + `split_tokens` + the objective):
@@ -508,10 +586,13 @@ def pretraining_examples(token_docs: Sequence[np.ndarray], objective: str,
     if not docs:
         raise ValueError("`token_docs` holds no tokens.")
     kinds = ("span_corruption", "lm_adaptation") if objective == "both" else (objective,)
-    lengths = {k: chunk_length_for(k, sequence_length, noise_density, mean_noise_span_length)
-               for k in kinds}
-    decoder_length = decoder_length_for(objective, sequence_length, noise_density,
-                                        mean_noise_span_length)
+    lengths = {
+        k: chunk_length_for(k, sequence_length, noise_density, mean_noise_span_length)
+        for k in kinds
+    }
+    decoder_length = decoder_length_for(
+        objective, sequence_length, noise_density, mean_noise_span_length
+    )
     epoch = 0
     while True:
         rng = np.random.default_rng([seed, epoch])
@@ -519,43 +600,64 @@ def pretraining_examples(token_docs: Sequence[np.ndarray], objective: str,
         position, index = 0, 0
         while True:
             kind = kinds[index % len(kinds)]
-            chunk = stream[position:position + lengths[kind]]
+            chunk = stream[position : position + lengths[kind]]
             if chunk.size < lengths[kind]:
                 break
             position += lengths[kind]
             index += 1
             if kind == "span_corruption":
-                pair = span_corruption(chunk, vocabulary_size, rng, noise_density,
-                                       mean_noise_span_length, num_extra_ids)
+                pair = span_corruption(
+                    chunk,
+                    vocabulary_size,
+                    rng,
+                    noise_density,
+                    mean_noise_span_length,
+                    num_extra_ids,
+                )
             else:
                 pair = lm_adaptation(chunk, rng)
             yield pack_seq2seq(*pair, sequence_length, decoder_length)
         if index == 0:
-            raise ValueError(f"The corpus holds fewer tokens ({stream.size}) than one chunk "
-                             f"({max(lengths.values())}); lower `sequence_length`.")
+            raise ValueError(
+                f"The corpus holds fewer tokens ({stream.size}) than one chunk "
+                f"({max(lengths.values())}); lower `sequence_length`."
+            )
         epoch += 1
         if not repeat:
             return
 
 
-def pretraining_dataset(token_docs, objective: str, sequence_length: int, vocabulary_size: int,
-                        batch_size: int, seed: int = 0, **kwargs):
+def pretraining_dataset(
+    token_docs,
+    objective: str,
+    sequence_length: int,
+    vocabulary_size: int,
+    batch_size: int,
+    seed: int = 0,
+    **kwargs,
+):
     """`pretraining_examples` as a batched `tf.data.Dataset` of `(x, y, sample_weight)`."""
     import tensorflow as tf
 
     batch_size = check_positive_int(batch_size, "batch_size")
     L = int(sequence_length)
-    D = decoder_length_for(objective, L, kwargs.get("noise_density", 0.15),
-                           kwargs.get("mean_noise_span_length", 3.0))
+    D = decoder_length_for(
+        objective, L, kwargs.get("noise_density", 0.15), kwargs.get("mean_noise_span_length", 3.0)
+    )
     signature = (
-        {"encoder_token_ids": tf.TensorSpec((L,), tf.int32),
-         "encoder_padding_mask": tf.TensorSpec((L,), tf.bool),
-         "decoder_token_ids": tf.TensorSpec((D,), tf.int32),
-         "decoder_padding_mask": tf.TensorSpec((D,), tf.bool)},
-        tf.TensorSpec((D,), tf.int32), tf.TensorSpec((D,), tf.float32))
+        {
+            "encoder_token_ids": tf.TensorSpec((L,), tf.int32),
+            "encoder_padding_mask": tf.TensorSpec((L,), tf.bool),
+            "decoder_token_ids": tf.TensorSpec((D,), tf.int32),
+            "decoder_padding_mask": tf.TensorSpec((D,), tf.bool),
+        },
+        tf.TensorSpec((D,), tf.int32),
+        tf.TensorSpec((D,), tf.float32),
+    )
     ds = tf.data.Dataset.from_generator(
         lambda: pretraining_examples(token_docs, objective, L, vocabulary_size, seed, **kwargs),
-        output_signature=signature)
+        output_signature=signature,
+    )
     return ds.batch(batch_size, drop_remainder=True).prefetch(2)
 
 
@@ -568,8 +670,9 @@ def stack_examples(examples) -> tuple:
     return x, np.stack([e[1] for e in examples]), np.stack([e[2] for e in examples])
 
 
-def unigram_cross_entropy(train_labels, train_weights, heldout_labels, heldout_weights,
-                          vocabulary_size: int) -> float:
+def unigram_cross_entropy(
+    train_labels, train_weights, heldout_labels, heldout_weights, vocabulary_size: int
+) -> float:
     """Nats per target token of a unigram model of the training targets (add-one smoothed
     counts over the vocabulary) on the held-out targets: the loss a model reaches by
     predicting token frequencies only. Only positions with weight > 0 count."""

@@ -6,6 +6,7 @@ with the standard library (`gettext.GNUTranslations(f)._catalog`); `CharVocab` a
 `make_char_seq2seq` turn them into character-level encoder/decoder arrays for a small
 Transformer (teacher forcing: decoder input = BOS + target, label = target + EOS).
 """
+
 from __future__ import annotations
 
 import glob
@@ -36,8 +37,11 @@ def load_django_pairs(lang: str = "de", root: str | None = None, max_chars: int 
     `max_chars` drops pairs with either side longer than that.
     """
     root = root or django_locale_root()
-    files = sorted(glob.glob(os.path.join(root, "**", "locale", lang, "LC_MESSAGES", "django.mo"),
-                             recursive=True))
+    files = sorted(
+        glob.glob(
+            os.path.join(root, "**", "locale", lang, "LC_MESSAGES", "django.mo"), recursive=True
+        )
+    )
     if not files:
         raise ValueError(f"No Django catalogs for language {lang!r} under {root}.")
     pairs = {}

@@ -14,6 +14,7 @@ The example is the gloss (the text after `|`), the label the lexicographer file 
 The parts of speech use disjoint supersenses: noun 26 classes, verb 15, adj 3, adv 1
 (so an adverb-only task has a single class).
 """
+
 from __future__ import annotations
 
 import os
@@ -29,15 +30,51 @@ PARTS_OF_SPEECH = ("noun", "verb", "adj", "adv")
 
 #: The 45 WordNet lexicographer files, by number (WordNet's `lexnames`).
 SUPERSENSES = (
-    "adj.all", "adj.pert", "adv.all", "noun.Tops", "noun.act", "noun.animal",
-    "noun.artifact", "noun.attribute", "noun.body", "noun.cognition", "noun.communication",
-    "noun.event", "noun.feeling", "noun.food", "noun.group", "noun.location", "noun.motive",
-    "noun.object", "noun.person", "noun.phenomenon", "noun.plant", "noun.possession",
-    "noun.process", "noun.quantity", "noun.relation", "noun.shape", "noun.state",
-    "noun.substance", "noun.time", "verb.body", "verb.change", "verb.cognition",
-    "verb.communication", "verb.competition", "verb.consumption", "verb.contact",
-    "verb.creation", "verb.emotion", "verb.motion", "verb.perception", "verb.possession",
-    "verb.social", "verb.stative", "verb.weather", "adj.ppl",
+    "adj.all",
+    "adj.pert",
+    "adv.all",
+    "noun.Tops",
+    "noun.act",
+    "noun.animal",
+    "noun.artifact",
+    "noun.attribute",
+    "noun.body",
+    "noun.cognition",
+    "noun.communication",
+    "noun.event",
+    "noun.feeling",
+    "noun.food",
+    "noun.group",
+    "noun.location",
+    "noun.motive",
+    "noun.object",
+    "noun.person",
+    "noun.phenomenon",
+    "noun.plant",
+    "noun.possession",
+    "noun.process",
+    "noun.quantity",
+    "noun.relation",
+    "noun.shape",
+    "noun.state",
+    "noun.substance",
+    "noun.time",
+    "verb.body",
+    "verb.change",
+    "verb.cognition",
+    "verb.communication",
+    "verb.competition",
+    "verb.consumption",
+    "verb.contact",
+    "verb.creation",
+    "verb.emotion",
+    "verb.motion",
+    "verb.perception",
+    "verb.possession",
+    "verb.social",
+    "verb.stative",
+    "verb.weather",
+    "adj.ppl",
 )
 NUM_SUPERSENSES = len(SUPERSENSES)
 
@@ -57,12 +94,10 @@ def _check_pos(parts_of_speech) -> tuple[str, ...]:
         parts_of_speech = (parts_of_speech,)
     parts_of_speech = tuple(parts_of_speech)
     if not parts_of_speech:
-        raise ValueError("`parts_of_speech` is empty; give some of " f"{PARTS_OF_SPEECH}.")
+        raise ValueError(f"`parts_of_speech` is empty; give some of {PARTS_OF_SPEECH}.")
     for pos in parts_of_speech:
         if pos not in PARTS_OF_SPEECH:
-            raise ValueError(
-                f"`parts_of_speech` must be among {PARTS_OF_SPEECH}; got {pos!r}."
-            )
+            raise ValueError(f"`parts_of_speech` must be among {PARTS_OF_SPEECH}; got {pos!r}.")
     return parts_of_speech
 
 
@@ -149,20 +184,35 @@ def load_wordnet_supersenses(
         names = list(SUPERSENSES)
     train, test = stratified_split(labels, test_fraction, seed)
     return Splits(
-        x_train=texts[train], y_train=labels[train], x_test=texts[test], y_test=labels[test],
-        num_classes=len(names), class_names=names, name="wordnet_" + "+".join(parts),
+        x_train=texts[train],
+        y_train=labels[train],
+        x_test=texts[test],
+        y_test=labels[test],
+        num_classes=len(names),
+        class_names=names,
+        name="wordnet_" + "+".join(parts),
     )
 
 
-def wordnet_tasks(test_fraction: float = 0.2, seed: int = 0, max_examples: int | None = None,
-                  relabel: bool = True, wordnet_dir=None) -> dict[str, Splits]:
+def wordnet_tasks(
+    test_fraction: float = 0.2,
+    seed: int = 0,
+    max_examples: int | None = None,
+    relabel: bool = True,
+    wordnet_dir=None,
+) -> dict[str, Splits]:
     """One task per part of speech: `{"noun": Splits, "verb": ..., "adj": ..., "adv": ...}`.
 
     With `relabel=True` each task numbers its own classes (noun 26, verb 15, adj 3, adv 1).
     """
     return {
-        pos: load_wordnet_supersenses(pos, test_fraction=test_fraction, seed=seed,
-                                      max_examples=max_examples, relabel=relabel,
-                                      wordnet_dir=wordnet_dir)
+        pos: load_wordnet_supersenses(
+            pos,
+            test_fraction=test_fraction,
+            seed=seed,
+            max_examples=max_examples,
+            relabel=relabel,
+            wordnet_dir=wordnet_dir,
+        )
         for pos in PARTS_OF_SPEECH
     }

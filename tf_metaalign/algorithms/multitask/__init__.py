@@ -1,6 +1,7 @@
 """Multi-task methods on one per-task-gradient engine (`base`): each method is one
 small class in its own module, registered by name; `get_method("pcgrad")` or
 `method=PCGrad()` in `MultiTaskTrainer`. A new method is one file plus one line below."""
+
 from tf_metaalign.algorithms.multitask.base import (
     Combination,
     MultiTaskMethod,
@@ -21,6 +22,7 @@ from tf_metaalign.algorithms.multitask.rlw import RandomLossWeighting  # noqa: E
 from tf_metaalign.algorithms.multitask.uw import UncertaintyWeighting  # noqa: E402
 from tf_metaalign.algorithms.multitask.dwa import DynamicWeightAverage  # noqa: E402
 from tf_metaalign.algorithms.multitask.famo import FAMO  # noqa: E402
+
 # Per-task gradients (T backward passes, combined on the Gram matrix):
 from tf_metaalign.algorithms.multitask.gradnorm import GradNorm  # noqa: E402
 from tf_metaalign.algorithms.multitask.pcgrad import PCGrad  # noqa: E402
@@ -32,8 +34,27 @@ from tf_metaalign.algorithms.multitask.nash import NashMTL  # noqa: E402
 from tf_metaalign.algorithms.multitask.aligned_mtl import AlignedMTL  # noqa: E402
 
 __all__ = [
-    "Combination", "MultiTaskMethod", "StateSpec", "TaskInputs", "get_method",
-    "method_names", "random_normal", "random_uniform", "register", "serialize_method",
-    "EqualWeighting", "RandomLossWeighting", "UncertaintyWeighting", "DynamicWeightAverage",
-    "FAMO", "GradNorm", "PCGrad", "GradVac", "MGDA", "CAGrad", "IMTL", "NashMTL", "AlignedMTL",
+    "Combination",
+    "MultiTaskMethod",
+    "StateSpec",
+    "TaskInputs",
+    "get_method",
+    "method_names",
+    "random_normal",
+    "random_uniform",
+    "register",
+    "serialize_method",
+    "EqualWeighting",
+    "RandomLossWeighting",
+    "UncertaintyWeighting",
+    "DynamicWeightAverage",
+    "FAMO",
+    "GradNorm",
+    "PCGrad",
+    "GradVac",
+    "MGDA",
+    "CAGrad",
+    "IMTL",
+    "NashMTL",
+    "AlignedMTL",
 ]

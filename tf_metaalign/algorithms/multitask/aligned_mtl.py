@@ -1,11 +1,11 @@
 """Aligned-MTL (Senushkin et al., CVPR 2023): align the task gradients' principal
 components (condition number 1) by an eigen-decomposition of the T x T Gram matrix."""
+
 from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_metaalign.algorithms.multitask.base import (
-    Combination, MultiTaskMethod, register, scalar)
+from tf_metaalign.algorithms.multitask.base import Combination, MultiTaskMethod, register, scalar
 
 #: torch.finfo().eps of the reference (torch's default dtype, float32), whatever the
 #: Gram matrix's dtype: the numerical-rank tolerance is max(lambda) * T * this.
@@ -45,19 +45,28 @@ def refined_eigh(m, sweeps: int = 2):
 
         def columns(x):
             xi, xj = tf.gather(x, i, axis=1), tf.gather(x, j, axis=1)
-            return (x + ((c - one) * xi - s * xj)[:, None] * ei[None, :]
-                    + (s * xi + (c - one) * xj)[:, None] * ej[None, :])
+            return (
+                x
+                + ((c - one) * xi - s * xj)[:, None] * ei[None, :]
+                + (s * xi + (c - one) * xj)[:, None] * ej[None, :]
+            )
 
         b = columns(a)
         bi, bj = tf.gather(b, i, axis=0), tf.gather(b, j, axis=0)
-        a = (b + ei[:, None] * ((c - one) * bi - s * bj)[None, :]
-             + ej[:, None] * (s * bi + (c - one) * bj)[None, :])
+        a = (
+            b
+            + ei[:, None] * ((c - one) * bi - s * bj)[None, :]
+            + ej[:, None] * (s * bi + (c - one) * bj)[None, :]
+        )
         return k + 1, 0.5 * (a + tf.transpose(a)), columns(v)
 
     a = tf.matmul(vec, tf.matmul(m, vec), transpose_a=True)
-    _, a, vec = tf.while_loop(lambda k, a, v: k < sweeps * len(pairs), body,
-                              (tf.constant(0), 0.5 * (a + tf.transpose(a)), vec),
-                              maximum_iterations=sweeps * len(pairs))
+    _, a, vec = tf.while_loop(
+        lambda k, a, v: k < sweeps * len(pairs),
+        body,
+        (tf.constant(0), 0.5 * (a + tf.transpose(a)), vec),
+        maximum_iterations=sweeps * len(pairs),
+    )
     lam = tf.linalg.diag_part(a)
     order = tf.argsort(lam)
     return tf.gather(lam, order), tf.gather(vec, order, axis=1)
@@ -85,7 +94,7 @@ def aligned_mtl_weights(gram, present, scale_mode: str = "min"):
     zero = tf.zeros([], dtype)
     pair = present[:, None] * present[None, :]
     m = 0.5 * (gram + tf.transpose(gram)) * pair
-    lam, vec = refined_eigh(m)              # ascending
+    lam, vec = refined_eigh(m)  # ascending
     n = tf.reduce_sum(present)
     tol = tf.reduce_max(lam) * tf.maximum(n, scalar(1.0, dtype)) * scalar(RANK_EPS, dtype)
     keep = lam > tol
@@ -102,7 +111,7 @@ def aligned_mtl_weights(gram, present, scale_mode: str = "min"):
     level = tf.where(rank > 0, tf.maximum(level, zero), zero)
     inv_sqrt = keep_f * tf.math.rsqrt(safe_lam)
     ones = tf.ones([T], dtype)
-    projected = tf.linalg.matvec(vec, ones, transpose_a=True)       # V^T 1
+    projected = tf.linalg.matvec(vec, ones, transpose_a=True)  # V^T 1
     alpha = tf.sqrt(level) * tf.linalg.matvec(vec, inv_sqrt * projected)
     return alpha * present
 
@@ -147,14 +156,14 @@ class AlignedMTL(MultiTaskMethod):
 
     def __init__(self, scale_mode: str = "min"):
         if scale_mode not in SCALE_MODES:
-            raise ValueError(
-                f"`scale_mode` must be one of {SCALE_MODES}; got {scale_mode!r}.")
+            raise ValueError(f"`scale_mode` must be one of {SCALE_MODES}; got {scale_mode!r}.")
         self.scale_mode = scale_mode
 
     def combine(self, inputs, state):
         acc = inputs.dtype
-        alpha = aligned_mtl_weights(tf.cast(inputs.gram, acc),
-                                    tf.cast(inputs.present, acc), self.scale_mode)
+        alpha = aligned_mtl_weights(
+            tf.cast(inputs.gram, acc), tf.cast(inputs.present, acc), self.scale_mode
+        )
         return Combination(shared=alpha, specific=tf.ones_like(inputs.losses))
 
     def get_config(self):

@@ -30,6 +30,7 @@ uncertainty weighting, DWA, FAMO) get `inputs.gram = inputs.task_grads = None`, 
 trainer takes ONE backward pass of `sum_t shared[t] L_t` instead of T (they must then
 return `specific == shared`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -187,20 +188,23 @@ def get_method(method, **options) -> MultiTaskMethod:
         if options:
             raise ValueError(
                 f"Options {sorted(options)} were given beside the method object {method!r}: "
-                "pass them to its constructor instead.")
+                "pass them to its constructor instead."
+            )
         return method
     if isinstance(method, Mapping) and set(method) == {"name", "config"}:
         return get_method(method["name"], **dict(method["config"]), **options)
     if not isinstance(method, str) or method not in _REGISTRY:
         raise ValueError(
             f"`method` must be one of {method_names()} or a MultiTaskMethod object (e.g. "
-            f"tf_metaalign.algorithms.multitask.PCGrad()); got {method!r}.")
+            f"tf_metaalign.algorithms.multitask.PCGrad()); got {method!r}."
+        )
     cls = _REGISTRY[method]
     try:
         return cls(**options)
     except TypeError as e:
-        raise ValueError(f"Options {sorted(options)} do not apply to method {method!r} "
-                         f"({cls.__name__}): {e}") from None
+        raise ValueError(
+            f"Options {sorted(options)} do not apply to method {method!r} ({cls.__name__}): {e}"
+        ) from None
 
 
 def serialize_method(method: MultiTaskMethod) -> dict:
@@ -238,8 +242,9 @@ def check_number(name, value, low=None, high=None, low_open=False, integer=False
 
 def masked_softmax(logits, present):
     """softmax over the present tasks (absent ones get 0)."""
-    logits = tf.where(present > 0, logits, tf.fill(tf.shape(logits),
-                                                   tf.constant(-1e30, logits.dtype)))
+    logits = tf.where(
+        present > 0, logits, tf.fill(tf.shape(logits), tf.constant(-1e30, logits.dtype))
+    )
     return tf.nn.softmax(logits) * present
 
 
@@ -254,7 +259,7 @@ def random_uniform(seed, step, n, stream=0, dtype=tf.float64) -> tf.Tensor:
     h = _hash32(tf.bitwise.bitwise_xor(h, _uint32(step)))
     h = tf.bitwise.bitwise_xor(h, _uint32(tf.bitwise.right_shift(step, 32)))
     keys = _hash32(tf.bitwise.bitwise_xor(h, tf.constant(list(range(n)), tf.uint32)))
-    return (tf.cast(keys, dtype) + 0.5) / tf.constant(2.0 ** 32, dtype)
+    return (tf.cast(keys, dtype) + 0.5) / tf.constant(2.0**32, dtype)
 
 
 def random_normal(seed, step, n, stream=0, dtype=tf.float64) -> tf.Tensor:

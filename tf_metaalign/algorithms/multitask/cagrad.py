@@ -1,11 +1,17 @@
 """CAGrad (Liu et al., NeurIPS 2021): conflict-averse gradient descent on the Gram matrix."""
+
 from __future__ import annotations
 
 import tensorflow as tf
 
 from tf_metaalign.algorithms.multitask import solvers
 from tf_metaalign.algorithms.multitask.base import (
-    Combination, MultiTaskMethod, check_number, register, scalar)
+    Combination,
+    MultiTaskMethod,
+    check_number,
+    register,
+    scalar,
+)
 
 SOLVERS = ("auto", "exact", "pgd")
 
@@ -54,16 +60,17 @@ class CAGrad(MultiTaskMethod):
     reference = "LibMTL CAGrad; Cranial-XIX/CAGrad (SLSQP replaced by an exact in-graph solver)"
     compiles_well = False  # its face enumeration is slower under XLA on CPU
 
-    def __init__(self, calpha: float = 0.5, rescale: int = 1, solver: str = "auto",
-                 iterations: int = 500):
+    def __init__(
+        self, calpha: float = 0.5, rescale: int = 1, solver: str = "auto", iterations: int = 500
+    ):
         self.calpha = check_number("calpha", calpha, 0.0)
         if isinstance(rescale, bool) or rescale not in (0, 1, 2):
-            raise ValueError(f"`rescale` (CAGrad's rescaling) must be 0, 1 or 2; got "
-                             f"{rescale!r}.")
+            raise ValueError(f"`rescale` (CAGrad's rescaling) must be 0, 1 or 2; got {rescale!r}.")
         self.rescale = int(rescale)
         if solver not in SOLVERS:
-            raise ValueError(f"`solver` (CAGrad's dual solver) must be one of {SOLVERS}; "
-                             f"got {solver!r}.")
+            raise ValueError(
+                f"`solver` (CAGrad's dual solver) must be one of {SOLVERS}; got {solver!r}."
+            )
         self.solver = solver
         self.iterations = check_number("iterations", iterations, 1, integer=True)
 
@@ -75,8 +82,9 @@ class CAGrad(MultiTaskMethod):
         mask = tf.cast(tf.cast(present, dtype) > 0, dtype)
         num = tf.maximum(tf.reduce_sum(mask), scalar(1.0, dtype))
         b = mask / num
-        g0_norm = tf.sqrt(tf.reduce_sum(gram * mask[:, None] * mask[None, :]) / (num * num)
-                          + scalar(1e-8, dtype))
+        g0_norm = tf.sqrt(
+            tf.reduce_sum(gram * mask[:, None] * mask[None, :]) / (num * num) + scalar(1e-8, dtype)
+        )
         c = scalar(self.calpha, dtype) * g0_norm + scalar(1e-8, dtype)
         gb = tf.linalg.matvec(gram, b)
         exact = self.solver == "exact" or (self.solver == "auto" and T <= 8)
@@ -93,17 +101,23 @@ class CAGrad(MultiTaskMethod):
         mask = tf.cast(tf.cast(present, dtype) > 0, dtype)
         num = tf.maximum(tf.reduce_sum(mask), scalar(1.0, dtype))
         w, c = self.dual_weights(gram, mask)
-        gw_norm = tf.sqrt(tf.maximum(tf.reduce_sum(w * tf.linalg.matvec(gram, w)),
-                                     scalar(0.0, dtype)))
+        gw_norm = tf.sqrt(
+            tf.maximum(tf.reduce_sum(w * tf.linalg.matvec(gram, w)), scalar(0.0, dtype))
+        )
         lmbda = c / (gw_norm + scalar(1e-8, dtype))
-        r = {0: 1.0, 1: 1.0 + self.calpha ** 2, 2: 1.0 + self.calpha}[self.rescale]
+        r = {0: 1.0, 1: 1.0 + self.calpha**2, 2: 1.0 + self.calpha}[self.rescale]
         return (mask / num + lmbda * w) / scalar(r, dtype)
 
     def combine(self, inputs, state):
         gram = tf.cast(inputs.gram, inputs.dtype)
-        return Combination(shared=self.coefficients(gram, inputs.present),
-                           specific=tf.ones_like(inputs.losses))
+        return Combination(
+            shared=self.coefficients(gram, inputs.present), specific=tf.ones_like(inputs.losses)
+        )
 
     def get_config(self):
-        return {"calpha": self.calpha, "rescale": self.rescale, "solver": self.solver,
-                "iterations": self.iterations}
+        return {
+            "calpha": self.calpha,
+            "rescale": self.rescale,
+            "solver": self.solver,
+            "iterations": self.iterations,
+        }

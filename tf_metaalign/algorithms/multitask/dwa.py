@@ -1,10 +1,18 @@
 """Dynamic Weight Average (Liu et al., CVPR 2019, MTAN; LibMTL `DWA`)."""
+
 from __future__ import annotations
 
 import tensorflow as tf
 
 from tf_metaalign.algorithms.multitask.base import (
-    Combination, MultiTaskMethod, StateSpec, check_number, masked_softmax, register, scalar)
+    Combination,
+    MultiTaskMethod,
+    StateSpec,
+    check_number,
+    masked_softmax,
+    register,
+    scalar,
+)
 
 
 @register
@@ -61,10 +69,15 @@ class DynamicWeightAverage(MultiTaskMethod):
 
     def state_spec(self, num_tasks):
         vector = (num_tasks,)
-        return {"epoch": StateSpec(()),
-                "sums": StateSpec(vector), "counts": StateSpec(vector),
-                "last": StateSpec(vector), "last_valid": StateSpec(vector),
-                "before": StateSpec(vector), "before_valid": StateSpec(vector)}
+        return {
+            "epoch": StateSpec(()),
+            "sums": StateSpec(vector),
+            "counts": StateSpec(vector),
+            "last": StateSpec(vector),
+            "last_valid": StateSpec(vector),
+            "before": StateSpec(vector),
+            "before_valid": StateSpec(vector),
+        }
 
     def combine(self, inputs, state):
         acc = inputs.dtype
@@ -87,11 +100,16 @@ class DynamicWeightAverage(MultiTaskMethod):
         valid = (last_valid > 0) & (before_valid > 0) & (before > 0)
         ratio = tf.where(valid, tf.math.divide_no_nan(last, before), tf.ones_like(losses))
         present_count = tf.reduce_sum(present)
-        weights = present_count * masked_softmax(ratio / scalar(self.temperature, acc),
-                                                 present)
-        new_state = {"epoch": epoch, "sums": sums + present * losses,
-                     "counts": counts + present, "last": last, "last_valid": last_valid,
-                     "before": before, "before_valid": before_valid}
+        weights = present_count * masked_softmax(ratio / scalar(self.temperature, acc), present)
+        new_state = {
+            "epoch": epoch,
+            "sums": sums + present * losses,
+            "counts": counts + present,
+            "last": last,
+            "last_valid": last_valid,
+            "before": before,
+            "before_valid": before_valid,
+        }
         return Combination(shared=weights, specific=weights, state=new_state)
 
     def get_config(self):

@@ -1,4 +1,5 @@
 """Equal weighting ("sum", LibMTL's `EW`): G = sum_t g_t."""
+
 from __future__ import annotations
 
 import tensorflow as tf

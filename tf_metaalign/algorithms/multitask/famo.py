@@ -1,10 +1,18 @@
 """FAMO: Fast Adaptive Multitask Optimization (Liu et al., NeurIPS 2023)."""
+
 from __future__ import annotations
 
 import tensorflow as tf
 
 from tf_metaalign.algorithms.multitask.base import (
-    Combination, MultiTaskMethod, StateSpec, check_number, masked_softmax, register, scalar)
+    Combination,
+    MultiTaskMethod,
+    StateSpec,
+    check_number,
+    masked_softmax,
+    register,
+    scalar,
+)
 
 # torch.optim.Adam's defaults (the reference's `w_opt`).
 _BETA1, _BETA2, _ADAM_EPSILON = 0.9, 0.999, 1e-8
@@ -82,10 +90,13 @@ class FAMO(MultiTaskMethod):
         self.gamma = check_number("gamma", gamma, 0.0)
         if isinstance(min_losses, (list, tuple)):
             if not min_losses:
-                raise ValueError("`min_losses` must be a number or a non-empty sequence of "
-                                 "numbers (one per task); got [].")
-            self.min_losses = tuple(check_number(f"min_losses[{i}]", v)
-                                    for i, v in enumerate(min_losses))
+                raise ValueError(
+                    "`min_losses` must be a number or a non-empty sequence of "
+                    "numbers (one per task); got []."
+                )
+            self.min_losses = tuple(
+                check_number(f"min_losses[{i}]", v) for i, v in enumerate(min_losses)
+            )
         else:
             self.min_losses = check_number("min_losses", min_losses)
 
@@ -94,16 +105,22 @@ class FAMO(MultiTaskMethod):
             if len(self.min_losses) != num_tasks:
                 raise ValueError(
                     f"FAMO `min_losses` has {len(self.min_losses)} entries; expected one per "
-                    f"task ({num_tasks}).")
+                    f"task ({num_tasks})."
+                )
             return tf.constant(self.min_losses, dtype)
         return tf.fill([num_tasks], scalar(self.min_losses, dtype))
 
     def state_spec(self, num_tasks):
         self._min_losses(num_tasks, tf.float64)  # a wrong length fails when built
         vector = (num_tasks,)
-        return {"logits": StateSpec(vector), "prev_losses": StateSpec(vector),
-                "prev_present": StateSpec(vector), "adam_m": StateSpec(vector),
-                "adam_v": StateSpec(vector), "adam_step": StateSpec(())}
+        return {
+            "logits": StateSpec(vector),
+            "prev_losses": StateSpec(vector),
+            "prev_present": StateSpec(vector),
+            "adam_m": StateSpec(vector),
+            "adam_v": StateSpec(vector),
+            "adam_step": StateSpec(()),
+        }
 
     def _d(self, losses, min_losses):
         gap = tf.maximum(losses - min_losses, tf.zeros_like(losses))
@@ -118,8 +135,10 @@ class FAMO(MultiTaskMethod):
 
         # The logits' update from the previous step's losses to this step's.
         both = present * get["prev_present"]
-        delta = both * (tf.math.log(self._d(get["prev_losses"], min_losses))
-                        - tf.math.log(self._d(losses, min_losses)))
+        delta = both * (
+            tf.math.log(self._d(get["prev_losses"], min_losses))
+            - tf.math.log(self._d(losses, min_losses))
+        )
         logits = get["logits"]
         z_both = masked_softmax(logits, both)
         d = z_both * (delta - tf.reduce_sum(z_both * delta))  # J_softmax^T delta
@@ -132,21 +151,24 @@ class FAMO(MultiTaskMethod):
         bias1 = one - tf.pow(beta1, step)
         bias2 = one - tf.pow(beta2, step)
         moved = logits - (scalar(self.w_lr, acc) / bias1) * m / (
-            tf.sqrt(v) / tf.sqrt(bias2) + scalar(_ADAM_EPSILON, acc))
+            tf.sqrt(v) / tf.sqrt(bias2) + scalar(_ADAM_EPSILON, acc)
+        )
         logits = tf.where(update, moved, logits)
-        new_state = {"logits": logits,
-                     "adam_m": tf.where(update, m, get["adam_m"]),
-                     "adam_v": tf.where(update, v, get["adam_v"]),
-                     "adam_step": tf.where(update, step, get["adam_step"]),
-                     "prev_losses": losses, "prev_present": present}
+        new_state = {
+            "logits": logits,
+            "adam_m": tf.where(update, m, get["adam_m"]),
+            "adam_v": tf.where(update, v, get["adam_v"]),
+            "adam_step": tf.where(update, step, get["adam_step"]),
+            "prev_losses": losses,
+            "prev_present": present,
+        }
 
         # This step's weights from the updated logits.
         z = masked_softmax(logits, present)
         d_now = self._d(losses, min_losses)
         ratio = present * z / d_now
         weights = tf.math.divide_no_nan(ratio, tf.reduce_sum(ratio))
-        return Combination(shared=weights, specific=weights, loss_weights=present,
-                           state=new_state)
+        return Combination(shared=weights, specific=weights, loss_weights=present, state=new_state)
 
     def get_config(self):
         return {"w_lr": self.w_lr, "gamma": self.gamma, "min_losses": self.min_losses}

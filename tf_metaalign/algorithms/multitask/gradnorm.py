@@ -1,4 +1,5 @@
 """GradNorm (Chen et al., ICML 2018): task weights learned from gradient norms."""
+
 from __future__ import annotations
 
 import tensorflow as tf
@@ -6,7 +7,12 @@ import tensorflow as tf
 from tf_metaalign import functional as F
 from tf_metaalign.algorithms import gradient_surgery as GS
 from tf_metaalign.algorithms.multitask.base import (
-    Combination, MultiTaskMethod, StateSpec, check_number, register)
+    Combination,
+    MultiTaskMethod,
+    StateSpec,
+    check_number,
+    register,
+)
 
 
 @register
@@ -40,17 +46,21 @@ class GradNorm(MultiTaskMethod):
     def __init__(self, alpha: float = 1.5, learning_rate: float = 0.025, variable=None):
         self.alpha = check_number("alpha", alpha, 0.0)
         self.learning_rate = check_number("learning_rate", learning_rate, 0.0)
-        if variable is not None and (isinstance(variable, bool)
-                                     or not isinstance(variable, (int, str))):
+        if variable is not None and (
+            isinstance(variable, bool) or not isinstance(variable, (int, str))
+        ):
             raise ValueError(
                 "`variable` (GradNorm's shared weight W) must be None, an index into the "
-                f"shared variables or a variable path; got {variable!r}.")
+                f"shared variables or a variable path; got {variable!r}."
+            )
         self.variable = variable
 
     def state_spec(self, num_tasks):
-        return {"weights": StateSpec((num_tasks,), initializer="ones"),
-                "initial_losses": StateSpec((num_tasks,)),
-                "seen": StateSpec((num_tasks,))}
+        return {
+            "weights": StateSpec((num_tasks,), initializer="ones"),
+            "initial_losses": StateSpec((num_tasks,)),
+            "seen": StateSpec((num_tasks,)),
+        }
 
     def variable_index(self, shared_variables) -> int:
         """The position of W among the shared variables (errors name `variable`)."""
@@ -60,20 +70,26 @@ class GradNorm(MultiTaskMethod):
             if ranked:
                 return ranked[-1]
             if not shared_variables:
-                raise ValueError("GradNorm: there is no shared variable to measure; pass "
-                                 "`variable` (a shared variable's index or path).")
+                raise ValueError(
+                    "GradNorm: there is no shared variable to measure; pass "
+                    "`variable` (a shared variable's index or path)."
+                )
             # No kernel (rep_grad: the shared representation is the one "variable"): the
             # last shared one.
             return len(shared_variables) - 1
         if isinstance(choice, int):
             if not -len(shared_variables) <= choice < len(shared_variables):
-                raise ValueError(f"GradNorm `variable` (gradnorm_variable)={choice} is out of range: there are "
-                                 f"{len(shared_variables)} shared variables.")
+                raise ValueError(
+                    f"GradNorm `variable` (gradnorm_variable)={choice} is out of range: there are "
+                    f"{len(shared_variables)} shared variables."
+                )
             return choice % len(shared_variables)
         paths = [v.path for v in shared_variables]
         if choice not in paths:
-            raise ValueError(f"GradNorm `variable` (gradnorm_variable)={choice!r} is not the path of a shared "
-                             f"variable; shared paths: {paths}.")
+            raise ValueError(
+                f"GradNorm `variable` (gradnorm_variable)={choice!r} is not the path of a shared "
+                f"variable; shared paths: {paths}."
+            )
         return paths.index(choice)
 
     def combine(self, inputs, state):
@@ -87,12 +103,23 @@ class GradNorm(MultiTaskMethod):
         index = self.variable_index(inputs.shared_variables)
         layer_norms = tf.stack([F.global_norm([g[index]]) for g in inputs.task_grads])
         new_weights = GS.gradnorm_update(
-            weights, tf.cast(layer_norms, acc), losses, initial, present,
-            alpha=self.alpha, learning_rate=self.learning_rate)
-        return Combination(shared=weights, specific=weights,
-                           state={"weights": new_weights, "initial_losses": initial,
-                                  "seen": tf.maximum(seen, present)})
+            weights,
+            tf.cast(layer_norms, acc),
+            losses,
+            initial,
+            present,
+            alpha=self.alpha,
+            learning_rate=self.learning_rate,
+        )
+        return Combination(
+            shared=weights,
+            specific=weights,
+            state={
+                "weights": new_weights,
+                "initial_losses": initial,
+                "seen": tf.maximum(seen, present),
+            },
+        )
 
     def get_config(self):
-        return {"alpha": self.alpha, "learning_rate": self.learning_rate,
-                "variable": self.variable}
+        return {"alpha": self.alpha, "learning_rate": self.learning_rate, "variable": self.variable}

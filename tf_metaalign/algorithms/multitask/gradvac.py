@@ -1,11 +1,17 @@
 """Gradient Vaccine (Wang et al., ICLR 2021), global variant, on the Gram matrix."""
+
 from __future__ import annotations
 
 import tensorflow as tf
 
 from tf_metaalign.algorithms import gradient_surgery as GS
 from tf_metaalign.algorithms.multitask.base import (
-    Combination, MultiTaskMethod, StateSpec, check_number, register)
+    Combination,
+    MultiTaskMethod,
+    StateSpec,
+    check_number,
+    register,
+)
 
 
 @register
@@ -33,8 +39,11 @@ class GradVac(MultiTaskMethod):
     def combine(self, inputs, state):
         order = GS.random_order(inputs.num_tasks, inputs.seed, inputs.step)
         result = GS.gradvac_coefficients(inputs.gram, state["targets"], order, beta=self.beta)
-        return Combination(shared=result.coefficients, specific=tf.ones_like(inputs.losses),
-                           state={"targets": result.targets})
+        return Combination(
+            shared=result.coefficients,
+            specific=tf.ones_like(inputs.losses),
+            state={"targets": result.targets},
+        )
 
     def get_config(self):
         return {"beta": self.beta}

@@ -1,12 +1,18 @@
 """IMTL (Liu et al., ICLR 2021): impartial multi-task learning, IMTL-G closed form on the
 Gram matrix with IMTL-L's learned loss scales."""
+
 from __future__ import annotations
 
 import tensorflow as tf
 
 from tf_metaalign.algorithms.multitask import solvers
 from tf_metaalign.algorithms.multitask.base import (
-    Combination, MultiTaskMethod, StateSpec, register, scalar)
+    Combination,
+    MultiTaskMethod,
+    StateSpec,
+    register,
+    scalar,
+)
 
 
 def imtl_g_weights(gram, present=None) -> tf.Tensor:
@@ -35,12 +41,13 @@ def imtl_g_weights(gram, present=None) -> tf.Tensor:
     ref = tf.reduce_min(tf.where(on, idx, tf.fill([T], tf.constant(T, tf.int32))))
     ref = tf.minimum(ref, T - 1)
     # row t (present, != ref): sum_k alpha_k (G_k,ref / n_ref - G_k,t / n_t) = 0
-    cond_rows = (tf.gather(gram, ref, axis=1)[None, :] / tf.gather(norms, ref)
-                 - tf.transpose(gram) / norms[:, None])
+    cond_rows = (
+        tf.gather(gram, ref, axis=1)[None, :] / tf.gather(norms, ref)
+        - tf.transpose(gram) / norms[:, None]
+    )
     eye = tf.eye(T, dtype=dtype)
     is_ref = tf.equal(idx, ref)
-    rows = tf.where(is_ref[:, None], mask[None, :],
-                    tf.where(on[:, None], cond_rows, eye))
+    rows = tf.where(is_ref[:, None], mask[None, :], tf.where(on[:, None], cond_rows, eye))
     rhs = tf.cast(is_ref, dtype)
     alpha, ok = solvers.solve_linear(rows, rhs)
     alpha = alpha * mask
@@ -105,12 +112,13 @@ class IMTL(MultiTaskMethod):
             scale = tf.ones_like(inputs.losses)
         scaled = gram * scale[:, None] * scale[None, :]
         alpha = imtl_g_weights(scaled, present)
-        result = Combination(shared=alpha * scale, specific=scale,
-                             loss_weights=scale)
+        result = Combination(shared=alpha * scale, specific=scale, loss_weights=scale)
         if self.learn_scales:
             result.state_gradients = {
-                "loss_scale": tf.cast(present * (scale * inputs.losses - 1.0),
-                                      state["loss_scale"].dtype)}
+                "loss_scale": tf.cast(
+                    present * (scale * inputs.losses - 1.0), state["loss_scale"].dtype
+                )
+            }
         return result
 
     def get_config(self):

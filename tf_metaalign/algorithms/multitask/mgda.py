@@ -1,12 +1,17 @@
 """MGDA (Sener & Koltun, NeurIPS 2018): the min-norm element of the convex hull of the
 task gradients, on the Gram matrix."""
+
 from __future__ import annotations
 
 import tensorflow as tf
 
 from tf_metaalign.algorithms.multitask import solvers
 from tf_metaalign.algorithms.multitask.base import (
-    Combination, MultiTaskMethod, check_number, register)
+    Combination,
+    MultiTaskMethod,
+    check_number,
+    register,
+)
 
 NORMALIZATIONS = ("none", "l2", "loss", "loss+")
 
@@ -58,12 +63,13 @@ class MGDA(MultiTaskMethod):
     uses_gradients = True
     reference = "LibMTL MGDA (MinNormSolver, mgda_gn); isl-org/MultiObjectiveOptimization"
 
-    def __init__(self, normalization: str = "none", max_iter: int = 250,
-                 stop_crit: float = 1e-5):
+    def __init__(self, normalization: str = "none", max_iter: int = 250, stop_crit: float = 1e-5):
         if normalization not in NORMALIZATIONS:
-            raise ValueError(f"`normalization` (MGDA's gradient normalisation, LibMTL's "
-                             f"mgda_gn) must be one of {NORMALIZATIONS}; got "
-                             f"{normalization!r}.")
+            raise ValueError(
+                f"`normalization` (MGDA's gradient normalisation, LibMTL's "
+                f"mgda_gn) must be one of {NORMALIZATIONS}; got "
+                f"{normalization!r}."
+            )
         self.normalization = normalization
         self.max_iter = check_number("max_iter", max_iter, 0, integer=True)
         self.stop_crit = check_number("stop_crit", stop_crit, 0.0)
@@ -95,10 +101,14 @@ class MGDA(MultiTaskMethod):
     def combine(self, inputs, state):
         gram = tf.cast(inputs.gram, inputs.dtype)
         n = self.normalizers(gram, inputs.losses, inputs.present)
-        w = solvers.min_norm_weights(gram / (n[:, None] * n[None, :]), inputs.present,
-                                     self.max_iter, self.stop_crit)
+        w = solvers.min_norm_weights(
+            gram / (n[:, None] * n[None, :]), inputs.present, self.max_iter, self.stop_crit
+        )
         return Combination(shared=w / n, specific=tf.ones_like(inputs.losses))
 
     def get_config(self):
-        return {"normalization": self.normalization, "max_iter": self.max_iter,
-                "stop_crit": self.stop_crit}
+        return {
+            "normalization": self.normalization,
+            "max_iter": self.max_iter,
+            "stop_crit": self.stop_crit,
+        }

@@ -1,12 +1,19 @@
 """Nash-MTL (Navon et al., ICML 2022): the Nash bargaining solution of the tasks, solved
 in-graph with damped Newton steps on the T x T Gram matrix."""
+
 from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
 
 from tf_metaalign.algorithms.multitask.base import (
-    Combination, MultiTaskMethod, StateSpec, check_number, register, scalar)
+    Combination,
+    MultiTaskMethod,
+    StateSpec,
+    check_number,
+    register,
+    scalar,
+)
 
 
 def nash_bargaining_weights(gram, present, iterations: int = 20):
@@ -61,17 +68,20 @@ def nash_bargaining_weights(gram, present, iterations: int = 20):
     eye = tf.eye(T, dtype=dtype)
 
     def newton_step(k, alpha):
-        u = alpha * tf.linalg.matvec(m, alpha) - one   # D (M alpha - 1/alpha)
+        u = alpha * tf.linalg.matvec(m, alpha) - one  # D (M alpha - 1/alpha)
         system = alpha[:, None] * m * alpha[None, :] + eye
         v = tf.linalg.solve(system, u[:, None])[:, 0]
         decrement = tf.sqrt(tf.maximum(tf.tensordot(u, v, 1), tf.zeros([], dtype)))
         step = tf.where(decrement < quarter, one, one / (one + decrement))
         return k + 1, alpha * (one - step * v)
 
-    _, alpha = tf.while_loop(lambda k, a: k < iterations, newton_step,
-                             (tf.constant(0), alpha), maximum_iterations=iterations)
-    residual = tf.reduce_max(
-        tf.abs(alpha * tf.linalg.matvec(m, alpha) - one) * active)
+    _, alpha = tf.while_loop(
+        lambda k, a: k < iterations,
+        newton_step,
+        (tf.constant(0), alpha),
+        maximum_iterations=iterations,
+    )
+    residual = tf.reduce_max(tf.abs(alpha * tf.linalg.matvec(m, alpha) - one) * active)
     alpha = alpha * active / tf.sqrt(safe_scale)
     return alpha, residual
 
@@ -142,13 +152,15 @@ class NashMTL(MultiTaskMethod):
     aliases = ("nashmtl",)
     kind = "loss"
     uses_gradients = True
-    reference = ("Navon et al. 2022 (M alpha = 1/alpha, in-graph Newton); LibMTL Nash_MTL / "
-                 "AvivNavon/nash-mtl (CCP with cvxpy) agree where the CCP reaches it")
+    reference = (
+        "Navon et al. 2022 (M alpha = 1/alpha, in-graph Newton); LibMTL Nash_MTL / "
+        "AvivNavon/nash-mtl (CCP with cvxpy) agree where the CCP reaches it"
+    )
 
-    def __init__(self, update_weights_every: int = 1, optim_niter: int = 20,
-                 max_norm: float = 1.0):
+    def __init__(self, update_weights_every: int = 1, optim_niter: int = 20, max_norm: float = 1.0):
         self.update_weights_every = check_number(
-            "update_weights_every", update_weights_every, 1, integer=True)
+            "update_weights_every", update_weights_every, 1, integer=True
+        )
         self.optim_niter = check_number("optim_niter", optim_niter, 1, 1000, integer=True)
         self.max_norm = check_number("max_norm", max_norm, 0.0)
 
@@ -170,16 +182,25 @@ class NashMTL(MultiTaskMethod):
             alpha = tf.where(update, solved, prev) * present
             new_prev = tf.where(update & (present > 0), solved, prev)
         if self.max_norm > 0:
-            norm = tf.sqrt(tf.maximum(
-                tf.tensordot(alpha, tf.linalg.matvec(gram, alpha), 1), tf.zeros([], acc)))
-            clip = tf.minimum(scalar(1.0, acc),
-                              scalar(self.max_norm, acc) / (norm + scalar(1e-6, acc)))
+            norm = tf.sqrt(
+                tf.maximum(tf.tensordot(alpha, tf.linalg.matvec(gram, alpha), 1), tf.zeros([], acc))
+            )
+            clip = tf.minimum(
+                scalar(1.0, acc), scalar(self.max_norm, acc) / (norm + scalar(1e-6, acc))
+            )
             shared = alpha * clip
         else:
             shared = alpha
-        return Combination(shared=shared, specific=alpha, loss_weights=alpha,
-                           state={"prev_alpha": tf.cast(new_prev, state["prev_alpha"].dtype)})
+        return Combination(
+            shared=shared,
+            specific=alpha,
+            loss_weights=alpha,
+            state={"prev_alpha": tf.cast(new_prev, state["prev_alpha"].dtype)},
+        )
 
     def get_config(self):
-        return {"update_weights_every": self.update_weights_every,
-                "optim_niter": self.optim_niter, "max_norm": self.max_norm}
+        return {
+            "update_weights_every": self.update_weights_every,
+            "optim_niter": self.optim_niter,
+            "max_norm": self.max_norm,
+        }

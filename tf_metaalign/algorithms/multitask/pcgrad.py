@@ -1,4 +1,5 @@
 """PCGrad (Yu et al., NeurIPS 2020) on the Gram matrix of the shared gradients."""
+
 from __future__ import annotations
 
 import tensorflow as tf
@@ -35,5 +36,6 @@ class PCGrad(MultiTaskMethod):
 
     def combine(self, inputs, state):
         order = GS.random_order(inputs.num_tasks, inputs.seed, inputs.step)
-        return Combination(shared=GS.pcgrad_coefficients(inputs.gram, order),
-                           specific=tf.ones_like(inputs.losses))
+        return Combination(
+            shared=GS.pcgrad_coefficients(inputs.gram, order), specific=tf.ones_like(inputs.losses)
+        )

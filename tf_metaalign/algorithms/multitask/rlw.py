@@ -1,8 +1,14 @@
 """Random Loss Weighting (Lin et al., TMLR 2022; LibMTL `RLW`)."""
+
 from __future__ import annotations
 
 from tf_metaalign.algorithms.multitask.base import (
-    Combination, MultiTaskMethod, masked_softmax, random_normal, register)
+    Combination,
+    MultiTaskMethod,
+    masked_softmax,
+    random_normal,
+    register,
+)
 
 
 @register

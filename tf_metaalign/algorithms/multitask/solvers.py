@@ -16,6 +16,7 @@ the same numbers on every replica for the same inputs.
     majorise-minimise projected gradient (`cagrad_weights_pgd`) for many tasks.
   * `project_to_simplex`: LibMTL's `_projection2simplex` (Euclidean projection).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -130,13 +131,15 @@ def min_norm_weights(gram, present=None, max_iter: int = 250, stop_crit: float =
     pairs = [(i, j) for i in range(T) for j in range(i + 1, T)]
     pi = tf.constant([p[0] for p in pairs], tf.int32)
     pj = tf.constant([p[1] for p in pairs], tf.int32)
-    gamma, cost = segment_min_norm(tf.gather(diag, pi), tf.gather_nd(gram, tf.stack([pi, pj], 1)),
-                                   tf.gather(diag, pj))
+    gamma, cost = segment_min_norm(
+        tf.gather(diag, pi), tf.gather_nd(gram, tf.stack([pi, pj], 1)), tf.gather(diag, pj)
+    )
     valid = tf.logical_and(tf.gather(mask, pi) > 0, tf.gather(mask, pj) > 0)
     best = tf.minimum(_first_min(cost, valid), len(pairs) - 1)
     g = tf.gather(gamma, best)
-    sol = (g * tf.one_hot(tf.gather(pi, best), T, dtype=dtype)
-           + (1.0 - g) * tf.one_hot(tf.gather(pj, best), T, dtype=dtype))
+    sol = g * tf.one_hot(tf.gather(pi, best), T, dtype=dtype) + (1.0 - g) * tf.one_hot(
+        tf.gather(pj, best), T, dtype=dtype
+    )
     # fewer than two present tasks: the single present task (or nothing)
     sol = tf.where(num >= 2, sol, mask)
     if T == 2:
@@ -149,8 +152,9 @@ def min_norm_weights(gram, present=None, max_iter: int = 250, stop_crit: float =
         new = _next_point(sol, grad_dir, mask, n)
         gs = tf.linalg.matvec(gram, sol)
         gn = tf.linalg.matvec(gram, new)
-        nc, _ = segment_min_norm(tf.reduce_sum(sol * gs), tf.reduce_sum(sol * gn),
-                                 tf.reduce_sum(new * gn))
+        nc, _ = segment_min_norm(
+            tf.reduce_sum(sol * gs), tf.reduce_sum(sol * gn), tf.reduce_sum(new * gn)
+        )
         new_sol = nc * sol + (1.0 - nc) * new
         small = tf.reduce_sum(tf.abs(new_sol - sol)) < stop
         return i + 1, small, tf.where(small, sol, new_sol)
@@ -159,8 +163,9 @@ def min_norm_weights(gram, present=None, max_iter: int = 250, stop_crit: float =
         return tf.logical_and(i < max_iter, tf.logical_not(done))
 
     start_done = num < 3
-    _, _, sol = tf.while_loop(cond, body, (tf.constant(0, tf.int32), start_done, sol),
-                              maximum_iterations=max_iter)
+    _, _, sol = tf.while_loop(
+        cond, body, (tf.constant(0, tf.int32), start_done, sol), maximum_iterations=max_iter
+    )
     return sol
 
 
@@ -184,8 +189,9 @@ def cagrad_objective(w, gram, gb, c):
     """LibMTL's CAGrad dual objective  w^T G b + c sqrt(w^T G w + 1e-8)."""
     dtype = gram.dtype
     quad = tf.reduce_sum(w * tf.linalg.matvec(gram, w), axis=-1)
-    return (tf.reduce_sum(w * gb, axis=-1)
-            + c * tf.sqrt(tf.maximum(quad, tf.zeros_like(quad)) + scalar(1e-8, dtype)))
+    return tf.reduce_sum(w * gb, axis=-1) + c * tf.sqrt(
+        tf.maximum(quad, tf.zeros_like(quad)) + scalar(1e-8, dtype)
+    )
 
 
 def cagrad_weights(gram, gb, c, present=None):
@@ -212,11 +218,11 @@ def cagrad_weights(gram, gb, c, present=None):
     faces_np, first_np = _faces(T)
     faces = tf.constant(faces_np, dtype)
     first = tf.constant(first_np)
-    e0 = tf.one_hot(first, T, dtype=dtype)                       # [F, T]
-    rest = faces - e0                                             # [F, T]
-    g0 = tf.gather(gram, first)                                   # [F, T]  G[i0, :]
-    g00 = tf.gather(tf.linalg.diag_part(gram), first)             # [F]
-    m = (gram[None] - g0[:, :, None] - g0[:, None, :] + g00[:, None, None])
+    e0 = tf.one_hot(first, T, dtype=dtype)  # [F, T]
+    rest = faces - e0  # [F, T]
+    g0 = tf.gather(gram, first)  # [F, T]  G[i0, :]
+    g00 = tf.gather(tf.linalg.diag_part(gram), first)  # [F]
+    m = gram[None] - g0[:, :, None] - g0[:, None, :] + g00[:, None, None]
     m = m * rest[:, :, None] * rest[:, None, :]
     r = (g0 - g00[:, None]) * rest
     q = (gb[None] - tf.gather(gb, first)[:, None]) * rest
@@ -238,8 +244,7 @@ def cagrad_weights(gram, gb, c, present=None):
     w = z + e0 * (1.0 - tf.reduce_sum(z, -1))[:, None]
     tol = scalar(float(np.sqrt(eps)), dtype)
     inside = tf.reduce_all(tf.logical_or(faces <= 0, mask[None] > 0), axis=-1)
-    valid = tf.logical_and(tf.logical_and(inside, s2 < 1.0),
-                           tf.reduce_min(w, -1) >= -tol)
+    valid = tf.logical_and(tf.logical_and(inside, s2 < 1.0), tf.reduce_min(w, -1) >= -tol)
     wc = tf.maximum(w, tf.zeros_like(w))
     wc = wc / tf.maximum(tf.reduce_sum(wc, -1, keepdims=True), tf.fill([1, 1], tol))
     values = cagrad_objective(wc, gram, gb, c)
@@ -276,12 +281,14 @@ def cagrad_weights_pgd(gram, gb, c, present=None, iterations: int = 500):
         worse = f(wn) > f(w)
         tn = (1.0 + tf.sqrt(1.0 + 4.0 * tk * tk)) / 2.0
         y_next = tf.where(worse, w, wn + ((tk - 1.0) / tn) * (wn - w))
-        return (i + 1, tf.where(worse, w, wn), y_next,
-                tf.where(worse, scalar(1.0, dtype), tn))
+        return (i + 1, tf.where(worse, w, wn), y_next, tf.where(worse, scalar(1.0, dtype), tn))
 
-    _, w, _, _ = tf.while_loop(lambda i, *_: i < iterations, body,
-                               (tf.constant(0, tf.int32), w0, w0, scalar(1.0, dtype)),
-                               maximum_iterations=iterations)
+    _, w, _, _ = tf.while_loop(
+        lambda i, *_: i < iterations,
+        body,
+        (tf.constant(0, tf.int32), w0, w0, scalar(1.0, dtype)),
+        maximum_iterations=iterations,
+    )
     return w
 
 
@@ -298,7 +305,7 @@ def solve_linear(a, b):
     T = int(a.shape[0])
     eps = np.finfo(dtype.as_numpy_dtype).eps
     tiny = scalar(1e3 * T * eps, dtype) * tf.reduce_max(tf.abs(a))
-    aug = tf.concat([a, tf.cast(b, dtype)[:, None]], axis=1)     # [T, T + 1]
+    aug = tf.concat([a, tf.cast(b, dtype)[:, None]], axis=1)  # [T, T + 1]
     ok = tf.constant(True)
     rows = tf.range(T, dtype=tf.int32)
     for k in range(T):

@@ -1,10 +1,17 @@
 """Uncertainty weighting (Kendall et al., CVPR 2018; LibMTL `UW`): learned log-variances."""
+
 from __future__ import annotations
 
 import tensorflow as tf
 
 from tf_metaalign.algorithms.multitask.base import (
-    Combination, MultiTaskMethod, StateSpec, check_number, register, scalar)
+    Combination,
+    MultiTaskMethod,
+    StateSpec,
+    check_number,
+    register,
+    scalar,
+)
 
 
 @register
@@ -55,12 +62,14 @@ class UncertaintyWeighting(MultiTaskMethod):
     reference = "LibMTL UW (NumPy re-derivation)"
 
     def __init__(self, initial_log_variance: float = -0.5):
-        self.initial_log_variance = check_number("initial_log_variance",
-                                                 initial_log_variance)
+        self.initial_log_variance = check_number("initial_log_variance", initial_log_variance)
 
     def state_spec(self, num_tasks):
-        return {"log_variances": StateSpec((num_tasks,), initializer=self.initial_log_variance,
-                                           trainable=True)}
+        return {
+            "log_variances": StateSpec(
+                (num_tasks,), initializer=self.initial_log_variance, trainable=True
+            )
+        }
 
     def combine(self, inputs, state):
         acc = inputs.dtype
@@ -72,8 +81,12 @@ class UncertaintyWeighting(MultiTaskMethod):
         nonzero = tf.not_equal(losses, tf.zeros_like(losses))
         safe = tf.where(nonzero, losses, tf.ones_like(losses))
         carried = tf.where(nonzero & (present > 0), half * s / safe, tf.zeros_like(s))
-        return Combination(shared=weights, specific=weights, loss_weights=weights + carried,
-                           state_gradients={"log_variances": grad_s})
+        return Combination(
+            shared=weights,
+            specific=weights,
+            loss_weights=weights + carried,
+            state_gradients={"log_variances": grad_s},
+        )
 
     def get_config(self):
         return {"initial_log_variance": self.initial_log_variance}

@@ -1,0 +1,82 @@
+"""The shape of the package: what a user imports is the library, and only the library.
+
+* nothing under `tf_metaalign/` imports the programs' package `trainers` (our
+  experiments live there and run from a checkout; they are not installed);
+* every package `__init__` of the library lists its public API in `__all__`, and every
+  name listed resolves;
+* the tree passes the lint settings of pyproject.toml (`ruff check`, when ruff is
+  installed: it is in the `test` extra).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = ROOT / "tf_metaalign"
+
+
+def _imported_modules(path: Path):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.module
+
+
+def test_the_library_never_imports_the_programs():
+    offenders = [
+        f"{path.relative_to(ROOT)}: {module}"
+        for path in sorted(LIBRARY.rglob("*.py"))
+        for module in _imported_modules(path)
+        if module == "trainers" or module.startswith("trainers.")
+    ]
+    assert not offenders, offenders
+
+
+def test_only_the_library_is_installed():
+    text = (ROOT / "pyproject.toml").read_text()
+    assert 'include = ["tf_metaalign", "tf_metaalign.*"]' in text
+    assert not (ROOT / "setup.py").exists()
+
+
+def _packages():
+    return sorted(p.parent for p in LIBRARY.rglob("__init__.py"))
+
+
+@pytest.mark.parametrize("package", _packages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_library_package_lists_its_public_api(package):
+    name = ".".join(package.relative_to(ROOT).parts)
+    module = importlib.import_module(name)
+    exported = getattr(module, "__all__", None)
+    assert exported, f"{name}/__init__.py has no __all__"
+    assert len(set(exported)) == len(exported), f"{name}.__all__ repeats a name"
+    missing = [n for n in exported if not hasattr(module, n)]
+    assert not missing, f"{name}.__all__ lists names it does not define: {missing}"
+
+
+def test_the_tree_passes_the_lint_settings():
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    if not Path(ruff).exists():
+        pytest.skip("ruff is not installed (pip install -e '.[test]')")
+    proc = subprocess.run(
+        [ruff, "check", "--output-format", "concise", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    proc = subprocess.run(
+        [ruff, "format", "--check", "."], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
