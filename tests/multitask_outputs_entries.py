@@ -80,6 +80,7 @@ OUTPUT_ENTRIES = [
             "backup_machinery",
             "backup_and_restore",
             "mixed_float16",
+            "mixed_bfloat16",
             "steps_per_execution",
             "eager",
             "ragged_last_batch",

@@ -24,6 +24,23 @@ def test_schedule_plot_callback_writes_png(tmp_path):
         plot_schedules({}, tmp_path / "t.png")
 
 
+def test_plots_leave_pyplots_backend_alone(tmp_path, monkeypatch):
+    """`plot_schedules` and the programs' plots draw on a Figure of their own: a notebook's
+    (or a GUI's) pyplot backend is not switched to Agg under it."""
+    matplotlib = pytest.importorskip("matplotlib")
+    from trainers import common
+
+    switched = []
+    monkeypatch.setattr(matplotlib, "use", lambda *a, **k: switched.append(a))
+    path = plot_schedules({"run": {"beta_1": [0.9, 0.8, 0.85]}}, tmp_path / "p.png")
+    fig = common.figure(figsize=(2, 2))
+    fig.subplots().plot([0, 1], [1, 0])
+    fig.savefig(tmp_path / "q.png")
+    assert switched == []
+    assert path.stat().st_size > 1000 and (tmp_path / "q.png").stat().st_size > 500
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_django_pairs_and_char_arrays():
     pytest.importorskip("django", reason="pip install django (the translation pairs)")
     from trainers.experiments import translation

@@ -331,3 +331,23 @@ def test_compiled_combination_equals_graph_ops(float64, method):
         np.testing.assert_allclose(runs[0][1][key], runs[1][1][key], rtol=1e-6, atol=1e-9)
     with pytest.raises(ValueError, match="compile_combination"):
         _trainer(method, compile_combination="yes")
+
+
+@pytest.mark.parametrize("positional", [False, True])
+def test_epoch_counter_runs_before_the_users_callbacks(positional):
+    """DWA reads the epoch: the trainer's counter ends each epoch BEFORE the user's
+    callbacks (BackupAndRestore among them must save the new count), callbacks given by
+    keyword or by position."""
+    seen = []
+
+    class Probe(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append((epoch, int(trainer.epochs_done.numpy())))
+
+    x, y = _data()
+    trainer = _trainer("dwa")
+    if positional:  # fit(x, y, batch_size, epochs, verbose, callbacks)
+        trainer.fit(x, y, 6, 3, 0, [Probe()], shuffle=False)
+    else:
+        trainer.fit(x, y, batch_size=6, epochs=3, verbose=0, callbacks=[Probe()], shuffle=False)
+    assert seen == [(0, 1), (1, 2), (2, 3)]

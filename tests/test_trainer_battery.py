@@ -33,6 +33,8 @@ everything it compares, so a comparison is never vacuous):
    the rows in `entry.replica_order`: weights, slots, state and the per-batch logs of
    "loss" and `entry.diagnostics`.
 5. `mixed_float16`: trains under a LossScaleOptimizer, stays finite, variables float32.
+   `mixed_bfloat16` (the TPU policy): trains, stays finite, variables float32, and the
+   weight change of a short run is within 10% of float32's (relative, global norm).
 6. `trainer.save("t.keras")` + `keras.models.load_model`: same class, same config and
    compile config, same weights / slots / state, and continuing training from the original
    and the reloaded trainer gives the same weights / slots / state.
@@ -52,10 +54,9 @@ everything it compares, so a comparison is never vacuous):
    under MirroredStrategy. Keras 3.15 cannot `fit` under MWMS without two workarounds
    (`tf_metaalign._compat.patch_keras_multi_worker_fit`, which every trainer created
    under MWMS applies itself; the worker applies it first for its plain-Keras row
-   probe). TensorFlow's gRPC server listens on all interfaces whatever TF_CONFIG says, so the two
-   workers run
-   in a network namespace of their own holding only loopback (`unshare --net`, where
-   permitted).
+   probe). TensorFlow's gRPC server listens on all interfaces whatever TF_CONFIG says, so
+   the two workers run in a network namespace of their own holding only loopback
+   (`unshare --net`, where permitted).
 
 The subprocess scenarios run tests/battery_worker.py (one entry, one scenario, bounded by
 `SUBPROCESS_TIMEOUT`).
@@ -98,6 +99,7 @@ CHECKS = (
     "steps_per_execution",
     "replicas",
     "mixed_float16",
+    "mixed_bfloat16",
     "keras_round_trip",
     "backup_machinery",
     "backup_and_restore",
@@ -295,6 +297,46 @@ def test_mixed_float16_trains_and_stays_finite(entry, mixed_float16):
     else:
         after = trainer.evaluate(x_eval, y_eval, verbose=0, return_dict=True)["loss"]
         assert after < before, (before, after)
+
+
+@pytest.mark.parametrize("entry", cases("mixed_bfloat16"))
+def test_mixed_bfloat16_trains_finite_and_close_to_float32(entry):
+    """The TPU policy: bfloat16 compute, float32 variables (no loss scaling). The same
+    short run as float32 from the same initial weights moves the weights by nearly the
+    same amount: || dW_bf16 - dW_f32 || <= 0.1 || dW_f32 || (bfloat16 keeps 8 bits of
+    mantissa: a step's relative error is ~0.4%, and the run is 10 steps)."""
+    runs = {}
+    for policy in ("float32", "mixed_bfloat16"):
+        previous = keras.mixed_precision.global_policy()
+        keras.mixed_precision.set_global_policy(policy)
+        try:
+            x, y = B.data(entry, dtype="float32")
+            trainer = B.build(entry, dtype=None)
+            assert not isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+            initial = B.snapshot(entry, trainer)
+            logs, _ = B.fit(entry, trainer, x, y)
+            final = B.snapshot(entry, trainer)
+        finally:
+            keras.mixed_precision.set_global_policy(previous)
+        runs[policy] = (initial, final, logs, trainer)
+    initial, final, logs, trainer = runs["mixed_bfloat16"]
+    B.assert_trained(entry, initial, final)
+    assert all(v.dtype == "float32" for v in trainer.model.trainable_variables)
+    bad = [k for k, v in final.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
+    assert not bad, f"non-finite after mixed_bfloat16 training: {bad}"
+    for name in ["loss", *entry.diagnostics]:
+        values = np.asarray([step[name] for step in logs], dtype="float64")
+        assert np.isfinite(values).all(), (name, values)
+    reference_initial, reference_final = runs["float32"][:2]
+    keys = [k for k in final if k.startswith("weights/")]
+    for k in keys:
+        np.testing.assert_array_equal(initial[k], reference_initial[k])  # same start
+    delta = np.concatenate([(final[k] - initial[k]).ravel() for k in keys])
+    reference = np.concatenate([(reference_final[k] - reference_initial[k]).ravel() for k in keys])
+    assert np.linalg.norm(reference) > 0
+    error = np.linalg.norm(delta - reference) / np.linalg.norm(reference)
+    assert error <= 0.1, f"{entry.name}: bf16 weight change off float32's by {error:.3f}"
+    assert error > 0, f"{entry.name}: bf16 and float32 runs are identical (policy not applied?)"
 
 
 # ------------------------------------------------------------- 6. .keras round trip

@@ -6,7 +6,8 @@
   run name to a dict key -> list of per-step values (e.g. `recorder.values`).
 * `SchedulePlotCallback(path)`: records and writes the plot when training ends.
 
-Uses matplotlib's Agg backend (no display needed).
+Draws with matplotlib's Agg canvas on a `Figure` of its own (no display needed, and
+pyplot's backend is not switched).
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ class ScheduleRecorder(keras.callbacks.Callback):
 
 def plot_schedules(runs: Mapping[str, Mapping[str, Sequence[float]]], path, keys=None, title=None):
     """Write a PNG with one panel per key and one line per run; returns `path`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A Figure of its own, drawn by the Agg canvas: pyplot's global backend (a notebook's
+    # inline backend, a GUI session) is left as it is.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     if not runs:
         raise ValueError("plot_schedules: `runs` is empty.")
@@ -46,7 +47,9 @@ def plot_schedules(runs: Mapping[str, Mapping[str, Sequence[float]]], path, keys
     keys = [k for k in keys if any(r.get(k) for r in runs.values())]
     if not keys:
         raise ValueError("plot_schedules: none of the runs has values for the requested keys.")
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.4), squeeze=False)
+    fig = Figure(figsize=(4.5 * len(keys), 3.4))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(keys), squeeze=False)
     for ax, key in zip(axes[0], keys):
         for name, values in runs.items():
             v = values.get(key)
@@ -60,7 +63,6 @@ def plot_schedules(runs: Mapping[str, Mapping[str, Sequence[float]]], path, keys
         fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(str(path), dpi=110)
-    plt.close(fig)
     return path
 
 

@@ -197,6 +197,18 @@ def prepare_output_dir(output_dir, arg_name: str = "output_dir") -> Path:
     return path
 
 
+def figure(**kwargs):
+    """A matplotlib `Figure` drawn by the Agg canvas (`figure(figsize=...)`, then
+    `fig.subplots(...)`, `fig.savefig(path)`): no pyplot, so a notebook's or a GUI's
+    backend is left as it is (`matplotlib.use` would switch it for the whole process)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(**kwargs)
+    FigureCanvasAgg(fig)
+    return fig
+
+
 def tensorboard_callback(log_dir, update_freq="epoch") -> keras.callbacks.TensorBoard:
     """Keras's TensorBoard callback writing scalars only (no graph, no profiling)."""
     return keras.callbacks.TensorBoard(

@@ -804,14 +804,12 @@ def sine_rows(sine):
 
 def plot(runs, out) -> list:
     """val_accuracy.png and sharing.png (GS runs) in `out`; returns the paths written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from trainers.common import figure
 
     paths = []
     groups = sorted({(r["task_batch"], r["inner_lr_scale"]) for r in runs})
-    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
+    fig = figure(figsize=(5 * len(groups), 4))
+    axes = fig.subplots(1, len(groups), squeeze=False)
     for ax, (tb, scale) in zip(axes[0], groups):
         for r in runs:
             if (r["task_batch"], r["inner_lr_scale"]) == (tb, scale):
@@ -828,10 +826,10 @@ def plot(runs, out) -> list:
     fig.tight_layout()
     paths.append(out / "val_accuracy.png")
     fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
     gs_runs = [r for r in runs if r.get("sharing_m")]
     if gs_runs:
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        fig = figure(figsize=(10, 4))
+        axes = fig.subplots(1, 2)
         for ax, key, label in zip(
             axes, ("sharing_m", "sharing_lambda"), ("sigmoid(m)", "sigmoid(lambda)")
         ):
@@ -849,7 +847,6 @@ def plot(runs, out) -> list:
         fig.tight_layout()
         paths.append(out / "sharing.png")
         fig.savefig(paths[-1], dpi=100)
-        plt.close(fig)
     return paths
 
 

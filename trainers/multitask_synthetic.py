@@ -255,10 +255,9 @@ def summarise(method, phi, points, seconds):
 
 def plot(trajectories, path):
     import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    from trainers.common import figure
 
     from trainers.experiments import synthetic as S
 
@@ -266,12 +265,13 @@ def plot(trajectories, path):
     xx, yy = np.meshgrid(grid, grid)
     points = np.stack([xx, yy], axis=-1)
     surface = np.mean([S.task_loss(points, o) for o in S.OPTIMA], axis=0)
-    fig, ax = plt.subplots(figsize=(7, 6))
+    fig = figure(figsize=(7, 6))
+    ax = fig.subplots()
     contour = ax.contourf(xx, yy, surface, levels=30, cmap="viridis")
     fig.colorbar(contour, ax=ax, label="mean task loss")
     for x, y in S.OPTIMA:
         ax.plot(x, y, "r*", markersize=14)
-    colors = plt.get_cmap("tab10" if len(trajectories) <= 10 else "tab20").colors
+    colors = matplotlib.colormaps["tab10" if len(trajectories) <= 10 else "tab20"].colors
     for (method, points_), color in zip(trajectories.items(), colors):
         ax.plot(
             points_[:, 0], points_[:, 1], "-", linewidth=1.2, color=color, alpha=0.8, label=method
@@ -288,7 +288,6 @@ def plot(trajectories, path):
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv):

@@ -701,6 +701,28 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
         return cls(**config)
 
 
+class EpochCounter(keras.callbacks.Callback):
+    """Counts finished epochs in a checkpointed trainer variable (`epochs_done`: DWA's
+    loss history, MAML's per-epoch schedules). `with_epoch_counter` puts it BEFORE the
+    user's callbacks, so BackupAndRestore saves the new count with the epoch."""
+
+    def __init__(self, variable):
+        super().__init__()
+        self._variable = [variable]  # a list: not tracked
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._variable[0].assign_add(1)
+
+
+def with_epoch_counter(args, kwargs, variable):
+    """`fit`'s (args, kwargs) with an `EpochCounter(variable)` first among the callbacks
+    (given by keyword or position)."""
+    bound = inspect.signature(keras.Model.fit).bind(None, *args, **kwargs)
+    callbacks = list(bound.arguments.get("callbacks") or [])
+    bound.arguments["callbacks"] = [EpochCounter(variable)] + callbacks
+    return bound.args[1:], bound.kwargs
+
+
 class _EpochStepsCallback(keras.callbacks.Callback):
     """Resets the trainer's `epoch_steps` at each epoch's end, before any user callback
     (so `BackupAndRestore`'s end-of-epoch save records 0)."""

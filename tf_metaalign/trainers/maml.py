@@ -9,7 +9,6 @@ outer gradient to the compiled (OUTER) optimizer and logs.
 
 from __future__ import annotations
 
-import inspect
 
 import keras
 import tensorflow as tf
@@ -20,7 +19,12 @@ from tf_metaalign.algorithms import maml as M
 from tf_metaalign.algorithms import reptile as R
 from tf_metaalign.algorithms.gradient_sharing import as_gradient_sharing
 from tf_metaalign.trainers import task_batches
-from tf_metaalign.trainers.base import MetaTrainer, _value_initializer, first_task_query_set
+from tf_metaalign.trainers.base import (
+    MetaTrainer,
+    _value_initializer,
+    first_task_query_set,
+    with_epoch_counter,
+)
 
 
 def _check_bool(name, value):
@@ -823,10 +827,8 @@ class MAMLTrainer(MetaTrainer):
         with task_batches.explain_task_count_error(self):
             if self.epochs_done is None:
                 return super().fit(*args, **kwargs)
-            bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
-            callbacks = list(bound.arguments.get("callbacks") or [])
-            bound.arguments["callbacks"] = [_EpochCounter(self)] + callbacks
-            return super().fit(*bound.args[1:], **bound.kwargs)
+            args, kwargs = with_epoch_counter(args, kwargs, self.epochs_done)
+            return super().fit(*args, **kwargs)
 
     def get_config(self):
         sharing = self.gradient_sharing
@@ -846,15 +848,3 @@ class MAMLTrainer(MetaTrainer):
             "tasks_per_batch": self.tasks_per_batch,
             "inner_training": self.inner_training,
         }
-
-
-class _EpochCounter(keras.callbacks.Callback):
-    """Counts finished epochs in the trainer's checkpointed `epochs_done` (before any user
-    callback, so BackupAndRestore saves the new count)."""
-
-    def __init__(self, trainer):
-        super().__init__()
-        self._trainer = [trainer]  # a list: not tracked
-
-    def on_epoch_end(self, epoch, logs=None):
-        self._trainer[0].epochs_done.assign_add(1)

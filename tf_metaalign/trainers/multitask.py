@@ -13,7 +13,7 @@ from tf_metaalign import model_graph
 from tf_metaalign import functional as F
 from tf_metaalign.algorithms import gradient_surgery as GS
 from tf_metaalign.algorithms import multitask as methods
-from tf_metaalign.trainers.base import MetaTrainer
+from tf_metaalign.trainers.base import MetaTrainer, with_epoch_counter
 
 #: How the per-task losses and gradients are computed (see `MultiTaskTrainer`).
 TASK_PASSES = ("auto", "vectorized", "gathered", "masked")
@@ -827,8 +827,8 @@ class MultiTaskTrainer(MetaTrainer):
 
     def fit(self, *args, **kwargs):
         if self.epochs_done is not None:
-            callbacks = list(kwargs.pop("callbacks", None) or [])
-            kwargs["callbacks"] = callbacks + [_EpochCounter(self.epochs_done)]
+            # first among the callbacks: BackupAndRestore saves the epoch's new count
+            args, kwargs = with_epoch_counter(args, kwargs, self.epochs_done)
         return super().fit(*args, **kwargs)
 
     def _masked_task_passes(self, params, state, model_x, y, task_losses_of, loss_scale, acc):
@@ -1270,17 +1270,6 @@ class MultiTaskTrainer(MetaTrainer):
             compile_combination=self.compile_combination,
         )
         return config
-
-
-class _EpochCounter(keras.callbacks.Callback):
-    """Counts completed epochs in a checkpointed trainer variable (DWA's loss history)."""
-
-    def __init__(self, variable):
-        super().__init__()
-        self._variable = [variable]  # a list: not tracked
-
-    def on_epoch_end(self, epoch, logs=None):
-        self._variable[0].assign_add(1)
 
 
 def _check_task_specific_request(request):
