@@ -12,7 +12,7 @@ django = pytest.importorskip("django", reason="pip install django (the catalogs 
 
 from trainers.experiments import django_catalogs as D  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_one_task_per_language_split_by_english_message_for_every_language():

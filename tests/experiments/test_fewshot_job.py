@@ -14,7 +14,7 @@ import pytest
 from tf_metaalign.data import sinusoid as S
 from trainers import fewshot
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 OMNIGLOT = REPO.parent / "shared" / "data" / "omniglot" / "images_background_small1.zip"
 
 
