@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import test_optimizers as TO
+from test_reptile import _data, _grad, _linear, _weights  # the Reptile tests' problem
 from optimizer_registry import REGISTRY
 from tf_metaalign import algorithms as A
 from tf_metaalign import functional as F
@@ -29,29 +30,6 @@ TOL = dict(rtol=1e-13, atol=1e-15)
 # LAMB's trust ratio) rounds differently from TF's kernels (reduction order): a few ulps
 # per op over five steps; float32 rounding of a hyperparameter is >= 1e-9.
 RULE_TOL = dict(rtol=1e-12, atol=1e-14)
-
-
-def _data(n, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 4))
-    y = np.stack([np.sin(x[:, 0]) + x[:, 1], x[:, 2] - 0.5 * x[:, 3]], axis=1)
-    return x, y
-
-
-def _linear(seed=0):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-
-
-def _weights(model):
-    return [v.numpy() for v in model.trainable_variables]
-
-
-def _grad(params, x, y):
-    """Gradient of mean((x W + b - y)^2) (Keras's MSE on a Dense(2)) at [W, b]."""
-    w, b = params
-    r = 2.0 * (x @ w + b - y) / y.size
-    return [x.T @ r, r.sum(0)]
 
 
 def _assert_close(a, b, tol=TOL):
