@@ -77,7 +77,7 @@ import tf_metaalign
 import battery_lib as B
 from conftest import two_cpu_strategy
 from precision import global_float_precision
-from trainer_entries import ENTRIES
+from trainer_entries import CHECKS, ENTRIES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -89,24 +89,6 @@ SUBPROCESS_TIMEOUT = 240  # seconds, per worker process
 #: end of epoch 1's batch 3, so batch 3 is trained and lost with the process.
 KILL_EPOCH, KILL_BATCH, SAVE_FREQ = 1, 3, 2
 DROPOUT = 0.25
-
-
-#: the check names that an entry's `xfail`, `slow` and `tolerances` may use.
-CHECKS = (
-    "entry",
-    "eager",
-    "jit_compile",
-    "steps_per_execution",
-    "replicas",
-    "mixed_float16",
-    "mixed_bfloat16",
-    "keras_round_trip",
-    "backup_machinery",
-    "backup_and_restore",
-    "multi_worker",
-    "model_after_fit",
-    "ragged_last_batch",
-)
 
 
 def cases(check):
