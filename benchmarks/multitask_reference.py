@@ -1,7 +1,7 @@
 """Reference train steps for `benchmarks/multitask_overhead.py` (NOT library code): what
 per-task gradients cost when each is taken over its own task's rows -- T sub-batch passes
 in a python loop, or ONE `tf.vectorized_map` pass over the task dimension -- measured
-beside `MultiTaskTrainer`, and checked equal to it (tests/test_multitask_benchmark.py:
+beside `MultiTaskTrainer`, and checked equal to it (tests/benchmarks/test_multitask_benchmark.py:
 one SGD step of `PerTaskPasses(method="pcgrad")` == `MultiTaskTrainer(method="pcgrad")`).
 
 No absl flags here, so tests can import it.

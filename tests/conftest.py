@@ -5,6 +5,8 @@ lives here, imported by pytest before any test module.
 """
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -20,6 +22,16 @@ try:
 except RuntimeError:  # devices already initialised (e.g. by another plugin)
     pass
 
+
+# tests/ mirrors the library (tests/algorithms, tests/trainers, ...). The shared helpers
+# (precision, trainer_entries, ...) sit in tests/ itself, and a few test modules import
+# another folder's NumPy oracles by module name (test_multitask_outputs uses
+# test_gradient_surgery's np_pcgrad): every test folder is importable whatever order pytest
+# collects them in (the basenames are unique; tests/test_package_shape.py checks it).
+_TESTS = Path(__file__).resolve().parent
+sys.path[:0] = [str(_TESTS)] + sorted(
+    str(d) for d in _TESTS.iterdir() if d.is_dir() and any(d.glob("test_*.py"))
+)
 
 from precision import global_float_precision  # noqa: E402
 

@@ -1,8 +1,8 @@
 """The one list of optimizer configurations the test batteries run on.
 
-Used by the optimizer battery (tests/test_optimizers.py: NumPy oracles, the tensor step,
+Used by the optimizer battery (tests/optimizers/test_optimizers.py: NumPy oracles, the tensor step,
 save/restore, ...), the forward-mode battery (tests/test_forward_mode.py) and the guided
-batteries (tests/test_guided_algorithm.py, tests/test_guided_trainer.py).
+batteries (tests/algorithms/test_guided_algorithm.py, tests/trainers/test_guided_trainer.py).
 `test_optimizers.py::test_every_exported_optimizer_has_a_registry_entry` fails when an
 optimizer class exported by `tf_metaalign.optimizers` has no configuration here.
 

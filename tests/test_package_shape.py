@@ -80,3 +80,37 @@ def test_the_tree_passes_the_lint_settings():
         [ruff, "format", "--check", "."], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+#: tests/ mirrors the library: a folder per library package with tests of its own, the
+#: top-level modules' tests (functional, forward_mode, callbacks, ...) in tests/ itself, and
+#: the tests of what is not the library beside them (the experiments, benchmarks,
+#: notebooks, ported examples).
+TEST_FOLDERS = {
+    "algorithms": "tf_metaalign/algorithms",
+    "trainers": "tf_metaalign/trainers",
+    "optimizers": "tf_metaalign/optimizers",
+    "prompts": "tf_metaalign/prompts",
+    "data": "tf_metaalign/data",
+    "experiments": "trainers/experiments and the programs in trainers/",
+    "benchmarks": "benchmarks/",
+    "colab": "colab/ (the notebooks, executed)",
+    "examples": "examples/ (programs by others, ported)",
+}
+
+
+def test_the_tests_mirror_the_library():
+    tests = ROOT / "tests"
+    folders = {d.name for d in tests.iterdir() if d.is_dir() and any(d.glob("test_*.py"))}
+    assert folders == set(TEST_FOLDERS), (
+        f"test folders {sorted(folders)} != {sorted(TEST_FOLDERS)}: add a new folder to "
+        "TEST_FOLDERS (and say what it mirrors)"
+    )
+    for name, mirrored in TEST_FOLDERS.items():
+        if mirrored.startswith("tf_metaalign/"):
+            assert (ROOT / mirrored / "__init__.py").exists(), (name, mirrored)
+    # conftest.py puts every test folder on sys.path (a few tests import another folder's
+    # NumPy oracles by module name), so a test module's basename must be unique.
+    names = [p.name for p in tests.rglob("test_*.py")]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    assert not repeated, f"test modules with the same name in two folders: {repeated}"

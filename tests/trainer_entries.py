@@ -220,7 +220,7 @@ def _fomaml_trainer(model, data_dtype):
 def task_stacked_regression_data(n, dtype="float64", seed=0, tasks=2, k=STACKED_K):
     """n elements `[T, k, ...]` (stack_axis=1: a global batch is [B, T, k, ...]). Plain
     arrays: the battery indexes x by rows (the {"inputs", "task_id"} format is tested in
-    tests/test_reptile.py)."""
+    tests/algorithms/test_reptile.py)."""
     x, y = regression_data(n * tasks * k, dtype=dtype, seed=seed)
     return x.reshape(n, tasks, k, -1), y.reshape(n, tasks, k, -1)
 
@@ -383,7 +383,7 @@ def _method_state(method, num_tasks=3):
 
 
 #: the battery's check names, which an entry's `xfail`, `slow` and `tolerances` may use
-#: (tests/test_trainer_battery.py runs one test function per name).
+#: (tests/trainers/test_trainer_battery.py runs one test function per name).
 CHECKS = (
     "entry",
     "eager",
@@ -401,7 +401,7 @@ CHECKS = (
 )
 
 #: The battery's checks that only the first two zoo entries run in the default suite
-#: (tests/test_multitask_methods.py checks every method's step, 1 replica == 2 and its
+#: (tests/trainers/test_multitask_methods.py checks every method's step, 1 replica == 2 and its
 #: checkpointed state there; the battery's slow runs cover the rest of each entry).
 _ALL_BUT_ENTRY = tuple(check for check in CHECKS if check != "entry")
 

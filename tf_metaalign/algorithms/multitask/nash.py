@@ -120,7 +120,7 @@ class NashMTL(MultiTaskMethod):
     sum log alpha, whose minimiser is the exact solution of M alpha = 1/alpha; in
     float64 20 steps reach max_i |alpha_i (M alpha)_i - 1| < 1e-12 (worst 2.4e-13 over 300
     random Gram matrices, T = 2..8, gradient norms over 6 decades, cosines down to -0.98,
-    condition numbers up to 6e11; tests/test_mtl_nash_aligned.py checks 40 such).
+    condition numbers up to 6e11; tests/algorithms/test_mtl_nash_aligned.py checks 40 such).
 
     How close to the reference (measured by running LibMTL's code with cvxpy 1.9.3 /
     ECOS on 240 random problems, T = 2, 3, 5, D = 20, gradient norms over 2 decades,

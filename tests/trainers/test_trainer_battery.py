@@ -14,7 +14,7 @@ tests/trainer_entries.py, e.g.
         xfail={"mixed_float16": "why"},           # only for known, reported failures
     )
 
-and run `pytest tests/test_trainer_battery.py -k reptile` (add `-m slow` for slow cases).
+and run `pytest tests/trainers/test_trainer_battery.py -k reptile` (add `-m slow` for slow cases).
 Pick options that make every part of the algorithm's state move in 10 steps (e.g. a
 counter-driven schedule, a non-zero meta learning rate), so lost or repeated steps show.
 A check that cannot pass yet gets an `xfail` reason (strict: it must be removed the day the
@@ -79,9 +79,9 @@ from conftest import two_cpu_strategy
 from precision import global_float_precision
 from trainer_entries import CHECKS, ENTRIES
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-WORKER = os.path.join(HERE, "battery_worker.py")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
+REPO = os.path.dirname(TESTS)
+WORKER = os.path.join(TESTS, "battery_worker.py")
 SUBPROCESS_TIMEOUT = 240  # seconds, per worker process
 
 #: check 7: BackupAndRestore(save_freq=SAVE_FREQ) saves after epoch 0's batches 1 and 3
@@ -486,7 +486,7 @@ def _worker_env(**extra):
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(tf_metaalign.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([package_root, HERE, env.get("PYTHONPATH", "")]).rstrip(
+    env["PYTHONPATH"] = os.pathsep.join([package_root, TESTS, env.get("PYTHONPATH", "")]).rstrip(
         os.pathsep
     )
     env.update(extra)

@@ -24,7 +24,7 @@ from tf_metaalign.data.omniglot import (
     split_classes,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = REPO.parent / "shared" / "data" / "omniglot"
 
 

@@ -1,5 +1,5 @@
 """RecAdam beyond the optimizer battery (whose NumPy oracle re-derives the reference's
-step, tests/test_optimizers.py::oracle_recadam): the pretrained slot, the annealing,
+step, tests/optimizers/test_optimizers.py::oracle_recadam): the pretrained slot, the annealing,
 the warning, Adam as a special case, fit (also under XLA) and bad input."""
 
 import warnings

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY_MLP = [
     "--num_tasks=3",

@@ -370,7 +370,7 @@ def test_bad_options_name_the_argument(kwargs, name):
 def test_batches_of_one_are_plain_steps_not_an_error(float64):
     """A batch that cannot be split used to be an error; it is now a plain step on (b, b):
     G = 2 * grad L(b), so batch_size=1 DotProd == plain SGD at twice the learning rate
-    (more in tests/test_dotprod_stability.py)."""
+    (more in tests/trainers/test_dotprod_stability.py)."""
     x, y = _data(8, dtype="float64")
     trainer = _compile(DotProdTrainer(_mlp("float64", seed=15), weight=0.3))
     h = trainer.fit(x, y, batch_size=1, shuffle=False, verbose=0)

@@ -13,7 +13,7 @@ import sys
 import pytest
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 FAKE_PEER = """\
 print("torch second-order meta-step: 0.250 s")
