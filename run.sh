@@ -4,6 +4,7 @@
 #   ./run.sh main [flags]        the main job: python -m trainers.finetune [flags]
 #   ./run.sh test [pytest args]  the tests:    python -m pytest -q -n 2 --dist loadfile [pytest args]
 #   ./run.sh lint                the lint and format checks of pyproject.toml (ruff)
+#   ./run.sh docs                the documentation site (mkdocs.yml) into site/, --strict
 #   ./run.sh install             set up only
 #
 # Setting up (each step is skipped when already done, so a second run starts at once):
@@ -27,7 +28,7 @@ say() { printf '[run.sh] %s\n' "$*" >&2; }
 die() { say "error: $*"; exit 1; }
 
 usage() {
-  sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit "${1:-2}"
 }
 
@@ -150,6 +151,14 @@ case "$cmd" in
   lint)
     install
     "$VENV/bin/ruff" check . && "$VENV/bin/ruff" format --check .
+    ;;
+  docs)
+    install
+    # --strict: a warning (a docstring's Args naming a parameter the signature lacks, a
+    # page naming a symbol that no longer exists) fails the build, as in tests/test_docs.py.
+    say "building the documentation: mkdocs build --strict (into site/)"
+    "$VENV/bin/mkdocs" build --strict "$@"
+    say "built: site/index.html (the API reference: site/api/)"
     ;;
   install)
     install
