@@ -49,6 +49,23 @@ class MultiTaskDiagnostics(keras.callbacks.Callback):
     `training=False` (no dropout), on each task's batch. The initial weights are taken at
     the start of the first `fit` (kept across later `fit` calls of the same callback);
     call `reset_initial_weights()` to measure from now.
+
+    Example:
+      >>> from tf_metaalign.callbacks import MultiTaskDiagnostics
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+      >>> model.compile(optimizer="sgd", loss="mse")
+      >>> x = np.ones((4, 3), "float32")
+      >>> tasks = {"a": (x, np.zeros((4, 1), "float32")), "b": (x, 2 * np.ones((4, 1), "float32"))}
+      >>> diagnostics = MultiTaskDiagnostics(tasks)
+      >>> history = model.fit(x, np.ones((4, 1)), epochs=1, verbose=0, callbacks=[diagnostics])
+      >>> sorted(k for k in history.history if k != "loss")
+      ['distance_from_initial', 'task_gradient_cosine']
+      >>> round(history.history["task_gradient_cosine"][0], 3)  # y=0 and y=2 pull apart
+      -1.0
+
+    References:
+      Lee et al., "Sequential Reptile: Inter-Task Gradient Alignment for Multilingual
+      Learning", ICLR 2022 (Fig. 3 and Table 4). https://arxiv.org/abs/2110.02600
     """
 
     def __init__(
@@ -186,6 +203,19 @@ class DivergenceGuard(keras.callbacks.Callback):
       monitor: the logged dot-product name.
       every_n_batches: also check every this many batches (None: epoch ends only).
       advice: appended to the message (what to do).
+
+    Example:
+      >>> import warnings
+      >>> from tf_metaalign.callbacks import DivergenceGuard
+      >>> model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+      >>> model.compile(optimizer=keras.optimizers.SGD(10.0), loss="mse")  # far too large
+      >>> x = np.linspace(-3, 3, 32).astype("float32")[:, None]
+      >>> guard = DivergenceGuard(action="stop", advice="lower the learning rate")
+      >>> with warnings.catch_warnings():
+      ...     warnings.simplefilter("ignore")
+      ...     history = model.fit(x, 5 * x, batch_size=8, epochs=20, verbose=0, callbacks=[guard])
+      >>> len(history.history["loss"]) < 20, guard.fired  # doctest: +ELLIPSIS
+      (True, 'Training is diverging (epoch 1): ...lower the learning rate')
     """
 
     ACTIONS = ("warn", "stop")
