@@ -254,6 +254,49 @@ def value_and_grad(loss_fn: LossFn, params, state, batch):
     return value, densify(grads), aux
 
 
+def value_grad_and_hvp(loss_fn: LossFn, params, state, batch, vector):
+    """`(loss, grads, aux, H v)` of `loss_fn` at `params`: the gradient and the exact
+    Hessian-vector product with `vector` (held constant), reverse over reverse.
+
+    `H v = d/dparams (grads . v)`; about twice the cost of `value_and_grad`. `H v` is
+    in the dtypes of `grads`. Used by Meta DotProd's `method="exact"` (-H2 G1) and by the
+    sharpness measure `algorithms.sam.largest_hessian_eigenvalue` (power iteration).
+    """
+    params = list(params)
+    vector = [tf.stop_gradient(v) for v in vector]
+    with tf.GradientTape() as outer:
+        outer.watch(params)
+        with tf.GradientTape() as inner:
+            inner.watch(params)
+            value, aux = loss_fn(params, state, batch)
+        grads = densify(
+            inner.gradient(value, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        )
+        grads_dot_v = dot(grads, vector)
+    hv = outer.gradient(grads_dot_v, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return value, grads, aux, [tf.cast(h, g.dtype) for h, g in zip(densify(hv), grads)]
+
+
+def unscale_gradients(grads, gradient_scale, dtypes=None) -> list[tf.Tensor]:
+    """`grads / gradient_scale` (a mixed-precision loss scale), computed in the
+    accumulation dtype and cast to `dtypes` (one per gradient; default: the accumulation
+    dtype). A python scale is exact in that dtype (`scalar`). What a perturbation of the
+    weights must be built from: the true gradient, not the loss-scaled one."""
+    grads = list(grads)
+    acc = accumulation_dtype(grads)
+    unscale = 1.0 / scalar(gradient_scale, acc)
+    dtypes = [acc] * len(grads) if dtypes is None else list(dtypes)
+    return [tf.cast(tf.cast(g, acc) * unscale, d) for g, d in zip(grads, dtypes)]
+
+
+def offset_params(params, direction, step) -> list[tf.Tensor]:
+    """`params + step * direction` in each parameter's dtype: the weights at which a
+    two-pass algorithm takes its second gradient (Meta DotProd: step = -alpha along G1;
+    SAM: step = 1 along e(w)). `step` is a scalar tensor or a python number."""
+    _check_same_length(params, direction, "offset_params")
+    return [p + tf.cast(step, p.dtype) * tf.cast(d, p.dtype) for p, d in zip(params, direction)]
+
+
 _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}
 
 

@@ -86,3 +86,24 @@ __all__ += [
 from tf_metaalign.algorithms import multitask  # noqa: E402
 
 __all__ += ["multitask"]
+
+# Sharpness-aware minimisation (SAM, ASAM, GSAM) and the sharpness measure lambda_max.
+from tf_metaalign.algorithms import sam  # noqa: E402
+from tf_metaalign.algorithms.sam import (  # noqa: E402
+    SAMResult,
+    gsam_direction,
+    gsam_rho,
+    largest_hessian_eigenvalue,
+    sam_gradient,
+    sam_perturbation,
+)
+
+__all__ += [
+    "sam",
+    "SAMResult",
+    "gsam_direction",
+    "gsam_rho",
+    "largest_hessian_eigenvalue",
+    "sam_gradient",
+    "sam_perturbation",
+]

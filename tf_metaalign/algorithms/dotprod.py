@@ -242,11 +242,10 @@ def dotprod_gradient(
     loss_1, g1, aux_1 = F.value_and_grad(loss_fn, params, state, batch_1)
     state_1 = aux_1[0] if isinstance(aux_1, (tuple, list)) else None
     acc = F.accumulation_dtype(params)
-    unscale = 1.0 / F.scalar(gradient_scale, acc)  # a python scale exact in acc
 
     def perturbation_direction(g1_global):
         # The true (unscaled) global mean gradient G1, in each parameter's dtype.
-        return [tf.cast(tf.cast(g, acc) * unscale, p.dtype) for g, p in zip(g1_global, params)]
+        return F.unscale_gradients(g1_global, gradient_scale, [p.dtype for p in params])
 
     if method == "finite_difference":
         loss_2, g2, aux_2 = F.value_and_grad(loss_fn, params, state_1, batch_2)
@@ -259,7 +258,7 @@ def dotprod_gradient(
         )
 
         def regularizer():
-            perturbed = [p - tf.cast(alpha_t, p.dtype) * d for p, d in zip(params, direction)]
+            perturbed = F.offset_params(params, direction, -alpha_t)
             _, g21, _ = F.value_and_grad(loss_fn, perturbed, state_1, batch_2)
             inv_alpha = 1.0 / alpha_t
             return [
@@ -279,19 +278,8 @@ def dotprod_gradient(
 
         def g2_and_hvp():
             # d/dtheta (G2 . v) = H2 v with v = G1 held constant; the regulariser is -H2 G1.
-            with tf.GradientTape() as outer:
-                outer.watch(params)
-                with tf.GradientTape() as inner:
-                    inner.watch(params)
-                    l2, a2 = loss_fn(params, state_1, batch_2)
-                g2_ = F.densify(
-                    inner.gradient(l2, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                )
-                g2_dot_v = F.dot(g2_, direction)
-            hv = outer.gradient(
-                g2_dot_v, params, unconnected_gradients=tf.UnconnectedGradients.ZERO
-            )
-            return l2, g2_, a2, [-tf.cast(h, g.dtype) for h, g in zip(F.densify(hv), g2_)]
+            l2, g2_, a2, hv = F.value_grad_and_hvp(loss_fn, params, state_1, batch_2, direction)
+            return l2, g2_, a2, [-h for h in hv]
 
         def g2_only():
             l2, g2_, a2 = F.value_and_grad(loss_fn, params, state_1, batch_2)
@@ -304,14 +292,15 @@ def dotprod_gradient(
         # A second all-reduce (G2 exists only after the branch); diagnostics only.
         g2_global = F.all_reduce_sum(g2) if all_reduce else g2
 
-    unscaled_g1 = [tf.cast(g, acc) * unscale for g in g1_global]
-    unscaled_g2 = [tf.cast(g, acc) * unscale for g in g2_global]
+    unscaled_g1 = F.unscale_gradients(g1_global, gradient_scale, [acc] * len(params))
+    unscaled_g2 = F.unscale_gradients(g2_global, gradient_scale, [acc] * len(params))
     weight_t = tf.constant(float(weight), acc)
     if apply_regularizer is False or weight == 0:
         reg_ratio, reg_scale = tf.constant(0.0, acc), tf.constant(1.0, acc)
     else:
         # The global R (one all-reduce, outside any tf.cond; zeros on skipped pairs).
         reg_global = F.all_reduce_sum(reg) if all_reduce else reg
+        unscale = 1.0 / F.scalar(gradient_scale, acc)  # a python scale exact in acc
         reg_norm = weight_t * tf.cast(F.global_norm(reg_global), acc) * unscale
         pair_norm = tf.cast(F.global_norm(F.add(unscaled_g1, unscaled_g2)), acc)
         reg_ratio = tf.math.divide_no_nan(reg_norm, pair_norm)
