@@ -51,6 +51,44 @@ def _check_mode(mode):
     return mode
 
 
+class StaticKeyValueCache:
+    """keras-hub's static attention cache `[B, 2, K, h, d]` with its keys and values held
+    apart: the attention reads `cache[:, 0, ...]` (keys) and `cache[:, 1, ...]` (values),
+    and gets the two tensors themselves.
+
+    Why not `ops.stack([keys, values], axis=1)`: the gradient of each of the layer's two
+    reads of a stacked tensor is a StridedSliceGrad that writes a dense, mostly zero
+    `[B, 2, K, h, d]` tensor element by element (Eigen's strided-slice assignment); on CPU
+    these 24 reads were half of a deep prompt-only step of the small T5 (50 of ~105 ms).
+    Held apart, each read is the tensor, and its gradient is the incoming one. Only the
+    static reads are supported (`cache_update_index=None`); anything else is a TypeError.
+    """
+
+    def __init__(self, keys, values):
+        self.keys = keys
+        self.values = values
+
+    @property
+    def shape(self):
+        batch_size, length, heads, dim = tuple(ops.shape(self.keys))
+        return (batch_size, 2, length, heads, dim)
+
+    def __getitem__(self, index):
+        if (
+            isinstance(index, tuple)
+            and len(index) == 3
+            and index[0] == slice(None)
+            and isinstance(index[1], int)
+            and index[1] in (0, 1)
+            and index[2] is Ellipsis
+        ):
+            return self.values if index[1] else self.keys
+        raise TypeError(
+            f"StaticKeyValueCache supports only the static reads cache[:, 0, ...] and "
+            f"cache[:, 1, ...]; received the index {index!r}."
+        )
+
+
 @keras.saving.register_keras_serializable(package="tf_metaalign")
 class PromptedT5(PromptedBackbone):
     """A `keras_hub.models.T5Backbone` with a soft prompt, running the backbone's own layers.
@@ -136,11 +174,12 @@ class PromptedT5(PromptedBackbone):
         return ops.broadcast_to(key[None], shape), ops.broadcast_to(value[None], shape)
 
     def _prefixed_key_values(self, variable, layer_index, attention, key_value_inputs):
-        """A keras-hub attention cache [B, 2, L + K, h, d]: the layer's prefixes, then the
-        keys/values of `key_value_inputs` [B, K, H] through the layer's OWN key/value
-        projections. Passed with `cache_update_index=None` (keras-hub's "static cache"), the
-        attention uses it as its keys/values as is. (Not the "updated cache" route, which
-        splices with `slice_update`: TF has no gradient for XlaDynamicUpdateSlice.)"""
+        """A keras-hub static attention cache [B, 2, L + K, h, d] (a `StaticKeyValueCache`):
+        the layer's prefixes, then the keys/values of `key_value_inputs` [B, K, H] through
+        the layer's OWN key/value projections. Passed with `cache_update_index=None`
+        (keras-hub's "static cache"), the attention uses it as its keys/values as is. (Not
+        the "updated cache" route, which splices with `slice_update`: TF has no gradient
+        for XlaDynamicUpdateSlice.)"""
         batch_size = ops.shape(key_value_inputs)[0]
         key, value = self._layer_prefixes(variable, layer_index, batch_size)
 
@@ -149,12 +188,9 @@ class PromptedT5(PromptedBackbone):
 
         keys = heads(attention.key_projector(key_value_inputs))
         values = heads(attention.value_projector(key_value_inputs))
-        return ops.stack(
-            [
-                ops.concatenate([ops.cast(key, keys.dtype), keys], axis=1),
-                ops.concatenate([ops.cast(value, values.dtype), values], axis=1),
-            ],
-            axis=1,
+        return StaticKeyValueCache(
+            ops.concatenate([ops.cast(key, keys.dtype), keys], axis=1),
+            ops.concatenate([ops.cast(value, values.dtype), values], axis=1),
         )
 
     def _prefixed_position_bias(self, attention, query_length, key_mask):
