@@ -164,6 +164,27 @@ def _dotprod_compile():
     return dict(optimizer=keras.optimizers.Adam(0.01), loss=_mse(), metrics=["mae"])
 
 
+def _sam_trainer(model, data_dtype):
+    from tf_metaalign.trainers import SAMTrainer
+
+    # ASAM (the scaled perturbation covers SAM's) and every=2: the step counter decides
+    # which steps are perturbed, so a lost or repeated step shows in the weights.
+    return SAMTrainer(model, rho=0.2, adaptive=True, every=2)
+
+
+def _gsam_trainer(model, data_dtype):
+    from tf_metaalign.trainers import GSAMTrainer
+
+    # rho follows the learning-rate schedule (the optimizer's iterations): a lost or
+    # repeated step changes rho and the weights.
+    return GSAMTrainer(model, rho=0.2, rho_min=0.05, alpha=0.3, learning_rate_range=(0.002, 0.02))
+
+
+def _gsam_compile():
+    schedule = keras.optimizers.schedules.PolynomialDecay(0.02, 20, end_learning_rate=0.002)
+    return dict(optimizer=keras.optimizers.Adam(schedule), loss=_mse(), metrics=["mae"])
+
+
 def _guided_trainer(model, data_dtype):
     from tf_metaalign import optimizers as O
     from tf_metaalign.trainers import GuidedTrainer
@@ -543,6 +564,37 @@ ENTRIES += [
         # float64 can round to neighbouring float32 numbers (1 ulp = 1.2e-7 relative);
         # one lost or repeated step changes them by > 1e-4.
         tolerance=(1e-6, 1e-10),
+    ),
+]
+
+# SAM / ASAM / GSAM (issue 21): the global perturbation makes R replicas take the step of
+# one on the global batch (contiguous rows). GSAM shares SAMTrainer's step: the default
+# suite runs its replica and precision checks, the rest under -m slow.
+ENTRIES += [
+    TrainerEntry(
+        name="sam",
+        make_trainer=_sam_trainer,
+        compile_kwargs=_dotprod_compile,
+        state_variables=("count",),  # the `every` schedule's step counter
+        diagnostics=("grad_norm", "surrogate_gap"),
+        # surrogate_gap is a float32 metric of a difference of losses (~0.2): 2 replicas
+        # and 1 round it to neighbouring float32 numbers (3e-8); a lost step moves it 1e-3.
+        tolerances={"replicas": (1e-6, 1e-7)},
+        # The subprocess checks (a kill and resume, two workers; ~40 s) under -m slow:
+        # "dotprod" runs them in the default suite on the same MetaTrainer / EveryKSteps
+        # machinery (the suite's 20-minute budget).
+        slow=("multi_worker", "backup_machinery", "backup_and_restore"),
+    ),
+    TrainerEntry(
+        name="gsam",
+        make_trainer=_gsam_trainer,
+        compile_kwargs=_gsam_compile,
+        state_variables=("count",),
+        diagnostics=("grad_norm", "surrogate_gap", "rho"),
+        tolerances={"replicas": (1e-6, 1e-7)},  # float32 metrics, as "sam"
+        slow=tuple(
+            c for c in CHECKS if c not in ("entry", "replicas", "mixed_float16", "keras_round_trip")
+        ),
     ),
 ]
 

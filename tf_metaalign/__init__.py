@@ -3,12 +3,14 @@
 What a user imports (each subpackage lists its API in `__all__`):
 
   trainers     -- keras.Model wrappers whose train_step runs an algorithm (compile + fit):
-                  DotProdTrainer (Meta DotProd), SequentialReptileTrainer,
+                  DotProdTrainer (Meta DotProd), SAMTrainer (SAM, ASAM), GSAMTrainer,
+                  SequentialReptileTrainer,
                   MultiTaskTrainer (the multi-task method zoo), ReptileTrainer,
                   FOMAMLTrainer, MultiTaskReptileTrainer, MAMLTrainer (gradient sharing),
                   PromptFOMAMLTrainer, PromptReptileTrainer, GuidedTrainer.
   algorithms   -- the same algorithms as pure functions for a custom training loop:
-                  dotprod_gradient, reptile_gradient / fomaml_gradient / inner_loop,
+                  dotprod_gradient, sam_gradient (SAM / ASAM / GSAM) and
+                  largest_hessian_eigenvalue, reptile_gradient / fomaml_gradient / inner_loop,
                   maml.meta_gradient / adapt, GradientSharing, guided hypergradients,
                   prompt_meta, gradient_surgery (PCGrad, GradVac, GradNorm on a Gram
                   matrix) and multitask (PCGrad(), CAGrad(), NashMTL(), MGDA(), ...).

@@ -40,3 +40,7 @@ __all__ += ["MAMLTrainer"]
 from tf_metaalign.trainers.prompt_meta import PromptFOMAMLTrainer, PromptReptileTrainer  # noqa: E402
 
 __all__ += ["PromptFOMAMLTrainer", "PromptReptileTrainer"]
+
+from tf_metaalign.trainers.sam import GSAMTrainer, SAMTrainer  # noqa: E402
+
+__all__ += ["SAMTrainer", "GSAMTrainer"]

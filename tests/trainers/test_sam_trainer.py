@@ -1,0 +1,258 @@
+"""SAMTrainer / GSAMTrainer: fit == the NumPy re-derivation, equivalences, state, precision."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import two_cpu_strategy
+from test_sam import MSE64, data64, mlp64, np_sam_direction
+from tf_metaalign import functional as F
+from tf_metaalign.algorithms.sam import sam_gradient
+from tf_metaalign.trainers import GSAMTrainer, SAMTrainer
+
+MSE = keras.losses.MeanSquaredError()
+
+
+def _weights(model):
+    return [v.numpy() for v in model.trainable_variables]
+
+
+def _compile(trainer, lr=0.1, optimizer=None, **kwargs):
+    dtype = trainer.model.trainable_variables[0].dtype
+    trainer.compile(
+        optimizer=optimizer or keras.optimizers.SGD(lr),
+        loss=MSE64 if dtype == "float64" else MSE,
+        **kwargs,
+    )
+    return trainer
+
+
+def _numpy_sgd(w, x, y, batch, lr, perturbed, **options):
+    """SGD on the SAM direction (NumPy), `perturbed(k)` deciding each step k."""
+    w = [a.copy() for a in w]
+    k = 0
+    for start in range(0, len(x), batch):
+        bx, by = x[start : start + batch], y[start : start + batch]
+        if perturbed(k):
+            d = np_sam_direction(w, bx, by, **options)
+        else:
+            from test_sam import np_loss_and_grad
+
+            d = np_loss_and_grad(w, bx, by)[1]
+        w = [a - lr * b for a, b in zip(w, d)]
+        k += 1
+    return w
+
+
+@pytest.mark.parametrize(
+    "make, options",
+    [
+        (lambda m: SAMTrainer(m, rho=0.1), dict(rho=0.1)),
+        (
+            lambda m: SAMTrainer(m, rho=0.5, adaptive=True, eta=0.02),
+            dict(rho=0.5, adaptive=True, eta=0.02, mask=[True, False, True, False]),
+        ),
+        (lambda m: GSAMTrainer(m, rho=0.2, alpha=0.3), dict(rho=0.2, alpha=0.3)),
+    ],
+    ids=["sam", "asam", "gsam"],
+)
+def test_fit_equals_numpy_sgd_on_the_sam_direction(float64, make, options):
+    x, y = data64(24, seed=1)
+    trainer = _compile(make(mlp64(seed=6)))
+    w0 = _weights(trainer.model)
+    trainer.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    expected = _numpy_sgd(w0, x, y, 8, 0.1, lambda k: True, **options)
+    for a, b in zip(_weights(trainer.model), expected):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+    plain = _numpy_sgd(w0, x, y, 8, 0.1, lambda k: False)
+    assert not all(np.allclose(a, b, rtol=1e-6) for a, b in zip(expected, plain))
+
+
+def test_rho_zero_equals_plain_fit_bit_for_bit(float64):
+    x, y = data64(32, seed=2)
+    trainer = _compile(SAMTrainer(mlp64(seed=7), rho=0.0), optimizer=keras.optimizers.Adam(0.01))
+    h = trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    plain = mlp64(seed=7)
+    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss=MSE64)
+    hp = plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(_weights(trainer.model), _weights(plain)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(h.history["loss"], hp.history["loss"])
+
+
+def test_every_k_counts_across_epochs_and_steps_per_execution(float64):
+    # 5 batches per epoch: every=3 perturbs steps 0, 3, 6, 9 (the phase moves between epochs).
+    x, y = data64(40, seed=3)
+    trainer = _compile(SAMTrainer(mlp64(seed=8), rho=0.2, every=3), steps_per_execution=2)
+    w0 = _weights(trainer.model)
+    h = trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert int(trainer.steps_seen.numpy()) == 10
+    w = _numpy_sgd(w0, x, y, 8, 0.1, lambda k: k % 3 == 0, rho=0.2)
+    w = _numpy_sgd(w, x, y, 8, 0.1, lambda k: (k + 5) % 3 == 0, rho=0.2)
+    for a, b in zip(_weights(trainer.model), w):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+    assert all(g > 0 for g in h.history["surrogate_gap"])
+    # A schedule that restarted every epoch would differ (the test can fail).
+    wrong = _numpy_sgd(w0, x, y, 8, 0.1, lambda k: k % 3 == 0, rho=0.2)
+    wrong = _numpy_sgd(wrong, x, y, 8, 0.1, lambda k: k % 3 == 0, rho=0.2)
+    assert not all(np.allclose(a, b, rtol=1e-7) for a, b in zip(_weights(trainer.model), wrong))
+
+
+def test_batch_norm_statistics_come_from_the_clean_pass_only(float64):
+    keras.utils.set_random_seed(9)
+    model = keras.Sequential(
+        [
+            keras.Input((4,), dtype="float64"),
+            keras.layers.Dense(5, dtype="float64"),
+            keras.layers.BatchNormalization(momentum=0.5, dtype="float64"),
+            keras.layers.Dense(2, dtype="float64"),
+        ]
+    )
+    x, y = data64(8, seed=4)
+    params, state = F.current_params(model), F.current_state(model)
+    # What one plain training pass at w would leave in the moving statistics.
+    _, expected_state, _ = F.stateless_forward(model, params, state, x)
+    trainer = _compile(SAMTrainer(model, rho=0.5))
+    trainer.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    for v, e in zip(model.non_trainable_variables, expected_state):
+        np.testing.assert_allclose(v.numpy(), e.numpy(), rtol=1e-12)
+    # The perturbed pass's statistics differ (so keeping them would show).
+    r = sam_gradient(F.make_loss_fn(model, MSE64), params, state, (x, y), rho=0.5)
+    _, perturbed_state, _ = F.stateless_forward(
+        model, F.offset_params(params, r.perturbation, 1.0), state, x
+    )
+    assert not np.allclose(perturbed_state[0].numpy(), expected_state[0].numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_one_replica_equals_two(float64, every):
+    x, y = data64(32, seed=5)
+    single = _compile(GSAMTrainer(mlp64(seed=10), rho=0.2, alpha=0.2, every=every))
+    h1 = single.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    strategy = two_cpu_strategy()
+    with strategy.scope():
+        double = _compile(GSAMTrainer(mlp64(seed=10), rho=0.2, alpha=0.2, every=every))
+    h2 = double.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, verbose=0)
+    for a, b in zip(_weights(single.model), _weights(double.model)):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+    for key in ("loss", "grad_norm", "surrogate_gap"):  # float32 metrics
+        np.testing.assert_allclose(h1.history[key], h2.history[key], rtol=1e-6)
+
+
+def test_m_sharpness_perturbs_each_replica_along_its_own_shard(float64):
+    """Two replicas, m_sharpness=True: the step is the mean of the two shards' SAM
+    directions (each perturbed along its own gradient); the global rule differs."""
+    x, y = data64(16, seed=6)
+    strategy = two_cpu_strategy()
+    with strategy.scope():
+        trainer = _compile(SAMTrainer(mlp64(seed=11), rho=0.3, m_sharpness=True))
+    w0 = _weights(trainer.model)
+    trainer.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, verbose=0)
+    w = [a.copy() for a in w0]
+    for s in (0, 8):
+        shards = [
+            np_sam_direction(w, x[s + r : s + r + 4], y[s + r : s + r + 4], 0.3) for r in (0, 4)
+        ]
+        w = [a - 0.1 * (b + c) / 2 for a, b, c in zip(w, *shards)]
+    for a, b in zip(_weights(trainer.model), w):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+    global_rule = _numpy_sgd(w0, x, y, 8, 0.1, lambda k: True, rho=0.3)
+    assert not all(np.allclose(a, b, rtol=1e-6) for a, b in zip(w, global_rule))
+
+
+def test_mixed_precision_is_finite_and_close_to_float32():
+    x, y = (a.astype("float32") for a in data64(32, seed=7))
+
+    def model():
+        keras.utils.set_random_seed(12)
+        return keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(16, "tanh"), keras.layers.Dense(2)]
+        )
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        trainer = SAMTrainer(model(), rho=0.1)
+        trainer.compile(optimizer=keras.optimizers.SGD(0.1), loss=MSE)
+        assert isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+        h = trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert all(v.dtype == "float32" for v in trainer.model.trainable_variables)
+    assert np.isfinite(h.history["loss"]).all() and np.isfinite(h.history["grad_norm"]).all()
+    fp32 = SAMTrainer(model(), rho=0.1)
+    fp32.compile(optimizer=keras.optimizers.SGD(0.1), loss=MSE)
+    h32 = fp32.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(_weights(trainer.model), _weights(fp32.model)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-2)
+    # grad_norm is the unscaled ||g||: a loss-scaled one would be 2^15 times larger.
+    np.testing.assert_allclose(h.history["grad_norm"], h32.history["grad_norm"], rtol=0.05)
+
+
+def test_nonfinite_gradient_skips_the_step_without_moving_the_weights():
+    """A loss scale that overflows float16: the LossScaleOptimizer skips the step (weights
+    and slots unchanged) and halves its scale; the perturbation did not move anything."""
+    x, y = (a.astype("float32") for a in data64(8, seed=8))
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(13)
+        model = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(8, "tanh"), keras.layers.Dense(2)]
+        )
+        trainer = SAMTrainer(model, rho=0.1)
+        optimizer = keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.1), initial_scale=2.0**40
+        )
+        trainer.compile(optimizer=optimizer, loss=MSE)
+        before = _weights(model)
+        trainer.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    for a, b in zip(_weights(model), before):
+        np.testing.assert_array_equal(a, b)
+    assert float(optimizer.dynamic_scale.numpy()) == 2.0**39
+    assert int(trainer.steps_seen.numpy()) == 1
+
+
+def test_gsam_rho_follows_the_optimizer_schedule(float64):
+    x, y = data64(32, seed=9)
+    lr = keras.optimizers.schedules.PolynomialDecay(0.1, 3, end_learning_rate=0.01)
+    trainer = GSAMTrainer(
+        mlp64(seed=14), rho=0.2, rho_min=0.02, alpha=0.1, learning_rate_range=(0.01, 0.1)
+    )
+    _compile(trainer, optimizer=keras.optimizers.SGD(lr))
+    rhos = []
+    cb = keras.callbacks.LambdaCallback(on_batch_end=lambda b, logs: rhos.append(logs["rho"]))
+    trainer.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    # lr at steps 0..3: 0.1, 0.07, 0.04, 0.01 -> rho 0.2, 0.14, 0.08, 0.02.
+    np.testing.assert_allclose(rhos, [0.2, 0.14, 0.08, 0.02], rtol=1e-6)
+    with pytest.raises(ValueError, match="`learning_rate_range`"):
+        GSAMTrainer(mlp64(), rho=0.2, rho_min=0.02)
+
+
+def test_trainer_and_model_save_and_reload(float64, tmp_path):
+    x, y = data64(24, seed=10)
+    trainer = _compile(SAMTrainer(mlp64(seed=15), rho=0.2, adaptive=True, every=2))
+    trainer.fit(x[:8], y[:8], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    trainer.save(tmp_path / "t.keras")
+    resumed = keras.models.load_model(tmp_path / "t.keras")
+    assert isinstance(resumed, SAMTrainer) and int(resumed.steps_seen.numpy()) == 1
+    assert (resumed.rho, resumed.adaptive, resumed.every) == (0.2, True, 2)
+    trainer.fit(x[8:], y[8:], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    resumed.fit(x[8:], y[8:], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(_weights(trainer.model), _weights(resumed.model)):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"rho": -1.0}, "rho"),
+        ({"every": 0}, "every"),
+        ({"m_sharpness": "yes"}, "m_sharpness"),
+        ({"adaptive": 1}, "adaptive"),
+    ],
+)
+def test_bad_options_name_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        SAMTrainer(mlp64(), **kwargs)
