@@ -23,6 +23,22 @@ def factored_dims(shape, factored=True, factoring="two_largest", min_dim_size_to
     of every rank >= 2 variable whose last two sizes are >= min_dim_size_to_factor (t2t: 0).
     Returns (a, b) = (second largest, largest): "v_row" = mean of g^2 over axis b (keeps a),
     "v_col" = mean over axis a.
+
+    Args:
+      shape: the variable's shape.
+      factored: False: never factor (None).
+      factoring: "two_largest" or "last_two" (above).
+      min_dim_size_to_factor: the smallest size of a factored axis.
+
+    Returns:
+      `(a, b)` as above, or None when the variable is not factored.
+
+    Example:
+      >>> from tf_metaalign.optimizers import factored_dims
+      >>> factored_dims((6, 5, 5), min_dim_size_to_factor=2)  # ties: the earlier axis wins
+      (1, 0)
+      >>> factored_dims((512, 128)), factored_dims((512,)), factored_dims((512, 64))
+      ((1, 0), None, None)
     """
     shape = tuple(int(d) for d in shape)
     if not factored or len(shape) < 2:
@@ -62,6 +78,34 @@ class AdafactorRule(base.UpdateRule):
     RMS is over the whole variable. The learning rate is used as given (no 1/sqrt(t) cap).
     Options: {"factored_dims": (a, b) or None, "parameter_scale": bool, "weight_decay": bool}.
     Slots: "v_row", "v_col" (factored) or "v", then "m" when beta_1 is not None.
+
+    Args:
+      beta_1: as in `Adafactor`.
+      decay_rate: as in `Adafactor`.
+      decay_offset: as in `Adafactor`.
+      epsilon_1: as in `Adafactor`.
+      epsilon_2: as in `Adafactor`.
+      clipping_threshold: as in `Adafactor`.
+      factored: as in `Adafactor`.
+      factoring: as in `Adafactor`.
+      min_dim_size_to_factor: as in `Adafactor`.
+      multiply_by_parameter_scale: as in `Adafactor`.
+      weight_decay_rate: as in `Adafactor`.
+
+    Example:
+      >>> from tf_metaalign.optimizers import AdafactorRule
+      >>> rule = AdafactorRule(min_dim_size_to_factor=2)
+      >>> w = tf.ones([2, 3])
+      >>> options = {"factored_dims": (0, 1), "parameter_scale": False, "weight_decay": False}
+      >>> slots = rule.init_slots(w, options)
+      >>> hparams = {"learning_rate": 0.1}
+      >>> new_w, new_slots = rule.update(tf.ones([2, 3]), w, slots, hparams, 1, options)
+      >>> np.round(new_w.numpy()[0], 4), sorted(new_slots)
+      (array([0.9, 0.9, 0.9], dtype=float32), ['v_col', 'v_row'])
+
+    References:
+      Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost",
+      ICML 2018. https://arxiv.org/abs/1804.04235
     """
 
     hyperparameter_names = ("beta_1", "decay_rate", "weight_decay_rate")
@@ -182,6 +226,20 @@ class Adafactor(base.BaseOptimizer):
       **kwargs: other `keras.optimizers.Optimizer` arguments.
     Slots are float32 (float64 for float64 variables); a factored variable has only "v_row"
     and "v_col" (no full-size second-moment slot).
+
+    Example:
+      >>> from tf_metaalign.optimizers import Adafactor
+      >>> opt = Adafactor(learning_rate=0.01, min_dim_size_to_factor=2)
+      >>> w = keras.Variable(tf.ones([3, 4]))
+      >>> _ = opt.apply_gradients([(tf.fill([3, 4], 0.5), w)])
+      >>> {k: tuple(v.shape) for k, v in opt.slots_for(w).items()}  # factored: rows, columns
+      {'v_row': (3,), 'v_col': (4,)}
+      >>> round(float(w[0, 0]), 4)  # 1 - 0.01 * RMS(w) * sign(g): the update is clipped to RMS 1
+      0.99
+
+    References:
+      Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost",
+      ICML 2018. https://arxiv.org/abs/1804.04235
     """
 
     def __init__(

@@ -12,6 +12,24 @@ class AdamRule(base.UpdateRule):
     m <- m + (1 - beta_1) * (g - m)
     v <- v + (1 - beta_2) * (g^2 - v)
     w <- w - lr * sqrt(1 - beta_2^t) / (1 - beta_1^t) * m / (sqrt(v) + epsilon)
+
+    Args:
+      beta_1: the default beta_1 (hparams may override it).
+      beta_2: the default beta_2.
+      epsilon: the default epsilon.
+
+    Example:
+      >>> from tf_metaalign.optimizers import AdamRule
+      >>> rule, w = AdamRule(), tf.constant([1.0, 2.0])
+      >>> new_w, slots = rule.update(
+      ...     tf.constant([0.5, -0.5]), w, rule.init_slots(w, None), {"learning_rate": 0.1}, 1
+      ... )
+      >>> np.round(new_w.numpy(), 4), sorted(slots)
+      (array([0.9, 2.1], dtype=float32), ['m', 'v'])
+
+    References:
+      Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015.
+      https://arxiv.org/abs/1412.6980
     """
 
     hyperparameter_names = ("beta_1", "beta_2", "epsilon")
@@ -37,6 +55,26 @@ class Adam(base.BaseOptimizer):
     """Adam with the exact `keras.optimizers.Adam` update (see `AdamRule`).
 
     `beta_1` and `beta_2` are stored as variables (learnable, checkpointed).
+
+    Args:
+      learning_rate: float >= 0, schedule or callable.
+      beta_1: in [0, 1) (variable, learnable).
+      beta_2: in [0, 1) (variable, learnable).
+      epsilon: >= 0 (Keras's 1e-7).
+      aggregated_clipnorm: clip the all-reduced gradients to this global norm.
+      name: the optimizer's name.
+      **kwargs: other `keras.optimizers.Optimizer` arguments.
+
+    Example:
+      >>> from tf_metaalign.optimizers import Adam
+      >>> w = keras.Variable([1.0, 2.0])
+      >>> _ = Adam(learning_rate=0.1).apply_gradients([(tf.constant([0.5, -0.5]), w)])
+      >>> np.round(w.numpy(), 4)  # the first step is lr * sign(g)
+      array([0.9, 2.1], dtype=float32)
+
+    References:
+      Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015.
+      https://arxiv.org/abs/1412.6980
     """
 
     differentiable_hyperparameters = ("learning_rate", "beta_1", "beta_2")
@@ -79,6 +117,26 @@ class AdamWRule(AdamRule):
     As Keras does it: the decay uses this step's learning rate (the schedule's value) and
     no bias correction; the decayed value is what the Adam step updates.
     Options: {"weight_decay": bool}.
+
+    Args:
+      weight_decay: the default decay coefficient.
+      beta_1: the default beta_1.
+      beta_2: the default beta_2.
+      epsilon: the default epsilon.
+
+    Example:
+      >>> from tf_metaalign.optimizers import AdamWRule
+      >>> rule, w = AdamWRule(weight_decay=0.5), tf.constant([1.0, 2.0])
+      >>> new_w, _ = rule.update(
+      ...     tf.zeros([2]), w, rule.init_slots(w, None), {"learning_rate": 0.1}, 1,
+      ...     {"weight_decay": True},
+      ... )
+      >>> np.round(new_w.numpy(), 4)  # a zero gradient: only the decay, w * (1 - 0.5 * 0.1)
+      array([0.95, 1.9 ], dtype=float32)
+
+    References:
+      Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
+      https://arxiv.org/abs/1711.05101
     """
 
     hyperparameter_names = ("beta_1", "beta_2", "epsilon", "weight_decay")
@@ -114,6 +172,30 @@ class AdamW(base.BaseOptimizer):
     decay is part of the rule (not applied by Keras outside it), so the update can be
     taken on tensors and differentiated (guided learning); `beta_1` and `beta_2` are
     variables (learnable, checkpointed).
+
+    Args:
+      learning_rate: float >= 0, schedule or callable.
+      weight_decay: the decoupled decay coefficient (Keras's 0.004).
+      beta_1: in [0, 1) (variable, learnable).
+      beta_2: in [0, 1) (variable, learnable).
+      epsilon: >= 0 (Keras's 1e-7).
+      aggregated_clipnorm: clip the all-reduced gradients to this global norm.
+      name: the optimizer's name.
+      **kwargs: other `keras.optimizers.Optimizer` arguments.
+
+    Example:
+      >>> from tf_metaalign.optimizers import AdamW
+      >>> w, ref = keras.Variable([1.0, 2.0]), keras.Variable([1.0, 2.0])
+      >>> g = tf.constant([0.5, -0.5])
+      >>> _ = AdamW(learning_rate=0.1, weight_decay=0.5).apply_gradients([(g, w)])
+      >>> keras_opt = keras.optimizers.AdamW(learning_rate=0.1, weight_decay=0.5)
+      >>> _ = keras_opt.apply_gradients([(g, ref)])
+      >>> np.round(w.numpy(), 4), bool(np.allclose(w.numpy(), ref.numpy()))
+      (array([0.85, 2. ], dtype=float32), True)
+
+    References:
+      Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
+      https://arxiv.org/abs/1711.05101
     """
 
     differentiable_hyperparameters = ("learning_rate", "beta_1", "beta_2")

@@ -18,6 +18,22 @@ class AdamWeightDecayRule(base.UpdateRule):
         w <- w - learning_rate * u
 
     `w` in the decay term is the value before this step. Options: {"weight_decay": bool}.
+
+    Args:
+      weight_decay_rate: the default decay coefficient.
+      beta_1: the default beta_1.
+      beta_2: the default beta_2.
+      epsilon: the default epsilon.
+
+    Example:
+      >>> from tf_metaalign.optimizers import AdamWeightDecayRule
+      >>> rule, w = AdamWeightDecayRule(), tf.constant([1.0])
+      >>> new_w, _ = rule.update(
+      ...     tf.constant([0.5]), w, rule.init_slots(w, None), {"learning_rate": 0.1}, 1,
+      ...     {"weight_decay": False},
+      ... )
+      >>> round(float(new_w[0]), 4)  # 1 - 0.1 * 0.05 / sqrt(0.00025): 3.16x Adam's first step
+      0.6838
     """
 
     hyperparameter_names = ("beta_1", "beta_2", "epsilon", "weight_decay_rate")
@@ -83,12 +99,28 @@ class AdamWeightDecay(base.BaseOptimizer):
     Args:
       learning_rate: float >= 0, schedule or callable.
       weight_decay_rate: float >= 0 (variable "weight_decay_rate", learnable).
-      beta_1, beta_2: in [0, 1) (variables, learnable).
+      beta_1: in [0, 1) (variable, learnable).
+      beta_2: in [0, 1) (variable, learnable).
       epsilon: >= 0.
       exclude_from_weight_decay: regex patterns searched in the variable path.
       aggregated_clipnorm: clip the all-reduced gradients to this global norm (BERT clips at
         1.0; see `BaseOptimizer`).
+      name: the optimizer's name.
       **kwargs: other `keras.optimizers.Optimizer` arguments.
+
+    Example:
+      >>> from tf_metaalign.optimizers import AdamWeightDecay
+      >>> layer = keras.layers.Dense(1, kernel_initializer="ones", bias_initializer="ones")
+      >>> layer.build((None, 1))
+      >>> opt = AdamWeightDecay(learning_rate=0.1, weight_decay_rate=0.5)
+      >>> _ = opt.apply_gradients([(tf.zeros_like(v), v) for v in layer.trainable_variables])
+      >>> np.round([float(layer.kernel[0, 0]), float(layer.bias[0])], 4)  # no decay of "bias"
+      array([0.95, 1.  ])
+
+    References:
+      Devlin et al., "BERT: Pre-training of Deep Bidirectional Transformers for Language
+      Understanding", NAACL 2019 (`optimization.AdamWeightDecayOptimizer` of
+      google-research/bert). https://arxiv.org/abs/1810.04805
     """
 
     differentiable_hyperparameters = ("learning_rate", "beta_1", "beta_2", "weight_decay_rate")

@@ -179,6 +179,21 @@ class UpdateRule:
     Attributes:
       hyperparameter_names: names this rule reads from `hparams` besides "learning_rate".
       defaults: name -> python float, the values used when `hparams` omits a name.
+
+    Args:
+      **defaults: the `defaults` (a name not in `hyperparameter_names` raises a ValueError).
+
+    Example:
+      >>> from tf_metaalign.optimizers import UpdateRule
+      >>> class SignSGD(UpdateRule):
+      ...     def slot_shapes(self, shape, options):
+      ...         return {}
+      ...     def update(self, grad, var, slots, hparams, step, options=None):
+      ...         return var - hparams["learning_rate"] * tf.sign(grad), {}
+      >>> grad, w = tf.constant([-3.0, 0.5]), tf.zeros([2])
+      >>> new_w, _ = SignSGD().update(grad, w, {}, {"learning_rate": 0.1}, step=1)
+      >>> new_w.numpy()
+      array([ 0.1, -0.1], dtype=float32)
     """
 
     hyperparameter_names = ()
@@ -268,7 +283,19 @@ def apply_rule(rule, grads, params, slots, options, hparams, step):
       hparams: the rule's hyperparameters of this update ("learning_rate" is the effective
         rate).
       step: the 1-based count of this update.
-    Returns two lists with one entry per variable: the new params and the new slot dicts.
+
+    Returns:
+      Two lists with one entry per variable: the new params and the new slot dicts.
+
+    Example:
+      >>> from tf_metaalign.optimizers import SGDRule, apply_rule
+      >>> params = [tf.constant([1.0, 2.0]), tf.constant(3.0)]
+      >>> grads = [tf.constant([1.0, -1.0]), tf.constant(2.0)]
+      >>> new_params, new_slots = apply_rule(
+      ...     SGDRule(), grads, params, [{}, {}], None, {"learning_rate": 0.5}, step=1
+      ... )
+      >>> [p.numpy().tolist() for p in new_params], new_slots
+      ([[0.5, 2.5], 2.0], [{}, {}])
     """
     grads = _as_list(grads, "grads", "apply_rule")
     params = _as_list(params, "params", "apply_rule")
@@ -300,6 +327,13 @@ class OptimizerState(NamedTuple):
         for a variable without any).
       iterations: int64 scalar, the number of updates done (Keras's `optimizer.iterations`):
         the next update is update number `iterations + 1`.
+
+    Example:
+      >>> from tf_metaalign.optimizers import Adam
+      >>> w = keras.Variable(tf.zeros([2, 3]))
+      >>> state = Adam().initial_state([w])
+      >>> sorted(state.slots[0]), int(state.iterations)
+      (['m', 'v'], 0)
     """
 
     slots: tuple
@@ -377,6 +411,25 @@ class BaseOptimizer(keras.optimizers.Optimizer):
     coincide; on N replicas BERT's per-shard clipping at c is Keras's `global_clipnorm=c / N`
     (Keras's per-replica gradient is 1/N of a shard-mean gradient), while
     `aggregated_clipnorm=c` clips the gradient of the global-batch mean loss, independent of N.
+
+    Args:
+      learning_rate: float >= 0, a `LearningRateSchedule` or a callable.
+      rule: the `UpdateRule`.
+      variable_hyperparameters: name -> initial value of the hyperparameters kept as
+        float64 variables (learnable, checkpointed).
+      aggregated_clipnorm: clip the all-reduced gradients to this global norm (above).
+      name: the optimizer's name.
+      **kwargs: other `keras.optimizers.Optimizer` arguments.
+
+    Example:
+      >>> from tf_metaalign.optimizers import SGD
+      >>> w = keras.Variable([1.0, 2.0])
+      >>> opt = SGD(learning_rate=0.1)  # a BaseOptimizer
+      >>> state = opt.initial_state([w])
+      >>> grads = [tf.constant([1.0, 1.0])]
+      >>> new_params, new_state = opt.apply_on_tensors(grads, [w.value], state, [w])
+      >>> np.round(new_params[0].numpy(), 4), int(new_state.iterations), w.numpy()  # w unchanged
+      (array([0.9, 1.9], dtype=float32), 1, array([1., 2.], dtype=float32))
     """
 
     #: names of hyperparameters whose derivative flows through `rule.update` (first is always

@@ -53,6 +53,17 @@ def forward_mode_error(optimizer):
     there (`forward_mode`), whose message is returned. A branch of the rule that only other
     shapes or options take is not probed. Runs eagerly (`tf.init_scope`), also when called
     while tracing a `tf.function`.
+
+    Args:
+      optimizer: a `BaseOptimizer`.
+
+    Returns:
+      None, or the reason (a string).
+
+    Example:
+      >>> from tf_metaalign.optimizers import Adam, forward_mode_error
+      >>> print(forward_mode_error(Adam()))
+      None
     """
     if not isinstance(optimizer, BaseOptimizer):
         return (
@@ -94,13 +105,28 @@ def forward_mode_error(optimizer):
 
 
 def supports_forward_mode(optimizer):
-    """Whether `optimizer`'s update has forward-mode derivatives (`forward_mode_error`)."""
+    """Whether `optimizer`'s update has forward-mode derivatives (`forward_mode_error`).
+
+    Args:
+      optimizer: a `BaseOptimizer`.
+
+    Example:
+      >>> from tf_metaalign.optimizers import SGD, supports_forward_mode
+      >>> supports_forward_mode(SGD(momentum=0.9, nesterov=True))
+      True
+    """
     return forward_mode_error(optimizer) is None
 
 
 def optimizer_classes():
     """The optimizer classes `tf_metaalign.optimizers` exports (each `BaseOptimizer`
-    subclass in its `__all__`), sorted by name."""
+    subclass in its `__all__`), sorted by name.
+
+    Example:
+      >>> from tf_metaalign.optimizers import optimizer_classes
+      >>> [cls.__name__ for cls in optimizer_classes()]
+      ['Adafactor', 'Adam', 'AdamW', 'AdamWeightDecay', 'Lamb', 'RecAdam', 'SGD']
+    """
     from tf_metaalign import optimizers  # the package, which imports this module
 
     classes = []
@@ -114,7 +140,13 @@ def optimizer_classes():
 @functools.lru_cache(maxsize=None)
 def supported_optimizers():
     """Names (sorted) of the exported optimizer classes whose default configuration
-    (`cls(learning_rate=PROBE_LEARNING_RATE)`) passes `forward_mode_error`."""
+    (`cls(learning_rate=PROBE_LEARNING_RATE)`) passes `forward_mode_error`.
+
+    Example:
+      >>> from tf_metaalign.optimizers import supported_optimizers
+      >>> supported_optimizers()
+      ('Adafactor', 'Adam', 'AdamW', 'AdamWeightDecay', 'Lamb', 'RecAdam', 'SGD')
+    """
     names = []
     for cls in optimizer_classes():
         # A probe, not the user's optimizer: no constructor warnings (RecAdam's defaults warn).
@@ -148,6 +180,19 @@ def check_optimizer(optimizer, context="GuidedTrainer"):
     LossScaleOptimizer, Keras's per-replica clipping (`clipnorm`, `global_clipnorm`,
     `clipvalue`), Keras's generic `weight_decay` or `gradient_accumulation_steps`.
     `context` names the caller in the messages.
+
+    Args:
+      optimizer: the optimizer to check.
+      context: the caller's name, for the messages.
+
+    Example:
+      >>> from tf_metaalign.optimizers import Adam, check_optimizer
+      >>> check_optimizer(Adam())  # passes
+      >>> try:
+      ...     check_optimizer(keras.optimizers.Adam())
+      ... except ValueError as e:
+      ...     print(e)  # doctest: +ELLIPSIS
+      GuidedTrainer differentiates through the optimizer's update, so the optimizer must ...
     """
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         raise ValueError(
@@ -187,10 +232,25 @@ def check_optimizer(optimizer, context="GuidedTrainer"):
 def resolve_hyperparameters(optimizer, names, explicit=True):
     """Maps requested names to the optimizer's hyperparameter names.
 
-    Returns a dict requested name -> optimizer name ("learning_rate" -> "learning_rate",
-    "beta_1" -> "beta_1", or "momentum" for SGD with momentum). An unknown name raises
-    an error listing the optimizer's differentiable hyperparameters; with
-    `explicit=False` (the default names) a name the optimizer lacks is dropped.
+    An unknown name raises an error listing the optimizer's differentiable
+    hyperparameters; with `explicit=False` (the default names) a name the optimizer lacks
+    is dropped.
+
+    Args:
+      optimizer: a `BaseOptimizer`.
+      names: the requested names (e.g. guided learning's "learning_rate", "beta_1").
+      explicit: whether the user named them (False: defaults, dropped when missing).
+
+    Returns:
+      A dict requested name -> optimizer name ("learning_rate" -> "learning_rate",
+      "beta_1" -> "beta_1", or "momentum" for SGD with momentum).
+
+    Example:
+      >>> from tf_metaalign.optimizers import SGD, resolve_hyperparameters
+      >>> resolve_hyperparameters(SGD(momentum=0.9), ["learning_rate", "beta_1"])
+      {'learning_rate': 'learning_rate', 'beta_1': 'momentum'}
+      >>> resolve_hyperparameters(SGD(), ["learning_rate", "beta_1"], explicit=False)
+      {'learning_rate': 'learning_rate'}
     """
     available = tuple(getattr(optimizer, "differentiable_hyperparameters", ("learning_rate",)))
     resolved = {}
@@ -299,6 +359,18 @@ def as_rule_optimizer(optimizer):
     `get_config()`. The rules are Keras's own, rewritten as pure functions, so
     `apply_gradients` gives the same updates. Anything else (other classes, subclasses,
     amsgrad, SGD's weight_decay) raises a ValueError saying what is supported.
+
+    Args:
+      optimizer: a Keras or tf_metaalign optimizer.
+
+    Returns:
+      A `BaseOptimizer`.
+
+    Example:
+      >>> from tf_metaalign.optimizers import as_rule_optimizer
+      >>> opt = as_rule_optimizer(keras.optimizers.Adam(0.01, weight_decay=0.1))
+      >>> type(opt).__name__, float(opt.learning_rate), opt.weight_decay
+      ('AdamW', 0.01, 0.1)
     """
     if isinstance(optimizer, BaseOptimizer):
         return optimizer
@@ -339,7 +411,18 @@ def as_rule_optimizer(optimizer):
 
 def describe_conversion(source, converted):
     """One line for the log: which Keras optimizer became which tf_metaalign one, and with
-    what configuration."""
+    what configuration.
+
+    Args:
+      source: the Keras optimizer.
+      converted: `as_rule_optimizer(source)`.
+
+    Example:
+      >>> from tf_metaalign.optimizers import as_rule_optimizer, describe_conversion
+      >>> source = keras.optimizers.SGD(0.1, momentum=0.9)
+      >>> print(describe_conversion(source, as_rule_optimizer(source)))  # doctest: +ELLIPSIS
+      keras.src.optimizers.sgd.SGD -> tf_metaalign.optimizers.SGD(learning_rate=0.1, ...
+    """
     config = converted.get_config()
     keys = ("learning_rate", "beta_1", "beta_2", "epsilon", "weight_decay", "momentum", "nesterov")
     shown = ", ".join(f"{k}={config[k]!r}" for k in keys if config.get(k) is not None)

@@ -29,6 +29,27 @@ class LambRule(base.UpdateRule):
 
     The decay is inside the trust ratio (it enters ||u||). Norms are over the whole variable.
     Options: {"weight_decay": bool, "layer_adaptation": bool}.
+
+    Args:
+      weight_decay_rate: the default decay coefficient.
+      beta_1: the default beta_1.
+      beta_2: the default beta_2.
+      epsilon: the default epsilon.
+      bias_correction: as in `Lamb`.
+
+    Example:
+      >>> from tf_metaalign.optimizers import LambRule
+      >>> rule, w = LambRule(bias_correction=True), tf.constant([3.0, 4.0])
+      >>> new_w, _ = rule.update(
+      ...     tf.constant([1.0, 1.0]), w, rule.init_slots(w, None), {"learning_rate": 0.1}, 1,
+      ...     {"weight_decay": False, "layer_adaptation": True},
+      ... )
+      >>> np.round(new_w.numpy(), 3)  # u = (1, 1), r = 5 / sqrt(2)
+      array([2.646, 3.646], dtype=float32)
+
+    References:
+      You et al., "Large Batch Optimization for Deep Learning: Training BERT in 76
+      minutes", ICLR 2020. https://arxiv.org/abs/1904.00962
     """
 
     hyperparameter_names = ("beta_1", "beta_2", "epsilon", "weight_decay_rate")
@@ -77,7 +98,8 @@ class Lamb(base.BaseOptimizer):
     Args:
       learning_rate: float >= 0, schedule or callable.
       weight_decay_rate: float >= 0 (variable, learnable).
-      beta_1, beta_2: in [0, 1) (variables, learnable).
+      beta_1: in [0, 1) (variable, learnable).
+      beta_2: in [0, 1) (variable, learnable).
       epsilon: >= 0 (1e-6 as in BERT/ALBERT and tf-addons).
       exclude_from_weight_decay: regex patterns `re.search`ed in the Keras variable path (the
         mapping from BERT names is in `AdamWeightDecay`'s docstring).
@@ -85,7 +107,21 @@ class Lamb(base.BaseOptimizer):
         (default) uses `exclude_from_weight_decay`, as ALBERT's lamb_optimizer does.
       bias_correction: False: BERT/ALBERT; True: tf-addons / Model Garden LAMB.
       aggregated_clipnorm: clip the all-reduced gradients to this global norm.
+      name: the optimizer's name.
       **kwargs: other `keras.optimizers.Optimizer` arguments.
+
+    Example:
+      >>> from tf_metaalign.optimizers import Lamb
+      >>> w = keras.Variable([3.0, 4.0])  # ||w|| = 5
+      >>> _ = Lamb(learning_rate=0.1, weight_decay_rate=0.0).apply_gradients(
+      ...     [(tf.constant([1.0, 1.0]), w)]
+      ... )
+      >>> np.round(w.numpy(), 3)  # lr * ||w|| * u / ||u||: 0.1 * 5 / sqrt(2) off each entry
+      array([2.646, 3.646], dtype=float32)
+
+    References:
+      You et al., "Large Batch Optimization for Deep Learning: Training BERT in 76
+      minutes", ICLR 2020. https://arxiv.org/abs/1904.00962
     """
 
     differentiable_hyperparameters = ("learning_rate", "beta_1", "beta_2", "weight_decay_rate")

@@ -15,7 +15,20 @@ ANNEAL_FUNCTIONS = ("sigmoid", "linear", "constant")
 def anneal_lambda(anneal_fun, step, k, t0, weight):
     """The reference's `anneal_function` on a (float64) step tensor:
     sigmoid: weight / (1 + exp(-k (t - t0))); linear: weight * min(1, t / t0);
-    constant: weight."""
+    constant: weight.
+
+    Args:
+      anneal_fun: "sigmoid", "linear" or "constant".
+      step: the step t.
+      k: the sigmoid's slope.
+      t0: the sigmoid's midpoint, the linear ramp's length.
+      weight: the scale (`anneal_w`).
+
+    Example:
+      >>> from tf_metaalign.optimizers import anneal_lambda
+      >>> t = tf.constant([0.0, 100.0, 200.0], tf.float64)
+      >>> np.round(anneal_lambda("sigmoid", t, k=0.1, t0=100.0, weight=1.0).numpy(), 4)
+      array([0. , 0.5, 1. ])"""
     step = tf.cast(step, tf.float64)
     weight = tf.constant(float(weight), tf.float64)
     if anneal_fun == "sigmoid":
@@ -54,6 +67,31 @@ class RecAdamRule(base.UpdateRule):
     and the update returns it unchanged. The annealing configuration is static (python
     values on the rule); the hyperparameters are learning_rate, beta_1, beta_2, epsilon
     and weight_decay_rate.
+
+    Args:
+      beta_1: the default beta_1.
+      beta_2: the default beta_2.
+      epsilon: the default epsilon.
+      weight_decay_rate: the default decoupled decay.
+      correct_bias: as in `RecAdam`.
+      anneal_fun: as in `RecAdam`.
+      anneal_k: as in `RecAdam`.
+      anneal_t0: as in `RecAdam`.
+      anneal_w: as in `RecAdam`.
+      pretrain_cof: as in `RecAdam`.
+
+    Example:
+      >>> from tf_metaalign.optimizers import RecAdamRule
+      >>> rule = RecAdamRule(anneal_fun="linear", anneal_t0=2, pretrain_cof=10.0)
+      >>> w = tf.constant([2.0])
+      >>> slots = rule.init_slots(w, None)  # "pretrained" = 2.0
+      >>> new_w, _ = rule.update(tf.constant([0.0]), w + 1.0, slots, {"learning_rate": 0.01}, 1)
+      >>> round(float(new_w[0]), 4)  # a zero gradient, lambda = 1/2: 3 - 0.01 * 0.5 * 10 * (3 - 2)
+      2.95
+
+    References:
+      Chen et al., "Recall and Learn: Fine-tuning Deep Pretrained Language Models with Less
+      Forgetting", EMNLP 2020. https://arxiv.org/abs/2004.12651
     """
 
     hyperparameter_names = ("beta_1", "beta_2", "epsilon", "weight_decay_rate")
@@ -161,15 +199,18 @@ class RecAdam(base.BaseOptimizer):
 
     Args:
       learning_rate: float >= 0, schedule or callable.
-      beta_1, beta_2: in [0, 1) (variables, learnable). epsilon: >= 0 (reference 1e-6).
+      beta_1: in [0, 1) (variable, learnable).
+      beta_2: in [0, 1) (variable, learnable).
+      epsilon: >= 0 (reference 1e-6).
       weight_decay_rate: the reference's `weight_decay` (decoupled, applied last,
         lr * rate * w); named so because Keras's own `weight_decay` argument is applied
         outside the rule.
       correct_bias: Adam's bias correction of the step size (reference default True).
       anneal_fun: "sigmoid", "linear" (lambda = anneal_w min(1, t / anneal_t0)) or
         "constant" (lambda = anneal_w: no pull at all).
-      anneal_k, anneal_t0: slope and midpoint of the sigmoid (reference defaults 0, 0,
-        which give the constant lambda = anneal_w / 2: a warning says so).
+      anneal_k: the slope of the sigmoid (reference default 0; with `anneal_t0` = 0 too
+        the lambda is the constant anneal_w / 2: a warning says so).
+      anneal_t0: the midpoint of the sigmoid (reference default 0).
       anneal_w: the scale of lambda; 0 turns RecAdam into plain Adam (the reference's
         `anneal_w > 0` test).
       pretrain_cof: gamma, the coefficient of the quadratic penalty (reference 5000,
@@ -178,6 +219,22 @@ class RecAdam(base.BaseOptimizer):
         variables are new weights with no pretrained value (a task head): they take plain
         Adam steps, no annealing and no pull (the reference puts them in a parameter group
         with anneal_w = 0).
+      aggregated_clipnorm: clip the all-reduced gradients to this global norm.
+      name: the optimizer's name.
+      **kwargs: other `keras.optimizers.Optimizer` arguments.
+
+    Example:
+      >>> from tf_metaalign.optimizers import RecAdam
+      >>> w = keras.Variable([1.0])  # the pretrained value, taken when the optimizer builds
+      >>> opt = RecAdam(learning_rate=0.01, anneal_fun="linear", anneal_t0=2, pretrain_cof=10.0)
+      >>> for _ in range(3):
+      ...     _ = opt.apply_gradients([(tf.constant([-1.0]), w)])  # the task pulls w up
+      >>> float(opt.slots_for(w)["pretrained"][0]), round(float(w[0]), 4)  # Adam alone: 1.03
+      (1.0, 1.0247)
+
+    References:
+      Chen et al., "Recall and Learn: Fine-tuning Deep Pretrained Language Models with Less
+      Forgetting", EMNLP 2020. https://arxiv.org/abs/2004.12651
     """
 
     differentiable_hyperparameters = ("learning_rate", "beta_1", "beta_2")

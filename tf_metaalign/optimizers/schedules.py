@@ -33,6 +33,20 @@ class T5InverseSquareRootSchedule(keras.optimizers.schedules.LearningRateSchedul
     """T5 pre-training: lr(step) = scale / sqrt(max(step, warmup_steps)) (step = global_step).
 
     With the T5 default warmup_steps=10000 this is 0.01 for the first 10k steps.
+
+    Args:
+      warmup_steps: the constant-rate steps (a positive int).
+      scale: a factor of the rate (>= 0).
+
+    Example:
+      >>> from tf_metaalign.optimizers import T5InverseSquareRootSchedule
+      >>> schedule = T5InverseSquareRootSchedule()
+      >>> [round(float(schedule(step)), 6) for step in (0, 10_000, 40_000)]
+      [0.01, 0.01, 0.005]
+
+    References:
+      Raffel et al., "Exploring the Limits of Transfer Learning with a Unified
+      Text-to-Text Transformer", JMLR 2020 (Sec. 3.1.2). https://arxiv.org/abs/1910.10683
     """
 
     def __init__(self, warmup_steps=10000, scale=1.0):
@@ -56,6 +70,24 @@ class BertSchedule(keras.optimizers.schedules.LearningRateSchedule):
         lr(step) = init_lr * step / num_warmup_steps   if step < num_warmup_steps
                    decayed(step)                        otherwise
     (step = global_step, so the first update has rate 0 when warming up, as in BERT.)
+
+    Args:
+      init_learning_rate: the peak rate (>= 0).
+      num_train_steps: the step at which the decay reaches `end_learning_rate` (> 0).
+      num_warmup_steps: the linear warmup's length (0: none).
+      end_learning_rate: the rate after `num_train_steps`.
+      power: the decay's exponent (1.0: linear, as BERT).
+
+    Example:
+      >>> from tf_metaalign.optimizers import BertSchedule
+      >>> schedule = BertSchedule(1e-4, num_train_steps=100, num_warmup_steps=10)
+      >>> [round(float(schedule(step)), 7) for step in (0, 5, 10, 55, 100)]
+      [0.0, 5e-05, 9e-05, 4.5e-05, 0.0]
+
+    References:
+      Devlin et al., "BERT: Pre-training of Deep Bidirectional Transformers for Language
+      Understanding", NAACL 2019 (`optimization.create_optimizer` of google-research/bert).
+      https://arxiv.org/abs/1810.04805
     """
 
     def __init__(
@@ -99,6 +131,21 @@ class BertSchedule(keras.optimizers.schedules.LearningRateSchedule):
 class PegasusSchedule(keras.optimizers.schedules.LearningRateSchedule):
     """Pegasus `estimator_utils`: lr = init_lr / 0.01 * rsqrt(max(step, 10000)), and with
     warmup (Pegasus fine-tuning from a checkpoint): min((step + 1) / warmup_steps * init_lr, lr).
+
+    Args:
+      init_learning_rate: init_lr (>= 0).
+      warmup_steps: None (no warmup) or the warmup's length.
+      decay_start_step: the 10000 above.
+
+    Example:
+      >>> from tf_metaalign.optimizers import PegasusSchedule
+      >>> schedule = PegasusSchedule(0.01)
+      >>> [round(float(schedule(step)), 6) for step in (0, 10_000, 40_000)]
+      [0.01, 0.01, 0.005]
+
+    References:
+      Zhang et al., "PEGASUS: Pre-training with Extracted Gap-sentences for Abstractive
+      Summarization", ICML 2020. https://arxiv.org/abs/1912.08777
     """
 
     def __init__(self, init_learning_rate, warmup_steps=None, decay_start_step=10000):
@@ -140,6 +187,19 @@ class AdafactorRelativeStep(keras.optimizers.schedules.LearningRateSchedule):
     step counter starts at 1). Constant 1e-2 for the first 10,000 updates, then 1/sqrt(t).
     `multiply_by_parameter_scale=False` multiplies by 0.05 as t2t does (HF does not).
     `Adafactor(learning_rate=None)` uses it.
+
+    Args:
+      multiply_by_parameter_scale: as the optimizer's (False: x 0.05).
+
+    Example:
+      >>> from tf_metaalign.optimizers import AdafactorRelativeStep
+      >>> schedule = AdafactorRelativeStep()
+      >>> [round(float(schedule(step)), 6) for step in (0, 9_999, 39_999)]
+      [0.01, 0.01, 0.005]
+
+    References:
+      Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost",
+      ICML 2018. https://arxiv.org/abs/1804.04235
     """
 
     def __init__(self, multiply_by_parameter_scale=True):

@@ -14,6 +14,21 @@ class SGDRule(base.UpdateRule):
                         w <- w + m                       (nesterov=False)
                         w <- w + mu * m - lr * g         (nesterov=True)
     Slot "momentum" exists only when `has_momentum` (default: momentum > 0).
+
+    Args:
+      momentum: the default momentum mu.
+      nesterov: Nesterov momentum.
+      has_momentum: whether there is a momentum slot (None: momentum > 0); True keeps it
+        for a momentum of 0 that will be learned.
+
+    Example:
+      >>> from tf_metaalign.optimizers import SGDRule
+      >>> rule, w = SGDRule(momentum=0.9), tf.constant([1.0])
+      >>> slots = rule.init_slots(w, None)
+      >>> w, slots = rule.update(tf.constant([1.0]), w, slots, {"learning_rate": 0.1}, 1)
+      >>> w, slots = rule.update(tf.constant([1.0]), w, slots, {"learning_rate": 0.1}, 2)
+      >>> round(float(w[0]), 4), round(float(slots["momentum"][0]), 4)
+      (0.71, -0.19)
     """
 
     hyperparameter_names = ("momentum",)
@@ -51,7 +66,17 @@ class SGD(base.BaseOptimizer):
       momentum: float in [0, 1); stored as the variable "momentum" (learnable) when > 0.
       nesterov: Nesterov momentum.
       aggregated_clipnorm: clip the all-reduced gradient list to this global norm.
+      name: the optimizer's name.
       **kwargs: other `keras.optimizers.Optimizer` arguments.
+
+    Example:
+      >>> from tf_metaalign.optimizers import SGD
+      >>> w = keras.Variable([1.0])
+      >>> opt = SGD(learning_rate=0.1, momentum=0.9)
+      >>> for _ in range(2):
+      ...     _ = opt.apply_gradients([(tf.constant([1.0]), w)])
+      >>> round(float(w[0]), 4)  # 1 - 0.1 - (0.9 * 0.1 + 0.1)
+      0.71
     """
 
     def __init__(
