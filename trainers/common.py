@@ -1,6 +1,7 @@
 """Helpers shared by the absl programs in `trainers/`: progress, timing, tables, JSON, TensorBoard.
 
-Nothing here knows an algorithm: a program builds its runs, then uses `Progress` /
+Nothing here knows an algorithm: a program builds its runs (its settings and flags come
+from `trainers.settings`), then uses `Progress` /
 `ProgressCallback` (timestamped progress lines while it loads, trains and evaluates),
 `StepTimer` (time per step, compilation excluded), `format_table` (a readable result
 table), `write_json` (results.json) and `tensorboard_callback` / `write_summary`
@@ -9,7 +10,6 @@ table), `write_json` (results.json) and `tensorboard_callback` / `write_summary`
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import sys
@@ -236,25 +236,3 @@ def write_summary(log_dir, scalars: Mapping[str, float], step: int = 0) -> None:
 def flag_values(flags_module, names: Iterable[str]) -> dict:
     """The values of the named absl flags, as a dict (for results.json)."""
     return {name: getattr(flags_module.FLAGS, name) for name in names}
-
-
-def config_from_flags(
-    config_cls, flag_values, converted: Mapping[str, Any], full_run: Mapping[str, Any] | None = None
-):
-    """A program's `Config` dataclass from its absl flags, checked (`config.check()`).
-
-    `converted`: fields whose flag values the program has parsed itself (lists of ints,
-    tuples); every other field with a flag of the same name takes the flag's value (fields
-    without a flag keep their defaults). With `full_run` (the `--full` preset), its values
-    replace those of flags not given explicitly on the command line.
-    """
-    values = dict(converted)
-    for field in dataclasses.fields(config_cls):
-        if field.name not in values and field.name in flag_values:
-            values[field.name] = getattr(flag_values, field.name)
-    for name, value in (full_run or {}).items():
-        if not flag_values[name].present:
-            values[name] = value
-    config = config_cls(**values)
-    config.check()
-    return config

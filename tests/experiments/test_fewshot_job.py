@@ -1,6 +1,7 @@
-"""trainers/fewshot.py and tf_metaalign/data/sinusoid.py: the sinusoid tasks' closed form,
-a real MAML sinusoid check, the paper's speed-up, config errors, and an end-to-end run of
-the program at tiny sizes (a subprocess)."""
+"""trainers/fewshot.py (its stages fewshot_run, fewshot_report) and
+tf_metaalign/data/sinusoid.py: the sinusoid tasks' closed form, a real MAML sinusoid check,
+the paper's speed-up, config errors, and an end-to-end run of the program at tiny sizes (a
+subprocess)."""
 
 import json
 import os
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from tf_metaalign.data import sinusoid as S
-from trainers import fewshot
+from trainers import fewshot, fewshot_report, fewshot_run
 
 REPO = Path(__file__).resolve().parents[2]
 OMNIGLOT = REPO.parent / "shared" / "data" / "omniglot" / "images_background_small1.zip"
@@ -56,7 +57,7 @@ def test_sinusoid_arguments_are_checked():
 
 def test_maml_sinusoid_adaptation_beats_the_meta_initialisation():
     config = fewshot.Config(sinusoid_tasks_per_batch=10, sinusoid_test_tasks=30)
-    out = fewshot.run_sinusoid(
+    out = fewshot_run.run_sinusoid(
         config, seed=0, gradient_sharing=False, log=lambda m: None, steps=800
     )
     # The meta-initialisation alone predicts about the mean wave: MSE ~ E[A^2]/2 ~ 4.
@@ -72,18 +73,18 @@ def test_maml_sinusoid_adaptation_beats_the_meta_initialisation():
 def test_speed_up_is_the_papers_formula():
     og = [0.50, 0.60, 0.70, 0.68, 0.70, 0.66, 0.65]  # best 0.70 first at epoch 3
     gs = [0.55, 0.71, 0.69, 0.71, 0.60, 0.60, 0.60]  # best 0.71 first at epoch 2
-    assert fewshot.first_epoch_of_best(og) == 3
-    assert fewshot.first_epoch_of_best(gs) == 2
-    assert fewshot.speed_up(og, gs) == pytest.approx((3 - 2) / 2)
+    assert fewshot_report.first_epoch_of_best(og) == 3
+    assert fewshot_report.first_epoch_of_best(gs) == 2
+    assert fewshot_report.speed_up(og, gs) == pytest.approx((3 - 2) / 2)
     # 134% (the paper's headline) is e.g. E_OG = 82, E_GS = 35
     og = [0.1] * 81 + [0.9]
     gs = [0.1] * 34 + [0.9] + [0.8] * 47
-    assert fewshot.speed_up(og, gs) == pytest.approx((82 - 35) / 35)
-    assert round(100 * fewshot.speed_up(og, gs)) == 134
+    assert fewshot_report.speed_up(og, gs) == pytest.approx((82 - 35) / 35)
+    assert round(100 * fewshot_report.speed_up(og, gs)) == 134
     # slower GS: negative
-    assert fewshot.speed_up([1.0, 0.5], [0.5, 1.0]) == pytest.approx(-0.5)
+    assert fewshot_report.speed_up([1.0, 0.5], [0.5, 1.0]) == pytest.approx(-0.5)
     with pytest.raises(ValueError, match="`curve`"):
-        fewshot.first_epoch_of_best([])
+        fewshot_report.first_epoch_of_best([])
 
 
 def test_speed_ups_pairs_runs_of_the_same_setting():
@@ -94,7 +95,7 @@ def test_speed_ups_pairs_runs_of_the_same_setting():
             "inner_lr_scale": 1.0,
             "seed": 0,
             "val_curve": curve,
-            "best_epoch": fewshot.first_epoch_of_best(curve),
+            "best_epoch": fewshot_report.first_epoch_of_best(curve),
             "best_val": max(curve),
         }
 
@@ -104,13 +105,13 @@ def test_speed_ups_pairs_runs_of_the_same_setting():
         run("maml", 1, [0.3, 0.2]),
         run("metasgd_gs", 1, [0.1, 0.2]),
     ]
-    speed = fewshot.speed_ups(runs)
+    speed = fewshot_report.speed_ups(runs)
     assert len(speed) == 1  # tb 1 has no maml_gs; metasgd_gs has no metasgd
     assert speed[0]["task_batch"] == 5 and speed[0]["speed_up"] == pytest.approx(1.0)
     # GS reaches OG's best (0.4, epoch 4) at epoch 2: (4 - 2) / 2
     assert speed[0]["epoch_gs_to_og_best"] == 2
     assert speed[0]["speed_up_to_og_best"] == pytest.approx(1.0)
-    assert fewshot.epochs_to_reach([0.1, 0.3], 0.5) is None
+    assert fewshot_report.epochs_to_reach([0.1, 0.3], 0.5) is None
 
 
 def test_config_errors_name_the_argument():
