@@ -212,7 +212,7 @@ def test_bad_flags_are_usage_errors_naming_the_flag(tmp_path, flags, message):
 def test_summary_is_the_mean_and_t_interval_over_seeds():
     from scipy import stats
 
-    from trainers import multitask as program
+    from trainers import multitask_report as report
 
     runs = [
         {
@@ -230,7 +230,7 @@ def test_summary_is_the_mean_and_t_interval_over_seeds():
             [(0.5, 0.4, 0.1, 2.0), (0.6, 0.5, 0.3, 3.0), (0.7, 0.3, 0.2, 4.0)]
         )
     ]
-    (row,) = program.summarise(runs, ["mtl", "reptile"])
+    (row,) = report.summarise(runs, ["mtl", "reptile"])
     values = np.array([0.5, 0.6, 0.7])
     low, high = stats.t.interval(0.95, 2, loc=values.mean(), scale=stats.sem(values))
     assert row["average_accuracy_mean"] == pytest.approx(0.6)
