@@ -1,7 +1,9 @@
 """Soft prompts for keras-hub backbones (Wu et al., EMNLP 2022: hybrid prompt tuning):
 shallow and deep prompts for T5Backbone, shallow prompts for BertBackbone-family encoders,
-T5 scoring and greedy generation, prompt-only files; prompt templates, rank
-classification, the few-shot prompt-tuning protocol and Average Relative Gain."""
+shallow prompts and deep prefixes for decoder LMs (GPT-2, Gemma, Llama: `prompt_causal_lm`,
+generation through keras-hub's `CausalLM.generate`; loaded on first use), T5 scoring
+and greedy generation, prompt-only files; prompt templates, rank classification, the
+few-shot prompt-tuning protocol and Average Relative Gain."""
 
 from tf_metaalign.prompts import base, bert, evaluation, storage, t5, t5_lm, templates  # noqa: F401
 from tf_metaalign.prompts.bert import PromptedBert, prompt_bert
@@ -30,6 +32,25 @@ from tf_metaalign.prompts.t5 import (
 )
 from tf_metaalign.prompts.t5_lm import PromptedT5LM, encode_examples, masked_token_loss
 from tf_metaalign.prompts.templates import PromptedExample, Template, apply_templates
+
+# Decoder LMs (prompts.causal_lm) import keras-hub: loaded on first use of one of these.
+_CAUSAL_LM_NAMES = (
+    "causal_lm",
+    "PromptedCausalLM",
+    "prompt_causal_lm",
+    "causal_lm_token_log_likelihoods",
+    "causal_lm_score_fn",
+)
+
+
+def __getattr__(name):
+    if name in _CAUSAL_LM_NAMES:
+        import importlib
+
+        module = importlib.import_module("tf_metaalign.prompts.causal_lm")
+        return module if name == "causal_lm" else getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "bert",
@@ -66,4 +87,9 @@ __all__ = [
     "shift_right",
     "t5_generate",
     "t5_token_log_likelihoods",
+    "causal_lm",
+    "PromptedCausalLM",
+    "prompt_causal_lm",
+    "causal_lm_token_log_likelihoods",
+    "causal_lm_score_fn",
 ]
