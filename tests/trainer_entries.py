@@ -591,6 +591,10 @@ ENTRIES += [
         compile_kwargs=_gsam_compile,
         state_variables=("count",),
         diagnostics=("grad_norm", "surrogate_gap", "rho"),
+        # rho comes from the float32 learning rate of the schedule: XLA, eager and graph
+        # round it differently (1.5e-8), and the weights then differ by ~1e-9; one lost or
+        # repeated step changes them by ~1e-3.
+        tolerance=(1e-6, 1e-8),
         tolerances={"replicas": (1e-6, 1e-7)},  # float32 metrics, as "sam"
         slow=tuple(
             c for c in CHECKS if c not in ("entry", "replicas", "mixed_float16", "keras_round_trip")
