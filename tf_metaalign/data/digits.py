@@ -18,6 +18,12 @@ def load_digits(test_fraction: float = 0.25, seed: int = 0, flatten: bool = True
 
     Returns:
       `Splits` with float32 `x` and int32 `y` (10 classes).
+
+    Example:
+      >>> from tf_metaalign.data import load_digits
+      >>> digits = load_digits()
+      >>> digits.x_train.shape, digits.x_test.shape, digits.num_classes, float(digits.x_train.max())
+      ((1347, 64), (450, 64), 10, 1.0)
     """
     try:
         from sklearn.datasets import load_digits as _sk_load_digits

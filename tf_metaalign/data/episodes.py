@@ -128,6 +128,12 @@ def mean_confidence_interval(values, confidence: float = 0.95) -> tuple[float, f
     Returns:
       `(mean, half_width)` as Python floats; `half_width` is nan for a single value
       (no spread can be estimated) and 0 when all values are equal.
+
+    Example:
+      >>> from tf_metaalign.data import mean_confidence_interval
+      >>> mean, half_width = mean_confidence_interval([0.9, 0.95, 1.0, 0.85])
+      >>> round(mean, 4), round(half_width, 4)  # t_{0.975, 3} = 3.182, s / sqrt(4) = 0.0323
+      (0.925, 0.1027)
     """
     if (
         isinstance(confidence, bool)
@@ -211,8 +217,25 @@ class EpisodeSampler:
         class-major order).
 
     Attributes:
-      class_names, class_sizes (np.ndarray of examples per class), num_classes, ways,
-      shots, queries, tasks_per_batch, seed, shuffle, element_spec.
+      class_names: the class names, in class order.
+      class_sizes: np.ndarray of the number of examples of each class.
+      num_classes: the number of classes.
+      element_spec: the `tf.TypeSpec`s of a batch.
+      ways, shots, queries, tasks_per_batch, seed, shuffle: the arguments, as given.
+
+    Example:
+      >>> from tf_metaalign.data import EpisodeSampler
+      >>> classes = {f"c{i}": np.full((6, 2), i, "float32") for i in range(5)}
+      >>> sampler = EpisodeSampler(classes, ways=3, shots=1, queries=2, tasks_per_batch=4)
+      >>> (support_x, support_y, query_x), query_y = sampler.batch(0)
+      >>> support_x.shape, query_x.shape, support_y.numpy()[0].tolist()
+      (TensorShape([4, 3, 2]), TensorShape([4, 6, 2]), [0, 1, 2])
+      >>> bool(tf.reduce_all(sampler.batch(7)[1] == sampler.batch(7)[1]))  # a function of (seed, k)
+      True
+
+    References:
+      Vinyals et al., "Matching Networks for One Shot Learning", NeurIPS 2016 (the N-way
+      K-shot episodes). https://arxiv.org/abs/1606.04080
     """
 
     def __init__(
@@ -277,11 +300,17 @@ class EpisodeSampler:
     ) -> "EpisodeSampler":
         """A sampler over the classes of labelled examples.
 
+        The classes are the sorted distinct labels (`class_names` are their string forms).
+
         Args:
-          x, y: arrays `[n, ...]` and `[n]` (integer or string labels), or `x` a finite
-            `tf.data.Dataset` of unbatched `(x, y)` pairs (and `y` None).
-          Other arguments as for `EpisodeSampler`. The classes are the sorted distinct
-          labels (`class_names` are their string forms).
+          x: an array `[n, ...]`, or a finite `tf.data.Dataset` of unbatched `(x, y)` pairs.
+          y: an array `[n]` (integer or string labels), or None with a dataset `x`.
+          ways: as for `EpisodeSampler`.
+          shots: as for `EpisodeSampler`.
+          queries: as for `EpisodeSampler`.
+          tasks_per_batch: as for `EpisodeSampler`.
+          seed: as for `EpisodeSampler`.
+          shuffle: as for `EpisodeSampler`.
         """
         if isinstance(x, tf.data.Dataset):
             if y is not None:

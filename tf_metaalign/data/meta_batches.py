@@ -42,7 +42,25 @@ def stack_task(x, y, num_batches: int, batch_size: int, rng=None, stack_axis: in
     """One task's examples `x [n, ...]`, `y [n, ...]` -> `(xs, ys)` of `num_batches`
     batches of `batch_size` examples, stacked `[k, B, ...]` (stack_axis=0) or
     `[B, k, ...]` (stack_axis=1): passes over the examples in fresh random orders
-    (`rng`, a `np.random.Generator`; None: in order), concatenated and cut."""
+    (`rng`, a `np.random.Generator`; None: in order), concatenated and cut.
+
+    Args:
+      x: the task's examples `[n, ...]`.
+      y: their targets `[n, ...]`.
+      num_batches: k.
+      batch_size: B.
+      rng: a `np.random.Generator`, or None (in order).
+      stack_axis: 0 (`[k, B, ...]`) or 1 (`[B, k, ...]`).
+
+    Returns:
+      `(xs, ys)`, numpy arrays.
+
+    Example:
+      >>> from tf_metaalign.data import stack_task
+      >>> xs, ys = stack_task(np.arange(5.0)[:, None], np.arange(5), num_batches=3, batch_size=2)
+      >>> xs.shape, ys.tolist()  # in order, wrapping around: 0 1 | 2 3 | 4 0
+      ((3, 2, 1), [[0, 1], [2, 3], [4, 0]])
+    """
     num_batches = check_positive_int(num_batches, "num_batches")
     batch_size = check_positive_int(batch_size, "batch_size")
     if stack_axis not in (0, 1) or isinstance(stack_axis, bool):
@@ -119,6 +137,18 @@ def stacked_batches(
 
     Every element has the static shape `[k, B, *example_shape]` (or `[B, k, ...]`),
     which the trainers check against the model's input.
+
+    Returns:
+      The `tf.data.Dataset`.
+
+    Example:
+      >>> from tf_metaalign.data import stacked_batches
+      >>> def task(i):  # task i: y = i * x on 10 examples
+      ...     x = np.linspace(-1, 1, 10, dtype="float32")[:, None]
+      ...     return x, i * x
+      >>> ds = stacked_batches(task, num_batches=3, batch_size=4, num_elements=2)
+      >>> [tuple(x.shape) for x, y in ds]  # for ReptileTrainer(inner_steps=3)
+      [(3, 4, 1), (3, 4, 1)]
     """
     num_batches = check_positive_int(num_batches, "num_batches")
     batch_size = check_positive_int(batch_size, "batch_size")

@@ -107,6 +107,18 @@ def task_probabilities(
 
     Returns:
       task name -> probability, in the order of `sizes`, summing to 1.
+
+    Example:
+      >>> from tf_metaalign.data import task_probabilities
+      >>> p = task_probabilities({"a": 100, "b": 10_000}, q=0.5)  # sqrt(100) : sqrt(10000)
+      >>> {t: round(v, 4) for t, v in p.items()}
+      {'a': 0.0909, 'b': 0.9091}
+      >>> task_probabilities({"a": 100, "b": 10_000}, weights=[1, 3])
+      {'a': 0.25, 'b': 0.75}
+
+    References:
+      Lee et al., "Sequential Reptile: Inter-Task Gradient Alignment for Multilingual
+      Learning", ICLR 2022 (q = 1/5). https://arxiv.org/abs/2110.02600
     """
     if not isinstance(sizes, Mapping):
         raise ValueError(
@@ -171,13 +183,33 @@ def task_probabilities(
 
 def model_inputs(x, model_takes_task_id: bool = False):
     """What the model is called on: `x["inputs"]` for a shared model, or the whole dict
-    `{"inputs", "task_id"}` for a model with one head per task (`model_takes_task_id`)."""
+    `{"inputs", "task_id"}` for a model with one head per task (`model_takes_task_id`).
+
+    Args:
+      x: a multi-task batch's `x`, `{"inputs": ..., "task_id": ...}`.
+      model_takes_task_id: whether the model takes the whole dict.
+
+    Example:
+      >>> from tf_metaalign.data import model_inputs
+      >>> x = {"inputs": tf.zeros([2, 3]), "task_id": tf.constant([0, 1])}
+      >>> model_inputs(x).shape, sorted(model_inputs(x, model_takes_task_id=True))
+      (TensorShape([2, 3]), ['inputs', 'task_id'])
+    """
     _check_batch_x(x)
     return x if model_takes_task_id else x["inputs"]
 
 
 def task_ids(x):
-    """The int32 `[B]` task index of each example of a batch's `x`."""
+    """The int32 `[B]` task index of each example of a batch's `x`.
+
+    Args:
+      x: a multi-task batch's `x`, `{"inputs": ..., "task_id": ...}`.
+
+    Example:
+      >>> from tf_metaalign.data import task_ids
+      >>> task_ids({"inputs": tf.zeros([2, 3]), "task_id": tf.constant([1, 0])}).numpy()
+      array([1, 0], dtype=int32)
+    """
     _check_batch_x(x)
     return x["task_id"]
 
@@ -262,8 +294,29 @@ class MultiTaskStream:
       seed: integer; batch k depends only on `(seed, k)`.
 
     Attributes:
-      task_names, sizes (task name -> N_t), probabilities (task name -> p_t),
-      num_tasks, batch_size, seed.
+      task_names: the task names, in task-index order.
+      sizes: task name -> N_t.
+      probabilities: task name -> p_t.
+      num_tasks: the number of tasks.
+      batch_size: as given.
+      seed: as given.
+
+    Example:
+      >>> from tf_metaalign.data import MultiTaskStream
+      >>> tasks = {
+      ...     "small": (np.zeros((10, 3), "float32"), np.zeros(10, "int32")),
+      ...     "large": (np.ones((1000, 3), "float32"), np.ones(1000, "int32")),
+      ... }
+      >>> stream = MultiTaskStream(tasks, batch_size=4, q=0.2)
+      >>> {t: round(p, 3) for t, p in stream.probabilities.items()}  # 10^0.2 : 1000^0.2
+      {'small': 0.285, 'large': 0.715}
+      >>> x, y = next(iter(stream.mixed_batches(per_task_batch_size=2)))  # 2 from each task
+      >>> x["inputs"].shape, x["task_id"].numpy().tolist(), y.numpy().tolist()
+      (TensorShape([4, 3]), [0, 0, 1, 1], [0, 0, 1, 1])
+
+    References:
+      Lee et al., "Sequential Reptile: Inter-Task Gradient Alignment for Multilingual
+      Learning", ICLR 2022 (the task sampling p_t ∝ N_t^(1/5)). https://arxiv.org/abs/2110.02600
     """
 
     def __init__(
@@ -490,6 +543,19 @@ class PerTaskHead(keras.layers.Layer):
     each example's task is gathered. Columns past a task's own number of outputs hold
     `masked_logit` (a large negative logit), so that a softmax cross-entropy over the
     columns ignores them (labels of task t must lie in `[0, num_outputs[t])`).
+
+    Args:
+      num_outputs_per_task: one number of outputs per task, in task order.
+      masked_logit: the value of the columns past a task's outputs (None: the default
+        large negative logit).
+      **kwargs: other `keras.layers.Layer` arguments.
+
+    Example:
+      >>> from tf_metaalign.data import PerTaskHead
+      >>> head = PerTaskHead([2, 3], masked_logit=-1e9)
+      >>> logits = head((tf.ones([2, 4]), tf.constant([0, 1])))
+      >>> logits.shape, logits.numpy()[0, 2]  # task 0 has 2 outputs: its third is masked
+      (TensorShape([2, 3]), np.float32(-1e+09))
     """
 
     def __init__(
@@ -557,10 +623,19 @@ def one_head_per_task_model(backbone: keras.Model, num_outputs_per_task, name=No
       num_outputs_per_task: one number of outputs per task, in task order (a sequence, or a
         mapping task name -> number, e.g. ordered like `stream.task_names`).
 
+      name: the model's name.
+
     Returns:
       `keras.Model` mapping `{"inputs": ..., "task_id": int32 [B]}` to `[B, max outputs]`
       (see `PerTaskHead`). Train it on batches with `model_takes_task_id=True`, i.e. on the
       dict as the stream yields it.
+
+    Example:
+      >>> from tf_metaalign.data import one_head_per_task_model
+      >>> backbone = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8)])
+      >>> model = one_head_per_task_model(backbone, {"sst2": 2, "mnli": 3})
+      >>> model({"inputs": tf.zeros([4, 3]), "task_id": tf.constant([0, 1, 1, 0])}).shape
+      TensorShape([4, 3])
     """
     if isinstance(num_outputs_per_task, Mapping):
         num_outputs_per_task = list(num_outputs_per_task.values())

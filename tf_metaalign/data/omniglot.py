@@ -235,6 +235,23 @@ def load_omniglot(
     Returns:
       An ordered dict, in set order then sorted alphabet / character names; each array's
       rows are the drawings in file-name order. Strokes are 1, background 0.
+
+    Example:
+      >>> import pathlib, tempfile, zipfile
+      >>> from tf_metaalign.data import load_omniglot
+      >>> root = pathlib.Path(tempfile.mkdtemp())
+      >>> blank = tf.io.encode_png(tf.fill([105, 105, 1], tf.constant(255, tf.uint8))).numpy()
+      >>> with zipfile.ZipFile(root / "tiny.zip", "w") as zf:  # Omniglot's layout, 2 x 3 drawings
+      ...     for c in (1, 2):
+      ...         for d in (1, 2, 3):
+      ...             zf.writestr(f"tiny/Latin/character{c:02d}/01{c:02d}_{d:02d}.png", blank)
+      >>> classes = load_omniglot(root, sets=["tiny"], cache_dir=False)
+      >>> {name: x.shape for name, x in classes.items()}
+      {'Latin/character01': (3, 28, 28, 1), 'Latin/character02': (3, 28, 28, 1)}
+
+    References:
+      Lake et al., "Human-level concept learning through probabilistic program induction",
+      Science 2015. https://github.com/brendenlake/omniglot
     """
     root = Path(root) if root is not None else default_omniglot_root()
     image_size = _check_image_size(image_size)
@@ -402,6 +419,16 @@ def split_classes(
 
     Returns:
       `ClassSplit(train, validation, test)`, each an ordered dict in `classes`' order.
+
+    Example:
+      >>> from tf_metaalign.data import split_classes
+      >>> names = [f"Alphabet{a}/character{c:02d}" for a in range(4) for c in range(5)]
+      >>> classes = {name: np.zeros((2, 4, 4, 1)) for name in names}
+      >>> split = split_classes(classes, counts=(None, 5, 5), disjoint_alphabets=True)
+      >>> [len(part) for part in split]  # 4 alphabets of 5: one to test, one to validation
+      [10, 5, 5]
+      >>> len({name.split("/")[0] for name in split.test})
+      1
     """
     if not isinstance(classes, Mapping):
         raise ValueError(
@@ -457,6 +484,24 @@ def augment_rotations(
 
     The usual Omniglot augmentation (Santoro et al. 2016; MAML): 4x the classes. Apply it
     to each split of `split_classes` separately. Images must be square ([n, S, S, ...]).
+
+    Args:
+      classes: name -> array `[n, S, S, ...]`.
+      angles: multiples of 90 degrees.
+
+    Returns:
+      name + "/rotNNN" -> rotated array, each class's angles in `angles`' order.
+
+    Example:
+      >>> from tf_metaalign.data import augment_rotations
+      >>> x = np.zeros((1, 3, 3, 1)); x[0, 0, 2, 0] = 1  # a dot in the top-right corner
+      >>> rotated = augment_rotations({"A/char01": x})
+      >>> list(rotated), np.argwhere(rotated["A/char01/rot090"][0, ..., 0]).tolist()
+      (['A/char01/rot000', 'A/char01/rot090', 'A/char01/rot180', 'A/char01/rot270'], [[0, 0]])
+
+    References:
+      Santoro et al., "Meta-Learning with Memory-Augmented Neural Networks", ICML 2016.
+      https://proceedings.mlr.press/v48/santoro16.html
     """
     if not isinstance(classes, Mapping):
         raise ValueError(
@@ -531,6 +576,29 @@ def load_official_runs(
 
     Returns:
       The runs in name order, as `OfficialRun`s.
+
+    Example:
+      >>> import pathlib, tempfile, zipfile
+      >>> from tf_metaalign.data import load_official_runs
+      >>> def drawing(j):  # class j: a bar in row 20 j
+      ...     img = np.full((105, 105, 1), 255, np.uint8)
+      ...     img[20 * j] = 0
+      ...     return tf.io.encode_png(img).numpy()
+      >>> path = pathlib.Path(tempfile.mkdtemp()) / "all_runs.zip"
+      >>> with zipfile.ZipFile(path, "w") as zf:  # 1 run, 3-way (Lake's: 20 runs, 20-way)
+      ...     labels = ""
+      ...     for j in (1, 2, 3):
+      ...         zf.writestr(f"run01/training/class{j:02d}.png", drawing(j))
+      ...         zf.writestr(f"run01/test/item{j:02d}.png", drawing(4 - j))
+      ...         labels += f"run01/test/item{j:02d}.png run01/training/class{4 - j:02d}.png\\n"
+      ...     zf.writestr("run01/class_labels.txt", labels)
+      >>> runs = load_official_runs(path)
+      >>> runs[0].support_x.shape, runs[0].query_y.tolist()
+      ((3, 28, 28, 1), [2, 1, 0])
+
+    References:
+      Lake et al., "Human-level concept learning through probabilistic program
+      induction", Science 2015. https://github.com/brendenlake/omniglot
     """
     path = Path(path) if path is not None else default_omniglot_root() / "all_runs.zip"
     image_size = _check_image_size(image_size)
@@ -636,7 +704,26 @@ def official_runs_dataset(runs: Sequence[OfficialRun], tasks_per_batch: int = 1)
     """The runs in the episode batch format `((support_x, support_y, query_x), query_y)`
     (see `tf_metaalign.data.episodes`), `tasks_per_batch` runs per batch (the last batch
     smaller when it does not divide the number of runs), e.g. for a meta-learning
-    trainer's `evaluate`. The support is class-major (label j = classJJ.png)."""
+    trainer's `evaluate`. The support is class-major (label j = classJJ.png).
+
+    Args:
+      runs: from `load_official_runs`.
+      tasks_per_batch: runs per batch.
+
+    Returns:
+      A finite `tf.data.Dataset`.
+
+    Example:
+      >>> from tf_metaalign.data import official_runs_dataset
+      >>> from tf_metaalign.data.omniglot import OfficialRun
+      >>> run = OfficialRun(
+      ...     np.zeros((20, 28, 28, 1), "float32"), np.arange(20, dtype="int32"),
+      ...     np.zeros((20, 28, 28, 1), "float32"), np.arange(20, dtype="int32"), "run01",
+      ... )
+      >>> (support_x, support_y, query_x), query_y = next(iter(official_runs_dataset([run] * 3, 2)))
+      >>> support_x.shape, query_y.shape  # 2 runs per batch (then 1)
+      (TensorShape([2, 20, 28, 28, 1]), TensorShape([2, 20]))
+    """
     tasks_per_batch = check_positive_int(tasks_per_batch, "tasks_per_batch")
     runs = list(runs)
     if not runs:
@@ -678,6 +765,25 @@ def evaluate_official_runs(
         is the prediction) or integer labels `[20]`; numpy or tensors.
       runs: from `load_official_runs` (default: `load_official_runs()`).
       confidence: of the t-interval over runs (`mean_confidence_interval`).
+
+    Returns:
+      An `OfficialRunsResult` (`per_run_accuracy`, `mean_accuracy`, `ci`, `error_rate`).
+
+    Example:
+      >>> from tf_metaalign.data import evaluate_official_runs
+      >>> from tf_metaalign.data.omniglot import OfficialRun
+      >>> eye = np.eye(20, dtype="float32").reshape(20, 20, 1, 1)  # 20 distinct "images"
+      >>> run = OfficialRun(eye, np.arange(20), eye[::-1], np.arange(20)[::-1], "run01")
+      >>> def nearest_neighbour(support_x, support_y, query_x):
+      ...     distances = ((query_x[:, None] - support_x[None]) ** 2).sum(axis=(2, 3, 4))
+      ...     return support_y[distances.argmin(axis=1)]
+      >>> result = evaluate_official_runs(nearest_neighbour, [run, run])
+      >>> result.mean_accuracy, result.error_rate
+      (1.0, 0.0)
+
+    References:
+      Lake et al., "Human-level concept learning through probabilistic program
+      induction", Science 2015. https://github.com/brendenlake/omniglot
     """
     if runs is None:
         runs = load_official_runs()

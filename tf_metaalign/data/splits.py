@@ -14,11 +14,20 @@ class Splits:
     """A dataset split in two, as numpy arrays.
 
     Attributes:
-      x_train, y_train, x_test, y_test: the examples (`x` may be a dict of arrays, e.g.
-        tokenized text) and integer labels in `[0, num_classes)`.
+      x_train: the training examples (`x` may be a dict of arrays, e.g. tokenized text).
+      y_train: their integer labels in `[0, num_classes)`.
+      x_test: the test examples.
+      y_test: their labels.
       num_classes: number of classes.
       class_names: one name per class.
       name: the dataset's name.
+
+    Example:
+      >>> from tf_metaalign.data import Splits
+      >>> splits = Splits(np.zeros((8, 2)), np.arange(8) % 2, np.zeros((2, 2)), np.array([0, 1]),
+      ...                 num_classes=2, class_names=["neg", "pos"], name="toy")
+      >>> splits.x_train.shape, splits.class_names[splits.y_test[1]]
+      ((8, 2), 'pos')
     """
 
     x_train: Any
@@ -118,7 +127,23 @@ def make_dataset(
     repeat: bool = False,
     drop_remainder: bool = False,
 ) -> tf.data.Dataset:
-    """A `tf.data.Dataset` of `(x, y)` batches; the shuffle order depends only on `seed`."""
+    """A `tf.data.Dataset` of `(x, y)` batches; the shuffle order depends only on `seed`.
+
+    Args:
+      x: the examples (an array or a dict of arrays).
+      y: the labels.
+      batch_size: examples per batch.
+      shuffle: shuffle the examples (again every epoch).
+      seed: the shuffle's seed.
+      repeat: repeat forever.
+      drop_remainder: drop the last, smaller batch.
+
+    Example:
+      >>> from tf_metaalign.data import make_dataset
+      >>> ds = make_dataset(np.zeros((10, 2)), np.arange(10), batch_size=4, shuffle=False)
+      >>> [y.numpy().tolist() for _, y in ds]
+      [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    """
     batch_size = check_positive_int(batch_size, "batch_size")
     n = len(y)
     if n == 0:

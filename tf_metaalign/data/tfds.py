@@ -23,6 +23,26 @@ def load_tfds(
     ~/tensorflow_datasets), e.g. by `tfds build <name> --data_dir=...` on a machine with
     network access. Nothing is downloaded; a missing dataset raises
     `DatasetNotPreparedError` naming `name` and `data_dir`, an unknown name a ValueError.
+
+    Args:
+      name: the TFDS name (e.g. "mnist", "glue/sst2").
+      split: the TFDS split.
+      data_dir: where the prepared dataset lies (None: TFDS's default).
+      as_supervised: `(x, y)` pairs rather than feature dicts.
+      shuffle_files: as in `tfds.load`.
+      **kwargs: other `tfds.load` arguments (not `download`).
+
+    Returns:
+      What `tfds.load` returns (a `tf.data.Dataset` for one split).
+
+    Example:
+      >>> import tempfile
+      >>> from tf_metaalign.data import load_tfds
+      >>> try:  # an empty data_dir: nothing is downloaded
+      ...     load_tfds("mnist", data_dir=tempfile.mkdtemp())
+      ... except Exception as e:
+      ...     print(type(e).__name__)
+      DatasetNotPreparedError
     """
     import tensorflow_datasets as tfds
 
