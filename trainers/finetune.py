@@ -19,6 +19,23 @@ then a table (held-out accuracy and loss, mean G1.G2 and cos(G1, G2) over traini
 warm time per step), and writes `results.json` and TensorBoard logs (one folder per run)
 to `--output_dir`.
 
+The study (`--runs`, docs/sharpness.md): "DotProd or SAM?"
+
+    python -m trainers.finetune --dataset=digits --seeds=5 \
+        --runs=baseline,dotprod,sam,asam,gsam,reptile,fomaml
+
+trains every named run (baseline, dotprod, sam, asam, gsam, reptile, fomaml: the DotProd
+paper's baselines beside the SAM family; `finetune_runs.DESCRIPTIONS`) for each of
+`--seeds` seeds (seed, seed+1, ...: the initial head weights, data split and order,
+dropout), and measures at each run's final weights the sharpness lambda_max (power
+iteration on Hessian-vector products) and G1.G2 on fixed training pairs; it prints each
+run's mean and 95% interval over the seeds, the paired differences against baseline and
+against dotprod with the significant ones marked, and the per-step cost ratio to the
+baseline. Without `--runs` the job is the single-seed baseline/dotprod comparison above.
+
+The program is split by stage: `finetune_data` (tasks, models), `finetune_runs` (one
+run, the final measurements), `finetune_report` (tables, intervals, significance).
+
 Datasets (`--dataset`):
   wordnet  gloss -> supersense (45 classes) with the pretrained all-MiniLM-L6-v2 encoder
            fine-tuned end to end (needs `apt-get install wordnet-base` and
@@ -36,14 +53,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from absl import app, flags  # noqa: E402
 
-DATASETS = ("wordnet", "digits")
+from trainers.finetune_data import DATASETS, LOADING  # noqa: E402
+from trainers.finetune_report import TABLE_COLUMNS  # noqa: E402,F401 (the table's columns)
+from trainers.finetune_runs import RUNS  # noqa: E402
+
 ALGORITHMS = ("baseline", "dotprod", "both")
 # Per-dataset defaults for flags left unset.
 DATASET_DEFAULTS = {
     # weight: above ~1/lambda_max of the loss Hessian the regulariser step turns training
     # into a runaway ascent on G1.G2 (0.1 diverges on MiniLM after ~24 steps).
-    "wordnet": {"optimizer": "adam", "learning_rate": 1e-4, "weight": 0.01},
-    "digits": {"optimizer": "sgd", "learning_rate": 0.05, "weight": 0.3},
+    # inner_learning_rate: Reptile / FOMAML's inner SGD (the study).
+    "wordnet": {
+        "optimizer": "adam",
+        "learning_rate": 1e-4,
+        "weight": 0.01,
+        "inner_learning_rate": 0.01,
+    },
+    "digits": {
+        "optimizer": "sgd",
+        "learning_rate": 0.05,
+        "weight": 0.3,
+        "inner_learning_rate": 0.05,
+    },
 }
 
 flags.DEFINE_enum("algorithm", "both", ALGORITHMS, "Which runs: baseline, dotprod or both.")
@@ -90,12 +121,28 @@ flags.DEFINE_list("parts_of_speech", ["noun", "verb", "adj", "adv"], "wordnet: p
 flags.DEFINE_integer("hidden_units", 64, "digits: hidden units of the MLP.")
 flags.DEFINE_integer("timing_warmup", 2, "Steps left out of the time per step (compilation).")
 
-FLAGS = flags.FLAGS
+flags.DEFINE_list(
+    "runs",
+    [],
+    f"The study: runs to compare, from {RUNS} (overrides --algorithm; with --seeds, "
+    "intervals and paired differences; see docs/sharpness.md).",
+)
+flags.DEFINE_integer("seeds", 1, "The study: seeds --seed, --seed+1, ... per run.")
+flags.DEFINE_float("rho", 0.05, "sam / gsam: the neighbourhood size (gsam: rho_max).")
+flags.DEFINE_float("asam_rho", 0.5, "asam: the neighbourhood size (ASAM's scale-invariant rho).")
+flags.DEFINE_float("gsam_alpha", 0.1, "gsam: the weight of the ascent along g_perp.")
+flags.DEFINE_float(
+    "inner_learning_rate",
+    None,
+    "reptile / fomaml: inner SGD rate (default 0.01 wordnet, 0.05 digits).",
+)
+flags.DEFINE_integer(
+    "sharpness_examples", 256, "The study: training examples of the lambda_max and G1.G2 measures."
+)
+flags.DEFINE_integer("sharpness_iterations", 20, "The study: power-iteration steps (HVPs) at most.")
+flags.DEFINE_integer("alignment_pairs", 4, "The study: (b1, b2) pairs of the final G1.G2.")
 
-LOADING = {
-    "wordnet": "WordNet supersenses (glosses) and the MiniLM tokenizer; tokenizing",
-    "digits": "scikit-learn digits",
-}
+FLAGS = flags.FLAGS
 
 RECORDED_FLAGS = (
     "algorithm",
@@ -118,16 +165,16 @@ RECORDED_FLAGS = (
     "hidden_units",
     "timing_warmup",
 )
-
-TABLE_COLUMNS = (
-    ("run", "run", "s"),
-    ("test_accuracy", "test acc", ".4f"),
-    ("test_loss", "test loss", ".4f"),
-    ("train_loss", "train loss", ".4f"),
-    ("mean_grad_dot", "mean G1.G2", ".4g"),
-    ("mean_grad_cosine", "mean cos", ".4f"),
-    ("step_ms", "ms/step (median)", ".1f"),
-    ("first_step_s", "1st step s", ".1f"),
+STUDY_FLAGS = (
+    "runs",
+    "seeds",
+    "rho",
+    "asam_rho",
+    "gsam_alpha",
+    "inner_learning_rate",
+    "sharpness_examples",
+    "sharpness_iterations",
+    "alignment_pairs",
 )
 
 
@@ -158,176 +205,66 @@ def check_flags():
         raise ValueError(f"`--weight` must be >= 0; got {FLAGS.weight}.")
     if FLAGS.eval_examples < 0:
         raise ValueError(f"`--eval_examples` must be >= 0; got {FLAGS.eval_examples}.")
+    unknown = [r for r in FLAGS.runs if r not in RUNS]
+    if unknown or len(set(FLAGS.runs)) != len(FLAGS.runs):
+        raise ValueError(f"`--runs` must name distinct runs from {RUNS}; got {FLAGS.runs}.")
+    if FLAGS.seeds < 1:
+        raise ValueError(f"`--seeds` must be >= 1; got {FLAGS.seeds}.")
+    for name in ("rho", "asam_rho"):
+        if not getattr(FLAGS, name) >= 0:
+            raise ValueError(f"`--{name}` must be >= 0; got {getattr(FLAGS, name)}.")
+    if FLAGS.inner_learning_rate is not None and not FLAGS.inner_learning_rate > 0:
+        raise ValueError(f"`--inner_learning_rate` must be > 0; got {FLAGS.inner_learning_rate}.")
+    for name in ("sharpness_examples", "sharpness_iterations", "alignment_pairs"):
+        if getattr(FLAGS, name) < 1:
+            raise ValueError(f"`--{name}` must be >= 1; got {getattr(FLAGS, name)}.")
     parse_alpha(FLAGS.alpha)
 
 
-def load_task(dataset: str, seed: int):
-    """`(splits, build_model)`: data as numpy arrays and a function building a fresh model."""
-    import keras
-
-    from tf_metaalign.data import load_digits
-    from trainers.experiments.wordnet import load_wordnet_supersenses
-    from trainers.experiments import text_encoder
-
-    if dataset == "digits":
-        splits = load_digits(seed=seed)
-
-        def build_model():
-            keras.utils.set_random_seed(seed)
-            return keras.Sequential(
-                [
-                    keras.Input((64,)),
-                    keras.layers.Dense(FLAGS.hidden_units, activation="tanh"),
-                    keras.layers.Dense(splits.num_classes),
-                ],
-                name="digits_mlp",
-            )
-
-        return splits, build_model
-
-    if dataset == "wordnet":
-        text = load_wordnet_supersenses(
-            FLAGS.parts_of_speech, seed=seed, max_examples=FLAGS.max_examples, relabel=True
-        )
-        tokenizer = text_encoder.load_minilm_tokenizer()
-        # Tokenize only what the runs use: steps * batch_size training glosses (one pass).
-        n_train = min(len(text.y_train), FLAGS.steps * FLAGS.batch_size)
-        n_test = (
-            len(text.y_test)
-            if not FLAGS.eval_examples
-            else min(len(text.y_test), FLAGS.eval_examples)
-        )
-        text.x_train = text_encoder.tokenize(
-            text.x_train[:n_train], tokenizer, FLAGS.sequence_length
-        )
-        text.y_train = text.y_train[:n_train]
-        text.x_test = text_encoder.tokenize(text.x_test[:n_test], tokenizer, FLAGS.sequence_length)
-        text.y_test = text.y_test[:n_test]
-
-        def build_model():
-            keras.utils.set_random_seed(seed)
-            return text_encoder.build_text_classifier(
-                text.num_classes, sequence_length=FLAGS.sequence_length, seed=seed
-            )
-
-        return text, build_model
-
-    raise ValueError(f"`--dataset` must be one of {DATASETS}; got {dataset!r}.")
-
-
-def interval_length(steps: int, log_every: int) -> int:
-    """The largest divisor of `steps` that is <= `log_every` (equal logged intervals)."""
-    for n in range(min(steps, log_every), 0, -1):
-        if steps % n == 0:
-            return n
-    return 1
-
-
-def make_optimizer(name: str, learning_rate: float):
-    import keras
-
-    if name == "adam":
-        return keras.optimizers.Adam(learning_rate)
-    return keras.optimizers.SGD(learning_rate)
-
-
-def run_one(
-    name,
-    model,
-    initial_weights,
-    splits,
-    weight,
-    every,
-    alpha,
-    method,
-    optimizer_name,
-    learning_rate,
-    output_dir,
-    progress=None,
-):
-    """Train from `initial_weights`; return the result row and the per-interval history.
-
-    `progress(message)` prints the run's progress lines (default: a `common.Progress`).
-    """
-    import keras
-
-    from trainers import common
-    from tf_metaalign.trainers import DotProdTrainer
-
-    progress = progress or common.Progress()
-
-    model.set_weights(initial_weights)
-    keras.utils.set_random_seed(FLAGS.seed)
-    trainer = DotProdTrainer(
-        model, weight=weight, every=every, alpha=alpha, method=method, alignment=FLAGS.alignment
-    )
-    trainer.compile(
-        make_optimizer(optimizer_name, learning_rate),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-    )
-    train_ds = splits.train_dataset(
-        FLAGS.batch_size, seed=FLAGS.seed, repeat=True, drop_remainder=True
-    )
-    timer = common.StepTimer(warmup=FLAGS.timing_warmup)
-    log_dir = output_dir / "tensorboard" / name
-    interval = interval_length(FLAGS.steps, FLAGS.log_every)
-    progress(
-        f"{name}: training {FLAGS.steps} steps of batch {FLAGS.batch_size} (weight={weight:g}); "
-        "the first step traces and compiles the model"
-    )
-    reporter = common.ProgressCallback(
-        progress, name, FLAGS.steps, interval, metrics=("loss", "accuracy", "grad_dot")
-    )
-    start = time.perf_counter()
-    # One "epoch" per logged interval over an endless dataset: Keras keeps the iterator
-    # across epochs when steps_per_epoch is set, so every run sees the same batch order.
-    # shuffle=False: the dataset is already shuffled (by --seed); Keras ignores `shuffle`
-    # for a tf.data.Dataset and warns when it is left at its default True.
-    h = trainer.fit(
-        train_ds,
-        steps_per_epoch=interval,
-        epochs=FLAGS.steps // interval,
-        shuffle=False,
-        verbose=0,
-        callbacks=[timer, reporter, common.tensorboard_callback(log_dir)],
-    )
-    history = {
-        k: [float(v) for v in h.history[k]] for k in ("loss", "accuracy", "grad_dot", "grad_cosine")
+def settings_and_options(seed):
+    """The run settings (optimizer, schedule of steps, timing) and the methods' options."""
+    defaults = DATASET_DEFAULTS[FLAGS.dataset]
+    settings = {
+        "optimizer": FLAGS.optimizer or defaults["optimizer"],
+        "learning_rate": (
+            FLAGS.learning_rate if FLAGS.learning_rate is not None else defaults["learning_rate"]
+        ),
+        "steps": FLAGS.steps,
+        "batch_size": FLAGS.batch_size,
+        "seed": seed,
+        "log_every": FLAGS.log_every,
+        "timing_warmup": FLAGS.timing_warmup,
     }
-    history["steps"] = [interval * (i + 1) for i in range(len(history["loss"]))]
-    train_seconds = time.perf_counter() - start
-    progress(
-        f"{name}: trained in {train_seconds:.1f} s; evaluating on {len(splits.y_test)} "
-        "held-out examples"
-    )
-    ev = trainer.evaluate(
-        splits.test_dataset(max(FLAGS.batch_size, 64)), verbose=0, return_dict=True
-    )
-    common.write_summary(
-        log_dir / "test",
-        {"test_accuracy": ev["accuracy"], "test_loss": ev["loss"]},
-        step=FLAGS.steps,
-    )
-    progress(f"{name}: test acc {ev['accuracy']:.4f}  test loss {ev['loss']:.4f}")
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731 (equal-length intervals)
-    row = {
-        "run": name,
-        "weight": weight,
-        "every": every if weight else None,
-        "method": method if weight else None,
-        "test_accuracy": float(ev["accuracy"]),
-        "test_loss": float(ev["loss"]),
-        "train_loss": history["loss"][-1],
-        "mean_grad_dot": mean(history["grad_dot"]),
-        "mean_grad_cosine": mean(history["grad_cosine"]),
-        "step_ms": 1000 * timer.median(),
-        "step_time_s": timer.mean(),
-        "step_time_median_s": timer.median(),
-        "first_step_s": timer.first(),
-        "train_seconds": train_seconds,
+    options = {
+        "weight": FLAGS.weight if FLAGS.weight is not None else defaults["weight"],
+        "every": FLAGS.every,
+        "alpha": parse_alpha(FLAGS.alpha),
+        "method": FLAGS.method,
+        "alignment": FLAGS.alignment,
+        "rho": FLAGS.rho,
+        "asam_rho": FLAGS.asam_rho,
+        "gsam_alpha": FLAGS.gsam_alpha,
+        "inner_learning_rate": (
+            FLAGS.inner_learning_rate
+            if FLAGS.inner_learning_rate is not None
+            else defaults["inner_learning_rate"]
+        ),
     }
-    return row, history
+    return settings, options
+
+
+def prepare(seed, progress):
+    """Load the task of `seed` and build its model: `(splits, model, initial_weights)`."""
+    from trainers.finetune_data import load_task
+
+    progress(f"loading {LOADING[FLAGS.dataset]}")
+    splits, build_model = load_task(FLAGS.dataset, seed, FLAGS)
+    progress(
+        f"loaded {splits.name}: {len(splits.y_train)} train / {len(splits.y_test)} test "
+        f"examples, {splits.num_classes} classes; building the model"
+    )
+    model = build_model()
+    return splits, model, model.get_weights()
 
 
 def main(argv):
@@ -341,56 +278,50 @@ def main(argv):
 
     progress = common.Progress()
     output_dir = common.prepare_output_dir(FLAGS.output_dir)
-    defaults = DATASET_DEFAULTS[FLAGS.dataset]
-    optimizer_name = FLAGS.optimizer or defaults["optimizer"]
-    learning_rate = (
-        FLAGS.learning_rate if FLAGS.learning_rate is not None else defaults["learning_rate"]
-    )
-    alpha = parse_alpha(FLAGS.alpha)
-    weight = FLAGS.weight if FLAGS.weight is not None else defaults["weight"]
+    if FLAGS.runs:
+        from trainers.finetune_study import study
+
+        return study(
+            FLAGS,
+            RECORDED_FLAGS + STUDY_FLAGS,
+            settings_and_options,
+            prepare,
+            output_dir,
+            progress,
+            devices,
+        )
+    settings, options = settings_and_options(FLAGS.seed)
+    optimizer_name, learning_rate = settings["optimizer"], settings["learning_rate"]
+    weight = options["weight"]
 
     t0 = time.perf_counter()
     progress(
         f"finetune: dataset={FLAGS.dataset}, runs={FLAGS.algorithm}, {FLAGS.steps} steps of "
         f"batch {FLAGS.batch_size}; devices: {', '.join(devices)}; results to {output_dir}"
     )
-    progress(f"loading {LOADING[FLAGS.dataset]}")
-    splits, build_model = load_task(FLAGS.dataset, FLAGS.seed)
-    progress(
-        f"loaded {splits.name}: {len(splits.y_train)} train / {len(splits.y_test)} test "
-        f"examples, {splits.num_classes} classes; building the model"
-    )
-    model = build_model()
-    initial_weights = model.get_weights()
+    splits, model, initial_weights = prepare(FLAGS.seed, progress)
     load_seconds = time.perf_counter() - t0
     progress(
         f"built {model.name} ({model.count_params():,} parameters); data and "
         f"model ready in {load_seconds:.1f} s"
     )
 
-    runs = []
+    from trainers.finetune_runs import run_one
+
+    names = []
     if FLAGS.algorithm in ("baseline", "both"):
-        runs.append(("baseline", 0.0, 1))  # weight 0: G1 + G2, no G21 pass, G1.G2 logged
+        names.append("baseline")  # weight 0: G1 + G2, no G21 pass, G1.G2 logged
     if FLAGS.algorithm in ("dotprod", "both"):
-        runs.append(("dotprod", weight, FLAGS.every))
+        names.append("dotprod")
     rows, histories = [], {}
-    for name, weight, every in runs:
-        row, history = run_one(
-            name,
-            model,
-            initial_weights,
-            splits,
-            weight,
-            every,
-            alpha,
-            FLAGS.method,
-            optimizer_name,
-            learning_rate,
-            output_dir,
-            progress,
+    for name in names:
+        row, history, _ = run_one(
+            name, model, initial_weights, splits, options, settings, output_dir, progress
         )
         rows.append(row)
-        histories[name] = history
+        histories[name] = {
+            k: history[k] for k in ("loss", "accuracy", "grad_dot", "grad_cosine", "steps")
+        }
 
     import numpy as np
 

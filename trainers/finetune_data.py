@@ -1,0 +1,87 @@
+"""`trainers.finetune`'s data stage: the offline tasks and their models."""
+
+from __future__ import annotations
+
+DATASETS = ("wordnet", "digits")
+
+LOADING = {
+    "wordnet": "WordNet supersenses (glosses) and the MiniLM tokenizer; tokenizing",
+    "digits": "scikit-learn digits",
+}
+
+
+def load_task(dataset: str, seed: int, flags_values):
+    """`(splits, build_model)`: data as numpy arrays and a function building a fresh model.
+
+    `flags_values`: the program's flags (steps, batch_size, eval_examples,
+    sequence_length, max_examples, parts_of_speech, hidden_units).
+    """
+    import keras
+
+    from tf_metaalign.data import load_digits
+    from trainers.experiments import text_encoder
+    from trainers.experiments.wordnet import load_wordnet_supersenses
+
+    f = flags_values
+    if dataset == "digits":
+        splits = load_digits(seed=seed)
+
+        def build_model():
+            keras.utils.set_random_seed(seed)
+            return keras.Sequential(
+                [
+                    keras.Input((64,)),
+                    keras.layers.Dense(f.hidden_units, activation="tanh"),
+                    keras.layers.Dense(splits.num_classes),
+                ],
+                name="digits_mlp",
+            )
+
+        return splits, build_model
+
+    if dataset == "wordnet":
+        text = load_wordnet_supersenses(
+            f.parts_of_speech, seed=seed, max_examples=f.max_examples, relabel=True
+        )
+        tokenizer = text_encoder.load_minilm_tokenizer()
+        # Tokenize only what the runs use: steps * batch_size training glosses (one pass).
+        n_train = min(len(text.y_train), f.steps * f.batch_size)
+        n_test = len(text.y_test) if not f.eval_examples else min(len(text.y_test), f.eval_examples)
+        text.x_train = text_encoder.tokenize(text.x_train[:n_train], tokenizer, f.sequence_length)
+        text.y_train = text.y_train[:n_train]
+        text.x_test = text_encoder.tokenize(text.x_test[:n_test], tokenizer, f.sequence_length)
+        text.y_test = text.y_test[:n_test]
+
+        def build_model():
+            keras.utils.set_random_seed(seed)
+            return text_encoder.build_text_classifier(
+                text.num_classes, sequence_length=f.sequence_length, seed=seed
+            )
+
+        return text, build_model
+
+    raise ValueError(f"`--dataset` must be one of {DATASETS}; got {dataset!r}.")
+
+
+def stacked_pairs(dataset, batch_size: int):
+    """Each batch of `batch_size` as its two halves stacked `[2, batch_size // 2, ...]`: the
+    (b1, b2) pair DotProd splits, as Reptile (k = 2 inner batches) and FOMAML (1 inner
+    batch, 1 query batch) take it (`stack_axis=0`)."""
+    import tensorflow as tf
+
+    half = batch_size // 2
+
+    def stack(t):
+        t = t[: 2 * half]
+        return tf.reshape(t, tf.concat([[2, half], tf.shape(t)[1:]], 0))
+
+    return dataset.map(lambda x, y: (tf.nest.map_structure(stack, x), stack(y)))
+
+
+def fixed_batch(splits, examples: int):
+    """The first `examples` training examples `(x, y)` (the sharpness and alignment
+    measurements' data: the same for every run of a seed)."""
+    import tensorflow as tf
+
+    x = tf.nest.map_structure(lambda a: a[:examples], splits.x_train)
+    return x, splits.y_train[:examples]
