@@ -107,6 +107,12 @@ class DotProdResult:
       alpha: the perturbation used (a scalar tensor).
       reg_ratio: global weight * ||G1G2|| / ||G1 + G2|| before the cap (0 when skipped).
       reg_scale: the factor s applied to weight * G1G2 (1 for alignment="dot").
+
+    Example:
+      >>> from tf_metaalign.algorithms import DotProdResult
+      >>> import dataclasses
+      >>> [field.name for field in dataclasses.fields(DotProdResult)][:4]
+      ['gradient', 'grad_1', 'grad_2', 'regularizer']
     """
 
     gradient: list
@@ -166,6 +172,20 @@ def auto_alpha(params, direction, compute_dtype=None) -> tf.Tensor:
     `eps` is the machine epsilon of `compute_dtype` (default: the params' dtype), but
     never smaller than that of the params' dtype. Returns 1.0 when ||direction|| == 0
     (any alpha then gives a zero regulariser).
+
+    Args:
+      params: the weights (a list of tensors).
+      direction: the perturbation's direction (G1), one tensor per weight.
+      compute_dtype: the dtype the model computes in (None: the params').
+
+    Returns:
+      A scalar tensor.
+
+    Example:
+      >>> from tf_metaalign.algorithms import auto_alpha
+      >>> alpha = auto_alpha([tf.constant([3.0, 4.0])], [tf.constant([0.0, 2.0])])
+      >>> round(float(alpha) / float(np.sqrt(np.finfo("float32").eps)), 6)  # (1 + 5) / 2
+      3.0
     """
     acc = F.accumulation_dtype(params)
     eps = F.machine_epsilon(params[0].dtype)
@@ -204,7 +224,8 @@ def dotprod_gradient(
       state: the loss function's state. b1 is evaluated from `state`, b2 from the state
         b1 returned, and G21 from that same state, so G2 and G21 see the same dropout
         masks. `aux_2[0]` is the state to keep.
-      batch_1, batch_2: the pair (b1, b2).
+      batch_1: b1, the first batch of the pair.
+      batch_2: b2, the second.
       weight: the regulariser weight (the paper's LR_G1G2, default 0.1).
       alpha: the finite-difference step; "auto" (see module doc) or a float used as
         given (1e-7, the paper's value, is unsafe in float32).
@@ -221,7 +242,10 @@ def dotprod_gradient(
       all_reduce: all-reduce G1/G2 across replicas for the perturbation and the
         diagnostics (required for replica-count invariance; no-op with one replica).
 
-    Example, in a custom loop under a strategy::
+    Returns:
+      A `DotProdResult`.
+
+    In a custom loop under a strategy::
 
         loss_fn = tf_metaalign.functional.make_loss_fn(model, keras.losses.MeanSquaredError())
 
@@ -235,6 +259,26 @@ def dotprod_gradient(
                 optimizer.apply_gradients(zip(r.gradient, model.trainable_variables))
                 return r.grad_dot
             return strategy.run(step, args=(b1, b2))
+
+    Example:
+      >>> from tf_metaalign.algorithms import dotprod_gradient
+      >>> def loss_fn(params, state, batch):  # (x w - y)^2
+      ...     x, y = batch
+      ...     y_pred = x * params[0]
+      ...     return (y_pred - y) ** 2, (state, y_pred)
+      >>> r = dotprod_gradient(
+      ...     loss_fn, [tf.constant(0.0)], [], (1.0, 2.0), (2.0, 4.0),
+      ...     weight=0.1, method="exact", alignment="dot",
+      ... )
+      >>> float(r.grad_1[0]), float(r.grad_2[0]), float(r.regularizer[0])  # -H2 G1 = -8 * -4
+      (-4.0, -16.0, 32.0)
+      >>> round(float(r.gradient[0]), 4), float(r.grad_dot)  # G1 + G2 + 0.1 * 32
+      (-16.8, 64.0)
+
+    References:
+      Kedia, Chinthakindi & Ryu, "Beyond Reptile: Meta-Learned Dot-Product Maximization
+      between Gradients for Improved Single-Task Regularization", Findings of EMNLP 2021
+      (Algorithm 1).
     """
     validate_options(weight, alpha, 1, method, alignment, cap)
     params = list(params)

@@ -66,6 +66,19 @@ class GradientSharing:
       initial_m: initial value of every m_k (the paper: 0, i.e. sigmoid = 0.5).
       initial_lambda: initial value of every lambda_k (the paper: 0). `float("-inf")`
         gives a gate exactly 0: plain MAML.
+
+    Example:
+      >>> from tf_metaalign.algorithms import GradientSharing
+      >>> task_grads = [[tf.constant([3.0, 4.0])], [tf.constant([3.0, -4.0])]]
+      >>> g = GradientSharing.shared_direction(task_grads, reduce=lambda grads: grads)
+      >>> g[0].numpy()  # the normalised sum of the tasks' gradients
+      array([1., 0.], dtype=float32)
+      >>> GradientSharing.combine(g, task_grads[1], lambda_k=0.0)[0].numpy()  # gate 1/2
+      array([ 2., -2.], dtype=float32)
+
+    References:
+      Chang & Lipson, "Accelerating Meta-Learning by Sharing Gradients", 2020
+      (Algorithms 1 and 2).
     """
 
     def __init__(self, initial_m=0.0, initial_lambda=0.0):
@@ -134,7 +147,9 @@ class GradientSharing:
 
         Args:
           task_grads: per task, grad L_t(theta_{t,k-1}) (a list per task).
-          m_k, lambda_k: scalars (tensors: differentiated by an outer tape).
+          m_k: the g_hat gate's logit, a scalar (a tensor: differentiated by an outer
+            tape).
+          lambda_k: the combination gate's logit, a scalar (likewise).
           g_hat: the stored g_hat_k (from the previous meta-iteration).
           initialized: whether `g_hat` holds a value (False at i = 1); bool or tensor.
           g: g_k if already computed (a first-order replay), else computed with `reduce`.

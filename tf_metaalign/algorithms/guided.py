@@ -262,6 +262,12 @@ class HypergradientResult:
       new_params: theta_{t+1} at the given raw values.
       new_slots: the optimizer slots after this step's update.
       guidance_aux: the guidance loss function's aux output ((new_state, y_pred)).
+
+    Example:
+      >>> from tf_metaalign.algorithms import HypergradientResult
+      >>> import dataclasses
+      >>> [field.name for field in dataclasses.fields(HypergradientResult)][:2]
+      ['hypergradients', 'guidance_loss']
     """
 
     hypergradients: dict
@@ -294,8 +300,9 @@ def hypergradients(
         loss (for a Keras model: `functional.make_loss_fn(model, loss, training=False)`).
       rule: the optimizer's pure `UpdateRule`.
       grads: the global (all-reduced, unscaled) training gradient g_t, one per variable.
-      params: theta_t; slots: per variable, dict slot name -> tensor (slots before the
-        step); options: per variable, the rule's static options (or None).
+      params: theta_t.
+      slots: per variable, dict slot name -> tensor (slots before the step).
+      options: per variable, the rule's static options (or None).
       base_hparams: the rule's hyperparameters for this step, "learning_rate" being the
         schedule value without the learned scale.
       raw: name -> raw scalar tensor of the learned hyperparameters.
@@ -310,8 +317,33 @@ def hypergradients(
         (the variable read after its assignment). Saves the optimizer recomputing the
         update and keeps no separate copy of theta_{t+1}.
 
-    Returns a `HypergradientResult` in per-replica units: call `reduce_and_sanitize`
-    (inside the same replica context) for the global, sanitised values.
+    Returns:
+      A `HypergradientResult` in per-replica units: call `reduce_and_sanitize` (inside
+      the same replica context) for the global, sanitised values.
+
+    Example:
+      >>> from tf_metaalign.algorithms import hypergradients
+      >>> from tf_metaalign.optimizers import SGDRule
+      >>> def loss_fn(params, state, batch):  # (x w - y)^2
+      ...     x, y = batch
+      ...     y_pred = x * params[0]
+      ...     return (y_pred - y) ** 2, (state, y_pred)
+      >>> w = tf.constant(0.0)
+      >>> g = tf.constant(-4.0)  # the training gradient at w, of (w - 2)^2
+      >>> result = hypergradients(
+      ...     loss_fn, SGDRule(), [g], [w], [{}], [None], {"learning_rate": 0.25},
+      ...     raw={"learning_rate": tf.constant(0.0)}, step=1, state=[],
+      ...     guidance_batch=(1.0, 2.0),
+      ... )
+      >>> float(result.new_params[0]), float(result.guidance_loss)  # w_1 = 0.25 e^raw * 4
+      (1.0, 1.0)
+      >>> float(result.hypergradients["learning_rate"])  # 2 (w_1 - 2) * dw_1/draw = -2 * 1
+      -2.0
+
+    References:
+      Lichtarge, Alberti & Kumar, "Simple and Effective Gradient-Based Tuning of
+      Sequence-to-Sequence Models" (guided learning; official JAX code: google-research
+      `gradient_based_tuning`).
     """
     names = list(raw)
     raw_t = {n: tf.convert_to_tensor(raw[n]) for n in names}
@@ -388,7 +420,32 @@ def reduce_and_sanitize(hypergrads: Mapping[str, tf.Tensor], guidance_loss):
 
 
 def greedy_hypergradients(*args, **kwargs):
-    """`hypergradients`, then `reduce_and_sanitize`: (h, guidance_loss, n_nonfinite, result)."""
+    """`hypergradients`, then `reduce_and_sanitize`: (h, guidance_loss, n_nonfinite, result).
+
+    Args:
+      *args: as for `hypergradients`.
+      **kwargs: as for `hypergradients`.
+
+    Returns:
+      `(h, guidance_loss, n_nonfinite, result)`: the global sanitised hypergradients
+      (name -> scalar), the global guidance loss, the number of non-finite entries
+      replaced, and the `HypergradientResult`.
+
+    Example:
+      >>> from tf_metaalign.algorithms import greedy_hypergradients
+      >>> from tf_metaalign.optimizers import SGDRule
+      >>> def loss_fn(params, state, batch):
+      ...     x, y = batch
+      ...     y_pred = x * params[0]
+      ...     return (y_pred - y) ** 2, (state, y_pred)
+      >>> h, loss, n_nonfinite, _ = greedy_hypergradients(
+      ...     loss_fn, SGDRule(), [tf.constant(-4.0)], [tf.constant(0.0)], [{}], [None],
+      ...     {"learning_rate": 0.25}, raw={"learning_rate": tf.constant(0.0)}, step=1,
+      ...     state=[], guidance_batch=(1.0, 2.0),
+      ... )
+      >>> float(h["learning_rate"]), float(loss), int(n_nonfinite)
+      (-2.0, 1.0, 0)
+    """
     result = hypergradients(*args, **kwargs)
     h, loss, n_bad = reduce_and_sanitize(result.hypergradients, result.guidance_loss)
     return h, loss, n_bad, result

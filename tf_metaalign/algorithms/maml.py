@@ -59,12 +59,20 @@ LEARN_INNER_LEARNING_RATES = ("none", "per_parameter", "per_layer_per_step")
 class AdaptResult(NamedTuple):
     """What `adapt` returns.
 
-    trajectories: per task, the list [theta_{t,0}, ..., theta_{t,K}] (each a list of tensors).
-    state: the model's state after the support passes.
-    support_losses: per step k, the mean over tasks of the support loss at theta_{t,k-1}.
-    g_hat: gradient sharing's new [g_hat_1, ..., g_hat_K] (training), else None.
-    record: per step, (task gradients, g_k or None): the constant inner gradients of a
-      first-order run, replayed on the outer tape by `replay`.
+    Attributes:
+      trajectories: per task, the list [theta_{t,0}, ..., theta_{t,K}] (each a list of
+        tensors).
+      state: the model's state after the support passes.
+      support_losses: per step k, the mean over tasks of the support loss at
+        theta_{t,k-1}.
+      g_hat: gradient sharing's new [g_hat_1, ..., g_hat_K] (training), else None.
+      record: per step, (task gradients, g_k or None): the constant inner gradients of a
+        first-order run, replayed on the outer tape by `replay`.
+
+    Example:
+      >>> from tf_metaalign.algorithms import AdaptResult
+      >>> AdaptResult._fields
+      ('trajectories', 'state', 'support_losses', 'g_hat', 'record')
     """
 
     trajectories: list
@@ -77,14 +85,20 @@ class AdaptResult(NamedTuple):
 class MetaGradientResult(NamedTuple):
     """What `meta_gradient` returns.
 
-    loss: the meta-objective (mean over tasks, `query_loss_fn`'s units).
-    grads: d loss / d params (a list, like `params`).
-    hyper_grads: d loss / d each tensor of `hyper` (same structure).
-    state: the model's state after every pass.
-    y_pred: the query outputs at theta_{t,K} of every task, concatenated along axis 0.
-    g_hat: gradient sharing's new g_hat (list over steps), or None.
-    support_losses: per step, the mean support loss over tasks.
-    query_losses: per task, the query loss at theta_{t,K}.
+    Attributes:
+      loss: the meta-objective (mean over tasks, `query_loss_fn`'s units).
+      grads: d loss / d params (a list, like `params`).
+      hyper_grads: d loss / d each tensor of `hyper` (same structure).
+      state: the model's state after every pass.
+      y_pred: the query outputs at theta_{t,K} of every task, concatenated along axis 0.
+      g_hat: gradient sharing's new g_hat (list over steps), or None.
+      support_losses: per step, the mean support loss over tasks.
+      query_losses: per task, the query loss at theta_{t,K}.
+
+    Example:
+      >>> from tf_metaalign.algorithms import MetaGradientResult
+      >>> MetaGradientResult._fields[:3]
+      ('loss', 'grads', 'hyper_grads')
     """
 
     loss: tf.Tensor
@@ -111,6 +125,24 @@ class StepStatistics:
     statistics back into it (AntreasAntoniou/HowToTrainYourMAMLPytorch: `num_step`);
     the other entries of the state (Dropout seeds) are threaded through every pass as
     usual. A per-call accumulator: `adapt` and `query_objective` update `values`.
+
+    Args:
+      indices: the positions of the per-step entries in the model's state.
+      values: per step k, their values (a list of tensors).
+
+    Example:
+      >>> from tf_metaalign.algorithms import StepStatistics
+      >>> stats = StepStatistics([1], [[tf.constant(0.0)], [tf.constant(10.0)]])
+      >>> state = stats.enter(1, [tf.constant(-1.0), tf.constant(5.0)])  # step 1's copy
+      >>> [float(s) for s in state]
+      [-1.0, 10.0]
+      >>> _ = stats.leave(1, [state[0], state[1] + 1.0])  # the pass's new statistics
+      >>> [[float(v) for v in step] for step in stats.values]
+      [[0.0], [11.0]]
+
+    References:
+      Antoniou et al., "How to train your MAML", ICLR 2019 (per-step batch normalisation).
+      https://arxiv.org/abs/1810.09502
     """
 
     def __init__(self, indices, values):
@@ -151,6 +183,27 @@ def multi_step_loss_weights(steps: int, epoch, annealing_epochs: int, dtype=tf.f
     that, up to 1 - (K-1) * 0.03/K (AntreasAntoniou/HowToTrainYourMAMLPytorch,
     `get_per_step_loss_importance_vector`). From epoch `annealing_epochs` on, only the
     final step's loss counts: (0, ..., 0, 1).
+
+    Args:
+      steps: K, the number of inner steps.
+      epoch: the current epoch (a python number or a tensor).
+      annealing_epochs: the epochs over which the weights anneal.
+      dtype: the weights' dtype.
+
+    Returns:
+      A `[K]` tensor summing to 1.
+
+    Example:
+      >>> from tf_metaalign.algorithms import multi_step_loss_weights
+      >>> for epoch in (0, 5, 10):
+      ...     print([round(float(w), 4) for w in multi_step_loss_weights(3, epoch, 10)])
+      [0.3333, 0.3333, 0.3333]
+      [0.1667, 0.1667, 0.6667]
+      [0.0, 0.0, 1.0]
+
+    References:
+      Antoniou et al., "How to train your MAML", ICLR 2019 (multi-step loss).
+      https://arxiv.org/abs/1810.09502
     """
     k = float(steps)
     epoch = tf.cast(epoch, dtype)
@@ -227,7 +280,8 @@ def adapt(
       first_order: when True the inner gradients are constants (stop_gradient).
       order_weight: second order only: scales the inner gradients' derivatives.
       sharing: a `GradientSharing`, or None (plain MAML).
-      sharing_m, sharing_lambda: [K] tensors (the gates' logits).
+      sharing_m: [K] tensor, the logits of the gates of g_hat.
+      sharing_lambda: [K] tensor, the logits of the gates of the combination.
       g_hat: the stored [g_hat_1..g_hat_K] (each a list of tensors).
       g_hat_initialized: False at the first meta-iteration (bool or tensor).
       sharing_training: True: Algorithm 1 (g_hat updated); False: meta-test (Algorithm 2,
@@ -237,6 +291,24 @@ def adapt(
         precision), that scale: the inner gradients (and the reported losses) are divided
         by it.
       step_statistics: a `StepStatistics` (per-step BatchNorm statistics), updated.
+
+    Returns:
+      An `AdaptResult`.
+
+    Example:
+      >>> from tf_metaalign.algorithms import adapt
+      >>> def loss_fn(params, state, batch):  # (x w - y)^2
+      ...     x, y = batch
+      ...     y_pred = x * params[0]
+      ...     return (y_pred - y) ** 2, (state, y_pred)
+      >>> tasks = [(1.0, 2.0), (1.0, -2.0)]  # task 1: w = 2; task 2: w = -2
+      >>> result = adapt(loss_fn, [tf.constant(0.0)], [], tasks, learning_rates=[[0.25]])
+      >>> [[float(theta[0]) for theta in trajectory] for trajectory in result.trajectories]
+      [[0.0, 1.0], [0.0, -1.0]]
+
+    References:
+      Finn et al., "Model-Agnostic Meta-Learning for Fast Adaptation of Deep Networks",
+      ICML 2017. https://arxiv.org/abs/1703.03400
     """
     if not support_batches:
         raise ValueError("adapt: no tasks (support_batches is empty).")
@@ -387,6 +459,12 @@ def meta_gradient(
     """The meta-objective and its gradient (see the module doc).
 
     Args:
+      inner_loss_fn: as in `adapt`.
+      query_loss_fn: the query loss of one task, `(params, state, batch) -> (loss, aux)`.
+      params: theta.
+      state: as in `adapt`.
+      support_batches: one support batch per task.
+      query_batches: one query batch per task.
       hyper: name -> tensor, the differentiated hyperparameters (e.g. learned learning
         rates, "sharing_m", "sharing_lambda"); `hyper_grads` has the same keys.
       learning_rates_fn: `hyper -> per step, a list over weights of alpha` (so the alphas
@@ -395,7 +473,34 @@ def meta_gradient(
       loss_scale: the loss scale `inner_loss_fn` multiplies its loss by (see `adapt`);
         `query_loss_fn`'s scale is the caller's (the objective and gradients keep it).
       step_statistics: per-step BatchNorm statistics (`StepStatistics`), updated in place.
-      The rest as in `adapt`.
+      first_order: as in `adapt`.
+      order_weight: as in `adapt`.
+      sharing: as in `adapt`.
+      g_hat: as in `adapt`.
+      g_hat_initialized: as in `adapt`.
+      reduce: as in `adapt`.
+
+    Returns:
+      A `MetaGradientResult`.
+
+    Example:
+      >>> from tf_metaalign.algorithms import meta_gradient
+      >>> def loss_fn(params, state, batch):  # (x w - y)^2
+      ...     x, y = batch
+      ...     y_pred = x * params[0] * tf.ones([1])  # one example
+      ...     return tf.reduce_mean((y_pred - y) ** 2), (state, y_pred)
+      >>> tasks = [(1.0, 2.0), (1.0, -2.0)]
+      >>> r = meta_gradient(
+      ...     loss_fn, loss_fn, [tf.constant(0.0)], [], tasks, tasks,
+      ...     hyper={"alpha": tf.constant(0.25)}, learning_rates_fn=lambda h: [[h["alpha"]]],
+      ... )
+      >>> float(r.loss), float(r.grads[0]), float(r.hyper_grads["alpha"])  # Meta-SGD's alpha
+      (1.0, 0.0, -8.0)
+
+    References:
+      Finn et al., "Model-Agnostic Meta-Learning for Fast Adaptation of Deep Networks",
+      ICML 2017. https://arxiv.org/abs/1703.03400; Li et al., "Meta-SGD: Learning to
+      Learn Quickly for Few-Shot Learning", 2017. https://arxiv.org/abs/1707.09835
     """
     params = [tf.convert_to_tensor(p) for p in params]
     if not learning_rates_fn({n: hyper[n] for n in hyper}):
@@ -496,8 +601,35 @@ def adapt_and_evaluate(
     **adapt_kwargs,
 ):
     """Meta-test: `adapt` (no outer tape; first order, since nothing is differentiated)
-    then the query losses at theta_{t,K}. Returns (mean query loss, state, y_pred
-    concatenated over tasks, per-task losses, AdaptResult)."""
+    then the query losses at theta_{t,K}.
+
+    Args:
+      inner_loss_fn: as in `adapt`.
+      query_loss_fn: as in `meta_gradient`.
+      params: theta.
+      state: the model's state.
+      support_batches: one support batch per task.
+      query_batches: one query batch per task.
+      learning_rates: as in `adapt`.
+      **adapt_kwargs: other `adapt` arguments.
+
+    Returns:
+      `(mean query loss, state, y_pred concatenated over tasks, per-task losses,
+      AdaptResult)`.
+
+    Example:
+      >>> from tf_metaalign.algorithms import adapt_and_evaluate
+      >>> def loss_fn(params, state, batch):
+      ...     x, y = batch
+      ...     y_pred = x * params[0] * tf.ones([1])
+      ...     return tf.reduce_mean((y_pred - y) ** 2), (state, y_pred)
+      >>> tasks = [(1.0, 2.0), (1.0, -2.0)]
+      >>> loss, _, y_pred, losses, _ = adapt_and_evaluate(
+      ...     loss_fn, loss_fn, [tf.constant(0.0)], [], tasks, tasks, [[0.25], [0.25]]
+      ... )
+      >>> float(loss), y_pred.numpy().tolist()  # two steps: w = 1.5 and -1.5
+      (0.25, [1.5, -1.5])
+    """
     result = adapt(
         inner_loss_fn,
         params,

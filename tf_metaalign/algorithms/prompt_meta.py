@@ -52,9 +52,21 @@ DEFAULT_PROMPT_SUBSTRING = "prompt"
 def prompt_indices(variables: Sequence, prompt_variables=None) -> tuple[int, ...]:
     """Positions among `variables` (e.g. `model.trainable_variables`) of the prompt.
 
-    `prompt_variables`: None (every variable whose `.path` contains "prompt"), a list of
-    variables among `variables`, or a predicate `path -> bool` on `variable.path`.
     Raises a ValueError when the selection is empty or names a variable not in `variables`.
+
+    Args:
+      variables: the variables, e.g. `model.trainable_variables`.
+      prompt_variables: None (every variable whose `.path` contains "prompt"), a list of
+        variables among `variables`, or a predicate `path -> bool` on `variable.path`.
+
+    Returns:
+      A tuple of positions.
+
+    Example:
+      >>> from tf_metaalign.algorithms import prompt_indices
+      >>> variables = [keras.Variable(1.0, name="kernel"), keras.Variable(0.0, name="soft_prompt")]
+      >>> prompt_indices(variables), prompt_indices(variables, lambda path: path == "kernel")
+      ((1,), (0,))
     """
     variables = list(variables)
     if prompt_variables is None:
@@ -129,7 +141,34 @@ def prompt_inner_loop(
     loss of the prompt tensors, the other weights held at `params`): no gradient of the
     other weights is computed and they are returned unchanged. `optimizer_state` covers the
     prompt variables only (`optimizer.initial_state(take(variables, indices))`).
-    Returns an `InnerLoopResult` whose `params` is the full list (adapted prompt merged in).
+
+    Args:
+      loss_fn: as in `prompt_fomaml`.
+      params: phi, one tensor per trainable variable.
+      state: the model's non-trainable state.
+      batches: the T inner batches.
+      indices: positions of the prompt variables (`prompt_indices`).
+      optimizer: the inner optimizer.
+      variables: the trainable Keras variables.
+      optimizer_state: the prompt's inner optimizer state; None = fresh.
+      loss_scale: the loss scale `loss_fn` multiplies its loss by, or None.
+      reduce: sums per-replica gradients (see `inner_loop`).
+
+    Returns:
+      An `InnerLoopResult` whose `params` is the full list (adapted prompt merged in).
+
+    Example:
+      >>> from tf_metaalign.algorithms import prompt_inner_loop
+      >>> from tf_metaalign.optimizers import SGD
+      >>> variables = [keras.Variable(0.0, name="prompt"), keras.Variable(1.0, name="w")]
+      >>> def loss_fn(params, state, batch):  # (x w + prompt - y)^2
+      ...     x, y = batch
+      ...     y_pred = x * params[1] + params[0]
+      ...     return (y_pred - y) ** 2, (state, y_pred)
+      >>> params = [v.value for v in variables]
+      >>> r = prompt_inner_loop(loss_fn, params, [], [(1.0, 3.0)], (0,), SGD(0.25), variables)
+      >>> [float(p) for p in r.params]  # the prompt moved, w did not
+      [1.0, 1.0]
     """
     fixed = [tf.stop_gradient(tf.convert_to_tensor(p)) for p in params]
 
@@ -153,16 +192,24 @@ def prompt_inner_loop(
 class PromptMetaResult(NamedTuple):
     """What `prompt_fomaml` / `prompt_reptile` return for one meta-batch (one replica).
 
-    gradients: the outer gradient, one tensor per variable, in Keras's per-replica units
-      (hand it to `apply_gradients`; the cross-replica sum is the mean over ALL tasks).
-      Reptile: times `loss_scale` when given (what a LossScaleOptimizer divides back).
-    state: the model's non-trainable state after every pass (threaded through the tasks).
-    optimizer_states: the inner optimizer's state after the last task: (prompt state,) for
-      FOMAML, (prompt state, other variables' state) for Reptile.
-    support_losses: per task, the loss of its LAST inner step (before that step), the
-      reference's logged "support_loss" (per-replica units, divided by any loss scale).
-    query_losses: per task, the query loss at the adapted prompt (per-replica units).
-    y_pred: per task, the query outputs at the adapted prompt.
+    Attributes:
+      gradients: the outer gradient, one tensor per variable, in Keras's per-replica
+        units (hand it to `apply_gradients`; the cross-replica sum is the mean over ALL
+        tasks). Reptile: times `loss_scale` when given (what a LossScaleOptimizer divides
+        back).
+      state: the model's non-trainable state after every pass (threaded through the
+        tasks).
+      optimizer_states: the inner optimizer's state after the last task: (prompt state,)
+        for FOMAML, (prompt state, other variables' state) for Reptile.
+      support_losses: per task, the loss of its LAST inner step (before that step), the
+        reference's logged "support_loss" (per-replica units, divided by any loss scale).
+      query_losses: per task, the query loss at the adapted prompt (per-replica units).
+      y_pred: per task, the query outputs at the adapted prompt.
+
+    Example:
+      >>> from tf_metaalign.algorithms import PromptMetaResult
+      >>> PromptMetaResult._fields[:3]
+      ('gradients', 'state', 'optimizer_states')
     """
 
     gradients: list
@@ -208,7 +255,31 @@ def prompt_fomaml(
       optimizer_states: `(prompt state,)` to start from; None = fresh.
       carry_inner_state: True: the inner state runs on from task to task (the reference's
         `reuse_inner_opt_state=True`); False: every task starts from `optimizer_states`.
+      loss_scale: the loss scale `loss_fn` multiplies its loss by, or None.
+      reduce: how per-task gradients are put in Keras's per-replica units.
+
     Outer gradient: (1/B) sum_b grad_phi L_query(prompt_b, transformer phi).
+
+    Returns:
+      A `PromptMetaResult`.
+
+    Example:
+      >>> from tf_metaalign.algorithms import prompt_fomaml
+      >>> from tf_metaalign.optimizers import SGD
+      >>> variables = [keras.Variable(0.0, name="prompt"), keras.Variable(1.0, name="w")]
+      >>> def loss_fn(params, state, batch):  # (x w + prompt - y)^2
+      ...     x, y = batch
+      ...     y_pred = x * params[1] + params[0]
+      ...     return (y_pred - y) ** 2, (state, y_pred)
+      >>> task = ([(1.0, 3.0)], (1.0, 3.0))  # (support batches, query batch)
+      >>> params = [v.value for v in variables]
+      >>> r = prompt_fomaml(loss_fn, params, [], [task], (0,), SGD(0.25), variables)
+      >>> [float(g) for g in r.gradients], float(r.query_losses[0])  # at prompt 1: residual -1
+      ([-2.0, -2.0], 1.0)
+
+    References:
+      Wu et al., "Continued Pretraining for Better Zero- and Few-Shot Promptability",
+      EMNLP 2022.
     """
     _check_tasks(tasks)
     loss_fn = F.traced_once(loss_fn)  # one trace for every task's passes
@@ -272,6 +343,40 @@ def prompt_reptile(
     replicas is phi - (mean over all tasks) (equal task counts per replica).
     `optimizer_states`: `(prompt state, other variables' state)`; None = fresh. Arguments
     otherwise as `prompt_fomaml`.
+
+    Args:
+      loss_fn: as in `prompt_fomaml`.
+      params: as in `prompt_fomaml`.
+      state: as in `prompt_fomaml`.
+      tasks: as in `prompt_fomaml`.
+      indices: as in `prompt_fomaml`.
+      optimizer: as in `prompt_fomaml`.
+      variables: as in `prompt_fomaml`.
+      optimizer_states: `(prompt state, other variables' state)`; None = fresh.
+      carry_inner_state: as in `prompt_fomaml`.
+      loss_scale: as in `prompt_fomaml`.
+      reduce: as in `prompt_fomaml`.
+
+    Returns:
+      A `PromptMetaResult`.
+
+    Example:
+      >>> from tf_metaalign.algorithms import prompt_reptile
+      >>> from tf_metaalign.optimizers import SGD
+      >>> variables = [keras.Variable(0.0, name="prompt"), keras.Variable(1.0, name="w")]
+      >>> def loss_fn(params, state, batch):  # (x w + prompt - y)^2
+      ...     x, y = batch
+      ...     y_pred = x * params[1] + params[0]
+      ...     return (y_pred - y) ** 2, (state, y_pred)
+      >>> task = ([(1.0, 3.0)], (1.0, 3.0))
+      >>> params = [v.value for v in variables]
+      >>> r = prompt_reptile(loss_fn, params, [], [task], (0,), SGD(0.25), variables)
+      >>> [float(g) for g in r.gradients]  # phi - phi_b, phi_b = (1.5, 1.5)
+      [-1.5, -0.5]
+
+    References:
+      Wu et al., "Continued Pretraining for Better Zero- and Few-Shot Promptability",
+      EMNLP 2022.
     """
     _check_tasks(tasks)
     loss_fn = F.traced_once(loss_fn)  # one trace for every task's passes

@@ -32,11 +32,19 @@ from tf_metaalign import functional as F
 class InnerLoopResult(NamedTuple):
     """What `inner_loop` returns.
 
-    params: theta_k (a list of tensors). state: the model's non-trainable state after the
-    k forward passes (Dropout seeds, BatchNorm statistics). optimizer_state: the inner
-    optimizer's `OptimizerState` after k steps. losses: the k inner losses, each at the
-    weights BEFORE its step, as `loss_fn` returns them (scaled by `loss_scale`, per-replica
-    units). y_pred: the outputs of the last inner forward pass.
+    Attributes:
+      params: theta_k (a list of tensors).
+      state: the model's non-trainable state after the k forward passes (Dropout seeds,
+        BatchNorm statistics).
+      optimizer_state: the inner optimizer's `OptimizerState` after k steps.
+      losses: the k inner losses, each at the weights BEFORE its step, as `loss_fn`
+        returns them (scaled by `loss_scale`, per-replica units).
+      y_pred: the outputs of the last inner forward pass.
+
+    Example:
+      >>> from tf_metaalign.algorithms import InnerLoopResult
+      >>> InnerLoopResult._fields
+      ('params', 'state', 'optimizer_state', 'losses', 'y_pred')
     """
 
     params: list
@@ -72,6 +80,24 @@ def inner_loop(
       loss_scale: when `loss_fn` multiplies its loss by a loss scale (mixed precision),
         that scale: the gradients are divided by it before the inner step.
       reduce: sums per-replica gradients over replicas (identity for one replica).
+
+    Returns:
+      An `InnerLoopResult`.
+
+    Example:
+      >>> from tf_metaalign.algorithms import inner_loop
+      >>> from tf_metaalign.optimizers import SGD
+      >>> def loss_fn(params, state, batch):  # mean squared error of y = x w
+      ...     x, y = batch
+      ...     y_pred = x @ params[0]
+      ...     return tf.reduce_mean((y_pred - y) ** 2), (state, y_pred)
+      >>> w = keras.Variable(tf.zeros([1, 1]))
+      >>> batch = (tf.constant([[1.0], [2.0]]), tf.constant([[2.0], [4.0]]))  # y = 2 x
+      >>> result = inner_loop(loss_fn, [w.value], [], [batch] * 3, SGD(0.1), [w])
+      >>> [round(float(loss), 3) for loss in result.losses]  # each step halves w's error
+      [10.0, 2.5, 0.625]
+      >>> round(float(result.params[0][0, 0]), 3)  # theta_3, w unchanged
+      1.75
     """
     if not batches:
         raise ValueError("inner_loop: `batches` is empty (at least one inner step is needed).")
@@ -96,12 +122,48 @@ def inner_loop(
 
 
 def reptile_gradient(phi: Sequence[tf.Tensor], theta: Sequence[tf.Tensor]) -> list:
-    """phi - theta_k: an outer SGD(eps) step on it is phi + eps (theta_k - phi)."""
+    """phi - theta_k: an outer SGD(eps) step on it is phi + eps (theta_k - phi).
+
+    Args:
+      phi: the weights before the inner loop.
+      theta: theta_k, the weights after it.
+
+    Returns:
+      A list of tensors, one per weight: the pseudo-gradient to hand to the outer
+      optimizer.
+
+    Example:
+      >>> from tf_metaalign.algorithms import reptile_gradient
+      >>> reptile_gradient([tf.constant([1.0, 1.0])], [tf.constant([0.5, 2.0])])[0].numpy()
+      array([ 0.5, -1. ], dtype=float32)
+
+    References:
+      Nichol et al., "On First-Order Meta-Learning Algorithms", 2018.
+      https://arxiv.org/abs/1803.02999
+    """
     return [tf.convert_to_tensor(p) - tf.cast(t, p.dtype) for p, t in zip(phi, theta)]
 
 
 def mean_reptile_gradient(phi: Sequence[tf.Tensor], thetas: Sequence[Sequence[tf.Tensor]]) -> list:
-    """Multi-task Reptile: phi - mean_t theta_t (the mean of the T per-task pseudo-gradients)."""
+    """Multi-task Reptile: phi - mean_t theta_t (the mean of the T per-task pseudo-gradients).
+
+    Args:
+      phi: the weights before the inner loops.
+      thetas: per task, its theta_k (a list of tensors).
+
+    Returns:
+      A list of tensors, one per weight.
+
+    Example:
+      >>> from tf_metaalign.algorithms import mean_reptile_gradient
+      >>> phi = [tf.constant(1.0)]
+      >>> float(mean_reptile_gradient(phi, [[tf.constant(0.0)], [tf.constant(3.0)]])[0])
+      -0.5
+
+    References:
+      Nichol et al., "On First-Order Meta-Learning Algorithms", 2018.
+      https://arxiv.org/abs/1803.02999
+    """
     if not thetas:
         raise ValueError("mean_reptile_gradient: no task end points given.")
     n = len(thetas)
@@ -116,12 +178,50 @@ def fomaml_gradient(loss_fn: Callable, theta: Sequence[tf.Tensor], state, query_
 
     Per-replica gradients in `loss_fn`'s units (not all-reduced): what
     `optimizer.apply_gradients` takes.
+
+    Args:
+      loss_fn: `loss_fn(params, state, batch) -> (loss, (new_state, y_pred))`.
+      theta: theta_k, the adapted weights.
+      state: the model's non-trainable state.
+      query_batch: the batch of the outer (query) loss.
+
+    Example:
+      >>> from tf_metaalign.algorithms import fomaml_gradient
+      >>> def loss_fn(params, state, batch):
+      ...     x, y = batch
+      ...     y_pred = x * params[0]
+      ...     return tf.reduce_mean((y_pred - y) ** 2), (state, y_pred)
+      >>> loss, grads, _ = fomaml_gradient(loss_fn, [tf.constant(1.0)], [], (2.0, 6.0))
+      >>> float(loss), float(grads[0])  # (2 - 6)^2, 2 (2 - 6) 2
+      (16.0, -16.0)
+
+    References:
+      Finn et al., "Model-Agnostic Meta-Learning for Fast Adaptation of Deep Networks",
+      ICML 2017 (Sec. 5.2, first-order approximation). https://arxiv.org/abs/1703.03400
     """
     return F.value_and_grad(loss_fn, theta, state, query_batch)
 
 
 def outer_update(phi: Sequence[tf.Tensor], theta: Sequence[tf.Tensor], eta) -> list:
-    """Sequential Reptile's outer step phi + eta (theta - phi) (eta = 1: phi <- theta)."""
+    """Sequential Reptile's outer step phi + eta (theta - phi) (eta = 1: phi <- theta).
+
+    Args:
+      phi: the weights before the inner loop.
+      theta: the weights after it.
+      eta: the outer step size (a python number or a scalar tensor).
+
+    Returns:
+      The new phi, a list of tensors.
+
+    Example:
+      >>> from tf_metaalign.algorithms import outer_update
+      >>> outer_update([tf.constant([0.0, 2.0])], [tf.constant([1.0, 0.0])], eta=0.25)[0].numpy()
+      array([0.25, 1.5 ], dtype=float32)
+
+    References:
+      Lee et al., "Sequential Reptile: Inter-Task Gradient Alignment for Multilingual
+      Learning", ICLR 2022. https://arxiv.org/abs/2110.02600
+    """
     out = []
     for p, t in zip(phi, theta):
         p = tf.convert_to_tensor(p)
