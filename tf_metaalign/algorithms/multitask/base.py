@@ -49,7 +49,20 @@ class StateSpec:
     checkpointed, named `<method name>_<key>` unless `name` is given (kept for the names
     of earlier versions' checkpoints). `trainable=True`: trained by the compiled
     optimizer with the gradient the method returns in `Combination.state_gradients`
-    (UW's log-variances, as LibMTL trains them with the model's optimizer)."""
+    (UW's log-variances, as LibMTL trains them with the model's optimizer).
+
+    Attributes:
+      shape: the variable's shape.
+      dtype: its dtype.
+      initializer: a Keras initializer (name or object).
+      trainable: trained by the compiled optimizer (above).
+      name: the variable's name (None: `<method name>_<key>`).
+
+    Example:
+      >>> from tf_metaalign.algorithms.multitask import UncertaintyWeighting
+      >>> UncertaintyWeighting().state_spec(num_tasks=3)["log_variances"].shape
+      (3,)
+    """
 
     shape: tuple = ()
     dtype: str = "float64"
@@ -72,8 +85,8 @@ class TaskInputs:
       epoch: int64 scalar, the number of epochs completed (DWA's loss history).
       seed: the trainer's integer seed.
       gram: [T, T] <g_i, g_j> over the shared variables (None if not `uses_gradients`).
-      task_grads: task_grads[t][v], task t's gradient of the v-th SHARED variable (None if
-        not `uses_gradients`).
+      task_grads: `task_grads[t][v]`, task t's gradient of the v-th SHARED variable (None
+        if not `uses_gradients`).
       shared_variables: the shared variables (for methods that pick one, e.g. GradNorm's
         last shared layer), in the order of `task_grads[t]`.
     """
@@ -102,7 +115,21 @@ class Combination:
     loss-weighting method; `loss_weights` to `specific`; `state` holds the new value of
     every state variable the method changes; `state_gradients` the gradient of every
     trainable state variable (in the units of the loss: the trainer hands it to the
-    compiled optimizer beside the model's gradient)."""
+    compiled optimizer beside the model's gradient).
+
+    Attributes:
+      shared: [T] the coefficients of the task gradients on the shared variables.
+      specific: [T] the coefficients on the task-specific variables (None: `shared`).
+      loss_weights: [T] the weights of the reported loss (None: `specific`).
+      state: state key -> new value.
+      state_gradients: state key -> gradient (trainable state).
+
+    Example:
+      >>> from tf_metaalign.algorithms.multitask import Combination
+      >>> c = Combination(shared=tf.constant([0.5, 0.5], tf.float64))
+      >>> c.specific is None, dict(c.state)
+      (True, {})
+    """
 
     shared: tf.Tensor
     specific: Optional[tf.Tensor] = None
@@ -117,6 +144,21 @@ class MultiTaskMethod:
     A subclass sets `name` (its registry key), `uses_gradients`, takes its
     hyperparameters in `__init__` (validated there, with errors naming the argument),
     stores them as attributes listed by `get_config`, and implements `combine`.
+
+    Example:
+      >>> from tf_metaalign.algorithms.multitask import Combination, MultiTaskMethod, TaskInputs
+      >>> class LargestLossOnly(MultiTaskMethod):  # add @register to use it by name
+      ...     name = "largest_loss_only"
+      ...     uses_gradients = False
+      ...     def combine(self, inputs, state):
+      ...         pick = tf.one_hot(tf.argmax(inputs.losses), 3, dtype=inputs.losses.dtype)
+      ...         return Combination(shared=pick)
+      >>> inputs = TaskInputs(
+      ...     losses=tf.constant([0.5, 2.0, 1.0], tf.float64), present=tf.ones([3], tf.float64),
+      ...     step=tf.constant(0, tf.int64), epoch=tf.constant(0, tf.int64), seed=0,
+      ... )
+      >>> LargestLossOnly().combine(inputs, {}).shared.numpy()
+      array([0., 1., 0.])
     """
 
     name: ClassVar[str] = ""
@@ -161,7 +203,26 @@ class MultiTaskMethod:
 
 
 def register(cls):
-    """Class decorator: makes `cls` reachable as `method=cls.name` (and its aliases)."""
+    """Class decorator: makes `cls` reachable as `method=cls.name` (and its aliases).
+
+    Args:
+      cls: a `MultiTaskMethod` subclass with a `name` no other method has.
+
+    Returns:
+      `cls`.
+
+    Example:
+      >>> from tf_metaalign.algorithms.multitask import MultiTaskMethod, PCGrad, register
+      >>> register(PCGrad) is PCGrad  # registering a class again is harmless
+      True
+      >>> class MyPCGrad(MultiTaskMethod):
+      ...     name = "pcgrad"
+      >>> try:
+      ...     register(MyPCGrad)
+      ... except ValueError as e:
+      ...     print(e)
+      Two multi-task methods are named 'pcgrad'.
+    """
     for key in (cls.name, *cls.aliases):
         if not key:
             raise ValueError(f"{cls.__name__} has no `name`.")
@@ -172,7 +233,13 @@ def register(cls):
 
 
 def method_names() -> tuple[str, ...]:
-    """The registry's primary names, in registration order."""
+    """The registry's primary names, in registration order.
+
+    Example:
+      >>> from tf_metaalign.algorithms.multitask import method_names
+      >>> method_names()[:4], "nash_mtl" in method_names()
+      (('sum', 'rlw', 'uw', 'dwa'), True)
+    """
     seen = []
     for key, cls in _REGISTRY.items():
         if key == cls.name and key not in seen:
@@ -183,7 +250,18 @@ def method_names() -> tuple[str, ...]:
 def get_method(method, **options) -> MultiTaskMethod:
     """A method object from a name (`"pcgrad"`, with `options` as its constructor's
     arguments), a method object (returned as is; `options` must be empty), or a
-    serialized `{"name": ..., "config": {...}}`."""
+    serialized `{"name": ..., "config": {...}}`.
+
+    Args:
+      method: a registered name, a `MultiTaskMethod` or a serialized method.
+      **options: the constructor's arguments (with a name).
+
+    Example:
+      >>> from tf_metaalign.algorithms.multitask import get_method, serialize_method
+      >>> method = get_method("cagrad", calpha=0.2)
+      >>> get_method(serialize_method(method)) == method
+      True
+    """
     if isinstance(method, MultiTaskMethod):
         if options:
             raise ValueError(
@@ -208,6 +286,16 @@ def get_method(method, **options) -> MultiTaskMethod:
 
 
 def serialize_method(method: MultiTaskMethod) -> dict:
+    """`{"name": ..., "config": {...}}`: what `get_method` rebuilds the method from.
+
+    Args:
+      method: a `MultiTaskMethod`.
+
+    Example:
+      >>> from tf_metaalign.algorithms.multitask import PCGrad, serialize_method
+      >>> serialize_method(PCGrad())
+      {'name': 'pcgrad', 'config': {}}
+    """
     return {"name": method.name, "config": method.get_config()}
 
 
@@ -251,7 +339,23 @@ def masked_softmax(logits, present):
 def random_uniform(seed, step, n, stream=0, dtype=tf.float64) -> tf.Tensor:
     """n numbers in (0, 1), a pure function of (seed, step, stream): integer hashing, so
     eager, graph, XLA and a resumed run draw the same (see `gradient_surgery.random_order`
-    for why not TensorFlow's stateless RNG)."""
+    for why not TensorFlow's stateless RNG).
+
+    Args:
+      seed: the trainer's integer seed.
+      step: the step (an int or an int64 tensor).
+      n: how many numbers.
+      stream: an independent stream per value.
+      dtype: the numbers' dtype.
+
+    Example:
+      >>> from tf_metaalign.algorithms.multitask import random_uniform
+      >>> u = random_uniform(seed=0, step=5, n=3)
+      >>> u.shape, bool(tf.reduce_all((u > 0) & (u < 1)))
+      (TensorShape([3]), True)
+      >>> bool(tf.reduce_all(u == random_uniform(0, tf.constant(5, tf.int64), 3)))
+      True
+    """
     from tf_metaalign.algorithms.gradient_surgery import _hash32, _uint32
 
     step = tf.cast(step, tf.int64)
@@ -264,7 +368,21 @@ def random_uniform(seed, step, n, stream=0, dtype=tf.float64) -> tf.Tensor:
 
 def random_normal(seed, step, n, stream=0, dtype=tf.float64) -> tf.Tensor:
     """n standard normal numbers, a pure function of (seed, step, stream) (Box-Muller on
-    two `random_uniform` streams)."""
+    two `random_uniform` streams).
+
+    Args:
+      seed: the trainer's integer seed.
+      step: the step.
+      n: how many numbers.
+      stream: an independent stream per value.
+      dtype: the numbers' dtype.
+
+    Example:
+      >>> from tf_metaalign.algorithms.multitask import random_normal
+      >>> z = random_normal(seed=0, step=0, n=10_000)
+      >>> round(float(tf.reduce_mean(z)), 1), round(float(tf.math.reduce_std(z)), 1)
+      (0.0, 1.0)
+    """
     u1 = random_uniform(seed, step, n, 2 * stream + 1, dtype)
     u2 = random_uniform(seed, step, n, 2 * stream + 2, dtype)
     two_pi = tf.constant(6.283185307179586, dtype)
