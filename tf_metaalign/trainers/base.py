@@ -98,6 +98,20 @@ class Diagnostic(keras.metrics.Metric):
     Under a strategy the per-replica values are combined as Keras combines metrics:
     the weighted mean over replicas, and for "last" the mean of the replicas' values
     (identical values stay as they are).
+
+    Args:
+      name: the logged name.
+      reduction: "mean" or "last".
+      dtype: the metric's dtype.
+
+    Example:
+      >>> from tf_metaalign.trainers import Diagnostic
+      >>> mean, last = Diagnostic("grad_dot"), Diagnostic("scale", reduction="last")
+      >>> for value, weight in [(2.0, 1.0), (4.0, 1.0), (100.0, 0.0)]:
+      ...     mean.update_state(value, weight)
+      ...     last.update_state(value, weight)
+      >>> float(mean.result()), float(last.result())  # weight 0: left out / kept
+      (3.0, 4.0)
     """
 
     def __init__(self, name, reduction="mean", dtype="float32"):
@@ -155,6 +169,21 @@ class EveryKSteps(keras.layers.Layer):
     with k = 1 both are the python constant True (no `tf.cond` at all). `cond(...)`
     runs work conditionally under the multi-replica rule of `functional.replica_safe_cond`;
     `advance()` counts the step (call it once per step, e.g. via `finish_step`).
+
+    Args:
+      k: the period (an int >= 1).
+      name: the layer's name.
+      **kwargs: other `keras.layers.Layer` arguments.
+
+    Example:
+      >>> from tf_metaalign.trainers import EveryKSteps
+      >>> schedule = EveryKSteps(3)
+      >>> steps = []
+      >>> for _ in range(6):
+      ...     steps.append((bool(schedule.is_first()), bool(schedule.is_last())))
+      ...     _ = schedule.advance()
+      >>> steps
+      [(True, False), (False, False), (False, True), (True, False), (False, False), (False, True)]
     """
 
     def __init__(self, k, name="every_k_steps", **kwargs):
@@ -197,7 +226,19 @@ class EveryKSteps(keras.layers.Layer):
 
 class MetaTrainer(PipelineDataMixin, keras.Model):
     """Owns the wrapped model, the loss at given weights, state, diagnostics, the end
-    of a step and mid-epoch resumption (see the module doc)."""
+    of a step and mid-epoch resumption (see the module doc).
+
+    Args:
+      model: the Keras model to train; it stays itself (`trainer.model`) and saves as itself.
+      **kwargs: other `keras.Model` arguments.
+
+    Example:
+      >>> from tf_metaalign.trainers import DotProdTrainer, MetaTrainer
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+      >>> trainer = DotProdTrainer(model)
+      >>> isinstance(trainer, MetaTrainer), trainer.model is model
+      (True, True)
+    """
 
     def __init__(self, model: keras.Model, **kwargs):
         if not isinstance(model, keras.Model):
@@ -767,6 +808,17 @@ def commit_weights(variables, values):
     quantities); each replica's copy is assigned, nothing is communicated but the
     merge (`ReplicaContext.merge_call`), which is why this may not sit inside `tf.cond`
     under MirroredStrategy. Outside any strategy it is a plain assignment.
+
+    Args:
+      variables: the variables to assign.
+      values: one value per variable, identical on every replica.
+
+    Example:
+      >>> from tf_metaalign.trainers import commit_weights
+      >>> v = keras.Variable([0.0, 0.0])
+      >>> commit_weights([v], [tf.constant([1.0, 2.0])])
+      >>> v.numpy()
+      array([1., 2.], dtype=float32)
     """
     variables, values = list(variables), list(values)
     if len(variables) != len(values):

@@ -96,6 +96,22 @@ class DotProdTrainer(MetaTrainer):
     Logs: loss, the compiled metrics, `grad_dot` (G1.G2 of the true mean gradients),
     `grad_cosine` and `reg_ratio` (weight * ||R|| / ||G1 + G2|| before the cap: above
     `cap` the cap binds), averaged over the regularised pairs, and `unsplit_fraction`.
+
+    Example:
+      >>> from tf_metaalign.trainers import DotProdTrainer
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+      >>> trainer = DotProdTrainer(model, weight=0.1)
+      >>> trainer.compile(optimizer="sgd", loss="mse")
+      >>> x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+      >>> history = trainer.fit(x, x.sum(axis=1, keepdims=True), batch_size=8, verbose=0)
+      >>> sorted(history.history)
+      ['grad_cosine', 'grad_dot', 'loss', 'reg_ratio', 'unsplit_fraction']
+      >>> trainer.model is model  # the model trains, and saves, as itself
+      True
+
+    References:
+      Kedia, Chinthakindi & Ryu, "Beyond Reptile: Meta-Learned Dot-Product Maximization
+      between Gradients for Improved Single-Task Regularization", Findings of EMNLP 2021.
     """
 
     def __init__(

@@ -83,6 +83,16 @@ class GuidedHyperparameters(keras.layers.Layer):
         ulp (the compiler may fuse a multiply-subtract differently); False makes
         meta-lr 0 bit-identical to `fit`. (Configs saved with its former name
         `reuse_lookahead` still load.)
+
+    Example:
+      >>> from tf_metaalign import functional, optimizers
+      >>> from tf_metaalign.trainers import GuidedHyperparameters
+      >>> optimizer = optimizers.SGD(0.1, momentum=0.9)
+      >>> hyper = GuidedHyperparameters(meta_optimizer=optimizers.Adam(0.01))
+      >>> hyper.bind(optimizer)  # SGD's momentum is its beta_1
+      {'learning_rate': 'learning_rate', 'beta_1': 'momentum'}
+      >>> {name: round(float(v), 4) for name, v in hyper.values().items()}
+      {'learning_rate': 1.0, 'beta_1': 0.9}
     """
 
     def __init__(
@@ -276,6 +286,44 @@ def guided_update(
     own shard of the guidance batch with `guidance_weight = n_shard * replicas /
     n_guidance` (None for equal shards). Returns the diagnostics
     (name -> (value, weight)) listed by `hyper.logged_names()`.
+
+    Args:
+      hyper: the bound `GuidedHyperparameters`.
+      model: the Keras model.
+      optimizer: the compiled optimizer (`hyper.bind` checked it).
+      guide_loss_fn: the guidance loss (`functional.make_loss_fn(..., training=False)`).
+      grads: the training gradient (above).
+      new_state: the model's state after the training pass.
+      guidance_batch: this replica's guidance batch.
+      guidance_weight: `n_shard * replicas / n_guidance`, or None for equal shards.
+
+    Returns:
+      The diagnostics, name -> (value, weight).
+
+    Example:
+      >>> from tf_metaalign import functional, optimizers
+      >>> from tf_metaalign.trainers import GuidedHyperparameters, guided_update
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+      >>> optimizer = optimizers.SGD(0.1, momentum=0.9)
+      >>> optimizer.build(model.trainable_variables)
+      >>> hyper = GuidedHyperparameters(meta_optimizer=optimizers.Adam(0.01))
+      >>> _ = hyper.bind(optimizer)
+      >>> mse = keras.losses.MeanSquaredError()
+      >>> train_loss = functional.make_loss_fn(model, mse)
+      >>> guide_loss = functional.make_loss_fn(model, mse, training=False)
+      >>> x = np.ones((4, 3), "float32")
+      >>> params, state = functional.current_params(model), functional.current_state(model)
+      >>> _, grads, (new_state, _) = functional.value_and_grad(
+      ...     train_loss, params, state, (x, x[:, :1])
+      ... )
+      >>> guidance_batch = (x, 2 * x[:, :1])
+      >>> logs = guided_update(
+      ...     hyper, model, optimizer, guide_loss, grads, new_state, guidance_batch
+      ... )
+      >>> sorted(logs)[:3]
+      ['beta_1', 'effective_learning_rate', 'guidance_loss']
+      >>> round(float(hyper.values()["learning_rate"]), 4)  # the guidance asks for larger steps
+      1.0101
     """
     if optimizer is not hyper._bound_optimizer:
         raise ValueError("guided_update: call `hyper.bind(optimizer)` with this optimizer first.")
@@ -497,6 +545,13 @@ def split_guidance_batch(dataset: tf.data.Dataset, num_batches: int = 1, holdout
     different tensor each epoch); `holdout="identity"` skips only the last check (say so
     when the random ops do not change the examples). Random augmentation in a Python
     generator cannot be seen: hold the guidance data out before it.
+
+    Example:
+      >>> from tf_metaalign.trainers import split_guidance_batch
+      >>> data = tf.data.Dataset.range(10).map(lambda i: (tf.cast(i, "float32"), i)).batch(2)
+      >>> guidance, training = split_guidance_batch(data)
+      >>> guidance[1].numpy().tolist(), [y.numpy().tolist() for _, y in training]
+      ([0, 1], [[2, 3], [4, 5], [6, 7], [8, 9]])
     """
     if not isinstance(dataset, tf.data.Dataset):
         raise TypeError(f"`dataset` must be a tf.data.Dataset; got {type(dataset).__name__}.")
@@ -690,6 +745,22 @@ class GuidedTrainer(MetaTrainer):
     epoch's last value): `learning_rate_scale`, `effective_learning_rate`, the learned
     values (e.g. `beta_1`), `hypergrad_<name>` (the sanitised hypergradient w.r.t. the raw
     value), `guidance_loss` (at theta_{t+1}) and `nonfinite_hypergrads` (cumulative count).
+
+    Example:
+      >>> from tf_metaalign.trainers import GuidedTrainer
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+      >>> x = np.random.default_rng(0).normal(size=(24, 3)).astype("float32")
+      >>> y = x.sum(axis=1, keepdims=True)
+      >>> trainer = GuidedTrainer(model, guidance_data=(x[16:], y[16:]))
+      >>> trainer.compile(optimizer="adam", loss="mse")  # converted to tf_metaalign's Adam
+      >>> history = trainer.fit(x[:16], y[:16], batch_size=8, verbose=0)
+      >>> sorted(k for k in history.history if k.startswith("hypergrad"))
+      ['hypergrad_beta_1', 'hypergrad_learning_rate']
+
+    References:
+      Lichtarge, Alberti & Kumar, "Simple and Effective Gradient-Based Tuning of
+      Sequence-to-Sequence Models" (official JAX code: google-research
+      `gradient_based_tuning`).
     """
 
     def __init__(

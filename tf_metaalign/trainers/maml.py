@@ -171,6 +171,29 @@ class MAMLTrainer(MetaTrainer):
       inner_training: the `training` flag of the passes of a train step (see BatchNorm).
       tasks_per_batch: the global number of tasks per meta-batch when the batch's task
         dimension is not static (see Data).
+
+    Example:
+      >>> from tf_metaalign.trainers import MAMLTrainer
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+      >>> trainer = MAMLTrainer(
+      ...     model, inner_steps=1, inner_learning_rate=0.1,
+      ...     learn_inner_learning_rates="per_parameter",
+      ... )  # Meta-SGD
+      >>> trainer.compile(optimizer="adam", loss="mse")
+      >>> rng = np.random.default_rng(0)
+      >>> support_x, query_x = rng.normal(size=(2, 8, 5, 3)).astype("float32")  # 8 tasks of 5
+      >>> w = rng.normal(size=(8, 3, 1)).astype("float32")  # task t: y = x w_t
+      >>> history = trainer.fit(
+      ...     (support_x, support_x @ w, query_x), query_x @ w, batch_size=4, verbose=0
+      ... )
+      >>> sorted(history.history)
+      ['inner_learning_rate', 'loss', 'support_loss']
+
+    References:
+      Finn et al., "Model-Agnostic Meta-Learning for Fast Adaptation of Deep Networks",
+      ICML 2017. https://arxiv.org/abs/1703.03400; Li et al., "Meta-SGD", 2017.
+      https://arxiv.org/abs/1707.09835; Antoniou et al., "How to train your MAML", ICLR
+      2019. https://arxiv.org/abs/1810.09502
     """
 
     def __init__(

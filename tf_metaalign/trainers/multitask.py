@@ -179,6 +179,23 @@ class MultiTaskTrainer(MetaTrainer):
     `epochs_done` for the methods that read the epoch (DWA). Logs: "loss" =
     sum_t w_t L_t with the method's loss weights, and "task_cosine", the mean pairwise
     cosine of the task gradients (before surgery) over the tasks present.
+
+    Example:
+      >>> from tf_metaalign.trainers import MultiTaskTrainer
+      >>> inputs = keras.Input((3,))
+      >>> shared = keras.layers.Dense(8, activation="relu")(inputs)
+      >>> outputs = {t: keras.layers.Dense(1, name=t)(shared) for t in ("a", "b")}
+      >>> trainer = MultiTaskTrainer(keras.Model(inputs, outputs), method="pcgrad")
+      >>> trainer.compile(optimizer="adam", loss={"a": "mse", "b": "mse"})  # a task per output
+      >>> x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+      >>> history = trainer.fit(x, {"a": x[:, :1], "b": -x[:, :1]}, batch_size=8, verbose=0)
+      >>> trainer.task_names
+      ['a', 'b']
+
+    References:
+      Yu et al., "Gradient Surgery for Multi-Task Learning", NeurIPS 2020 (PCGrad); the
+      other methods' papers are in `tf_metaalign.algorithms.multitask`. LibMTL:
+      https://github.com/median-research-group/LibMTL
     """
 
     def __init__(

@@ -395,6 +395,26 @@ class PromptFOMAMLTrainer(_PromptMetaTrainer):
         every task starts from a fresh inner optimizer.
       tasks_per_batch: the global number of tasks per meta-batch when the batch's task
         dimension is not static.
+
+    Example:
+      >>> from tf_metaalign.optimizers import SGD
+      >>> from tf_metaalign.trainers import PromptFOMAMLTrainer
+      >>> model = keras.Sequential(
+      ...     [keras.Input((3,)), keras.layers.Dense(3, name="prompt"), keras.layers.Dense(1)]
+      ... )  # the variables whose path holds "prompt" adapt in the inner loop
+      >>> trainer = PromptFOMAMLTrainer(model, inner_steps=2, inner_optimizer=SGD(0.1))
+      >>> trainer.compile(optimizer="adam", loss="mse")
+      >>> rng = np.random.default_rng(0)
+      >>> support_x = rng.normal(size=(4, 2, 5, 3)).astype("float32")  # 4 tasks, 2 steps of 5
+      >>> query_x = rng.normal(size=(4, 5, 3)).astype("float32")
+      >>> x = (support_x, support_x.sum(-1, keepdims=True), query_x)
+      >>> history = trainer.fit(x, query_x.sum(-1, keepdims=True), batch_size=2, verbose=0)
+      >>> sorted(history.history)
+      ['loss', 'support_loss']
+
+    References:
+      Wu et al., "Continued Pretraining for Better Zero- and Few-Shot Promptability",
+      EMNLP 2022.
     """
 
     _algorithm = staticmethod(P.prompt_fomaml)
@@ -412,6 +432,26 @@ class PromptReptileTrainer(_PromptMetaTrainer):
     task) and the other variables' (`inner_other_*`, 1 update per task) are carried, each
     with its own count, as HF Adafactor counts steps per parameter. Arguments as
     `PromptFOMAMLTrainer`.
+
+    Example:
+      >>> from tf_metaalign.optimizers import SGD
+      >>> from tf_metaalign.trainers import PromptReptileTrainer
+      >>> model = keras.Sequential(
+      ...     [keras.Input((3,)), keras.layers.Dense(3, name="prompt"), keras.layers.Dense(1)]
+      ... )
+      >>> trainer = PromptReptileTrainer(model, inner_steps=2, inner_optimizer=SGD(0.1))
+      >>> trainer.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
+      >>> rng = np.random.default_rng(0)
+      >>> support_x = rng.normal(size=(4, 2, 5, 3)).astype("float32")
+      >>> query_x = rng.normal(size=(4, 5, 3)).astype("float32")
+      >>> x = (support_x, support_x.sum(-1, keepdims=True), query_x)
+      >>> history = trainer.fit(x, query_x.sum(-1, keepdims=True), batch_size=2, verbose=0)
+      >>> sorted(history.history)
+      ['loss', 'support_loss']
+
+    References:
+      Wu et al., "Continued Pretraining for Better Zero- and Few-Shot Promptability",
+      EMNLP 2022.
     """
 
     _algorithm = staticmethod(P.prompt_reptile)

@@ -124,6 +124,20 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
         global step t, and the loss scale. Default False (state kept across outer steps).
       model_takes_task_id: with multi-task batches `x = {"inputs": ..., "task_id": ...}`,
         give the model the whole dict (True) or `x["inputs"]` (False, the default).
+
+    Example:
+      >>> from tf_metaalign.trainers import SequentialReptileTrainer
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+      >>> trainer = SequentialReptileTrainer(model, inner_steps=2, outer_learning_rate=0.5)
+      >>> trainer.compile(optimizer="sgd", loss="mse")  # the inner optimizer
+      >>> x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+      >>> history = trainer.fit(x, x.sum(axis=1, keepdims=True), batch_size=4, verbose=0)
+      >>> history.history["loss"][0] > 0
+      True
+
+    References:
+      Lee et al., "Sequential Reptile: Inter-Task Gradient Alignment for Multilingual
+      Learning", ICLR 2022. https://arxiv.org/abs/2110.02600
     """
 
     def __init__(
@@ -473,6 +487,21 @@ class ReptileTrainer(_StackedInnerLoopTrainer):
     usual; under several replicas with stack_axis=1 a replica may get no example of the
     last element (it then contributes nothing to the summed gradients, as in Keras's own
     `fit`).
+
+    Example:
+      >>> from tf_metaalign.trainers import ReptileTrainer
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+      >>> trainer = ReptileTrainer(model, inner_steps=2, inner_optimizer=0.1)
+      >>> trainer.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
+      >>> x = np.random.default_rng(0).normal(size=(4, 2, 5, 3)).astype("float32")  # [k=2, B=5]
+      >>> data = tf.data.Dataset.from_tensor_slices((x, x.sum(axis=-1, keepdims=True)))
+      >>> history = trainer.fit(data, verbose=0)  # 4 tasks, one per step
+      >>> sorted(history.history)
+      ['loss']
+
+    References:
+      Nichol et al., "On First-Order Meta-Learning Algorithms", 2018.
+      https://arxiv.org/abs/1803.02999
     """
 
     def train_step(self, data):
@@ -502,6 +531,21 @@ class FOMAMLTrainer(_StackedInnerLoopTrainer):
 
     Logs "loss": the query loss at theta_k (the meta-objective); compiled metrics on the
     query batch. Arguments as `ReptileTrainer`.
+
+    Example:
+      >>> from tf_metaalign.trainers import FOMAMLTrainer
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+      >>> trainer = FOMAMLTrainer(model, inner_steps=1, inner_optimizer=0.1)
+      >>> trainer.compile(optimizer="adam", loss="mse")
+      >>> x = np.random.default_rng(0).normal(size=(4, 2, 5, 3)).astype("float32")  # inner + query
+      >>> data = tf.data.Dataset.from_tensor_slices((x, x.sum(axis=-1, keepdims=True)))
+      >>> history = trainer.fit(data, verbose=0)
+      >>> trainer.num_stacked, sorted(history.history)
+      (2, ['loss'])
+
+    References:
+      Finn et al., "Model-Agnostic Meta-Learning for Fast Adaptation of Deep Networks",
+      ICML 2017 (first-order approximation). https://arxiv.org/abs/1703.03400
     """
 
     _extra_batches = 1
@@ -536,6 +580,21 @@ class MultiTaskReptileTrainer(_StackedInnerLoopTrainer):
 
     Logs "loss": the mean of the T*k inner losses; compiled metrics on the last task's
     last batch. Arguments as `ReptileTrainer`.
+
+    Example:
+      >>> from tf_metaalign.trainers import MultiTaskReptileTrainer
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+      >>> trainer = MultiTaskReptileTrainer(model, inner_steps=2, inner_optimizer=0.1)
+      >>> trainer.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
+      >>> x = np.random.default_rng(0).normal(size=(4, 3, 2, 5, 3)).astype("float32")  # [T, k, B]
+      >>> data = tf.data.Dataset.from_tensor_slices((x, x.sum(axis=-1, keepdims=True)))
+      >>> history = trainer.fit(data, verbose=0)
+      >>> sorted(history.history)
+      ['loss']
+
+    References:
+      Nichol et al., "On First-Order Meta-Learning Algorithms", 2018.
+      https://arxiv.org/abs/1803.02999
     """
 
     def _tasks(self, x, y, sample_weight):
