@@ -212,3 +212,56 @@ def test_colab_quickstart_notebook_runs_offline():
         for o in c.get("outputs", [])
     )
     assert elapsed < 60, f"notebook took {elapsed:.0f} s (budget: 60 s)"
+
+
+def test_finetune_study_runs_seeds_intervals_and_significance(tmp_path):
+    """`--runs` with `--seeds`: every run for every seed, lambda_max and G1.G2 measured
+    at the final weights, the summary with intervals and paired differences."""
+    proc = _run_job(
+        "--dataset=digits",
+        "--steps=4",
+        "--log_every=2",
+        "--batch_size=16",
+        "--seeds=2",
+        "--runs=baseline,sam,reptile",
+        "--sharpness_examples=32",
+        "--sharpness_iterations=3",
+        "--alignment_pairs=1",
+        f"--output_dir={tmp_path}",
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "paired differences (same seed)" in proc.stdout
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert sorted(results["rows"]) == ["0", "1"]
+    for seed_rows in results["rows"].values():
+        assert sorted(seed_rows) == ["baseline", "reptile", "sam"]
+        for row in seed_rows.values():
+            for key in ("test_accuracy", "sharpness", "final_grad_dot", "step_ratio"):
+                assert isinstance(row[key], float) and math.isfinite(row[key]), (key, row)
+            assert 1 <= row["sharpness_iterations"] <= 3
+        assert seed_rows["baseline"]["step_ratio"] == 1.0
+    summary = results["summary"]
+    assert sorted(summary["differences"]) == ["reptile - baseline", "sam - baseline"]
+    assert summary["per_run"]["sam"]["test_accuracy"]["n"] == 2
+
+
+def test_study_intervals_and_paired_differences():
+    from trainers.finetune_report import interval, summarize
+
+    mean, half = interval([1.0, 2.0, 3.0])
+    assert mean == 2.0 and half == pytest.approx(4.302652729911275 / math.sqrt(3))
+    assert interval([5.0]) == (5.0, None)
+    rows = {
+        s: {
+            "baseline": {"test_accuracy": 0.5 + 0.1 * s, "sharpness": 2.0},
+            "sam": {"test_accuracy": 0.52 + 0.1 * s, "sharpness": 2.0 + 0.01 * (-1) ** s},
+        }
+        for s in range(4)
+    }
+    diff = summarize(rows, ["baseline", "sam"])["differences"]["sam - baseline"]
+    # Paired: the seeds' spread cancels, +0.02 on every seed is significant...
+    assert diff["test_accuracy"]["mean"] == pytest.approx(0.02)
+    assert diff["test_accuracy"]["significant"]
+    # ... and a difference of +-0.01 around 0 is not.
+    assert not diff["sharpness"]["significant"]
