@@ -1,5 +1,5 @@
-"""The promptability experiment program `trainers/promptability.py` and its LM wrapper
-`tf_metaalign.prompts.t5_lm`.
+"""The promptability experiment program `trainers/promptability.py` (its stages in
+`trainers/promptability_*.py`) and its LM wrapper `tf_metaalign.prompts.t5_lm`.
 
 Fast: the data the program builds (teacher-forcing batches, meta-batches of one
 dataset-template per task), the masked token loss against NumPy, the ARG table and its
@@ -19,6 +19,11 @@ pytest.importorskip("django", reason="the offline prompted tasks need Django's c
 from tf_metaalign.prompts import evaluation as E  # noqa: E402
 from tf_metaalign.prompts import t5_lm  # noqa: E402
 from trainers import promptability as P  # noqa: E402
+from trainers import promptability_data as PD  # noqa: E402
+from trainers import promptability_evaluate as PE  # noqa: E402
+from trainers import promptability_report as PR  # noqa: E402
+from trainers import promptability_run as PRun  # noqa: E402
+from trainers import promptability_train as PT  # noqa: E402
 
 CACHE = "/tmp/tf_metaalign_test_promptability_cache"  # shared by runs: pre-training is cached
 
@@ -103,9 +108,9 @@ def test_meta_batches_draw_each_task_from_one_dataset_and_template():
         steps=8, batch_size=4, meta_batch=2, inner_steps=2, task_batch_size=2, seen_examples=5
     )
     assert config.meta_steps == 8 * 4 // (2 * 3 * 2) == 2
-    tasks = P.prepare_tasks(config)
+    tasks = PD.prepare_tasks(config)
     tokenizer = CharTokenizer()
-    (sx, sy, qx), qy = P.meta_batches(tasks, config, tokenizer)
+    (sx, sy, qx), qy = PD.meta_batches(tasks, config, tokenizer)
     m = config.meta_steps * config.meta_batch
     assert sx["encoder_token_ids"].shape == (m, 2, 2, config.encoder_length)
     assert sy.shape == (m, 2, 2, config.decoder_length)
@@ -147,11 +152,11 @@ def test_meta_batches_draw_each_task_from_one_dataset_and_template():
         assert not trained & {e.input_text for e in test}
     # Not the first examples: on Django's component split (ordered by class) the first 16
     # are one class; the control's sample is not.
-    wide = P.prepare_tasks(dataclasses.replace(config, seen_examples=8, eval_examples=64))
+    wide = PD.prepare_tasks(dataclasses.replace(config, seen_examples=8, eval_examples=64))
     component = wide.training["django_component_en"]
     assert len({e["label"] for e in component.test[:16]}) == 1
     assert len({e.label for e in wide.seen_pairs[("django_component_en", "which_part")][1]}) > 1
-    off = P.prepare_tasks(dataclasses.replace(config, seen_examples=0))
+    off = PD.prepare_tasks(dataclasses.replace(config, seen_examples=0))
     assert (
         off.seen_pairs == {}
         and off.seen_num_choices == {}
@@ -173,7 +178,7 @@ def test_arg_table_equals_evaluation_arg_and_bootstrap():
         }
         for i, c in enumerate(("none", "mtl_t", "mtl_tp"))
     }
-    rows = P.arg_table(
+    rows = PR.arg_table(
         correct, choices, ("none", "mtl_t", "mtl_tp"), ("shallow", "deep"), resamples=300, seed=3
     )
     by_name = {r["configuration"]: r for r in rows}
@@ -191,11 +196,11 @@ def test_arg_table_equals_evaluation_arg_and_bootstrap():
     assert by_name["mtl_tp"]["few_shot_deep_p_vs_mtl_t"] == p
     assert "zero_shot_shallow_p_vs_none" not in by_name["none"]
     assert "few_shot_deep_p_vs_mtl_t" not in by_name["mtl_t"]
-    assert "mtl_tp" in P.format_arg_table(rows, ("shallow", "deep"))
+    assert "mtl_tp" in PR.format_arg_table(rows, ("shallow", "deep"))
     # The control's table: one setting, its own datasets' choice counts.
     seen = {c: {"seen_zero_shot": correct[c]["zero_shot"]} for c in correct}
     majority = {k: (rng.random(20) < 0.5).astype(int) for k in pairs}
-    seen_rows = P.arg_table(
+    seen_rows = PR.arg_table(
         seen,
         {"a": 4, "b": 3},
         ("none", "mtl_t", "mtl_tp"),
@@ -226,9 +231,9 @@ def test_arg_table_equals_evaluation_arg_and_bootstrap():
                 correct[c]["zero_shot"]["deep"], majority, {"a": 4, "b": 3}, 300, 3
             ).p_value
         )
-    text = P.format_arg_table(seen_rows, ("shallow", "deep"), settings=("seen_zero_shot",))
+    text = PR.format_arg_table(seen_rows, ("shallow", "deep"), settings=("seen_zero_shot",))
     assert "seen 0-shot deep" in text and "16-shot" not in text
-    assert "{vs majority p=" in text and "vs majority" not in P.format_arg_table(
+    assert "{vs majority p=" in text and "vs majority" not in PR.format_arg_table(
         rows, ("shallow", "deep")
     )
 
@@ -251,7 +256,7 @@ def test_label_prior_loss_is_the_answer_distribution_entropy_per_token():
     """By hand: targets "a" x3 and "bb" x1 under one template; a draw of each costs
     -log(3/4) and -log(1/4) nats over 1+EOS and 2+EOS characters (CharTokenizer), and with
     decoder_length 2 "bb" is cut to 1 token + EOS, as training cuts it."""
-    tasks = P.Tasks(
+    tasks = PD.Tasks(
         training={"d": _OneTemplateDataset(["a", "a", "bb", "a"])},
         evaluation={},
         pairs={},
@@ -261,7 +266,7 @@ def test_label_prior_loss_is_the_answer_distribution_entropy_per_token():
     nll = np.log(4 / 3) + np.log(4)
     for decoder_length, tokens in ((8, 5), (2, 4)):
         _, y = t5_lm.encode_examples([d[2:] for d in draws], CharTokenizer(), 4, decoder_length)
-        assert P.label_prior_loss(draws, tasks, y) == pytest.approx(nll / tokens)
+        assert PD.label_prior_loss(draws, tasks, y) == pytest.approx(nll / tokens)
 
 
 def test_token_loss_weighs_every_token_once_across_batches():
@@ -279,7 +284,7 @@ def test_token_loss_weighs_every_token_once_across_batches():
 
     x = {"row": np.arange(3)}
     for batch_size in (1, 2, 64):
-        assert P.token_loss(lm, x, y, batch_size) == pytest.approx(expected, rel=1e-6)
+        assert PT.token_loss(lm, x, y, batch_size) == pytest.approx(expected, rel=1e-6)
     per_batch_means = np.mean([nll[:2][y[:2] != 0].mean(), nll[2:][y[2:] != 0].mean()])
     assert abs(per_batch_means - expected) > 1e-3  # what batch-averaging would have given
 
@@ -290,7 +295,7 @@ def test_majority_correctness_answers_the_most_frequent_training_label():
     train = [Example(label=y) for y in (2, 0, 2, 1, 2, 0)]
     test = [Example(label=y) for y in (2, 1, 2, 0)]
     tie = [Example(label=y) for y in (3, 1, 1, 3)]  # a tie: the smaller label
-    out = P.majority_correctness({("a", "t"): (train, test), ("b", "t"): (tie, test)})
+    out = PR.majority_correctness({("a", "t"): (train, test), ("b", "t"): (tie, test)})
     np.testing.assert_array_equal(out[("a", "t")], [1, 0, 1, 0])
     np.testing.assert_array_equal(out[("b", "t")], [0, 1, 0, 0])
     # A constant answer scores above chance on an imbalanced many-choice task: 1/2 right
@@ -323,7 +328,7 @@ def test_program_end_to_end_tiny(tmp_path):
     from trainers import common
 
     config = tiny_config()
-    results, weights = P.run(config, log=lambda m: None)
+    results, weights = PRun.run(config, log=lambda m: None)
     path = common.write_json(tmp_path / "results.json", results)
     saved = json.loads(path.read_text())
 
@@ -338,7 +343,7 @@ def test_program_end_to_end_tiny(tmp_path):
             assert set(saved["correct"][c]["seen_zero_shot"][m]) == set(saved["seen_pairs"])
     # The positive control's table, recomputed from its stored correctness, with its
     # p-values against always answering the training majority.
-    majority = P.majority_correctness(P.prepare_tasks(config).seen_pairs)
+    majority = PR.majority_correctness(PD.prepare_tasks(config).seen_pairs)
     for row in saved["seen_arg_table"]:
         for m in P.MODES:
             per = {
@@ -396,7 +401,7 @@ def test_program_end_to_end_tiny(tmp_path):
     assert changes[("mtl_t", None)] > 0
     # Zero-shot "none" == a direct rank classification of the pre-trained model (eager, its
     # own tokenization: ids + EOS), no prompt.
-    model, tokenizer, info = P.pretrained_t5(config)
+    model, tokenizer, info = PD.pretrained_t5(config)
     assert info["cached"]
     for a, b in zip(model.backbone.get_weights(), weights["pretrained"]):
         np.testing.assert_array_equal(a, b)
@@ -408,10 +413,10 @@ def test_program_end_to_end_tiny(tmp_path):
     def score(inputs, targets, mask):
         return prompts.t5_token_log_likelihoods(plain, inputs, inputs != 0, targets, mask)
 
-    tasks = P.prepare_tasks(config)
+    tasks = PD.prepare_tasks(config)
     assert saved["seen_majority_arg"] == pytest.approx(
         E.average_relative_gain(
-            P.majority_correctness(tasks.seen_pairs), saved["seen_num_choices"]
+            PR.majority_correctness(tasks.seen_pairs), saved["seen_num_choices"]
         ),
         abs=1e-12,
     )
@@ -426,7 +431,7 @@ def test_program_end_to_end_tiny(tmp_path):
     # draws, recomputed as ONE batch of Keras's masked loss (a token-weighted mean), and
     # the label-prior loss as `label_prior_loss` computes it on the same draws.
     fit_x, fit_y = t5_lm.encode_examples(
-        [d[2:] for d in P.fit_draws(tasks, config)],
+        [d[2:] for d in PD.fit_draws(tasks, config)],
         tokenizer,
         config.encoder_length,
         config.decoder_length,
@@ -443,8 +448,8 @@ def test_program_end_to_end_tiny(tmp_path):
         assert float(t5_lm.masked_token_loss()(fit_y, plain_lm(fit_x))) == pytest.approx(
             expected, rel=1e-5
         ), key
-    assert saved["fit"]["label_prior_loss"] == P.label_prior_loss(
-        P.fit_draws(tasks, config), tasks, fit_y
+    assert saved["fit"]["label_prior_loss"] == PD.label_prior_loss(
+        PD.fit_draws(tasks, config), tasks, fit_y
     )
     assert all(r["end_loss"] > 0 and r["mean_loss"] > 0 for r in saved["continued_pretraining"])
     # MiniLM: both variants, the encoder frozen.
@@ -465,10 +470,13 @@ def test_fresh_optimizer_state_restores_slots_and_keeps_the_learning_rate():
     left at its value. Zeroing every optimizer variable set the rate to 0: no run trained."""
     import keras
 
-    for optimizer, rate in ((P._optimizer(0.3), 0.3), (keras.optimizers.Adam(0.01), 0.01)):
+    for optimizer, rate in (
+        (PT.adafactor_optimizer(0.3), 0.3),
+        (keras.optimizers.Adam(0.01), 0.01),
+    ):
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
-        reset = P.FreshOptimizerState(model.optimizer, model.trainable_variables)
+        reset = PE.FreshOptimizerState(model.optimizer, model.trainable_variables)
         initial = [v.numpy().copy() for v in model.optimizer.variables]
         x, y = np.ones((4, 3), "float32"), np.zeros((4, 2), "float32")
         for _ in range(2):  # a run, the reset, and a second run that trains as the first
@@ -502,8 +510,8 @@ def test_rank_classification_scores_are_the_teacher_forced_training_loss(mode, l
     config = tiny_config(encoder_length=12, decoder_length=6)
     backbone = small_t5.build_t5(small_t5.t5_config("tiny", vocabulary_size=60)).backbone
     tokenizer = CharTokenizer()
-    evaluator = P.Evaluator(
-        backbone, config, P.Tokenize(tokenizer, config.encoder_length), mode, length
+    evaluator = PE.Evaluator(
+        backbone, config, PD.Tokenize(tokenizer, config.encoder_length), mode, length
     )
     if length:  # a prompt far from zero, so that it matters
         evaluator.set_prompt(evaluator.fresh_prompt(seed=3))
