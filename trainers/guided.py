@@ -26,6 +26,7 @@ hundred steps, not 160k.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -33,27 +34,45 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
-flags.DEFINE_string("lang", "de", "Target language of the Django catalogs.")
-flags.DEFINE_integer("max_chars", 40, "Keep pairs whose sides have at most this many characters.")
-flags.DEFINE_integer("steps", 300, "Training steps per run.")
-flags.DEFINE_integer("batch_size", 32, "Training batch size.")
-flags.DEFINE_integer("guidance_size", 64, "Held-out guidance pairs (one fixed batch).")
-flags.DEFINE_float("dev_fraction", 0.15, "Fraction of pairs held out for dev evaluation.")
-flags.DEFINE_integer("dim", 64, "Transformer width.")
-flags.DEFINE_integer("heads", 4, "Attention heads.")
-flags.DEFINE_integer("ff_dim", 128, "Feed-forward width.")
-flags.DEFINE_float("dropout", 0.1, "Dropout (training only; the guidance loss uses none).")
-flags.DEFINE_list("optimizers", ["lamb", "adafactor"], "lamb, adafactor.")
-flags.DEFINE_float("lamb_learning_rate", 1e-2, "LAMB learning rate (constant schedule).")
-flags.DEFINE_float("adafactor_learning_rate", 1e-2, "Adafactor learning rate (constant).")
-flags.DEFINE_float("meta_learning_rate", 5e-3, "Adam learning rate of the raw hyperparameters.")
-flags.DEFINE_list("beta_1_inits", ["0.1", "0.5", "0.9"], "Initial beta_1 values to compare.")
-flags.DEFINE_string("output_dir", "/tmp/tf_metaalign_guided", "Results, plots, TensorBoard.")
-flags.DEFINE_integer("seed", 0, "Seed of the split, initial weights and batch order.")
+from trainers import settings  # noqa: E402
+from trainers.settings import setting  # noqa: E402
+
+OPTIMIZERS = ("lamb", "adafactor")
+
+
+@dataclasses.dataclass
+class Config:
+    """Everything a run depends on: each field is also the flag of its name (`setting`)."""
+
+    lang: str = setting("de", "Target language of the Django catalogs.")
+    max_chars: int = setting(40, "Keep pairs whose sides have at most this many characters.")
+    steps: int = setting(300, "Training steps per run.")
+    batch_size: int = setting(32, "Training batch size.")
+    guidance_size: int = setting(64, "Held-out guidance pairs (one fixed batch).")
+    dev_fraction: float = setting(0.15, "Fraction of pairs held out for dev evaluation.")
+    dim: int = setting(64, "Transformer width.")
+    heads: int = setting(4, "Attention heads.")
+    ff_dim: int = setting(128, "Feed-forward width.")
+    dropout: float = setting(0.1, "Dropout (training only; the guidance loss uses none).")
+    optimizers: tuple[str, ...] = setting(OPTIMIZERS, "Optimizers to compare.", choices=OPTIMIZERS)
+    lamb_learning_rate: float = setting(1e-2, "LAMB learning rate (constant schedule).")
+    adafactor_learning_rate: float = setting(1e-2, "Adafactor learning rate (constant).")
+    meta_learning_rate: float = setting(5e-3, "Adam learning rate of the raw hyperparameters.")
+    beta_1_inits: tuple[float, ...] = setting((0.1, 0.5, 0.9), "Initial beta_1 values to compare.")
+    seed: int = setting(0, "Seed of the split, initial weights and batch order.")
+
+
+def define_flags():
+    """The program's flags: one per `Config` setting, and `--output_dir` (only when it runs
+    as a program)."""
+    settings.define_flags_from(Config)
+    flags.DEFINE_string("output_dir", "/tmp/tf_metaalign_guided", "Results, plots, TensorBoard.")
+
+
 FLAGS = flags.FLAGS
 
 
-def build_model(vocab_size, max_len):
+def build_model(vocab_size, max_len, config: Config):
     import keras
     import keras_hub
 
@@ -61,25 +80,25 @@ def build_model(vocab_size, max_len):
     dec_in = keras.Input((max_len + 1,), dtype="int32", name="decoder_tokens")
     enc_mask = keras.ops.not_equal(enc_in, 0)
     dec_mask = keras.ops.not_equal(dec_in, 0)
-    x = keras_hub.layers.TokenAndPositionEmbedding(vocab_size, max_len, FLAGS.dim)(enc_in)
-    x = keras_hub.layers.TransformerEncoder(FLAGS.ff_dim, FLAGS.heads, dropout=FLAGS.dropout)(
+    x = keras_hub.layers.TokenAndPositionEmbedding(vocab_size, max_len, config.dim)(enc_in)
+    x = keras_hub.layers.TransformerEncoder(config.ff_dim, config.heads, dropout=config.dropout)(
         x, padding_mask=enc_mask
     )
-    y = keras_hub.layers.TokenAndPositionEmbedding(vocab_size, max_len + 1, FLAGS.dim)(dec_in)
-    y = keras_hub.layers.TransformerDecoder(FLAGS.ff_dim, FLAGS.heads, dropout=FLAGS.dropout)(
+    y = keras_hub.layers.TokenAndPositionEmbedding(vocab_size, max_len + 1, config.dim)(dec_in)
+    y = keras_hub.layers.TransformerDecoder(config.ff_dim, config.heads, dropout=config.dropout)(
         y, x, decoder_padding_mask=dec_mask, encoder_padding_mask=enc_mask
     )
     logits = keras.layers.Dense(vocab_size, name="logits")(y)
     return keras.Model([enc_in, dec_in], logits, name="char_transformer")
 
 
-def make_optimizer(name, beta_1):
+def make_optimizer(name, beta_1, config: Config):
     from tf_metaalign import optimizers as O
 
     if name == "lamb":
-        return O.Lamb(FLAGS.lamb_learning_rate, beta_1=beta_1)
+        return O.Lamb(config.lamb_learning_rate, beta_1=beta_1)
     if name == "adafactor":
-        return O.Adafactor(FLAGS.adafactor_learning_rate, beta_1=beta_1)
+        return O.Adafactor(config.adafactor_learning_rate, beta_1=beta_1)
     raise ValueError(f"`--optimizers`: unknown optimizer {name!r} (lamb, adafactor).")
 
 
@@ -109,18 +128,22 @@ def main(argv):
     from tf_metaalign.trainers.guided import GuidedTrainer
     from trainers.common import StepTimer, format_table, prepare_output_dir, write_json
 
+    try:
+        config = settings.config_from_flags(Config, FLAGS)
+    except ValueError as e:
+        raise app.UsageError(str(e))
     out_dir = prepare_output_dir(FLAGS.output_dir)
-    pairs = translation.load_django_pairs(FLAGS.lang, max_chars=FLAGS.max_chars)
+    pairs = translation.load_django_pairs(config.lang, max_chars=config.max_chars)
     train, guidance, dev = translation.split_pairs(
-        pairs, FLAGS.dev_fraction, FLAGS.guidance_size, FLAGS.seed
+        pairs, config.dev_fraction, config.guidance_size, config.seed
     )
     vocab = translation.CharVocab([t for p in train for t in p])
-    L = FLAGS.max_chars
+    L = config.max_chars
     tr = translation.make_char_seq2seq(train, vocab, L)
     gd = translation.make_char_seq2seq(guidance, vocab, L)
     dv = translation.make_char_seq2seq(dev, vocab, L)
     print(
-        f"{FLAGS.lang}: {len(train)} train / {len(guidance)} guidance / {len(dev)} dev pairs, "
+        f"{config.lang}: {len(train)} train / {len(guidance)} guidance / {len(dev)} dev pairs, "
         f"{len(vocab)} symbols",
         flush=True,
     )
@@ -129,32 +152,32 @@ def main(argv):
         (enc, dec), lab, mask = tr
         ds = tf.data.Dataset.from_tensor_slices(((enc, dec), lab, mask))
         return (
-            ds.shuffle(len(lab), seed=FLAGS.seed)
+            ds.shuffle(len(lab), seed=config.seed)
             .repeat()
-            .batch(FLAGS.batch_size, drop_remainder=True)
+            .batch(config.batch_size, drop_remainder=True)
         )
 
     guidance_batch = (gd[0], gd[1], gd[2])
-    keras.utils.set_random_seed(FLAGS.seed)
-    model = build_model(len(vocab), L)
+    keras.utils.set_random_seed(config.seed)
+    model = build_model(len(vocab), L, config)
     initial = model.get_weights()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     runs = []
-    for opt in FLAGS.optimizers:
+    for opt in config.optimizers:
         default_b1 = 0.9 if opt == "lamb" else 0.0
         runs.append((opt, "baseline", None, default_b1))
         runs.append((opt, "lr", ("learning_rate",), default_b1))
         runs.append((opt, "beta_1", ("beta_1",), default_b1))
         runs.append((opt, "both", ("learning_rate", "beta_1"), default_b1))
-        for b in FLAGS.beta_1_inits:
-            if float(b) != default_b1:
-                runs.append((opt, f"beta_1@{b}", ("beta_1",), float(b)))
+        for b in config.beta_1_inits:
+            if b != default_b1:
+                runs.append((opt, f"beta_1@{b:g}", ("beta_1",), b))
 
     rows, schedules = [], {}
     for opt, name, hparams, b1 in runs:
         model.set_weights(initial)
-        keras.utils.set_random_seed(FLAGS.seed)
+        keras.utils.set_random_seed(config.seed)
         if hparams is None:
             runner = model
         else:
@@ -162,9 +185,9 @@ def main(argv):
                 model,
                 guidance_batch,
                 hyperparameters=hparams,
-                meta_optimizer=O.Adam(FLAGS.meta_learning_rate),
+                meta_optimizer=O.Adam(config.meta_learning_rate),
             )
-        runner.compile(make_optimizer(opt, b1), loss)
+        runner.compile(make_optimizer(opt, b1, config), loss)
         recorder = ScheduleRecorder(
             (
                 "learning_rate_scale",
@@ -181,7 +204,7 @@ def main(argv):
         t0 = time.time()
         hist = runner.fit(
             dataset(),
-            steps_per_epoch=FLAGS.steps,
+            steps_per_epoch=config.steps,
             epochs=1,
             verbose=0,
             callbacks=[recorder, timer, tb],
@@ -211,7 +234,7 @@ def main(argv):
             flush=True,
         )
 
-    for opt in FLAGS.optimizers:
+    for opt in config.optimizers:
         main_runs = {
             n: schedules[(o, n)]
             for (o, n) in schedules
@@ -250,7 +273,7 @@ def main(argv):
     path = write_json(
         out_dir / "results.json",
         {
-            "task": f"django en->{FLAGS.lang}, char-level, <= {FLAGS.max_chars} chars",
+            "task": f"django en->{config.lang}, char-level, <= {config.max_chars} chars",
             "sizes": {
                 "train": len(train),
                 "guidance": len(guidance),
@@ -258,7 +281,7 @@ def main(argv):
                 "vocab": len(vocab),
             },
             "flags": {
-                k: getattr(FLAGS, k)
+                k: getattr(config, k)
                 for k in (
                     "steps",
                     "batch_size",
@@ -280,4 +303,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -33,6 +33,7 @@ loss surface with every method's trajectory of phi, like the paper's Fig. 3) to
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -41,6 +42,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app, flags  # noqa: E402
 
 from trainers import multitask_methods as MM  # noqa: E402
+from trainers import settings  # noqa: E402
+from trainers.settings import setting  # noqa: E402
 
 #: The default run (the paper's Fig. 3 comparison).
 METHODS = ("mtl", "pcgrad", "gradvac", "gradnorm", "recadam", "reptile", "sequential_reptile")
@@ -65,30 +68,35 @@ NEEDS_NONNEGATIVE_LOSSES = {
 }
 
 
-def define_flags():
-    """The program's flags. Defined only when it runs as a program (`__main__`), so that
-    importing its functions (tests) registers no flag that another program defines too."""
-    flags.DEFINE_list(
-        "methods",
-        list(METHODS),
-        f"Which methods: {', '.join(MM.known(PROGRAM_METHODS, ALIASES))}; "
-        f"'{MM.ZOO}' = every method of the multi-task registry.",
+@dataclasses.dataclass
+class Config:
+    """The program's settings: each field is also the flag of its name (`setting`)."""
+
+    methods: tuple[str, ...] = setting(
+        METHODS,
+        lambda: (
+            f"Which methods: {', '.join(MM.known(PROGRAM_METHODS, ALIASES))}; "
+            f"'{MM.ZOO}' = every method of the multi-task registry."
+        ),
     )
-    flags.DEFINE_list(
-        "method_options",
-        [],
-        "Registry methods' hyperparameters, <method>.<argument>=<value>, e.g. "
+    method_options: dict = setting(
+        default_factory=dict,
+        help="Registry methods' hyperparameters, <method>.<argument>=<value>, e.g. "
         "cagrad.calpha=0.4,gradvac.beta=0.5.",
+        parse=MM.parse_method_options,
     )
-    flags.DEFINE_integer(
-        "steps", 1800, "Task gradients per method (MTL: steps/3 steps of 3 tasks)."
-    )
-    flags.DEFINE_integer("inner_steps", 3, "K of Reptile and Sequential Reptile.")
-    flags.DEFINE_float(
-        "learning_rate", 0.1, "SGD learning rate (MTL & co.; the inner rate of Reptile)."
-    )
-    flags.DEFINE_float("outer_learning_rate", 0.5, "eta of Reptile and Sequential Reptile.")
-    flags.DEFINE_integer("seed", 0, "Seed of the task stream (and PCGrad's order).")
+    steps: int = setting(1800, "Task gradients per method (MTL: steps/3 steps of 3 tasks).")
+    inner_steps: int = setting(3, "K of Reptile and Sequential Reptile.")
+    learning_rate: float = setting(0.1, "SGD learning rate (MTL & co.; the inner rate of Reptile).")
+    outer_learning_rate: float = setting(0.5, "eta of Reptile and Sequential Reptile.")
+    seed: int = setting(0, "Seed of the task stream (and PCGrad's order).")
+
+
+def define_flags():
+    """The program's flags: one per `Config` setting, and `--output_dir`. Defined only when
+    it runs as a program (`__main__`), so that importing its functions (tests) registers no
+    flag that another program defines too."""
+    settings.define_flags_from(Config)
     flags.DEFINE_string("output_dir", "/tmp/tf_metaalign_multitask_synthetic", "Where results go.")
 
 
@@ -294,18 +302,22 @@ def main(argv):
     del argv
     from trainers import common
 
+    try:
+        config = settings.config_from_flags(Config, FLAGS)
+    except ValueError as e:
+        raise app.UsageError(str(e))
     zoo_skipped = [
-        m for m in NEEDS_NONNEGATIVE_LOSSES if MM.ZOO in FLAGS.methods and m not in FLAGS.methods
+        m for m in NEEDS_NONNEGATIVE_LOSSES if MM.ZOO in config.methods and m not in config.methods
     ]
-    methods = tuple(m for m in MM.expand(FLAGS.methods, ALIASES) if m not in zoo_skipped)
+    methods = tuple(m for m in MM.expand(config.methods, ALIASES) if m not in zoo_skipped)
     for m in zoo_skipped:
         print(
             f"'{MM.ZOO}' without {m}: this problem's task losses are negative and "
             f"{NEEDS_NONNEGATIVE_LOSSES[m]}."
         )
+    options = config.method_options
     try:
         MM.check_methods(methods, PROGRAM_METHODS, ALIASES)
-        options = MM.parse_method_options(FLAGS.method_options)
         MM.check_method_options(options, methods, ALIASES)
     except ValueError as e:
         raise app.UsageError(str(e))
@@ -313,14 +325,14 @@ def main(argv):
     rows, trajectories = [], {}
     for method in methods:
         start = time.perf_counter()
-        print(f"[{method}] training ({FLAGS.steps} task gradients)", flush=True)
+        print(f"[{method}] training ({config.steps} task gradients)", flush=True)
         phi, points = run_method(
             method,
-            FLAGS.steps,
-            FLAGS.inner_steps,
-            FLAGS.learning_rate,
-            FLAGS.outer_learning_rate,
-            FLAGS.seed,
+            config.steps,
+            config.inner_steps,
+            config.learning_rate,
+            config.outer_learning_rate,
+            config.seed,
             {m: o for m, o in options.items() if m == method},
         )
         rows.append(summarise(method, phi, points, time.perf_counter() - start))
@@ -331,18 +343,7 @@ def main(argv):
     common.write_json(
         out / "results.json",
         {
-            "flags": common.flag_values(
-                flags,
-                [
-                    "methods",
-                    "method_options",
-                    "steps",
-                    "inner_steps",
-                    "learning_rate",
-                    "outer_learning_rate",
-                    "seed",
-                ],
-            ),
+            "flags": dataclasses.asdict(config),
             "runs": [{k: v for k, v in r.items() if k not in ("phi", "task_losses")} for r in rows],
         },
     )

@@ -145,7 +145,7 @@ def test_the_flags_belong_to_the_module_that_defines_them():
     assert "trainers.settings" not in values.flags_by_module_dict()
 
 
-PROGRAMS = ("fewshot", "multitask")
+PROGRAMS = ("fewshot", "guided", "multitask", "multitask_synthetic", "promptability")
 
 
 @pytest.mark.parametrize("program", PROGRAMS)
