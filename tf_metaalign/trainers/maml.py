@@ -162,7 +162,9 @@ class MAMLTrainer(MetaTrainer):
       first_order: FOMAML-style outer gradient.
       learn_inner_learning_rates: "none", "per_parameter" or "per_layer_per_step".
       gradient_sharing: None, True, or a `tf_metaalign.algorithms.GradientSharing`.
-      multi_step_loss, multi_step_loss_epochs, first_order_epochs: MAML++ (above).
+      multi_step_loss: MAML++'s multi-step loss (above).
+      multi_step_loss_epochs: the epochs over which its weights anneal (above).
+      first_order_epochs: MAML++'s first-order epochs (above).
       per_step_batch_norm_statistics: MAML++'s per-step statistics (above; needs a built
         model with statistics).
       evaluation_inner_steps: inner steps of `evaluate` (default K).

@@ -89,6 +89,17 @@ class TaskInputs:
         if not `uses_gradients`).
       shared_variables: the shared variables (for methods that pick one, e.g. GradNorm's
         last shared layer), in the order of `task_grads[t]`.
+
+    Example:
+      >>> from tf_metaalign.algorithms.multitask import PCGrad, TaskInputs
+      >>> gram = tf.constant([[1.0, -0.5], [-0.5, 1.0]], tf.float64)  # conflicting tasks
+      >>> inputs = TaskInputs(
+      ...     losses=tf.constant([1.0, 1.0], tf.float64), present=tf.ones([2], tf.float64),
+      ...     step=tf.constant(0, tf.int64), epoch=tf.constant(0, tf.int64), seed=0, gram=gram,
+      ... )
+      >>> # each g_t projected off the other: g_1 + 0.5 g_2 and g_2 + 0.5 g_1
+      >>> inputs.num_tasks, PCGrad().combine(inputs, {}).shared.numpy().round(3).tolist()
+      (2, [1.5, 1.5])
     """
 
     losses: tf.Tensor
