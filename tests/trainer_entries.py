@@ -743,3 +743,10 @@ from multitask_outputs_entries import OUTPUT_ENTRIES  # noqa: E402
 ENTRIES += OUTPUT_ENTRIES
 
 BY_NAME = {e.name: e for e in ENTRIES}  # rebuilt with the entries appended above
+
+# The prompt trainers on a prompted keras-hub decoder (prompts.prompt_causal_lm).
+from causal_lm_entries import DECODER_ENTRIES  # noqa: E402
+
+ENTRIES += DECODER_ENTRIES
+
+BY_NAME = {e.name: e for e in ENTRIES}

@@ -744,7 +744,7 @@ def causal_lm_token_log_likelihoods(
     read = ops.clip(read, 0, s + t - 1)
     per_position = ops.take_along_axis(log_probs, read[..., None], axis=1)  # [N, T, V]
     picked = ops.take_along_axis(per_position, target_ids[..., None], axis=-1)[..., 0]
-    return picked * ops.cast(target_mask, picked.dtype)
+    return ops.where(target_mask > 0, picked, ops.zeros_like(picked))
 
 
 def causal_lm_score_fn(model, pad_id=0, training=False):
