@@ -130,11 +130,26 @@ def define_flags():
         "Also time the pretrained MiniLM (skipped with the reason if it does not load offline).",
     )
     flags.DEFINE_integer("bert_sequence_length", 64, "MiniLM input tokens.")
+    flags.DEFINE_bool(
+        "decoder",
+        True,
+        "Also time a GPT-2 decoder LM built from a config (`prompts.prompt_causal_lm`).",
+    )
+    flags.DEFINE_enum(
+        "gpt2_size",
+        "small",
+        list(GPT2_SIZES),
+        "GPT-2 shape: 'small' is GPT-2 small (12 layers, hidden 768, 12 heads, vocabulary "
+        "50257, 124M parameters; random weights); 'tiny' for smoke runs.",
+    )
+    flags.DEFINE_integer("gpt2_batch_size", 2, "Sequences per GPT-2 step.")
+    flags.DEFINE_integer("gpt2_sequence_length", 64, "GPT-2 input tokens (before the prompt).")
     flags.DEFINE_integer("bert_num_classes", 4, "Classes of the MiniLM head.")
     flags.DEFINE_list(
         "configs",
         [
             "t5_full",
+            "t5_full_long",
             "t5_shallow_prompt",
             "t5_deep_prompt",
             "t5_shallow_both",
@@ -142,9 +157,17 @@ def define_flags():
             "t5_fomaml",
             "t5_reptile",
             "bert_full",
+            "bert_full_long",
             "bert_shallow_prompt",
+            "bert_shallow_both",
+            "gpt2_full",
+            "gpt2_full_long",
+            "gpt2_shallow_prompt",
+            "gpt2_deep_prompt",
+            "gpt2_shallow_both",
+            "gpt2_deep_both",
         ],
-        "Configurations (bert_* dropped with --nobert).",
+        "Configurations (bert_* dropped with --nobert, gpt2_* with --nodecoder).",
     )
     flags.DEFINE_enum(
         "optimizer",
@@ -168,10 +191,44 @@ def define_flags():
 
 FLAGS = flags.FLAGS
 
-T5_CONFIGS = ("t5_full", "t5_shallow_prompt", "t5_deep_prompt", "t5_shallow_both", "t5_deep_both")
+T5_CONFIGS = (
+    "t5_full",
+    "t5_full_long",
+    "t5_shallow_prompt",
+    "t5_deep_prompt",
+    "t5_shallow_both",
+    "t5_deep_both",
+)
 META_CONFIGS = ("t5_fomaml", "t5_reptile")
-BERT_CONFIGS = ("bert_full", "bert_shallow_prompt")
-ALL_CONFIGS = T5_CONFIGS + META_CONFIGS + BERT_CONFIGS
+BERT_CONFIGS = ("bert_full", "bert_full_long", "bert_shallow_prompt", "bert_shallow_both")
+GPT2_CONFIGS = (
+    "gpt2_full",
+    "gpt2_full_long",
+    "gpt2_shallow_prompt",
+    "gpt2_deep_prompt",
+    "gpt2_shallow_both",
+    "gpt2_deep_both",
+)
+ALL_CONFIGS = T5_CONFIGS + META_CONFIGS + BERT_CONFIGS + GPT2_CONFIGS
+#: GPT-2 shapes built from a config (random weights: no pretrained GPT-2 exists offline).
+GPT2_SIZES = {
+    "small": dict(
+        vocabulary_size=50257,
+        num_layers=12,
+        num_heads=12,
+        hidden_dim=768,
+        intermediate_dim=3072,
+        max_sequence_length=1024,
+    ),
+    "tiny": dict(
+        vocabulary_size=64,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=128,
+    ),
+}
 #: The ratios reported: (numerator, denominator) configurations.
 RATIOS = (
     ("t5_shallow_prompt", "t5_full"),
@@ -181,9 +238,23 @@ RATIOS = (
     # The frozen transformer alone: the same prompted model, prompt-only vs everything.
     ("t5_shallow_prompt", "t5_shallow_both"),
     ("t5_deep_prompt", "t5_deep_both"),
+    # The plain backbone at the same sequence length INCLUDING the prompt (S + L tokens).
+    ("t5_shallow_prompt", "t5_full_long"),
+    ("t5_deep_prompt", "t5_full_long"),
+    ("t5_full_long", "t5_full"),
     ("t5_fomaml", "t5_full"),
     ("t5_reptile", "t5_full"),
     ("bert_shallow_prompt", "bert_full"),
+    ("bert_shallow_prompt", "bert_shallow_both"),
+    ("bert_shallow_prompt", "bert_full_long"),
+    ("bert_full_long", "bert_full"),
+    ("gpt2_shallow_prompt", "gpt2_shallow_both"),
+    ("gpt2_deep_prompt", "gpt2_deep_both"),
+    ("gpt2_shallow_prompt", "gpt2_full_long"),
+    ("gpt2_deep_prompt", "gpt2_full_long"),
+    ("gpt2_shallow_prompt", "gpt2_full"),
+    ("gpt2_deep_prompt", "gpt2_full"),
+    ("gpt2_full_long", "gpt2_full"),
 )
 #: Quantities whose ratio is reported for every pair above (results keys).
 RATIO_KEYS = (
@@ -195,13 +266,15 @@ RATIO_KEYS = (
 )
 
 
-def check_configs(configs, bert):
+def check_configs(configs, bert, decoder=True):
     unknown = [c for c in configs if c not in ALL_CONFIGS]
     if unknown:
         raise ValueError(
             f"`--configs`: unknown configuration(s) {unknown}; expected among {list(ALL_CONFIGS)}."
         )
-    return [c for c in configs if bert or c not in BERT_CONFIGS]
+    return [
+        c for c in configs if (bert or c not in BERT_CONFIGS) and (decoder or c not in GPT2_CONFIGS)
+    ]
 
 
 # ------------------------------------------------------------------------ models
@@ -266,18 +339,20 @@ def t5_backbone():
     return keras_hub.models.T5Backbone(**t5_config())
 
 
-def t5_batch(seed=0, leading=()):
-    """Random token ids, no padding: x (the backbone's dict) and y [.., B, T]."""
+def t5_batch(seed=0, leading=(), encoder_length=None):
+    """Random token ids, no padding: x (the backbone's dict) and y [.., B, T]; the encoder
+    input has `encoder_length` tokens (default `--encoder_length`)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     shape = tuple(leading) + (FLAGS.batch_size,)
     V = FLAGS.t5_vocabulary_size
+    S = FLAGS.encoder_length if encoder_length is None else encoder_length
     y = rng.integers(2, V, shape + (FLAGS.decoder_length,)).astype("int32")
     decoder = np.concatenate([np.zeros_like(y[..., :1]), y[..., :-1]], axis=-1)
     x = {
-        "encoder_token_ids": rng.integers(2, V, shape + (FLAGS.encoder_length,)).astype("int32"),
-        "encoder_padding_mask": np.ones(shape + (FLAGS.encoder_length,), "int32"),
+        "encoder_token_ids": rng.integers(2, V, shape + (S,)).astype("int32"),
+        "encoder_padding_mask": np.ones(shape + (S,), "int32"),
         "decoder_token_ids": decoder,
         "decoder_padding_mask": np.ones(shape + (FLAGS.decoder_length,), "int32"),
     }
@@ -302,10 +377,37 @@ def build(config):
     from tf_metaalign import prompts
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if config.startswith("gpt2_"):
+        import keras_hub
+        import numpy as np
+
+        keras.utils.set_random_seed(0)  # every configuration starts from the same weights
+        backbone = keras_hub.models.GPT2Backbone(**GPT2_SIZES[FLAGS.gpt2_size])
+        params = int(backbone.count_params())
+        B, S = FLAGS.gpt2_batch_size, FLAGS.gpt2_sequence_length
+        if config in ("gpt2_full", "gpt2_full_long"):
+            # The plain LM (logits through the tied token embedding, as GPT2CausalLM).
+            model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+            if config == "gpt2_full_long":  # the plain backbone on S + L tokens
+                S += FLAGS.prompt_length
+        else:
+            _, mode, train = config.split("_")
+            model = prompts.prompt_causal_lm(backbone, FLAGS.prompt_length, mode=mode, train=train)
+        runner = model
+        rng = np.random.default_rng(0)
+        V = backbone.vocabulary_size
+        x = {
+            "token_ids": rng.integers(1, V, (B, S)).astype("int32"),
+            "padding_mask": np.ones((B, S), "int32"),
+        }
+        y = rng.integers(1, V, (B, S)).astype("int32")  # next-token targets, every position
+        data = tf.data.Dataset.from_tensors((x, y)).repeat()
+        runner.compile(optimizer=make_optimizer(), loss=loss)
+        return runner, data, model, params
     if config.startswith("t5_"):
         backbone = t5_backbone()
         params = int(backbone.count_params())
-        if config == "t5_full":
+        if config in ("t5_full", "t5_full_long"):
             model = lm_head_class()(backbone)
         elif config in META_CONFIGS:
             model = lm_head_class()(
@@ -341,7 +443,10 @@ def build(config):
             data = tf.data.Dataset.from_tensors(((sx, sy, qx), qy)).repeat()
         else:
             runner = model
-            data = tf.data.Dataset.from_tensors(t5_batch()).repeat()
+            # t5_full_long: the plain backbone on S + L encoder tokens, the length the
+            # shallow prompt's encoder runs on.
+            length = FLAGS.encoder_length + (FLAGS.prompt_length if config == "t5_full_long" else 0)
+            data = tf.data.Dataset.from_tensors(t5_batch(encoder_length=length)).repeat()
     else:
         import numpy as np
 
@@ -350,14 +455,16 @@ def build(config):
         backbone = text_encoder.load_minilm_backbone()
         params = int(backbone.count_params())
         keras.utils.set_random_seed(0)
-        encoder = (
-            backbone
-            if config == "bert_full"
-            else prompts.prompt_bert(backbone, FLAGS.prompt_length, train="prompt")
-        )
+        if config in ("bert_full", "bert_full_long"):
+            encoder = backbone
+        else:
+            train = config.split("_")[-1]  # bert_shallow_prompt / bert_shallow_both
+            encoder = prompts.prompt_bert(backbone, FLAGS.prompt_length, train=train)
         model = runner = bert_head_class()(encoder, FLAGS.bert_num_classes)
         rng = np.random.default_rng(0)
         B, S = FLAGS.batch_size, FLAGS.bert_sequence_length
+        if config == "bert_full_long":  # the plain backbone on S + L tokens
+            S += FLAGS.prompt_length
         ids = rng.integers(1000, backbone.vocabulary_size, (B, S)).astype("int32")
         ids[:, 0] = 101  # [CLS]
         x = {
@@ -412,7 +519,7 @@ def main(argv):
 
     started = time.time()
     environment_start = common.environment()
-    configs = check_configs(FLAGS.configs, FLAGS.bert)
+    configs = check_configs(FLAGS.configs, FLAGS.bert, FLAGS.decoder)
     skipped = {}
     if any(c in BERT_CONFIGS for c in configs):
         from trainers.experiments import text_encoder
@@ -559,6 +666,16 @@ def main(argv):
                     "num_classes": FLAGS.bert_num_classes,
                 }
                 if FLAGS.bert and not skipped
+                else None
+            ),
+            "gpt2": (
+                {
+                    "size": FLAGS.gpt2_size,
+                    **GPT2_SIZES[FLAGS.gpt2_size],
+                    "batch_size": FLAGS.gpt2_batch_size,
+                    "sequence_length": FLAGS.gpt2_sequence_length,
+                }
+                if any(c in GPT2_CONFIGS for c in configs)
                 else None
             ),
         },
