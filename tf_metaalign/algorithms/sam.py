@@ -91,6 +91,14 @@ class SAMResult:
       rho: the rho used (a scalar tensor).
       surrogate_gap: (L(w + e) - L(w)) / gradient_scale on this replica (0 when not
         perturbed).
+
+    Example:
+      >>> import tensorflow as tf
+      >>> def loss_fn(params, state, batch):
+      ...     return tf.reduce_sum(params[0] ** 2), (state, None)
+      >>> r = sam_gradient(loss_fn, [tf.constant([0.0, 2.0])], None, None, rho=1.0)
+      >>> float(r.loss), float(r.perturbed_loss), float(r.surrogate_gap), float(r.grad_norm)
+      (4.0, 9.0, 5.0, 4.0)
     """
 
     gradient: list

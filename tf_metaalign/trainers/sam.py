@@ -250,7 +250,11 @@ class GSAMTrainer(SAMTrainer):
       rho_min: rho at the smallest learning rate (None: constant rho).
       learning_rate_range: `(lr_min, lr_max)` of the learning-rate schedule; needed when
         rho_min differs from rho.
-      adaptive, eta, every, m_sharpness, **kwargs: as `SAMTrainer`.
+      adaptive: as `SAMTrainer` (ASAM's perturbation).
+      eta: as `SAMTrainer`.
+      every: as `SAMTrainer`.
+      m_sharpness: as `SAMTrainer`.
+      **kwargs: passed to `keras.Model`.
 
     Returns:
       A `keras.Model` to `compile` and `fit`.
