@@ -134,3 +134,20 @@ def test_one_prompt_fomaml_meta_step(executed):
     # The outer step applies the query gradient of ALL weights: everything moves.
     assert prompt_moved == prompt_total == 3 and moved == total > 0, out
     assert "inner prompt steps counted (2 tasks x 2 steps): 4" in out, out
+
+
+def test_decoder_prefix_tuning_scoring_and_generation(executed):
+    """Section 7: a deep prefix on a tiny GPT-2 (2 layers, 2 heads of 16: one [L, 2 * 2 * 32]
+    matrix) trained alone lowers the answer loss and leaves GPT-2 bit-identical; rank
+    classification by the answer continuation gives an accuracy; keras-hub's generate runs."""
+    nb, _ = executed
+    out = NB.stdout(NB.cell(nb, "prompts.prompt_causal_lm("))
+    assert f"decoder prefix: {{'prompt_prefix': ({L}, {2 * 2 * 32})}}" in out, out
+    before, after = map(
+        float, re.search(rf"decoder answer loss before ({NUMBER}) after ({NUMBER})", out).groups()
+    )
+    assert after < before, out
+    assert "GPT-2 weights bit-identical after prefix tuning: True" in out, out
+    accuracy = float(re.search(rf"test accuracy ({NUMBER}) \(chance", out).group(1))
+    assert 0.0 <= accuracy <= 1.0, out
+    assert len(re.findall(r"generated .* target ", out)) == 3, out

@@ -221,6 +221,27 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
     default selection). A zero-length prompt is the plain backbone (the same computation).
     Loading a saved `.keras` file needs this module imported (`tf_metaalign.prompts.
     PromptedCausalLM` imports it).
+
+    Example:
+
+    >>> import keras_hub, numpy as np
+    >>> from tf_metaalign import prompts
+    >>> backbone = keras_hub.models.LlamaBackbone(
+    ...     vocabulary_size=32, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+    ...     hidden_dim=8, intermediate_dim=16)
+    >>> model = prompts.PromptedCausalLM(backbone, length=2, mode="deep", reparameterize=True)
+    >>> [tuple(v.shape) for v in model.trainable_variables][:2]  # embedding, first Linear
+    [(2, 4), (4, 4)]
+    >>> tuple(model.prefix_key_values().shape)  # layers, key/value, L, kv heads, head dim
+    (1, 2, 2, 2, 2)
+    >>> folded = model.fold_reparameterization()
+    >>> x = {"token_ids": np.array([[3, 4, 5]]), "padding_mask": np.array([[1, 1, 1]])}
+    >>> bool(np.allclose(folded(x), model(x), atol=1e-6))
+    True
+
+    References:
+        Li & Liang 2021 (prefix tuning); Lester et al. 2021 (prompt tuning); Hugging Face
+        PEFT (`PrefixEncoder`, `PromptEmbedding`, `PromptEncoder`).
     """
 
     ARCHITECTURE = None  # per instance: "gpt2", "gemma" or "llama"
@@ -689,10 +710,12 @@ def causal_lm_token_log_likelihoods(
     Args:
         model: a `PromptedCausalLM` or any keras-hub `CausalLM` (`{"token_ids",
             "padding_mask"} -> logits`).
-        input_ids, input_padding_mask: [N, S], each row's real tokens first (right
-            padding); every row needs at least one (a BOS), as a decoder predicts the
-            first answer token from the last input token.
-        target_ids, target_padding_mask: [N, T] the answer continuations (right padding).
+        input_ids: [N, S] int, each row's real tokens first (right padding); every row
+            needs at least one (a BOS), as a decoder predicts the first answer token from
+            the last input token.
+        input_padding_mask: [N, S] 0/1, 1 on the real input tokens.
+        target_ids: [N, T] int, the answer continuations (right padding).
+        target_padding_mask: [N, T] 0/1, 1 on the real answer tokens (None: all ones).
         training: passed to the model.
 
     Returns:
