@@ -35,7 +35,6 @@ import time
 import keras
 import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
 
 from tf_metaalign.data import stacked_batches
 from tf_metaalign.trainers import ReptileTrainer
@@ -72,6 +71,8 @@ def model_fn(args):
 
 
 def digits():
+    from sklearn.datasets import load_digits
+
     d = load_digits()
     x = (d.images / 16.0)[..., None].astype("float32")
     return {c: x[d.target == c] for c in range(10)}
@@ -106,16 +107,22 @@ def inner_sgd(model, batches, lr):
         optimizer.apply_gradients(zip(grads, model.trainable_weights))
 
 
+def keras_io_meta_step(model, batches, learning_rate, meta_step_size):
+    """The meta step of keras-io's reptile.py, line for line: `inner_sgd` on `batches` from
+    the current weights, then weights <- old + (new - old) * meta_step_size."""
+    old = model.get_weights()
+    inner_sgd(model, batches, learning_rate)
+    new = model.get_weights()
+    model.set_weights([o + (n - o) * meta_step_size for o, n in zip(old, new)])
+
+
 def train_hand(args, train_elements):
     model = model_fn(args)
     times = []
     for i, (xs, ys) in enumerate(train_elements):
         start = time.perf_counter()
-        old = model.get_weights()
-        inner_sgd(model, zip(xs, ys), args.learning_rate)
-        new = model.get_weights()
         step = (1 - i / args.meta_iters) * args.meta_step_size
-        model.set_weights([o + (n - o) * step for o, n in zip(old, new)])
+        keras_io_meta_step(model, zip(xs, ys), args.learning_rate, step)
         times.append(time.perf_counter() - start)
     return model, times
 

@@ -14,6 +14,8 @@ from tf_metaalign.algorithms.multitask import base
 from tf_metaalign.algorithms.multitask import aligned_mtl as AM
 from tf_metaalign.algorithms.multitask import nash as NM
 
+from test_mtl_weighting import _trainer_data  # the weighting tests' conflicting tasks
+
 F32_EPS = float(np.finfo(np.float32).eps)
 
 
@@ -485,14 +487,6 @@ def test_aligned_bad_arguments():
 # ---------------------------------------------------------------- through the trainer
 
 
-def _trainer_data():
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(24, 4)), rng.normal(size=(24, 2))
-    task = (np.arange(24) % 3).astype("int32")
-    y[task == 1] *= -3.0  # a conflicting task
-    return x, y, task
-
-
 def _numpy_step_weights(method, G, present, step, prev):
     if isinstance(method, NM.NashMTL):
         if step % method.update_weights_every == 0:
@@ -521,7 +515,7 @@ def test_multitask_trainer_equals_numpy_reference(float64, method):
     model = keras.Sequential(
         [keras.Input((4,), dtype="float64"), keras.layers.Dense(2, dtype="float64")]
     )
-    x, y, task = _trainer_data()
+    x, y, task = _trainer_data(24)
     lr = 0.1
     trainer = MultiTaskTrainer(model, num_tasks=3, method=method, seed=0)
     W, b = [v.numpy().copy() for v in model.trainable_variables]
@@ -556,7 +550,7 @@ def test_two_replicas_equal_one(float64, method):
     from conftest import two_cpu_strategy
     from tf_metaalign.trainers import MultiTaskTrainer
 
-    x, y, task = _trainer_data()
+    x, y, task = _trainer_data(24)
 
     def run(strategy):
         with strategy.scope():

@@ -617,10 +617,12 @@ def test_float32_losses_with_float64_state(method):
 # ---------------------------------------------------------------- through the trainer
 
 
-def _trainer_data():
+def _trainer_data(rows=27):
+    """`rows` examples of 3 tasks (task = row % 3) of a linear regression, task 1's
+    targets flipped and scaled (a conflicting task); also the Nash-MTL / Aligned-MTL tests'."""
     rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(27, 4)), rng.normal(size=(27, 2))
-    task = (np.arange(27) % 3).astype("int32")
+    x, y = rng.normal(size=(rows, 4)), rng.normal(size=(rows, 2))
+    task = (np.arange(rows) % 3).astype("int32")
     y[task == 1] *= -3.0  # a conflicting task
     return x, y, task
 

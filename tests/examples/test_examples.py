@@ -190,25 +190,6 @@ def _keras_io_reptile_model(classes=5):
     return keras.Model(inputs=inputs, outputs=outputs)
 
 
-def _hand_meta_step(model, batches, learning_rate, cur_meta_step_size):
-    """The meta step of keras-io's reptile.py, line for line (on the given batches)."""
-    import keras
-    import tensorflow as tf
-
-    optimizer = keras.optimizers.SGD(learning_rate=learning_rate)
-    old_vars = model.get_weights()
-    for images, labels in batches:
-        with tf.GradientTape() as tape:
-            preds = model(images)
-            loss = keras.losses.sparse_categorical_crossentropy(labels, preds)
-        grads = tape.gradient(loss, model.trainable_weights)
-        optimizer.apply_gradients(zip(grads, model.trainable_weights))
-    new_vars = model.get_weights()
-    for var in range(len(new_vars)):
-        new_vars[var] = old_vars[var] + ((new_vars[var] - old_vars[var]) * cur_meta_step_size)
-    model.set_weights(new_vars)
-
-
 @pytest.mark.parametrize("inner_training", [False, True])
 def test_reptile_port_is_the_published_meta_step(inner_training):
     """Two meta steps of the port (ReptileTrainer, SGD outer optimizer on the linearly
@@ -223,6 +204,7 @@ def test_reptile_port_is_the_published_meta_step(inner_training):
     import keras
     import tensorflow as tf
 
+    from benchmarks.porting_reptile import keras_io_meta_step
     from tf_metaalign.trainers import ReptileTrainer
 
     if "inner_training" not in inspect.signature(ReptileTrainer.__init__).parameters:
@@ -239,7 +221,7 @@ def test_reptile_port_is_the_published_meta_step(inner_training):
     hand = _keras_io_reptile_model()
     initial = hand.get_weights()
     for meta_iter, (images, labels) in enumerate(steps):
-        _hand_meta_step(
+        keras_io_meta_step(
             hand,
             list(zip(images, labels)),
             learning_rate,
