@@ -157,28 +157,26 @@ class Config:
                 "`inner_learning_rate_scales` must be numbers > 0; got "
                 f"{list(self.inner_learning_rate_scales)}."
             )
-        for name in (
-            "ways",
-            "shots",
-            "queries",
-            "inner_steps",
-            "evaluation_inner_steps",
-            "filters",
-            "epochs",
-            "steps_per_epoch",
-            "validation_episodes",
-            "test_episodes",
-            "sinusoid_steps",
-            "sinusoid_tasks_per_batch",
-            "sinusoid_test_tasks",
-            "log_every",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` must be an integer >= 1; got {value!r}.")
-        for name in ("inner_learning_rate", "outer_learning_rate"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"`{name}` must be > 0; got {getattr(self, name)!r}.")
+        settings.check_integers(
+            self,
+            (
+                "ways",
+                "shots",
+                "queries",
+                "inner_steps",
+                "evaluation_inner_steps",
+                "filters",
+                "epochs",
+                "steps_per_epoch",
+                "validation_episodes",
+                "test_episodes",
+                "sinusoid_steps",
+                "sinusoid_tasks_per_batch",
+                "sinusoid_test_tasks",
+                "log_every",
+            ),
+        )
+        settings.check_positive(self, ("inner_learning_rate", "outer_learning_rate"))
         if self.dotprod_weight < 0:
             raise ValueError(f"`dotprod_weight` must be >= 0; got {self.dotprod_weight!r}.")
         if self.validation_classes < self.ways:
@@ -227,17 +225,15 @@ FULL_RUN = {
 
 
 def define_flags():
-    """The program's flags: one per `Config` setting, and `--full`, `--output_dir`
-    (only when it runs as a program: tests import its functions)."""
-    settings.define_flags_from(Config)
-    flags.DEFINE_bool(
-        "full",
-        False,
-        "The full run (see docs/fewshot.md): every method, "
-        "K=5 at 0.1 and the 10x run, 64 filters, 40 x 100 meta-batches, 3 "
-        "seeds, 600 test episodes. Flags given explicitly still win.",
+    """The program's flags: one per `Config` setting, `--output_dir`, `--full` (only when it
+    runs as a program: tests import its functions)."""
+    settings.define_program_flags(
+        Config,
+        "/tmp/tf_metaalign_fewshot",
+        "The full run (see docs/fewshot.md): every method, K=5 at 0.1 and the 10x run, 64 "
+        "filters, 40 x 100 meta-batches, 3 seeds, 600 test episodes. Flags given explicitly "
+        "still win.",
     )
-    flags.DEFINE_string("output_dir", "/tmp/tf_metaalign_fewshot", "Where results go.")
 
 
 FLAGS = flags.FLAGS
@@ -250,10 +246,7 @@ def main(argv):
     from trainers.fewshot_data import prepare_data
     from trainers.fewshot_run import run_method, run_sinusoid
 
-    try:
-        config = settings.config_from_flags(Config, FLAGS, FULL_RUN if FLAGS.full else None)
-    except ValueError as e:
-        raise app.UsageError(str(e))
+    config = settings.program_config(Config, FULL_RUN)
     out = common.prepare_output_dir(FLAGS.output_dir)
     log = common.Progress()
     start = time.perf_counter()

@@ -63,10 +63,9 @@ class Config:
 
 
 def define_flags():
-    """The program's flags: one per `Config` setting, and `--output_dir` (only when it runs
-    as a program)."""
-    settings.define_flags_from(Config)
-    flags.DEFINE_string("output_dir", "/tmp/tf_metaalign_guided", "Results, plots, TensorBoard.")
+    """The program's flags: one per `Config` setting, `--output_dir` (only when it
+    runs as a program: tests import its functions)."""
+    settings.define_program_flags(Config, "/tmp/tf_metaalign_guided")
 
 
 FLAGS = flags.FLAGS
@@ -128,10 +127,7 @@ def main(argv):
     from tf_metaalign.trainers.guided import GuidedTrainer
     from trainers.common import StepTimer, format_table, prepare_output_dir, write_json
 
-    try:
-        config = settings.config_from_flags(Config, FLAGS)
-    except ValueError as e:
-        raise app.UsageError(str(e))
+    config = settings.program_config(Config)
     out_dir = prepare_output_dir(FLAGS.output_dir)
     pairs = translation.load_django_pairs(config.lang, max_chars=config.max_chars)
     train, guidance, dev = translation.split_pairs(

@@ -104,21 +104,9 @@ class Config:
     """Everything a run depends on: each field is also the flag of its name (`setting`);
     tests build it directly."""
 
-    methods: tuple[str, ...] = setting(
-        METHODS,
-        lambda: (
-            f"Which methods: {', '.join(MM.known(PROGRAM_METHODS, ALIASES))}; "
-            f"'{MM.ZOO}' = every method of the multi-task registry."
-        ),
-    )
+    methods: tuple[str, ...] = MM.methods_setting(METHODS, PROGRAM_METHODS, ALIASES)
     #: {method: {constructor argument: value}} for the registry methods run.
-    method_options: dict = setting(
-        default_factory=dict,
-        help="Registry methods' hyperparameters, <method>.<argument>=<value>, e.g. "
-        "cagrad.calpha=0.4,nash_mtl.optim_niter=10 (the arguments of the "
-        "method's class, tf_metaalign.algorithms.multitask).",
-        parse=MM.parse_method_options,
-    )
+    method_options: dict = MM.method_options_setting()
     train_languages: tuple[str, ...] = setting(TRAIN_LANGUAGES, "Training languages (tasks).")
     zero_shot_languages: tuple[str, ...] = setting(
         ZERO_SHOT_LANGUAGES, "Unseen languages, evaluated zero-shot."
@@ -170,19 +158,19 @@ class Config:
             )
         if not self.seeds:
             raise ValueError("`seeds` is empty.")
-        for name in (
-            "steps",
-            "per_task_batch_size",
-            "trainable_layers",
-            "inner_steps",
-            "reptile_inner_steps",
-            "reptile_tasks",
-            "probe_examples",
-            "log_every",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` must be an integer >= 1; got {value!r}.")
+        settings.check_integers(
+            self,
+            (
+                "steps",
+                "per_task_batch_size",
+                "trainable_layers",
+                "inner_steps",
+                "reptile_inner_steps",
+                "reptile_tasks",
+                "probe_examples",
+                "log_every",
+            ),
+        )
         if self.reptile_tasks > len(self.train_languages):
             raise ValueError(
                 f"`reptile_tasks`={self.reptile_tasks} is more than the "
@@ -197,9 +185,7 @@ class Config:
                 f"{self.reptile_tasks * self.reptile_inner_steps} (Reptile sees the same "
                 "examples as MTL)."
             )
-        for name in ("learning_rate", "outer_learning_rate"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"`{name}` must be > 0; got {getattr(self, name)!r}.")
+        settings.check_positive(self, ("learning_rate", "outer_learning_rate"))
 
 
 FULL_RUN = {
@@ -213,16 +199,14 @@ FULL_RUN = {
 
 
 def define_flags():
-    """The program's flags: one per `Config` setting, and `--full`, `--output_dir`
-    (only when it runs as a program: tests import its functions)."""
-    settings.define_flags_from(Config)
-    flags.DEFINE_bool(
-        "full",
-        False,
-        "The full run: the whole encoder (trainable_layers=6), "
-        "sequence_length 32, 4x the steps, seeds 0-4, 12 training languages.",
+    """The program's flags: one per `Config` setting, `--output_dir`, `--full` (only when it
+    runs as a program: tests import its functions)."""
+    settings.define_program_flags(
+        Config,
+        "/tmp/tf_metaalign_multitask",
+        "The full run: the whole encoder (trainable_layers=6), sequence_length 32, 4x the "
+        "steps, seeds 0-4, 12 training languages.",
     )
-    flags.DEFINE_string("output_dir", "/tmp/tf_metaalign_multitask", "Where results go.")
 
 
 FLAGS = flags.FLAGS
@@ -235,10 +219,7 @@ def main(argv):
     from trainers.multitask_data import prepare_data
     from trainers.multitask_run import run_method
 
-    try:
-        config = settings.config_from_flags(Config, FLAGS, FULL_RUN if FLAGS.full else None)
-    except ValueError as e:
-        raise app.UsageError(str(e))
+    config = settings.program_config(Config, FULL_RUN)
     out = common.prepare_output_dir(FLAGS.output_dir)
     log = common.Progress()
     data = prepare_data(config, log)

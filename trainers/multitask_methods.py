@@ -19,6 +19,8 @@ from __future__ import annotations
 import ast
 from typing import Iterable, Mapping
 
+from trainers.settings import setting
+
 #: `--methods=zoo`: every method of the multi-task registry.
 ZOO = "zoo"
 
@@ -145,3 +147,27 @@ def build(method: str, options: Mapping, aliases, defaults: Mapping | None = Non
     if name is None:
         raise ValueError(f"{method!r} is not a method of the multi-task registry.")
     return get_method(name, **{**dict(defaults or {}), **dict(options.get(method, {}))})
+
+
+def methods_setting(default: Iterable[str], program_methods, aliases: Mapping[str, str]):
+    """A program's `methods` setting (`trainers.settings.setting`): `--methods=`, whose
+    help lists every name it accepts (read from the registry when the flags are defined)."""
+    return setting(
+        tuple(default),
+        lambda: (
+            f"Which methods: {', '.join(known(program_methods, aliases))}; "
+            f"'{ZOO}' = every method of the multi-task registry."
+        ),
+    )
+
+
+def method_options_setting(example: str = "cagrad.calpha=0.4,nash_mtl.optim_niter=10"):
+    """A program's `method_options` setting: {method: {argument: value}}, given as
+    `--method_options=<method>.<argument>=<value>,...` (`parse_method_options`)."""
+    return setting(
+        default_factory=dict,
+        help="Registry methods' hyperparameters, <method>.<argument>=<value>, e.g. "
+        f"{example} (the arguments of the method's class, "
+        "tf_metaalign.algorithms.multitask).",
+        parse=parse_method_options,
+    )

@@ -72,19 +72,9 @@ NEEDS_NONNEGATIVE_LOSSES = {
 class Config:
     """The program's settings: each field is also the flag of its name (`setting`)."""
 
-    methods: tuple[str, ...] = setting(
-        METHODS,
-        lambda: (
-            f"Which methods: {', '.join(MM.known(PROGRAM_METHODS, ALIASES))}; "
-            f"'{MM.ZOO}' = every method of the multi-task registry."
-        ),
-    )
-    method_options: dict = setting(
-        default_factory=dict,
-        help="Registry methods' hyperparameters, <method>.<argument>=<value>, e.g. "
-        "cagrad.calpha=0.4,gradvac.beta=0.5.",
-        parse=MM.parse_method_options,
-    )
+    methods: tuple[str, ...] = MM.methods_setting(METHODS, PROGRAM_METHODS, ALIASES)
+    #: {method: {constructor argument: value}} for the registry methods run.
+    method_options: dict = MM.method_options_setting("cagrad.calpha=0.4,gradvac.beta=0.5")
     steps: int = setting(1800, "Task gradients per method (MTL: steps/3 steps of 3 tasks).")
     inner_steps: int = setting(3, "K of Reptile and Sequential Reptile.")
     learning_rate: float = setting(0.1, "SGD learning rate (MTL & co.; the inner rate of Reptile).")
@@ -93,11 +83,9 @@ class Config:
 
 
 def define_flags():
-    """The program's flags: one per `Config` setting, and `--output_dir`. Defined only when
-    it runs as a program (`__main__`), so that importing its functions (tests) registers no
-    flag that another program defines too."""
-    settings.define_flags_from(Config)
-    flags.DEFINE_string("output_dir", "/tmp/tf_metaalign_multitask_synthetic", "Where results go.")
+    """The program's flags: one per `Config` setting, `--output_dir` (only when it
+    runs as a program: tests import its functions)."""
+    settings.define_program_flags(Config, "/tmp/tf_metaalign_multitask_synthetic")
 
 
 FLAGS = flags.FLAGS
@@ -302,10 +290,7 @@ def main(argv):
     del argv
     from trainers import common
 
-    try:
-        config = settings.config_from_flags(Config, FLAGS)
-    except ValueError as e:
-        raise app.UsageError(str(e))
+    config = settings.program_config(Config)
     zoo_skipped = [
         m for m in NEEDS_NONNEGATIVE_LOSSES if MM.ZOO in config.methods and m not in config.methods
     ]

@@ -163,56 +163,53 @@ class Config:
                 f"`pretrain_objective` must be one of {OBJECTIVES}; got "
                 f"{self.pretrain_objective!r}."
             )
-        for name in (
-            "vocabulary_size",
-            "pretrain_steps",
-            "pretrain_batch_size",
-            "pretrain_sequence_length",
-            "max_train",
-            "eval_examples",
-            "mixture_cap",
-            "fit_examples",
-            "prompt_length",
-            "steps",
-            "batch_size",
-            "meta_batch",
-            "inner_steps",
-            "task_batch_size",
-            "shots",
-            "few_shot_epochs",
-            "few_shot_batch_size",
-            "bootstrap_resamples",
-            "minilm_prompt_length",
-            "minilm_epochs",
-            "log_every",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` must be an integer >= 1; got {value!r}.")
+        settings.check_integers(
+            self,
+            (
+                "vocabulary_size",
+                "pretrain_steps",
+                "pretrain_batch_size",
+                "pretrain_sequence_length",
+                "max_train",
+                "eval_examples",
+                "mixture_cap",
+                "fit_examples",
+                "prompt_length",
+                "steps",
+                "batch_size",
+                "meta_batch",
+                "inner_steps",
+                "task_batch_size",
+                "shots",
+                "few_shot_epochs",
+                "few_shot_batch_size",
+                "bootstrap_resamples",
+                "minilm_prompt_length",
+                "minilm_epochs",
+                "log_every",
+            ),
+        )
         for name, zero in (
             ("corpus_max_texts", "all"),
             ("templates_per_dataset", "all"),
             ("seen_examples", "no control"),
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"`{name}` must be an integer >= 0 (0: {zero}); got {value!r}.")
+            settings.check_integers(self, (name,), 0, f"(0: {zero})")
         for name, low in (
             ("encoder_length", 4),
             ("decoder_length", 2),
             ("minilm_sequence_length", 3),
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"`{name}` must be an integer >= {low}; got {value!r}.")
-        for name in (
-            "pretrain_learning_rate",
-            "learning_rate",
-            "few_shot_learning_rate",
-            "minilm_learning_rate",
-        ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"`{name}` must be > 0; got {getattr(self, name)!r}.")
+            settings.check_integers(self, (name,), low)
+        settings.check_positive(
+            self,
+            (
+                "pretrain_learning_rate",
+                "learning_rate",
+                "few_shot_learning_rate",
+                "minilm_learning_rate",
+            ),
+        )
         if self.shots > self.max_train:
             raise ValueError(f"`shots`={self.shots} exceeds `max_train`={self.max_train}.")
         if not self.cache_dir:
@@ -239,16 +236,14 @@ FULL_RUN = {
 
 
 def define_flags():
-    """The program's flags: one per `Config` setting, and `--full`, `--output_dir`
-    (only when it runs as a program: tests import its functions)."""
-    settings.define_flags_from(Config)
-    flags.DEFINE_bool(
-        "full",
-        False,
-        "The long run (FULL_RUN: more pre-training, continued "
-        "pre-training, evaluation examples, all templates, 100 epochs).",
+    """The program's flags: one per `Config` setting, `--output_dir`, `--full` (only when it
+    runs as a program: tests import its functions)."""
+    settings.define_program_flags(
+        Config,
+        "/tmp/tf_metaalign_promptability",
+        "The long run (FULL_RUN: more pre-training, continued pre-training, evaluation "
+        "examples, all templates, 100 epochs).",
     )
-    flags.DEFINE_string("output_dir", "/tmp/tf_metaalign_promptability", "Where results go.")
 
 
 FLAGS = flags.FLAGS
@@ -273,8 +268,8 @@ def main(argv):
         r"T5MultiHeadAttention\) was passed an input with a mask",
     )
 
+    config = settings.program_config(Config, FULL_RUN)
     try:
-        config = settings.config_from_flags(Config, FLAGS, FULL_RUN if FLAGS.full else None)
         out = common.prepare_output_dir(FLAGS.output_dir)
     except ValueError as e:
         raise app.UsageError(str(e))

@@ -194,3 +194,46 @@ def config_from_flags(config_cls, flag_values=None, full_run: Mapping[str, Any] 
     if hasattr(config, "check"):
         config.check()
     return config
+
+
+def define_program_flags(
+    config_cls, output_dir: str, full_run_help: str | None = None, flag_values=None
+) -> None:
+    """A program's flags: one per setting of `config_cls` (`define_flags_from`),
+    `--output_dir` (default `output_dir`) and, with `full_run_help`, `--full` (the
+    program's preset for the long run, `program_config(..., full_run)`)."""
+    flag_values = flags.FLAGS if flag_values is None else flag_values
+    define_flags_from(config_cls, flag_values)
+    if full_run_help is not None:
+        flags.DEFINE_bool("full", False, full_run_help, flag_values=flag_values)
+    flags.DEFINE_string("output_dir", output_dir, "Where results go.", flag_values=flag_values)
+
+
+def program_config(config_cls, full_run: Mapping[str, Any] | None = None, flag_values=None):
+    """`config_from_flags` in a program's `main`: with `full_run` applied when `--full` is
+    given, and a bad setting raised as absl's `UsageError` (the message names it)."""
+    from absl import app
+
+    flag_values = flags.FLAGS if flag_values is None else flag_values
+    full = "full" in flag_values and flag_values.full
+    try:
+        return config_from_flags(config_cls, flag_values, full_run if full else None)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+
+
+def check_integers(config, names: Sequence[str], minimum: int = 1, note: str = "") -> None:
+    """A `Config.check` step: each named setting is an integer (not a bool) >= `minimum`;
+    the error names the setting (`note`, e.g. "(0: all)", follows the bound)."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            note_text = f" {note}" if note else ""
+            raise ValueError(f"`{name}` must be an integer >= {minimum}{note_text}; got {value!r}.")
+
+
+def check_positive(config, names: Sequence[str]) -> None:
+    """A `Config.check` step: each named setting is a number > 0 (rates)."""
+    for name in names:
+        if not getattr(config, name) > 0:
+            raise ValueError(f"`{name}` must be > 0; got {getattr(config, name)!r}.")

@@ -179,3 +179,32 @@ def test_program_help_lists_every_flag():
     for name in ("--[no]full", "--output_dir"):
         assert name in text
     assert "Outer Adam's rate." in text
+
+
+def test_program_flags_add_output_dir_and_full_and_bad_settings_are_usage_errors():
+    from absl import app
+
+    values = flags.FlagValues()
+    settings.define_program_flags(Toy, "/tmp/out", "The long run.", values)
+    values(["program", "--full", "--rate=0.25"])
+    assert values.output_dir == "/tmp/out" and values["full"].help == "The long run."
+    config = settings.program_config(Toy, {"rate": 9.0, "steps": 4}, values)
+    assert (config.rate, config.steps) == (0.25, 4)  # --full: the preset, explicit flags win
+    values = flags.FlagValues()
+    settings.define_program_flags(Toy, "/tmp/out", flag_values=values)
+    values(["program", "--steps=0"])
+    assert "full" not in values
+    with pytest.raises(app.UsageError, match="`steps` must be >= 1"):
+        settings.program_config(Toy, {"steps": 4}, values)
+
+
+def test_config_checks_name_the_setting_and_the_bound():
+    config = Toy(steps=0, rate=-1.0)
+    with pytest.raises(ValueError, match=r"`steps` must be an integer >= 1; got 0\."):
+        settings.check_integers(config, ("steps",))
+    with pytest.raises(ValueError, match=r"`fast` must be an integer >= 0 \(0: all\); got True"):
+        settings.check_integers(config, ("fast",), 0, "(0: all)")
+    settings.check_integers(Toy(), ("steps", "hidden"))
+    with pytest.raises(ValueError, match=r"`rate` must be > 0; got -1\.0\."):
+        settings.check_positive(config, ("rate",))
+    settings.check_positive(Toy(), ("rate", "steps"))
