@@ -168,8 +168,8 @@ flags.DEFINE_list(
     ],
     "Configurations: 'plain' (model.fit); a method name of the registry "
     "(MultiTaskTrainer(method=...)), optionally '+rep_grad' and/or "
-    "'+masked' / '+gathered' / '+vectorized' (task_passes); 'methods' = every registered "
-    "method; 'rep_grad' = every gradient method with rep_grad=True; 'mtl' = "
+    "'+masked' / '+gathered' / '+vectorized' / '+factored' (task_passes); 'methods' = "
+    "every registered method; 'rep_grad' = every gradient method with rep_grad=True; 'mtl' = "
     "'sum' (old name); 'sequential_reptile' (K=--inner_steps and, with "
     "--reptile_k1, K=1); reference steps 'ref_per_task_sum', "
     "'ref_per_task_pcgrad', 'ref_vmap_sum', 'ref_vmap_pcgrad' (see "
@@ -183,7 +183,7 @@ flags.DEFINE_bool("jit_compile", False, "XLA-compile the train step (all configu
 flags.DEFINE_enum(
     "task_passes",
     "auto",
-    ["auto", "vectorized", "gathered", "masked"],
+    ["auto", "factored", "vectorized", "gathered", "masked"],
     "MultiTaskTrainer's task_passes for the method configurations without a "
     "suffix (auto: vectorized for a stateless model, gathered for one with "
     "state (dropout), masked under --jit_compile).",
@@ -217,7 +217,7 @@ def parse_method_config(config):
     for s in suffixes:
         if s == "rep_grad":
             rep_grad = True
-        elif s in ("masked", "gathered", "vectorized", "auto"):
+        elif s in ("masked", "gathered", "vectorized", "factored", "auto"):
             passes = s
         else:
             raise ValueError(
@@ -444,6 +444,9 @@ def path_of(config, runner):
     else:
         used = runner._task_passes_used()
         path = {
+            "factored": "one forward pass, ONE backward pass of sum_t L_t; each shared "
+            "Dense layer's Gram matrix and combination from its inputs and output "
+            "gradients (no per-task gradient formed)",
             "vectorized": "ONE tf.vectorized_map forward+backward pass over the batch "
             "laid out [T, m, ...] (each task's own rows)",
             "gathered": "T forward+backward passes over each task's gathered rows",

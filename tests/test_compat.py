@@ -331,3 +331,37 @@ def test_keras_multi_worker_fit_internals_are_still_there():
         "fit under MultiWorkerMirroredStrategy",
         "adapt patch_keras_multi_worker_fit to the new signature.",
     )
+
+
+def test_recorded_dense_pre_activations_reproduce_dense_and_record_each_call():
+    """`recorded_dense_pre_activations` re-writes Dense's `call` (activation(x @ kernel +
+    bias), keras/src/layers/core/dense.py): the outputs must stay Keras's own, at given
+    weights (stateless_call) too, and each call's (inputs, pre-activation) recorded; the
+    instance `call` is removed on exit. `is_plain_dense` refuses what it cannot re-write."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    dense = keras.layers.Dense(4, activation="tanh")
+    model = keras.Model(inputs, keras.layers.Dense(2)(dense(inputs)))
+    x = np.random.default_rng(0).normal(size=(5, 3)).astype("float32")
+    expected = model(x).numpy()
+    params = [v.value * 2.0 for v in model.trainable_variables]
+    expected_at = model.stateless_call(params, [], x)[0].numpy()
+    assert _compat.is_plain_dense(dense) and _compat.dense_input_rank(dense) == 2
+    with _compat.recorded_dense_pre_activations([dense]) as records:
+        np.testing.assert_allclose(model(x).numpy(), expected, rtol=1e-6)
+        out_at = model.stateless_call(params, [], x)[0].numpy()
+    np.testing.assert_allclose(out_at, expected_at, rtol=1e-6)
+    assert len(records[0]) == 2
+    (x0, z0), (_, z1) = records[0]
+    np.testing.assert_allclose(x0.numpy(), x)
+    np.testing.assert_allclose(z0.numpy(), x @ dense.kernel.numpy() + dense.bias.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(z1.numpy(), x @ params[0].numpy() + params[1].numpy(), rtol=1e-5)
+    assert "call" not in vars(dense)
+    lora = keras.layers.Dense(2)
+    lora.build((None, 3))
+    lora.enable_lora(1)
+    assert not _compat.is_plain_dense(lora)
+    assert not _compat.is_plain_dense(keras.layers.EinsumDense("ab,bc->ac", (2,)))
+    with pytest.raises(ValueError, match="plain keras.layers.Dense"):
+        with _compat.recorded_dense_pre_activations([lora]):
+            pass

@@ -484,3 +484,58 @@ def batch_norm_for_meta_gradients(model: keras.Model):
     finally:
         for layer in patched:
             object.__delattr__(layer, "call")
+
+
+def is_plain_dense(layer) -> bool:
+    """`layer` is a `keras.layers.Dense` computing `activation(x @ kernel + bias)` as
+    Keras 3.15 writes it: the class itself (a subclass may override `call`), no LoRA, not
+    quantized, `call` not replaced on the instance. Read by
+    `recorded_dense_pre_activations`, which re-writes that `call`."""
+    return (
+        type(layer) is keras.layers.Dense
+        and not getattr(layer, "lora_enabled", False)
+        and getattr(layer, "quantization_mode", None) is None
+        and "call" not in vars(layer)
+    )
+
+
+def dense_input_rank(layer):
+    """The rank of a functional-graph Dense layer's input (None when the layer has no
+    graph node or more than one: the rank is then not known before a call)."""
+    nodes = getattr(layer, "_inbound_nodes", None) or []
+    if len(nodes) != 1:
+        return None
+    tensors = getattr(nodes[0], "input_tensors", None) or ()
+    return len(tensors[0].shape) if len(tensors) == 1 else None
+
+
+@contextlib.contextmanager
+def recorded_dense_pre_activations(layers):
+    """While active, each layer of `layers` (plain Dense layers, `is_plain_dense`)
+    records `(inputs, z)` of every call into the yielded dict (keyed by the layer's
+    position in `layers`), z = inputs @ kernel + bias, the pre-activation output, and
+    returns `activation(z)`: Dense's own `call` (keras/src/layers/core/dense.py),
+    computed the same way, with z a tensor a GradientTape can differentiate against.
+
+    Private: it sets an instance `call` (Keras's `Operation.__call__` looks `self.call`
+    up on the instance) and removes it on exit; `tests/test_compat.py` checks it
+    reproduces Dense's outputs.
+    """
+    records = {}
+    for position, layer in enumerate(layers):
+        if not is_plain_dense(layer):
+            raise ValueError(f"{layer.name!r} is not a plain keras.layers.Dense layer")
+
+        def call(inputs, training=None, _layer=layer, _position=position):
+            z = keras.ops.matmul(inputs, _layer.kernel)
+            if _layer.bias is not None:
+                z = keras.ops.add(z, _layer.bias)
+            records.setdefault(_position, []).append((inputs, z))
+            return _layer.activation(z) if _layer.activation is not None else z
+
+        object.__setattr__(layer, "call", call)
+    try:
+        yield records
+    finally:
+        for layer in layers:
+            object.__delattr__(layer, "call")

@@ -272,12 +272,19 @@ def _np_trainer(method, steps, lr, batch, options):
         ("pcgrad", {"seed": 1, "l2": 0.0625}),
     ],
 )
-@pytest.mark.parametrize("task_passes", ["vectorized", "gathered", "masked"])
+@pytest.mark.parametrize("task_passes", ["factored", "vectorized", "gathered", "masked"])
 def test_trainer_three_steps_equal_numpy_rederivation(float64, method, options, task_passes):
     lr, batch = 0.1, 9
     x, y, task = _batches()
     kwargs = {k: v for k, v in options.items() if k != "l2"}
-    if options.get("l2") and task_passes != "masked":
+    if method == "gradnorm" and task_passes == "factored":
+        # GradNorm reads the task gradients of its layer, which "factored" never forms
+        trainer = MultiTaskTrainer(_linear_model(), num_tasks=3, method=method, **kwargs)
+        trainer.task_passes = "factored"
+        with pytest.raises(ValueError, match="reads the task gradients"):
+            trainer._factored_plan()
+        return
+    if options.get("l2") and task_passes in ("vectorized", "gathered"):
         # the model's own losses: "gathered" and "vectorized" refuse them, "auto" masks
         with pytest.raises(ValueError, match="task_passes='masked'"):
             trainer = MultiTaskTrainer(
@@ -504,6 +511,13 @@ def test_vectorized_gathered_and_masked_passes_give_the_same_training_and_metric
     assert set(runs["vectorized"][1]) >= {"loss", "mae", "task_cosine"}
 
 
+def _normed_model(dropout=False, l2=0.0):
+    regularizer = keras.regularizers.L2(l2) if l2 else None
+    layers = [keras.Input((4,)), keras.layers.LayerNormalization()]
+    layers += [keras.layers.Dropout(0.5)] if dropout else []
+    return keras.Sequential(layers + [keras.layers.Dense(2, kernel_regularizer=regularizer)])
+
+
 def _dropout_model(batch_norm=False):
     keras.utils.set_random_seed(2)
     layers = [keras.Input((4,)), keras.layers.Dense(16, activation="relu")]
@@ -512,10 +526,22 @@ def _dropout_model(batch_norm=False):
 
 
 def test_auto_picks_the_per_task_pass_by_model():
-    assert MultiTaskTrainer(_linear_model(), num_tasks=2)._task_passes_used() == "vectorized"
-    assert MultiTaskTrainer(_dropout_model(), num_tasks=2)._task_passes_used() == "gathered"
-    assert MultiTaskTrainer(_linear_model(0.1), num_tasks=2)._task_passes_used() == "masked"
+    # Dense layers only: "factored" (tests/trainers/test_multitask_factored.py), also with
+    # dropout, model losses and under XLA
+    assert MultiTaskTrainer(_linear_model(), num_tasks=2)._task_passes_used() == "factored"
+    assert MultiTaskTrainer(_dropout_model(), num_tasks=2)._task_passes_used() == "factored"
+    assert MultiTaskTrainer(_linear_model(0.1), num_tasks=2)._task_passes_used() == "factored"
     trainer = MultiTaskTrainer(_linear_model(), num_tasks=2)
+    trainer.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    assert trainer._task_passes_used() == "factored"
+    # another shared layer: vectorized without state, gathered with, masked under XLA
+    # or with model losses
+    assert MultiTaskTrainer(_normed_model(), num_tasks=2)._task_passes_used() == "vectorized"
+    assert (
+        MultiTaskTrainer(_normed_model(dropout=True), num_tasks=2)._task_passes_used() == "gathered"
+    )
+    assert MultiTaskTrainer(_normed_model(l2=0.1), num_tasks=2)._task_passes_used() == "masked"
+    trainer = MultiTaskTrainer(_normed_model(), num_tasks=2)
     trainer.compile(optimizer="sgd", loss="mse", jit_compile=True)
     assert trainer._task_passes_used() == "masked"
     assert (

@@ -103,6 +103,54 @@ def stacked_combine(stacked, coefficients) -> list[tf.Tensor]:
     return [tf.tensordot(tf.cast(coefficients, g.dtype), g, axes=1) for g in stacked]
 
 
+def dense_task_gram(inputs, output_grads, task_onehot, has_bias=True) -> tf.Tensor:
+    """The [T, T] Gram matrix of the per-task gradients of ONE Dense layer (kernel, and
+    bias when `has_bias`), from its inputs and output gradients, without forming them.
+
+    With rows r of the batch, x_r = `inputs[r]` [d_in], dz_r = `output_grads[r]`
+    [d_out] (the loss's gradient at the layer's pre-activation output) and every row
+    belonging to one task (`task_onehot` [B, T], rows of zeros allowed), task t's kernel
+    gradient is g_t = sum_{r in t} x_r dz_r^T and its bias gradient sum_{r in t} dz_r, so
+
+        <g_i, g_j> = sum_{r in i, s in j} (x_r . x_s + [has_bias]) (dz_r . dz_s)
+                   = (S^T ((X X^T + [has_bias]) * (dZ dZ^T)) S)_ij
+
+    (Goodfellow 2015, "Efficient per-example gradient computations"; the "ghost norm"
+    of Li et al. 2022 is its diagonal for one row per task). Cost B^2 (d_in + d_out)
+    against the T d_in d_out of writing the T gradients out and reading them back.
+    The per-row gradients dz_r are task t's own when the rows do not interact (no
+    BatchNorm in training mode): then the gradient of sum_t L_t at row r is that of
+    its task's loss. In the accumulation dtype of the inputs, exactly symmetric.
+    """
+    acc = F.accumulation_dtype([inputs, output_grads])
+    x = tf.cast(inputs, acc)
+    dz = tf.cast(output_grads, acc)
+    if x.shape.rank != 2 or dz.shape.rank != 2:
+        raise ValueError(
+            "dense_task_gram: `inputs` and `output_grads` must be [rows, features]; got "
+            f"{x.shape} and {dz.shape}."
+        )
+    s = tf.cast(task_onehot, acc)
+    xx = tf.matmul(x, x, transpose_b=True)
+    if has_bias:
+        xx = xx + 1.0
+    k = xx * tf.matmul(dz, dz, transpose_b=True)
+    gram = tf.matmul(s, tf.matmul(k, s), transpose_a=True)
+    return 0.5 * (gram + tf.transpose(gram))
+
+
+def dense_combined_gradient(inputs, output_grads, row_coefficients, has_bias=True):
+    """sum_t c_t g_t for ONE Dense layer, as ONE weight-gradient product:
+    kernel X^T (c_row * dZ), bias sum_r c_row dz_r, where `row_coefficients[r]` is the
+    coefficient of row r's task (see `dense_task_gram` for X, dZ). Returns
+    `[kernel_gradient]` or `[kernel_gradient, bias_gradient]`, in the accumulation
+    dtype of the inputs."""
+    acc = F.accumulation_dtype([inputs, output_grads])
+    weighted = tf.cast(output_grads, acc) * tf.cast(row_coefficients, acc)[:, None]
+    kernel = tf.matmul(tf.cast(inputs, acc), weighted, transpose_a=True)
+    return [kernel, tf.reduce_sum(weighted, axis=0)] if has_bias else [kernel]
+
+
 def combine(task_grads, coefficients) -> list[tf.Tensor]:
     """`sum_t coefficients[t] * task_grads[t]`, variable by variable (in each gradient's dtype)."""
     T = _check_task_grads(task_grads, "combine")

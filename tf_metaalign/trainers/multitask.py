@@ -16,7 +16,7 @@ from tf_metaalign.algorithms import multitask as methods
 from tf_metaalign.trainers.base import MetaTrainer, with_epoch_counter
 
 #: How the per-task losses and gradients are computed (see `MultiTaskTrainer`).
-TASK_PASSES = ("auto", "vectorized", "gathered", "masked")
+TASK_PASSES = ("auto", "factored", "vectorized", "gathered", "masked")
 #: What a task is (see `MultiTaskTrainer`): rows of the batch (`task_id`) or model outputs.
 TASK_SETTINGS = ("rows", "outputs")
 
@@ -74,6 +74,22 @@ class MultiTaskTrainer(MetaTrainer):
     is then B/n_t times that reduction of the task's examples.
 
     Per-task passes (`task_passes`):
+      "factored": no per-task gradient is formed. When every shared variable is the
+        kernel or bias of a plain `keras.layers.Dense` layer called once on [batch,
+        features] inputs (an MLP encoder under per-task heads), task t's gradient of
+        such a layer is X_t^T dZ_t (its inputs and the gradients at its pre-activation
+        outputs, over task t's rows), so the Gram matrix is
+        S^T ((X X^T + 1) * (dZ dZ^T)) S and the combination sum_t c_t g_t is ONE
+        weight-gradient product X^T (c_task(row) * dZ) (`gradient_surgery.
+        dense_task_gram`, `dense_combined_gradient`; Goodfellow 2015). One forward pass
+        records X and z, ONE backward pass of sum_t L_t gives every row's dZ (its own
+        task's: the rows do not interact), task-specific variables get the gradient of
+        sum_t s_t L_t through the heads. Static shapes (XLA), dropout allowed (the same
+        masks as "masked", which it equals: tested), model losses added as "masked"
+        adds them; under a strategy X, dZ and the task one-hots are all-gathered for the
+        global Gram matrix (the cost: B^2 (d_in + d_out) per layer, B the global batch).
+        Not for GradNorm (it reads task gradients), BatchNorm (rows interact) or other
+        shared layers (LayerNorm, embeddings, attention: "vectorized").
       "vectorized": each task's loss and gradient over its own rows, the T tasks in ONE
         `tf.vectorized_map` pass: the batch is laid out [T, m, ...] (task t's rows,
         padded with weight-0 rows to m, the largest task count on the replica), so the
@@ -94,7 +110,8 @@ class MultiTaskTrainer(MetaTrainer):
       "masked": one forward pass over the whole batch and T backward passes through it
         (a persistent tape), each masked to a task: T times the backward cost of plain
         `fit`, static shapes (XLA).
-      "auto" (default): "masked" under `jit_compile=True` or when the model has its own
+      "auto" (default): "factored" where it applies (above; XLA included); else
+        "masked" under `jit_compile=True` or when the model has its own
         losses (regularisers, `add_loss`: the masked path adds their gradient exactly as
         `fit` does); else "vectorized" for a model without state (non-trainable
         variables), "gathered" for one with (BatchNorm, dropout). All three give the
@@ -252,9 +269,9 @@ class MultiTaskTrainer(MetaTrainer):
                     "`model_takes_task_id=True` is for tasks='rows' (batches "
                     "with a task_id); got tasks='outputs'."
                 )
-            if task_passes in ("gathered", "vectorized"):
+            if task_passes in ("gathered", "vectorized", "factored"):
                 raise ValueError(
-                    f"`task_passes`={task_passes!r} gathers the rows of each task; "
+                    f"`task_passes`={task_passes!r} separates the rows of each task; "
                     "with tasks='outputs' every row belongs to every task "
                     "(use 'auto' or 'masked')."
                 )
@@ -561,6 +578,25 @@ class MultiTaskTrainer(MetaTrainer):
                     task_inputs,
                     method_state,
                     task_id if self.tasks == "rows" else None,
+                )
+            )
+            cosine_weight = tf.cast(tf.reduce_sum(present) >= 2, tf.float32)
+            shared_c, _ = _coefficients(combination, acc)
+        elif self._needs_task_gradients() and self._task_passes_used() == "factored":
+            # Dense layers' per-task gradients never formed: their Gram matrix and the
+            # combination from the layers' inputs and output gradients (one backward pass).
+            (losses, combination, cosine, gradient, new_state, y_pred, regularizer) = (
+                self._factored_step(
+                    params,
+                    state,
+                    model_x,
+                    y,
+                    task_losses_of,
+                    task_id,
+                    loss_scale,
+                    acc,
+                    task_inputs,
+                    method_state,
                 )
             )
             cosine_weight = tf.cast(tf.reduce_sum(present) >= 2, tf.float32)
@@ -1081,6 +1117,8 @@ class MultiTaskTrainer(MetaTrainer):
             return "masked"
         if self.task_passes != "auto":
             return self.task_passes
+        if self._factored_plan(explain=False) is not None:
+            return "factored"
         if (
             getattr(self, "jit_compile", False) is True
             or self.model.losses
@@ -1091,6 +1129,167 @@ class MultiTaskTrainer(MetaTrainer):
         ):
             return "masked"
         return "gathered" if self.model.non_trainable_variables else "vectorized"
+
+    def _factored_plan(self, explain=True):
+        """The plain Dense layers whose kernels and biases are ALL the shared variables,
+        in `model.trainable_variables` positions: [(layer, kernel index, bias index or
+        None)], when the "factored" pass applies; else None (`explain=False`) or a
+        ValueError saying why (`explain=True`, for task_passes="factored")."""
+        if self._cache.factored_plan is None:
+            self._cache.factored_plan = self._find_factored_plan()
+        plan, reason = self._cache.factored_plan
+        if plan is None and explain:
+            raise ValueError(
+                f"MultiTaskTrainer(task_passes='factored'): {reason} (use 'auto', which "
+                "falls back to 'vectorized', 'gathered' or 'masked')."
+            )
+        return plan
+
+    def _find_factored_plan(self):
+        if self.tasks != "rows":
+            return None, "it is for tasks='rows' (every row belongs to one task)"
+        if self.method_object.reads_task_gradients:
+            return None, (
+                f"method {self.method_object.name!r} reads the task gradients themselves, "
+                "which this pass never forms"
+            )
+        seeds = _seed_states(self.model)
+        other = [v.path for v in self.model.non_trainable_variables if id(v) not in seeds]
+        if other:
+            return None, (
+                f"the model has state other than dropout's seeds ({other[:3]}, e.g. "
+                "BatchNorm statistics, which mix the rows of the batch)"
+            )
+        shared_index, _ = self._variable_split()
+        variables = self.model.trainable_variables
+        position = {id(v): i for i, v in enumerate(variables)}
+        shared = {id(variables[i]) for i in shared_index}
+        plan, covered = [], set()
+        for layer in _compat.flatten_layers(self.model):
+            if not _compat.is_plain_dense(layer) or id(layer.kernel) not in shared:
+                continue
+            bias = layer.bias
+            if bias is not None and id(bias) not in shared:
+                return None, f"Dense layer {layer.name!r}'s kernel is shared but its bias is not"
+            if _compat.dense_input_rank(layer) != 2:
+                return None, (
+                    f"Dense layer {layer.name!r} is not called once on [batch, features] "
+                    "inputs in the model's graph"
+                )
+            plan.append(
+                (layer, position[id(layer.kernel)], None if bias is None else position[id(bias)])
+            )
+            covered |= {id(layer.kernel)} | (set() if bias is None else {id(bias)})
+        left = [v.path for v in variables if id(v) in shared and id(v) not in covered]
+        if left:
+            return None, (
+                "every shared variable must be the kernel or bias of a plain Dense layer on "
+                f"[batch, features] inputs; these are not: {left[:4]}"
+                f"{' ...' if len(left) > 4 else ''}"
+            )
+        return plan, None
+
+    def _factored_step(
+        self,
+        params,
+        state,
+        model_x,
+        y,
+        task_losses_of,
+        task_id,
+        loss_scale,
+        acc,
+        task_inputs,
+        method_state,
+    ):
+        """The gradient methods with no per-task gradient formed (task_passes="factored").
+
+        Every shared variable is a Dense layer's kernel or bias (`_factored_plan`). One
+        forward pass over the batch records each such layer's inputs X and pre-activation
+        outputs z; ONE backward pass of sum_t L_t gives dZ = dL/dz, whose row r is its
+        own task's dL_t/dz_r (the rows do not interact: no state but dropout seeds).
+        Then per layer (`gradient_surgery.dense_task_gram` / `dense_combined_gradient`):
+        the Gram matrix S^T ((X X^T + 1) * (dZ dZ^T)) S over the GLOBAL batch (X, dZ
+        and the task one-hots all-gathered from the replicas: the inner products of
+        summed per-replica gradients have cross-replica terms), and the combination
+        sum_t c_t g_t = X^T (c_task(r) * dZ) from the replica's own rows (the optimizer
+        sums the replicas' parts). Task-specific variables: the gradient of sum_t s_t L_t,
+        a backward pass through the heads only. Losses, dropout masks and gradients are
+        those of "masked" (tested equal).
+        """
+        plan = self._factored_plan()
+        _, specific_index = self._variable_split()
+        T = self.num_tasks
+        scale = tf.cast(loss_scale, acc)
+        layers = [layer for layer, _, _ in plan]
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(params)
+            with _compat.recorded_dense_pre_activations(layers) as records:
+                y_pred, new_state, model_losses = F.stateless_forward(
+                    self.model, params, state, model_x, training=True
+                )
+            task_losses = task_losses_of(y_pred)
+            stacked_losses = tf.stack(task_losses)
+            total = tf.reduce_sum(stacked_losses) * scale
+            regularizer = self._regularizer(model_x, y, y_pred, model_losses)
+            if regularizer is not None:
+                regularizer_scaled = regularizer * tf.cast(loss_scale, regularizer.dtype)
+        calls = {layers[i].name: len(records.get(i, ())) for i in range(len(layers))}
+        if any(n != 1 for n in calls.values()):
+            raise ValueError(
+                "MultiTaskTrainer(task_passes='factored'): each shared Dense layer must be "
+                f"called once per forward pass; calls: {calls} (use task_passes='vectorized')."
+            )
+        xs = [records[i][0][0] for i in range(len(layers))]
+        zs = [records[i][0][1] for i in range(len(layers))]
+        dzs = tape.gradient(total, zs, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        dzs = [tf.cast(dz, acc) / scale for dz in dzs]
+        xs = [tf.cast(x, acc) for x in xs]
+        onehot = tf.one_hot(task_id, T, dtype=acc)
+        gathered = (xs, dzs, onehot)
+        if F.num_replicas() > 1:
+            context = tf.distribute.get_replica_context()
+            # (all_gather forgets the static feature dimensions: T must stay static)
+            gathered = tf.nest.map_structure(
+                lambda t: tf.reshape(context.all_gather(t, axis=0), [-1, *t.shape[1:]]),
+                gathered,
+            )
+        gram = tf.add_n(
+            [
+                GS.dense_task_gram(x, dz, gathered[2], has_bias=bias is not None)
+                for x, dz, (_, _, bias) in zip(gathered[0], gathered[1], plan)
+            ]
+        )
+        losses = F.all_reduce_sum(stacked_losses)
+        inputs = task_inputs(losses, gram=gram)
+        combination, cosine = self._combine(inputs, method_state)
+        shared_c, specific_c = _coefficients(combination, acc)
+        row_c = tf.gather(shared_c, task_id) * scale
+        gradient = [None] * len(params)
+        for x, dz, (_, kernel_i, bias_i) in zip(xs, dzs, plan):
+            parts = GS.dense_combined_gradient(x, dz, row_c, has_bias=bias_i is not None)
+            for i, g in zip((kernel_i, bias_i), parts):
+                gradient[i] = tf.cast(g, params[i].dtype)
+        if specific_index:
+            specific = F.densify(
+                tape.gradient(
+                    stacked_losses,
+                    [params[i] for i in specific_index],
+                    output_gradients=specific_c * scale,
+                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                )
+            )
+            for i, g in zip(specific_index, specific):
+                gradient[i] = g
+        if regularizer is not None:
+            reg_grads = F.densify(
+                tape.gradient(
+                    regularizer_scaled, params, unconnected_gradients=tf.UnconnectedGradients.ZERO
+                )
+            )
+            gradient = F.add(gradient, reg_grads)
+        del tape
+        return losses, combination, cosine, gradient, new_state, y_pred, regularizer
 
     def _check_vectorizable(self):
         """The vectorized pass runs every task's forward pass from the step's state: it
@@ -1347,6 +1546,7 @@ class _Untracked:
     plan = None
     task_names = None
     vectorizable = False
+    factored_plan = None  # (plan, reason): MultiTaskTrainer._factored_plan
 
 
 class _RepPlan:

@@ -188,6 +188,9 @@ class MultiTaskMethod:
     #: that reads the task gradients themselves (GradNorm: XLA would take the large
     #: tensors in and out) or runs slower under XLA (CAGrad's face enumeration on CPU).
     compiles_well: ClassVar[bool] = True
+    #: the method reads `inputs.task_grads` (GradNorm: the norms on one layer), so the
+    #: trainer must form the per-task gradients (not its task_passes="factored").
+    reads_task_gradients: ClassVar[bool] = False
 
     def state_spec(self, num_tasks: int) -> dict[str, StateSpec]:
         return {}

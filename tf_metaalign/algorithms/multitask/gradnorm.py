@@ -42,6 +42,7 @@ class GradNorm(MultiTaskMethod):
     kind = "loss"
     reference = "Chen et al. 2018, Algorithm 1 (NumPy re-derivation)"
     compiles_well = False  # reads the task gradients: keep them out of an XLA call
+    reads_task_gradients = True  # its layer norms: task_passes="factored" does not apply
 
     def __init__(self, alpha: float = 1.5, learning_rate: float = 0.025, variable=None):
         self.alpha = check_number("alpha", alpha, 0.0)
