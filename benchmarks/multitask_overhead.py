@@ -58,6 +58,7 @@ median; the committed JSONs; an earlier run of the same code on the MLP gave sum
     sum                   one_weighted_pass   1.07          1.03          1.05
     rlw / uw              one_weighted_pass   1.04 / 1.05   1.09 / 1.06   1.1
     dwa / famo            one_weighted_pass   1.05 / 1.04   1.09 / 1.01   1.1
+    pcgrad .. aligned     factored (MLP)      1.32-1.39     -             1.5
     gradnorm / pcgrad     vectorized          1.58 / 1.55   1.23 / 1.27   1.5
     gradvac / mgda        vectorized          1.53 / 1.48   1.18 / 1.26   1.5
     cagrad / imtl         vectorized          1.62 / 1.58   1.19 / 1.23   1.5
@@ -90,6 +91,14 @@ Reading (the JSON's "summary" lists what met and missed, with the ratios):
   dL_t/dz (tasks as rows are disjoint; T passes when a layer after z mixes rows), one
   more for the heads' gradient and ONE encoder backward pass: 1.08-1.17x on the MLP
   (was 1.21-1.39x with T head passes), 0.98-1.13x on MiniLM: met everywhere.
+* `task_passes="factored"` ("auto" on the MLP since its shared part is Dense layers; a
+  run at load 4-5 with other sessions on the cores, results/multitask_overhead_factored
+  .json): no per-task gradient is formed; each Dense layer's Gram matrix
+  S^T((XX^T+1)*(dZdZ^T))S from its inputs and the output gradients of ONE backward
+  pass, the combination one product X^T(c*dZ): 1.32-1.39x for the 7 methods it applies
+  to (vectorized PCGrad 1.49x, the vmap reference 1.48x, GradNorm, which reads task
+  gradients, 1.55x vectorized, in the same run). The table's "vectorized" rows are the
+  earlier quiet run (before "factored"). Under XLA it is "auto" too (static shapes).
 * XLA (`--jit_compile`, MLP, a subset: results/multitask_overhead_xla.json): sum 1.04x,
   uw 1.05x, pcgrad/mgda+rep_grad 1.03/1.07x (met); the per-parameter gradient methods
   take "masked" (the vectorized pass has a data-dependent m: no static shape): 6.5-7.3x;

@@ -143,7 +143,9 @@ def test_multitask_overhead_every_method(tmp_path):
         elif not uses_gradients:
             kind, used = "weighting", "one_weighted_pass"
         else:
-            kind, used = "gradient", "vectorized"  # "auto": no XLA, no model state
+            # "auto": the MLP's shared part is Dense layers -> "factored", except for
+            # GradNorm, which reads task gradients (no XLA, no model state: "vectorized")
+            kind, used = "gradient", "vectorized" if method == "gradnorm" else "factored"
         assert r["kind"] == kind and r["task_passes_used"] == used, method
         assert r["target_ratio_to_plain"] == targets[kind]
         if uses_gradients:

@@ -116,8 +116,8 @@ class MultiTaskTrainer(MetaTrainer):
         `fit` does); else "vectorized" for a model without state (non-trainable
         variables), "gathered" for one with (BatchNorm, dropout). All three give the
         same task losses and gradients for a model without state (tested). Measured
-        (benchmarks/multitask_overhead.py, MLP, T = 8, quiet 2-core CPU): PCGrad
-        vectorized 1.6x plain `fit`, gathered 2.7x, masked 5x. With tasks="outputs"
+        (benchmarks/multitask_overhead.py, MLP, T = 8, 2-core CPU): PCGrad factored
+        1.3x plain `fit`, vectorized 1.5-1.6x, gathered 2.7x, masked 5x. With tasks="outputs"
         every row belongs to every task: the passes are "masked" (or `rep_grad`).
     `compile_combination` (default True): the method's combination (its algebra on the
     T x T Gram matrix: projections, solvers, an eigen-decomposition; hundreds of tiny
