@@ -83,12 +83,8 @@ SYMBOLS = _public_symbols()
 PENDING = {
     f"tf_metaalign.prompts.{name}"
     for name in (
-        "BootstrapResult FewShotResult PromptedBert PromptedExample PromptedT5 PromptedT5LM "
-        "Template accuracy apply_templates average_relative_gain choice_scores "
-        "encode_examples few_shot_prompt_tuning load_prompt masked_token_loss "
-        "paired_bootstrap_arg prompt_bert prompt_t5 rank_classification "
-        "rank_classify_examples relative_gain sample_few_shot save_prompt shift_right "
-        "stable_seed t5_generate t5_token_log_likelihoods token_log_likelihoods"
+        "PromptedBert PromptedT5 prompt_bert prompt_t5 shift_right t5_generate "
+        "t5_token_log_likelihoods"
     ).split()
 }
 

@@ -71,7 +71,26 @@ def token_log_likelihoods(logits, target_ids):
     """`log softmax(logits)[..., target_id]` per token: `[..., T, V]`, `[..., T]` -> `[..., T]`.
 
     Turns a teacher-forced decoder's logits into what `score_fn` returns (computed by
-    `tf.nn.sparse_softmax_cross_entropy_with_logits`, stable for large logits)."""
+    `tf.nn.sparse_softmax_cross_entropy_with_logits`, stable for large logits).
+
+    Args:
+      logits: `[..., T, V]` float, the decoder's logits at each target position.
+      target_ids: `[..., T]` int, the target tokens.
+
+    Returns:
+      A `[..., T]` `tf.Tensor` of log-likelihoods, in the dtype of `logits`.
+
+    Example:
+      >>> from tf_metaalign import prompts
+      >>> logits = np.log([[[0.5, 0.25, 0.25], [0.1, 0.8, 0.1]]])  # log-probabilities
+      >>> ll = prompts.token_log_likelihoods(logits, [[0, 1]])
+      >>> np.exp(ll.numpy()).round(4).tolist()  # p(0) at the first token, p(1) at the second
+      [[0.5, 0.8]]
+
+    References:
+      Wu et al., EMNLP 2022 (allenai/better-promptability: the token losses of
+      `PrefixTransformer.get_predictions`).
+    """
     import tensorflow as tf
 
     logits = tf.convert_to_tensor(logits)
@@ -84,6 +103,27 @@ def choice_scores(token_log_likelihoods, target_mask, reduction: str = "mean") -
 
     `mean`: `sum(ll * mask) / sum(mask)`; `sum`: `sum(ll * mask)`. Masked tokens (padding)
     count for nothing whatever their log-likelihood. A sequence with no token raises.
+
+    Args:
+      token_log_likelihoods: `[..., T]` per-token log-likelihoods.
+      target_mask: `[..., T]` 0/1, 1 on the real target tokens (of the same shape).
+      reduction: "mean" (the paper's default) or "sum".
+
+    Returns:
+      The scores `[...]`, a float64 NumPy array.
+
+    Example:
+      >>> from tf_metaalign import prompts
+      >>> ll = np.log([[0.5, 0.25, 0.9], [0.5, 0.5, 0.5]])
+      >>> mask = [[1, 1, 0], [1, 1, 1]]  # the first sequence's third token is padding
+      >>> np.exp(prompts.choice_scores(ll, mask)).round(4).tolist()  # geometric means
+      [0.3536, 0.5]
+      >>> np.exp(prompts.choice_scores(ll, mask, reduction="sum")).round(4).tolist()
+      [0.125, 0.125]
+
+    References:
+      Wu et al., EMNLP 2022: `-loss.sum(-1) / (target_mask.sum(-1) + 1e-6)` in
+      `PrefixTransformer.get_predictions` (allenai/better-promptability).
     """
     _check_reduction(reduction)
     ll = np.asarray(token_log_likelihoods, np.float64)
@@ -132,6 +172,26 @@ def rank_classification(
     Returns:
       `(predictions[B] int64, scores[B, C] float64)`; padding choices score -inf. Ties go
       to the first choice (numpy's argmax).
+
+    Example:
+      >>> from tf_metaalign import prompts
+      >>> def score_fn(input_ids, target_ids, target_mask):  # a toy model: p = 0.9 for
+      ...     # the input's first token, 0.1 for any other
+      ...     return np.where(target_ids == input_ids[:, :1], np.log(0.9), np.log(0.1))
+      >>> input_ids = [[7, 3], [8, 3]]
+      >>> choices = [[[7, 1], [8, 1]]] * 2  # choices 7 and 8, each with its EOS (id 1)
+      >>> predictions, scores = prompts.rank_classification(
+      ...     score_fn, input_ids, choices, np.ones((2, 2, 2)))
+      >>> predictions.tolist(), np.exp(scores).round(4).tolist()  # exp(mean(log p))
+      ([0, 1], [[0.3, 0.1], [0.1, 0.3]])
+      >>> predictions, scores = prompts.rank_classification(
+      ...     score_fn, input_ids, choices, np.ones((2, 2, 2)), choice_mask=[[1, 1], [1, 0]])
+      >>> predictions.tolist(), np.exp(scores).round(4).tolist()  # the padding choice: -inf
+      ([0, 0], [[0.3, 0.1], [0.1, 0.0]])
+
+    References:
+      Sanh et al., ICLR 2022 (T0's rank classification); Brown et al. 2020; Wu et al.,
+      EMNLP 2022 (`PrefixTransformer.get_predictions`, allenai/better-promptability).
     """
     _check_reduction(reduction)
     input_ids = np.asarray(input_ids)
@@ -226,10 +286,32 @@ def rank_classify_examples(
       eos_id: appended to every choice's target ids (the paper scores EOS too); `None` if
         `tokenize` already ends targets with EOS.
       pad_id: the id used to pad inputs and targets.
+      reduction: as in `rank_classification`.
+      batch_size: as in `rank_classification`.
 
     Returns:
       `(predictions[B], scores[B, C], labels[B])`; `accuracy(predictions, labels)` is the
       accuracy.
+
+    Example:
+      >>> from tf_metaalign import prompts
+      >>> def score_fn(input_ids, target_ids, target_mask):  # a toy model: p = 0.9 for
+      ...     # the input's first token, 0.1 for any other
+      ...     return np.where(target_ids == input_ids[:, :1], np.log(0.9), np.log(0.1))
+      >>> vocabulary = {"seven": 7, "eight": 8, "again?": 3}
+      >>> def tokenize(text):
+      ...     return [vocabulary[word] for word in text.split()]
+      >>> template = prompts.Template("echo", "{word} again?", ["seven", "eight"])
+      >>> examples = prompts.apply_templates(
+      ...     template, [{"word": "seven", "label": 0}, {"word": "eight", "label": 0}])["echo"]
+      >>> predictions, scores, labels = prompts.rank_classify_examples(
+      ...     score_fn, tokenize, examples, eos_id=1)
+      >>> predictions.tolist(), labels.tolist(), prompts.accuracy(predictions, labels)
+      ([0, 1], [0, 0], 0.5)
+
+    References:
+      Sanh et al., ICLR 2022 (T0's rank classification); Wu et al., EMNLP 2022 (EOS
+      scored with the answer; allenai/better-promptability).
     """
     examples = list(examples)
     if not examples:
@@ -267,7 +349,23 @@ def rank_classify_examples(
 
 
 def accuracy(predictions, labels) -> float:
-    """The fraction of `predictions` equal to `labels`."""
+    """The fraction of `predictions` equal to `labels`.
+
+    Args:
+      predictions: the predicted labels (any array-like, not empty).
+      labels: the true labels, of the same shape.
+
+    Returns:
+      The accuracy, a Python float.
+
+    Example:
+      >>> from tf_metaalign import prompts
+      >>> prompts.accuracy([0, 1, 1, 2], [0, 1, 2, 2])
+      0.75
+
+    References:
+      Wu et al., EMNLP 2022: the accuracy of rank classification, the paper's metric.
+    """
     predictions, labels = np.asarray(predictions), np.asarray(labels)
     if predictions.shape != labels.shape or predictions.size == 0:
         raise ValueError(
@@ -281,7 +379,27 @@ def accuracy(predictions, labels) -> float:
 
 
 def stable_seed(*parts) -> list[int]:
-    # Python's hash() of a str changes between processes; crc32 does not.
+    """Seed entropy from names: the CRC-32 of each part's `str`, the same in every process
+    (Python's `hash()` of a str changes between processes; crc32 does not).
+
+    Args:
+      *parts: anything with a `str` (dataset and template names, numbers).
+
+    Returns:
+      A list of ints in [0, 2**32), one per part, for `np.random.default_rng([seed, *...])`
+      (as `sample_few_shot` uses it).
+
+    Example:
+      >>> import zlib
+      >>> from tf_metaalign import prompts
+      >>> prompts.stable_seed("rte", "does_it_follow")
+      [3737078793, 651579561]
+      >>> prompts.stable_seed(3) == prompts.stable_seed("3") == [zlib.crc32(b"3")]
+      True
+
+    References:
+      ISO-HDLC CRC-32 (`zlib.crc32`).
+    """
     return [zlib.crc32(str(p).encode()) for p in parts]
 
 
@@ -289,7 +407,29 @@ def sample_few_shot(
     num_examples: int, num_shots: int = 16, seed: int = 0, dataset: str = "", template: str = ""
 ) -> np.ndarray:
     """The indices of the `num_shots` training examples of one (dataset, template):
-    sampled without replacement, a pure function of `(seed, dataset, template)`."""
+    sampled without replacement, a pure function of `(seed, dataset, template)`.
+
+    Args:
+      num_examples: the number of training examples to sample from.
+      num_shots: how many to sample (16 in the paper); at most `num_examples`.
+      seed: the protocol's seed.
+      dataset: the dataset's name (part of the seed).
+      template: the template's name (part of the seed).
+
+    Returns:
+      The sorted indices, an int64 NumPy array `[num_shots]`.
+
+    Example:
+      >>> from tf_metaalign import prompts
+      >>> prompts.sample_few_shot(100, num_shots=4, seed=0, dataset="rte", template="t1")
+      array([43, 66, 82, 95])
+      >>> prompts.sample_few_shot(100, num_shots=4, seed=0, dataset="rte", template="t2")
+      array([ 1, 23, 66, 98])
+
+    References:
+      Wu et al., EMNLP 2022: 16 training examples per dataset and template, sampled with
+      a seed (the few-shot setting).
+    """
     check_positive_int(num_examples, "num_examples")
     check_positive_int(num_shots, "num_shots")
     if num_shots > num_examples:
@@ -305,8 +445,23 @@ def sample_few_shot(
 class FewShotResult:
     """One (dataset, template) of the few-shot protocol.
 
-    `correct` is the per-example 0/1 correctness on the evaluation examples after the final
-    epoch (for the bootstrap); `accuracy` its mean; `train_indices` the sampled examples."""
+    Attributes:
+      accuracy: the mean of `correct`.
+      correct: the per-example 0/1 correctness on the evaluation examples after the final
+        epoch (for the bootstrap).
+      train_indices: the sampled training examples (`sample_few_shot`).
+
+    Example:
+      >>> from tf_metaalign import prompts
+      >>> result = prompts.FewShotResult(0.75, np.array([1.0, 0.0, 1.0, 1.0]), np.array([3, 8]))
+      >>> bool(result.accuracy == result.correct.mean())
+      True
+      >>> prompts.average_relative_gain({("rte", "t1"): result}, num_choices=2)
+      0.5
+
+    References:
+      Wu et al., EMNLP 2022 (the few-shot setting: accuracy after the final epoch).
+    """
 
     accuracy: float
     correct: np.ndarray
@@ -333,11 +488,40 @@ def few_shot_prompt_tuning(
 
     Args:
       tasks: `{dataset: {template: (train_examples, eval_examples)}}`.
+      build_model: `(dataset, template) -> model`, a fresh prompt for one task.
+      train: `(model, examples, epochs) -> model or None`, the prompt tuning.
       evaluate: returns the per-example correctness (a 1-D 0/1 or bool array, one entry per
         evaluation example), so that `paired_bootstrap_arg` can resample it.
+      num_shots: the training examples sampled per (dataset, template) (16 in the paper).
+      epochs: the epochs of training (100 in the paper).
+      seed: the sampling seed (`sample_few_shot`).
 
     Returns:
       `{(dataset, template): FewShotResult}`, in the order of `tasks`.
+
+    Example:
+      >>> from tf_metaalign import prompts
+      >>> train_set = [("good", 1)] * 9 + [("bad", 0)] * 3  # (text, label) pairs
+      >>> eval_set = [("fine", 1), ("awful", 0), ("great", 1)]
+      >>> def build_model(dataset, template):  # a toy "model": the majority label
+      ...     return {"label": None}
+      >>> def train(model, examples, epochs):
+      ...     labels = [label for _, label in examples]
+      ...     model["label"] = max(set(labels), key=labels.count)
+      >>> def evaluate(model, examples):
+      ...     return [label == model["label"] for _, label in examples]
+      >>> results = prompts.few_shot_prompt_tuning(
+      ...     {"toy": {"t1": (train_set, eval_set)}}, build_model, train, evaluate,
+      ...     num_shots=4, epochs=1)
+      >>> result = results["toy", "t1"]
+      >>> result.train_indices.tolist(), result.correct.tolist()  # 3 of 4 shots say 1
+      ([2, 4, 6, 10], [1.0, 0.0, 1.0])
+      >>> bool(np.array_equal(result.train_indices, prompts.sample_few_shot(12, 4, 0, "toy", "t1")))
+      True
+
+    References:
+      Wu et al., "Continued Pretraining for Better Zero- and Few-Shot Promptability",
+      EMNLP 2022 (allenai/better-promptability).
     """
     check_positive_int(num_shots, "num_shots")
     check_positive_int(epochs, "epochs")
@@ -379,7 +563,25 @@ def few_shot_prompt_tuning(
 
 
 def relative_gain(accuracy_: float, num_choices: int) -> float:
-    """`(accuracy - chance) / chance` with `chance = 1 / num_choices`."""
+    """`(accuracy - chance) / chance` with `chance = 1 / num_choices`.
+
+    Args:
+      accuracy_: an accuracy in [0, 1].
+      num_choices: the number of answer choices, >= 2.
+
+    Returns:
+      The relative gain over chance, a Python float (0 at chance, -1 at accuracy 0).
+
+    Example:
+      >>> from tf_metaalign import prompts
+      >>> prompts.relative_gain(0.75, 2), prompts.relative_gain(0.5, 2)
+      (0.5, 0.0)
+      >>> round(prompts.relative_gain(0.5, 3), 6)  # chance 1/3
+      0.5
+
+    References:
+      Ye et al., "CrossFit", EMNLP 2021; Wu et al., EMNLP 2022 (ARG).
+    """
     if (
         isinstance(num_choices, bool)
         or not isinstance(num_choices, (int, np.integer))
@@ -440,6 +642,21 @@ def average_relative_gain(
         C}`, or one int for all.
       weighting: "dataset" (default: mean over templates, then over datasets) or
         "template" (every (dataset, template) pair weighs the same).
+
+    Returns:
+      The ARG, a Python float.
+
+    Example:
+      >>> from tf_metaalign import prompts
+      >>> accuracies = {("rte", "t1"): 0.75, ("rte", "t2"): 0.25, ("copa", "t1"): 1.0}
+      >>> prompts.average_relative_gain(accuracies, num_choices=2)  # mean(0.5, -0.5), 1.0
+      0.5
+      >>> round(prompts.average_relative_gain(accuracies, 2, weighting="template"), 4)
+      0.3333
+
+    References:
+      Ye et al., "CrossFit", EMNLP 2021; Wu et al., EMNLP 2022 (Average Relative Gain;
+      `aggregate_results.py` in allenai/better-promptability).
     """
     keys = _check_keys(accuracies, "accuracies")
     gains = np.asarray(
@@ -459,8 +676,29 @@ def _accuracy_of(value) -> float:
 
 @dataclasses.dataclass
 class BootstrapResult:
-    """`arg_a`, `arg_b`: the observed ARGs; `difference` = arg_a - arg_b; `p_value`: the
-    one-sided bootstrap p-value of "ARG(A) > ARG(B)"; `differences`: the resampled ones."""
+    """What `paired_bootstrap_arg` returns.
+
+    Attributes:
+      arg_a: the observed ARG of method A.
+      arg_b: the observed ARG of method B.
+      difference: arg_a - arg_b.
+      p_value: the one-sided bootstrap p-value of "ARG(A) > ARG(B)".
+      num_resamples: the number of resamples.
+      differences: the resampled differences, `[num_resamples]`.
+
+    Example:
+      >>> from tf_metaalign import prompts
+      >>> a = {("rte", "t1"): [1, 1, 1, 0, 1, 1, 0, 1]}
+      >>> b = {("rte", "t1"): [1, 0, 1, 0, 0, 1, 0, 1]}
+      >>> result = prompts.paired_bootstrap_arg(a, b, num_choices=2)
+      >>> result.differences.shape, result.p_value  # mid-p: ties count one half
+      ((1000,), 0.043)
+      >>> float(np.mean(result.differences < 0) + 0.5 * np.mean(result.differences == 0))
+      0.043
+
+    References:
+      Koehn, EMNLP 2004; Berg-Kirkpatrick et al., EMNLP 2012 (paired bootstrap).
+    """
 
     arg_a: float
     arg_b: float
@@ -490,6 +728,32 @@ def paired_bootstrap_arg(
     small p means A is better. `num_resamples` (default 1000, as is usual in NLP
     significance tests, Koehn 2004; Berg-Kirkpatrick et al. 2012) bounds the resolution
     at 1/num_resamples. Deterministic given `seed`.
+
+    Args:
+      correct_a: `{(dataset, template): per-example 0/1 correctness}` of method A.
+      correct_b: the same for method B, on the same examples.
+      num_choices: as in `average_relative_gain`.
+      num_resamples: the number of bootstrap resamples.
+      seed: the resampling seed.
+      weighting: as in `average_relative_gain`.
+
+    Returns:
+      A `BootstrapResult`.
+
+    Example:
+      >>> from tf_metaalign import prompts
+      >>> a = {("rte", "t1"): [1, 1, 1, 0, 1, 1, 0, 1]}  # accuracy 0.75
+      >>> b = {("rte", "t1"): [1, 0, 1, 0, 0, 1, 0, 1]}  # accuracy 0.5, chance
+      >>> result = prompts.paired_bootstrap_arg(a, b, num_choices=2, seed=0)
+      >>> result.arg_a, result.arg_b, result.difference, result.p_value
+      (0.5, 0.0, 0.5, 0.043)
+      >>> prompts.paired_bootstrap_arg(a, a, num_choices=2).p_value  # identical methods
+      0.5
+
+    References:
+      Koehn, "Statistical Significance Tests for Machine Translation Evaluation", EMNLP
+      2004; Berg-Kirkpatrick, Burkett, Klein, "An Empirical Investigation of Statistical
+      Significance in NLP", EMNLP 2012.
     """
     keys = _check_keys(correct_a, "correct_a")
     if set(keys) != set(_check_keys(correct_b, "correct_b")):

@@ -90,6 +90,36 @@ def save_prompt(model, path) -> str:
     The file holds one array per prompt variable (by its name) and the metadata
     `model.prompt_metadata()` (architecture, mode, length, shapes) that `load_prompt`
     checks, so that a prompt is never silently loaded into a model it was not made for.
+
+    Args:
+      model: a prompted model (`PromptedT5`, `PromptedBert`, `PromptedCausalLM`).
+      path: the file to write (a str or path-like).
+
+    Returns:
+      The path written, ending in `.npz`.
+
+    Example:
+      >>> import os, tempfile
+      >>> import keras_hub
+      >>> from tf_metaalign import prompts
+      >>> backbone = keras_hub.models.BertBackbone(
+      ...     vocabulary_size=32, num_layers=1, num_heads=2, hidden_dim=8,
+      ...     intermediate_dim=16, max_sequence_length=8)
+      >>> model = prompts.prompt_bert(backbone, length=2)
+      >>> path = prompts.save_prompt(model, os.path.join(tempfile.mkdtemp(), "prompt"))
+      >>> os.path.basename(path)
+      'prompt.npz'
+      >>> with np.load(path) as saved:  # the prompt only, and what it was made for
+      ...     sorted(saved), np.array_equal(saved["prompt_embeddings"], model.prompt_embeddings)
+      (['__prompt_metadata__', 'prompt_embeddings'], True)
+      >>> model.prompt_metadata()
+      {'architecture': 'bert', 'mode': 'shallow', 'length': 2,
+       'shapes': {'prompt_embeddings': [2, 8]}}
+
+    References:
+      Wu et al., EMNLP 2022: the reference saves only the prompt weights when the
+      transformer is frozen (`PrefixTransformer.on_save_checkpoint`,
+      allenai/better-promptability).
     """
     _check_prompted(model)
     path = os.fspath(path)
@@ -106,6 +136,34 @@ def load_prompt(model, path) -> None:
 
     Raises a ValueError when the file was made for another architecture, mode or length,
     or holds arrays of other shapes (the backbone's hidden size, layers or heads differ).
+
+    Args:
+      model: a prompted model (`PromptedT5`, `PromptedBert`, `PromptedCausalLM`).
+      path: a file written by `save_prompt`.
+
+    Returns:
+      None; `model.prompt_variables` hold the saved values.
+
+    Example:
+      >>> import os, tempfile
+      >>> import keras_hub
+      >>> from tf_metaalign import prompts
+      >>> backbone = keras_hub.models.BertBackbone(
+      ...     vocabulary_size=32, num_layers=1, num_heads=2, hidden_dim=8,
+      ...     intermediate_dim=16, max_sequence_length=8)
+      >>> tuned = prompts.prompt_bert(backbone, length=2, seed=0)
+      >>> path = prompts.save_prompt(tuned, os.path.join(tempfile.mkdtemp(), "prompt.npz"))
+      >>> fresh = prompts.prompt_bert(backbone, length=2, seed=1)
+      >>> prompts.load_prompt(fresh, path)
+      >>> bool(np.array_equal(fresh.prompt_embeddings, tuned.prompt_embeddings))
+      True
+      >>> prompts.load_prompt(prompts.prompt_bert(backbone, length=3), path)
+      Traceback (most recent call last):
+      ...
+      ValueError: The prompt in '...prompt.npz' has length=2 but the model expects length=3.
+
+    References:
+      Wu et al., EMNLP 2022 (allenai/better-promptability: prompt-only checkpoints).
     """
     _check_prompted(model)
     with np.load(os.fspath(path), allow_pickle=False) as data:

@@ -67,6 +67,18 @@ class PromptedExample:
       answer_choices: the filled answer choices (rank classification scores each one as
         a target), or `()` for a template without choices (generation).
       label: index of the right choice in `answer_choices`, or -1 without choices.
+
+    Example:
+      >>> from tf_metaalign import prompts
+      >>> example = prompts.PromptedExample("Is the sky blue?", "yes", ("yes", "no"), 0)
+      >>> example.answer_choices[example.label] == example.target_text
+      True
+      >>> prompts.PromptedExample("Translate to English: chat", "cat")  # generation
+      PromptedExample(input_text='Translate to English: chat', target_text='cat',
+                      answer_choices=(), label=-1)
+
+    References:
+      Sanh et al., ICLR 2022 (T0, P3); Bach et al., "PromptSource", ACL 2022 demo.
     """
 
     input_text: str
@@ -88,6 +100,33 @@ class Template:
       target_template: `str.format` string over the example's fields and `{answer}`
         (the right choice); default "{answer}".
       label_field: the example's key holding the index of the right choice.
+
+    Example:
+      >>> from tf_metaalign import prompts
+      >>> nli = prompts.Template(
+      ...     "does_it_follow",
+      ...     "If {premise} is true, is it also true that {hypothesis}?",
+      ...     answer_choices=["yes", "maybe", "no"],
+      ... )
+      >>> nli.fields
+      ('premise', 'hypothesis', 'label')
+      >>> example = nli.apply({"premise": "A dog runs", "hypothesis": "an animal moves",
+      ...                      "label": 0})
+      >>> example.input_text
+      'If A dog runs is true, is it also true that an animal moves?'
+      >>> example.target_text, example.answer_choices, example.label
+      ('yes', ('yes', 'maybe', 'no'), 0)
+      >>> coreference = prompts.Template(  # choices that depend on the example
+      ...     "who", "{sentence} Who is {pronoun}?", lambda e: [e["a"], e["b"]],
+      ...     target_template="{pronoun} is {answer}.")
+      >>> coreference.apply(
+      ...     {"sentence": "Ann thanked Bo.", "pronoun": "she", "a": "Ann", "b": "Bo", "label": 0}
+      ... ).target_text
+      'she is Ann.'
+
+    References:
+      Sanh et al., "Multitask Prompted Training Enables Zero-Shot Task Generalization",
+      ICLR 2022; Bach et al., "PromptSource", ACL 2022 demo.
     """
 
     name: str
@@ -211,7 +250,29 @@ class Template:
 def apply_templates(
     templates: Sequence[Template] | Template, examples: Sequence[Mapping[str, Any]]
 ) -> dict[str, list[PromptedExample]]:
-    """Every template applied to every example: `{template.name: [PromptedExample, ...]}`."""
+    """Every template applied to every example: `{template.name: [PromptedExample, ...]}`.
+
+    Args:
+      templates: a `Template` or a non-empty sequence of them, with distinct names.
+      examples: the examples, each a mapping of fields.
+
+    Returns:
+      `{template.name: [PromptedExample per example]}`, in the order of `templates`.
+
+    Example:
+      >>> from tf_metaalign import prompts
+      >>> templates = [
+      ...     prompts.Template("question", "{text} Is this review positive?", ["no", "yes"]),
+      ...     prompts.Template("rating", "Review: {text} Rating:", ["bad", "good"]),
+      ... ]
+      >>> prompted = prompts.apply_templates(templates, [{"text": "Great film.", "label": 1}])
+      >>> [(name, e.input_text, e.target_text) for name, (e,) in prompted.items()]
+      [('question', 'Great film. Is this review positive?', 'yes'),
+       ('rating', 'Review: Great film. Rating:', 'good')]
+
+    References:
+      Wu et al., EMNLP 2022 (every number averaged over several templates per dataset).
+    """
     if isinstance(templates, Template):
         templates = (templates,)
     templates = tuple(templates)
