@@ -24,10 +24,12 @@ import tensorflow as tf
 from keras import ops
 
 from tf_metaalign import prompts
+from tf_metaalign.prompts import causal_lm
 from tf_metaalign.prompts import t5 as t5_module
+from tf_metaalign.prompts.base import KeyValueCache
 
 L = 3
-HIDDEN = 24  # no activation reshaped to 2-D is [24, x]: B * (S + L) is 16 (T5) and 27 (BERT)
+HIDDEN = 24  # no activation reshaped to 2-D is [24, x]: B * (S + L) is 16 (T5, GPT-2), 27 (BERT)
 _BUILT = {}
 
 
@@ -44,6 +46,16 @@ def tiny_backbone(family):
                 key_value_dim=12,
                 dropout=0.0,
                 tie_embedding_weights=True,
+            )
+        elif family == "gpt2":
+            _BUILT[family] = keras_hub.models.GPT2Backbone(
+                vocabulary_size=50,
+                num_layers=2,
+                num_heads=2,
+                hidden_dim=HIDDEN,
+                intermediate_dim=40,
+                max_sequence_length=32,
+                dropout=0.0,
             )
         else:
             _BUILT[family] = keras_hub.models.BertBackbone(
@@ -95,6 +107,14 @@ def prompted_model(family, mode, train):
             "decoder_padding_mask": np.ones((2, 4), "int32"),
         }
         loss = prompts.masked_token_loss()
+    elif family == "gpt2":
+        prompted = model = prompts.prompt_causal_lm(backbone, length=L, mode=mode, train=train)
+        x = {
+            "token_ids": rng.integers(1, 50, (2, 5)).astype("int32"),
+            "padding_mask": np.ones((2, 5), "int32"),
+        }
+        y = rng.integers(1, 50, (2, 5)).astype("int32")
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     else:
         prompted = prompts.prompt_bert(backbone, length=L, train=train)
         model = ClassifierHead(prompted)
@@ -159,14 +179,17 @@ def weight_gradient_shapes(operations, variables):
 def gradients_below_the_prompt(operations, prompted):
     """Executed gradient ops of the prompted backbone's embedding lookups (token, segment,
     position: what runs before the prompt joins the sequence). The tape names an op's
-    gradient ops under "gradient_tape/" + the op's scope. (T5's tied LM head reads the
-    token embedding too, above the decoder, outside the prompted backbone's scope.)"""
+    gradient ops under "gradient_tape/" + the op's scope. (The tied LM heads of T5 and
+    GPT-2 read the token embedding too, above the decoder: not a lookup, not counted.)"""
     scopes = {
         op.name.rsplit("/", 1)[0]
         for op in operations
         if not op.name.startswith("gradient_tape/")
-        and f"/{prompted.name}" in op.name
+        and re.match(rf"(.*/)?{prompted.name}", op.name)
         and re.search(r"/(token|segment|position)_embedding(_\d+)?/[^/]+$", op.name)
+        # A lookup (a gather, or the position table's slice); not the tied LM head's
+        # reverse projection (a matmul, above the decoder: its gradient is d hidden).
+        and (op.type in ("GatherV2", "ResourceGather") or "/position_embedding" in op.name)
     }
     assert scopes, "no embedding lookup found"
     return [
@@ -183,7 +206,9 @@ def frozen_shapes(backbone, prompted):
 
 
 @pytest.mark.parametrize(
-    "family,mode", [("t5", "shallow"), ("t5", "deep"), ("bert", "shallow")], ids=str
+    "family,mode",
+    [("t5", "shallow"), ("t5", "deep"), ("bert", "shallow"), ("gpt2", "shallow"), ("gpt2", "deep")],
+    ids=str,
 )
 def test_prompt_only_step_runs_no_weight_gradient_and_stops_at_the_prompt(restore, family, mode):
     backbone = tiny_backbone(family)
@@ -192,7 +217,7 @@ def test_prompt_only_step_runs_no_weight_gradient_and_stops_at_the_prompt(restor
     # of their shapes -- nothing for the frozen backbone.
     trainable = model.trainable_variables
     expected = [v for v in prompted.prompt_variables] + (
-        [] if family == "t5" else list(model.head.trainable_variables)
+        list(model.head.trainable_variables) if family == "bert" else []
     )
     assert {id(v) for v in trainable} == {id(v) for v in expected}
     slots = [v for v in model.optimizer.variables if len(v.shape) >= 1]
@@ -218,24 +243,29 @@ def test_prompt_only_step_runs_no_weight_gradient_and_stops_at_the_prompt(restor
 
 
 def _stacked_cache_slice_grads(operations, batch_size):
-    """StridedSliceGrads that write a [B, 2, K, h, d] tensor: the gradient of a read of a
-    stacked cache. (The reads of the prefix matrix [L, layers, 2, h, d], one layer at a time,
-    differentiate into small ones of that shape, which do not count here.)"""
+    """StridedSliceGrads that write a [B, 2, K, h, d] tensor with K > L: the gradient of a
+    read of a stacked cache (prefix + real keys). (The per-layer reads of a prefix matrix,
+    [L, layers, 2, h, d] for T5, [layers, 2, L, h, d] for GPT-2, differentiate into small
+    ones, which do not count here.)"""
     return [
         op.name
         for op in operations
         if op.type == "StridedSliceGrad"
         and op.outputs[0].shape.rank == 5
         and tuple(op.outputs[0].shape)[:2] == (batch_size, 2)
+        and op.outputs[0].shape[2] > L
     ]
 
 
-def _deep_prefix_gradients(prompted, x):
+def _deep_prefix_gradients(family, prompted, x):
     @tf.function
     def gradients():
         with tf.GradientTape() as tape:
-            hidden = prompted(x)["decoder_sequence_output"]
-            loss = tf.reduce_sum(prompted.lm_logits(hidden) ** 2)
+            if family == "t5":
+                logits = prompted.lm_logits(prompted(x)["decoder_sequence_output"])
+            else:
+                logits = prompted(x)
+            loss = tf.reduce_sum(logits**2)
         variables = [v.value for v in prompted.prompt_variables]
         return tape.gradient(loss, variables)
 
@@ -243,33 +273,37 @@ def _deep_prefix_gradients(prompted, x):
     return [g.numpy() for g in gradients()], executed_operations(concrete)
 
 
-def test_deep_t5_keys_values_reach_the_attention_unstacked_with_the_same_gradient(
-    restore, monkeypatch
+@pytest.mark.parametrize("family,module,blocks", [("t5", t5_module, 6), ("gpt2", causal_lm, 2)])
+def test_deep_keys_values_reach_the_attention_unstacked_with_the_same_gradient(
+    restore, monkeypatch, family, module, blocks
 ):
-    """The deep prefixes' gradient through `StaticKeyValueCache` equals the gradient
-    through keras-hub's stacked [B, 2, K, h, d] cache, and no StridedSliceGrad of that
-    shape (the dense gradient of a read of the stacked cache) runs; with the stacked cache,
-    one runs per read (2 per attention block: 6 blocks here)."""
-    _, prompted, (x, _) = prompted_model("t5", "deep", "prompt")
+    """The deep prefixes' gradient through `KeyValueCache` equals the gradient through
+    keras-hub's stacked [B, 2, K, h, d] cache, and no StridedSliceGrad of that shape (the
+    dense gradient of a read of the stacked cache) runs; with the stacked cache, one runs
+    per read (2 per attention block: T5 6 blocks here, GPT-2 2 layers). GPT-2's layers also
+    take `ops.shape` of the cache (its causal mask): `KeyValueCache.__tf_tensor__`."""
+    _, prompted, (x, _) = prompted_model(family, "deep", "prompt")
     x = tf.nest.map_structure(tf.constant, x)
-    unstacked, executed = _deep_prefix_gradients(prompted, x)
+    unstacked, executed = _deep_prefix_gradients(family, prompted, x)
     assert _stacked_cache_slice_grads(executed, batch_size=2) == []
 
     monkeypatch.setattr(
-        t5_module, "StaticKeyValueCache", lambda keys, values: ops.stack([keys, values], axis=1)
+        module, "KeyValueCache", lambda keys, values: ops.stack([keys, values], axis=1)
     )
-    stacked, executed = _deep_prefix_gradients(prompted, x)
-    assert len(_stacked_cache_slice_grads(executed, batch_size=2)) == 2 * 6
+    stacked, executed = _deep_prefix_gradients(family, prompted, x)
+    assert len(_stacked_cache_slice_grads(executed, batch_size=2)) == 2 * blocks
     for a, b in zip(unstacked, stacked):
         assert np.abs(a).max() > 0
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_static_key_value_cache_reads_and_rejects_other_indices():
+def test_key_value_cache_reads_and_rejects_other_indices():
     keys, values = tf.ones((2, 3, 4, 5)), tf.zeros((2, 3, 4, 5))
-    cache = t5_module.StaticKeyValueCache(keys, values)
+    cache = KeyValueCache(keys, values)
     assert cache[:, 0, ...] is keys and cache[:, 1, ...] is values
     assert tuple(int(d) for d in cache.shape) == (2, 2, 3, 4, 5)
+    assert tuple(ops.shape(cache)) == (2, 2, 3, 4, 5)  # through __tf_tensor__
+    np.testing.assert_array_equal(tf.convert_to_tensor(cache), tf.stack([keys, values], 1))
     for index in ((slice(None), 2, Ellipsis), (slice(1, None), 0, Ellipsis), 0):
-        with pytest.raises(TypeError, match="static reads"):
+        with pytest.raises(TypeError, match="supports only the reads"):
             cache[index]

@@ -9,6 +9,52 @@ import keras
 from tf_metaalign.prompts import storage
 
 
+class KeyValueCache:
+    """keras-hub's attention cache `[B, 2, K, h, d]` with its keys and values held apart.
+    keras-hub's attention layers (T5's, `CachedMultiHeadAttention` of GPT-2, Gemma's,
+    Llama's) read `cache[:, 0, ...]` (keys) and `cache[:, 1, ...]` (values): they get the
+    two tensors themselves (the update route then writes the new entries into them with
+    `slice_update`); `ops.shape(cache)` stacks them (`__tf_tensor__`: only its static shape
+    is used, so the stack is pruned from a traced step).
+
+    Why not `ops.stack([keys, values], axis=1)`: the gradient of each of a layer's two
+    reads of a stacked tensor is a StridedSliceGrad that writes a dense, mostly zero
+    `[B, 2, K, h, d]` tensor element by element (Eigen's strided-slice assignment); on CPU
+    these 24 reads were half of a deep prompt-only step of the small T5 (50 of ~105 ms), and
+    ~7% of a deep step of a GPT-2-small-shaped decoder. Held apart, each read is the tensor,
+    and its gradient is the incoming one. Any other index is a TypeError.
+    """
+
+    def __init__(self, keys, values):
+        self.keys = keys
+        self.values = values
+
+    @property
+    def shape(self):
+        batch_size, length, heads, dim = tuple(keras.ops.shape(self.keys))
+        return (batch_size, 2, length, heads, dim)
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        import tensorflow as tf
+
+        return tf.stack([self.keys, self.values], axis=1, name=name)
+
+    def __getitem__(self, index):
+        if (
+            isinstance(index, tuple)
+            and len(index) == 3
+            and index[0] == slice(None)
+            and isinstance(index[1], int)
+            and index[1] in (0, 1)
+            and index[2] is Ellipsis
+        ):
+            return self.values if index[1] else self.keys
+        raise TypeError(
+            f"KeyValueCache supports only the reads cache[:, 0, ...] (keys) and "
+            f"cache[:, 1, ...] (values); received the index {index!r}."
+        )
+
+
 class PromptedBackbone(keras.Model):
     """Base of `PromptedT5` and `PromptedBert`. A subclass sets `ARCHITECTURE` (the name a
     prompt file is checked against), checks its backbone type and mode, creates

@@ -72,7 +72,7 @@ import tensorflow as tf
 from keras import ops
 
 from tf_metaalign.prompts import storage
-from tf_metaalign.prompts.base import PromptedBackbone
+from tf_metaalign.prompts.base import KeyValueCache, PromptedBackbone
 
 __all__ = [
     "SUPPORTED_BACKBONES",
@@ -515,12 +515,17 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
             mask = ops.concatenate([ones, mask], axis=1)
             prefix = ops.cast(self.prefix_key_values(), x.dtype)
             real = ops.zeros(
-                (batch_size, 2, ops.shape(x)[1], self.num_key_value_heads, self.head_dim),
-                x.dtype,
+                (batch_size, ops.shape(x)[1], self.num_key_value_heads, self.head_dim), x.dtype
             )
+            shape = (batch_size,) + tuple(prefix.shape[2:])
             for i, layer in enumerate(b.transformer_layers):
-                entry = ops.broadcast_to(prefix[i][None], (batch_size,) + tuple(prefix.shape[1:]))
-                cache = ops.concatenate([entry, real], axis=2)
+                # Keys and values held apart: a stacked cache's reads differentiate into
+                # dense StridedSliceGrads (see KeyValueCache).
+                keys, values = (
+                    ops.concatenate([ops.broadcast_to(prefix[i, j][None], shape), real], axis=1)
+                    for j in (0, 1)
+                )
+                cache = KeyValueCache(keys, values)
                 x, _ = self._layer(layer, x, mask, cache, length, training)
         else:
             if length:

@@ -39,7 +39,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from tf_metaalign.prompts.base import PromptedBackbone
+from tf_metaalign.prompts.base import KeyValueCache, PromptedBackbone
 
 MODES = ("shallow", "deep")
 _MASK_VALUE = -1e9  # keras-hub T5MultiHeadAttention's additive mask value
@@ -49,44 +49,6 @@ def _check_mode(mode):
     if mode not in MODES:
         raise ValueError(f"`mode` must be one of {MODES}; received mode={mode!r}.")
     return mode
-
-
-class StaticKeyValueCache:
-    """keras-hub's static attention cache `[B, 2, K, h, d]` with its keys and values held
-    apart: the attention reads `cache[:, 0, ...]` (keys) and `cache[:, 1, ...]` (values),
-    and gets the two tensors themselves.
-
-    Why not `ops.stack([keys, values], axis=1)`: the gradient of each of the layer's two
-    reads of a stacked tensor is a StridedSliceGrad that writes a dense, mostly zero
-    `[B, 2, K, h, d]` tensor element by element (Eigen's strided-slice assignment); on CPU
-    these 24 reads were half of a deep prompt-only step of the small T5 (50 of ~105 ms).
-    Held apart, each read is the tensor, and its gradient is the incoming one. Only the
-    static reads are supported (`cache_update_index=None`); anything else is a TypeError.
-    """
-
-    def __init__(self, keys, values):
-        self.keys = keys
-        self.values = values
-
-    @property
-    def shape(self):
-        batch_size, length, heads, dim = tuple(ops.shape(self.keys))
-        return (batch_size, 2, length, heads, dim)
-
-    def __getitem__(self, index):
-        if (
-            isinstance(index, tuple)
-            and len(index) == 3
-            and index[0] == slice(None)
-            and isinstance(index[1], int)
-            and index[1] in (0, 1)
-            and index[2] is Ellipsis
-        ):
-            return self.values if index[1] else self.keys
-        raise TypeError(
-            f"StaticKeyValueCache supports only the static reads cache[:, 0, ...] and "
-            f"cache[:, 1, ...]; received the index {index!r}."
-        )
 
 
 @keras.saving.register_keras_serializable(package="tf_metaalign")
@@ -174,7 +136,7 @@ class PromptedT5(PromptedBackbone):
         return ops.broadcast_to(key[None], shape), ops.broadcast_to(value[None], shape)
 
     def _prefixed_key_values(self, variable, layer_index, attention, key_value_inputs):
-        """A keras-hub static attention cache [B, 2, L + K, h, d] (a `StaticKeyValueCache`):
+        """A keras-hub static attention cache [B, 2, L + K, h, d] (a `KeyValueCache`):
         the layer's prefixes, then the keys/values of `key_value_inputs` [B, K, H] through
         the layer's OWN key/value projections. Passed with `cache_update_index=None`
         (keras-hub's "static cache"), the attention uses it as its keys/values as is. (Not
@@ -188,7 +150,7 @@ class PromptedT5(PromptedBackbone):
 
         keys = heads(attention.key_projector(key_value_inputs))
         values = heads(attention.value_projector(key_value_inputs))
-        return StaticKeyValueCache(
+        return KeyValueCache(
             ops.concatenate([ops.cast(key, keys.dtype), keys], axis=1),
             ops.concatenate([ops.cast(value, values.dtype), values], axis=1),
         )
