@@ -266,6 +266,27 @@ RATIO_KEYS = (
 )
 
 
+#: Which code path each family's numbers took (the JSON's "paths").
+PATHS = {
+    "all": "Keras fit (steps_per_execution=1), one tf.function step per batch, no XLA "
+    "(Keras's jit_compile='auto' is off on CPU); the frozen backbone is Keras "
+    "trainable=False (prompts.storage.apply_train): its variables are not in "
+    "trainable_variables, so they get no optimizer update and no slot; the tape still "
+    "traces their weight-gradient ops (the tf.Variable stays trainable), which feed "
+    "nothing and are pruned by TensorFlow's function runtime before the step runs "
+    "(tests/prompts/test_prompt_step_cost.py).",
+    "t5": "PromptedT5 running the backbone's own layers; deep: the prefixed keys/values "
+    "reach each attention as a KeyValueCache (keys and values held apart: no dense "
+    "StridedSliceGrad of a stacked [B, 2, K, h, d] cache).",
+    "bert": "PromptedBert (shallow prompt after [CLS]); the Dense head trains in every "
+    "configuration.",
+    "gpt2": "prompts.prompt_causal_lm (PromptedCausalLM): shallow runs the backbone's "
+    "layers on L + S positions; deep calls each layer through its cache route with the "
+    "prefix as a KeyValueCache (keys and values held apart); logits through the tied token "
+    "embedding; gpt2_full / gpt2_full_long: keras_hub GPT2CausalLM.",
+}
+
+
 def check_configs(configs, bert, decoder=True):
     unknown = [c for c in configs if c not in ALL_CONFIGS]
     if unknown:
@@ -505,6 +526,8 @@ def ratio_entry(results, numerator, denominator):
     ]
     entry["step_ms_ratio_per_round"] = per_round
     entry["step_ms_ratio_median_of_rounds"] = common.median(per_round)
+    # The fastest step of each: load from other processes only ever adds time.
+    entry["min_step_ms_ratio"] = common.ratio(a["min_step_ms"], b["min_step_ms"])
     return entry
 
 
@@ -590,6 +613,7 @@ def main(argv):
             "config": config,
             "median_step_ms": 1000 * float(np.median(times[config])),
             "mean_step_ms": 1000 * float(np.mean(times[config])),
+            "min_step_ms": 1000 * float(np.min(times[config])),
             "round_median_step_ms": [1000 * m for m in round_medians[config]],
             "timed_steps": len(times[config]),
             **info[config],
@@ -638,6 +662,7 @@ def main(argv):
             ("median_step_ms_ratio", "time (median)", ".3f"),
             ("mean_step_ms_ratio", "time (mean)", ".3f"),
             ("step_ms_ratio_median_of_rounds", "time (rounds)", ".3f"),
+            ("min_step_ms_ratio", "time (min)", ".3f"),
             ("peak_memory_bytes_ratio", "peak memory", ".3f"),
             ("optimizer_slot_bytes_ratio", "slot bytes", ".4f"),
             ("trainable_params_ratio", "trainable", ".5f"),
@@ -691,6 +716,7 @@ def main(argv):
         "steps_per_round": FLAGS.steps_per_round,
         "meta_steps_per_round": FLAGS.meta_steps_per_round,
         "warmup": FLAGS.warmup,
+        "paths": PATHS,
         "notes": {
             "ratios": "'a/b': quantity of a over quantity of b, for each of "
             f"{list(RATIO_KEYS)}; step_ms_ratio_per_round: each round's ratio "

@@ -88,6 +88,19 @@ def check_results(data, rounds):
     # Slots for the prompt only: fewer slot bytes than the prompt-free full model by far.
     for name in ("t5_shallow_prompt", "t5_deep_prompt"):
         assert results[name]["optimizer_slot_bytes"] < results["t5_full"]["optimizer_slot_bytes"]
+    # The same-length baselines are the plain backbones (every weight trains).
+    for name in ("t5_full_long", "bert_full_long", "gpt2_full", "gpt2_full_long"):
+        if name in results:
+            assert results[name]["trainable_params"] == results[name]["model_params"], name
+    gpt2 = data["model"].get("gpt2")
+    if gpt2 is not None:  # GPT-2: shallow [L, hidden]; deep [L, layers x 2 x hidden]
+        full = results["gpt2_full"]["trainable_params"]
+        shallow = L * gpt2["hidden_dim"]
+        deep = L * gpt2["num_layers"] * 2 * gpt2["hidden_dim"]
+        assert results["gpt2_shallow_prompt"]["trainable_params"] == shallow
+        assert results["gpt2_deep_prompt"]["trainable_params"] == deep
+        assert results["gpt2_shallow_both"]["trainable_params"] == full + shallow
+        assert results["gpt2_deep_both"]["trainable_params"] == full + deep
     for name in ("t5_fomaml", "t5_reptile"):
         r = results[name]
         assert r["tasks"] == data["meta_tasks"] and r["inner_steps"] == data["inner_steps"]
@@ -114,6 +127,10 @@ def check_results(data, rounds):
             "trainable_params",
         ):
             check_ratio(entry[f"{key}_ratio"], results[a][key], results[b][key])
+        if "min_step_ms_ratio" in entry:
+            check_ratio(
+                entry["min_step_ms_ratio"], results[a]["min_step_ms"], results[b]["min_step_ms"]
+            )
         per_round = [
             x / y
             for x, y in zip(results[a]["round_median_step_ms"], results[b]["round_median_step_ms"])
@@ -146,6 +163,9 @@ def test_unknown_configuration_is_a_clear_error():
     with pytest.raises(ValueError, match="`--configs`: unknown configuration"):
         prompt_overhead.check_configs(["t5_full", "t5_prefix"], bert=True)
     assert prompt_overhead.check_configs(["t5_full", "bert_full"], bert=False) == ["t5_full"]
+    assert prompt_overhead.check_configs(["t5_full", "gpt2_full"], bert=True, decoder=False) == [
+        "t5_full"
+    ]
 
 
 @pytest.mark.slow  # runs the benchmark script: 2 min on 2 quiet cores, 3.5-7 at load 5-6 (tracing)
@@ -169,6 +189,9 @@ def test_prompt_overhead_smoke(tmp_path):
             "--steps_per_round=1",
             "--warmup=1",
             "--nobert",
+            "--gpt2_size=tiny",
+            "--gpt2_batch_size=2",
+            "--gpt2_sequence_length=5",
             f"--output={out}",
         ],
         cwd=ROOT,
@@ -183,11 +206,18 @@ def test_prompt_overhead_smoke(tmp_path):
     assert data["rounds"] == 2 and data["model"]["bert"] is None
     assert set(data["results"]) == {
         "t5_full",
+        "t5_full_long",
         "t5_shallow_prompt",
         "t5_deep_prompt",
         "t5_shallow_both",
         "t5_deep_both",
         "t5_fomaml",
         "t5_reptile",
+        "gpt2_full",
+        "gpt2_full_long",
+        "gpt2_shallow_prompt",
+        "gpt2_deep_prompt",
+        "gpt2_shallow_both",
+        "gpt2_deep_both",
     }
     check_results(data, rounds=2)
