@@ -41,6 +41,32 @@ class PromptedBert(PromptedBackbone):
     `sequence_output` [B, S, H] (the L prompt positions DROPPED, so it stays aligned with the
     inputs; `encode` returns the full [B, 1 + L + S - 1, H]) and `pooled_output` [B, H] (the
     backbone's `pooled_dense` on `[CLS]`). The padding mask is extended by L ones.
+
+    Example:
+        >>> import keras_hub
+        >>> from tf_metaalign import prompts
+        >>> backbone = keras_hub.models.BertBackbone(
+        ...     vocabulary_size=32, num_layers=1, num_heads=2, hidden_dim=8,
+        ...     intermediate_dim=16, max_sequence_length=8)
+        >>> model = prompts.PromptedBert(backbone, length=2)
+        >>> x = {
+        ...     "token_ids": np.array([[2, 5, 6, 0]]),  # [CLS], two tokens, padding
+        ...     "segment_ids": np.zeros((1, 4), "int32"),
+        ...     "padding_mask": np.array([[1, 1, 1, 0]]),
+        ... }
+        >>> {name: tuple(y.shape) for name, y in model(x).items()}
+        {'sequence_output': (1, 4, 8), 'pooled_output': (1, 8)}
+        >>> hidden, mask = model.encode(x["token_ids"], x["segment_ids"], x["padding_mask"])
+        >>> tuple(hidden.shape), np.asarray(mask).tolist()  # [CLS], the prompt, the rest
+        ((1, 6, 8), [[1, 1, 1, 1, 1, 0]])
+        >>> plain, reference = prompts.PromptedBert(backbone, length=0)(x), backbone(x)
+        >>> all(np.array_equal(plain[name], reference[name]) for name in reference)  # bit for bit
+        True
+
+    References:
+        Wu et al., EMNLP 2022 (allenai/better-promptability:
+        `modules/with_prefix_embedding.py`); Lester et al., EMNLP 2021 (prompt tuning);
+        Devlin et al., NAACL 2019 (BERT).
     """
 
     ARCHITECTURE = "bert"
@@ -115,7 +141,38 @@ def prompt_bert(
     seed=0,
     name=None,
 ) -> PromptedBert:
-    """A `PromptedBert` around `backbone` (see its docstring for the arguments)."""
+    """A `PromptedBert` around `backbone` (see its docstring for the arguments).
+
+    Args:
+        backbone: a built `BertBackbone` (or subclass); shared, not copied.
+        length: L >= 0 prompt vectors.
+        mode: "shallow" only.
+        train: "prompt", "transformer" or "both".
+        init_vocabulary_rows: initial rows are drawn among this many first vocabulary rows.
+        seed: seed of the initial rows.
+        name: the model's name (None: Keras's default).
+
+    Returns:
+        The `PromptedBert`.
+
+    Example:
+        >>> import keras_hub
+        >>> from tf_metaalign import prompts
+        >>> backbone = keras_hub.models.BertBackbone(
+        ...     vocabulary_size=32, num_layers=1, num_heads=2, hidden_dim=8,
+        ...     intermediate_dim=16, max_sequence_length=8)
+        >>> model = prompts.prompt_bert(backbone, length=2)  # prompt tuning
+        >>> [(v.name, tuple(v.shape)) for v in model.trainable_variables]
+        [('prompt_embeddings', (2, 8))]
+        >>> model.set_train("transformer")  # the prompt frozen, the backbone trains
+        >>> "prompt_embeddings" in [v.name for v in model.trainable_variables]
+        False
+        >>> len(model.trainable_variables) == len(backbone.weights)
+        True
+
+    References:
+        Wu et al., EMNLP 2022 (allenai/better-promptability); Lester et al., EMNLP 2021.
+    """
     return PromptedBert(
         backbone,
         length=length,

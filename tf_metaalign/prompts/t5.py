@@ -76,6 +76,34 @@ class PromptedT5(PromptedBackbone):
     mode the L prompt positions are DROPPED from `encoder_sequence_output`, so it stays
     aligned with `encoder_padding_mask` (the backbone's contract); the decoder still
     cross-attends to them (use `encode` for the full [B, L + S, H] sequence and its mask).
+
+    Example:
+        >>> import keras_hub
+        >>> from tf_metaalign import prompts
+        >>> backbone = keras_hub.models.T5Backbone(
+        ...     vocabulary_size=32, num_layers=1, num_heads=2, hidden_dim=8,
+        ...     intermediate_dim=16, dropout=0.0)
+        >>> model = prompts.PromptedT5(backbone, length=3, mode="deep")
+        >>> [(v.name, tuple(v.shape)) for v in model.trainable_variables]  # [L, 1 * 2 * 2 * 4]
+        [('encoder_self_prefix', (3, 16)), ('decoder_self_prefix', (3, 16)),
+         ('decoder_cross_prefix', (3, 16))]
+        >>> x = {
+        ...     "encoder_token_ids": np.array([[5, 6, 7, 1]]),
+        ...     "encoder_padding_mask": np.array([[1, 1, 1, 1]]),
+        ...     "decoder_token_ids": np.array([[0, 9, 10]]),
+        ...     "decoder_padding_mask": np.array([[1, 1, 1]]),
+        ... }
+        >>> {name: tuple(y.shape) for name, y in model(x).items()}
+        {'encoder_sequence_output': (1, 4, 8), 'decoder_sequence_output': (1, 3, 8)}
+        >>> plain, reference = prompts.PromptedT5(backbone, length=0, mode="deep")(x), backbone(x)
+        >>> all(np.array_equal(plain[name], reference[name]) for name in reference)  # bit for bit
+        True
+
+    References:
+        Wu et al., "Continued Pretraining for Better Zero- and Few-Shot Promptability",
+        EMNLP 2022 (allenai/better-promptability: `T5StackWithPrefix`,
+        `T5AttentionWithPrefix`, `modules/with_prefix_embedding.py`); Lester et al., "The
+        Power of Scale for Parameter-Efficient Prompt Tuning", EMNLP 2021.
     """
 
     ARCHITECTURE = "t5"
@@ -321,7 +349,52 @@ def prompt_t5(
     seed=0,
     name=None,
 ) -> PromptedT5:
-    """A `PromptedT5` around `backbone` (see its docstring for the arguments)."""
+    """A `PromptedT5` around `backbone` (see its docstring for the arguments).
+
+    Args:
+        backbone: a built `keras_hub.models.T5Backbone` (shared, not copied).
+        length: L >= 0, prompt vectors (shallow) or key/value prefixes per block (deep).
+        mode: "shallow" or "deep".
+        train: "prompt", "transformer" or "both".
+        init_vocabulary_rows: shallow init draws among this many first vocabulary rows.
+        seed: seed of the initial prompt values.
+        name: the model's name (None: Keras's default).
+
+    Returns:
+        The `PromptedT5`.
+
+    Example:
+        >>> import keras_hub
+        >>> from tf_metaalign import prompts
+        >>> backbone = keras_hub.models.T5Backbone(
+        ...     vocabulary_size=32, num_layers=1, num_heads=2, hidden_dim=8,
+        ...     intermediate_dim=16, dropout=0.0)
+        >>> model = prompts.prompt_t5(backbone, length=3)  # shallow; prompt tuning
+        >>> [(v.name, tuple(v.shape)) for v in model.trainable_variables]
+        [('prompt_embeddings', (3, 8))]
+        >>> table = backbone.token_embedding.embeddings.numpy()
+        >>> prompt = model.prompt_embeddings.numpy()
+        >>> [np.flatnonzero((table == p).all(-1)).tolist() for p in prompt]  # vocabulary rows
+        [[2], [11], [25]]
+        >>> x = {
+        ...     "encoder_token_ids": np.array([[5, 6, 1, 0]]),
+        ...     "encoder_padding_mask": np.array([[1, 1, 1, 0]]),
+        ...     "decoder_token_ids": np.array([[0, 9, 10]]),
+        ...     "decoder_padding_mask": np.array([[1, 1, 1]]),
+        ... }
+        >>> hidden, mask = model.encode(x["encoder_token_ids"], x["encoder_padding_mask"])
+        >>> tuple(hidden.shape), np.asarray(mask).tolist()  # L + S positions, prompt first
+        ((1, 7, 8), [[1, 1, 1, 1, 1, 1, 0]])
+        >>> tuple(model(x)["encoder_sequence_output"].shape)  # the prompt positions dropped
+        (1, 4, 8)
+        >>> model.set_train("both")
+        >>> len(model.trainable_variables) == 1 + len(backbone.trainable_variables)
+        True
+
+    References:
+        Wu et al., EMNLP 2022 (allenai/better-promptability); Lester et al., EMNLP 2021
+        (prompt tuning, initialised from vocabulary rows).
+    """
     return PromptedT5(
         backbone,
         length=length,
@@ -342,7 +415,24 @@ def _check_prompted_t5(model):
 
 def shift_right(target_ids, start_token_id=0):
     """Teacher-forcing decoder inputs: `[start, y_0, ..., y_{T-2}]` (T5's decoder start is
-    the pad id 0, as in `T5Seq2SeqLMPreprocessor`)."""
+    the pad id 0, as in `T5Seq2SeqLMPreprocessor`).
+
+    Args:
+        target_ids: [B, T] int, the targets.
+        start_token_id: the decoder's start token (0, T5's pad id).
+
+    Returns:
+        [B, T] int32, the decoder inputs.
+
+    Example:
+        >>> from tf_metaalign import prompts
+        >>> np.asarray(prompts.shift_right([[5, 6, 1], [7, 1, 0]]))
+        array([[0, 5, 6],
+               [0, 7, 1]], dtype=int32)
+
+    References:
+        Raffel et al., JMLR 2020 (T5); `keras_hub.models.T5Seq2SeqLMPreprocessor`.
+    """
     target_ids = ops.convert_to_tensor(target_ids, "int32")
     start = ops.full((ops.shape(target_ids)[0], 1), start_token_id, dtype="int32")
     return ops.concatenate([start, target_ids[:, :-1]], axis=1)
@@ -365,6 +455,41 @@ def t5_token_log_likelihoods(
     Rank classification (the paper's evaluation) takes the mean (or sum) of these over each
     answer choice's tokens, EOS included: `sum(ll) / sum(mask)` as in the reference's
     `PrefixTransformer.get_predictions`.
+
+    Args:
+        model: a `PromptedT5`.
+        encoder_token_ids: [B, S] int array or tensor, the inputs.
+        encoder_padding_mask: [B, S] 0/1, 1 on the real input tokens.
+        target_ids: [B, T] int, the targets (EOS included).
+        target_padding_mask: [B, T] 0/1, 1 on the real target tokens (None: all ones).
+        start_token_id: the decoder's start token (0, T5's pad id).
+        training: passed to the model (dropout).
+
+    Returns:
+        [B, T] float32 log-likelihoods, 0 where `target_padding_mask` is 0.
+
+    Example:
+        >>> import keras_hub
+        >>> from tf_metaalign import prompts
+        >>> model = prompts.prompt_t5(keras_hub.models.T5Backbone(
+        ...     vocabulary_size=32, num_layers=1, num_heads=2, hidden_dim=8,
+        ...     intermediate_dim=16, dropout=0.0), length=2)
+        >>> inputs, input_mask = np.array([[5, 6, 1]]), np.array([[1, 1, 1]])
+        >>> target = np.array([[9, 1, 0]])  # a token, EOS, padding
+        >>> ll = prompts.t5_token_log_likelihoods(
+        ...     model, inputs, input_mask, target, np.array([[1, 1, 0]]))
+        >>> ll.shape, float(ll[0, 2]) == 0.0
+        (TensorShape([1, 3]), True)
+        >>> hidden = model.decode(  # teacher forcing by hand: T5Seq2SeqLM's logits
+        ...     *model.encode(inputs, input_mask), prompts.shift_right(target), np.ones((1, 3)))
+        >>> logits = model.lm_logits(hidden).numpy()[0]
+        >>> log_softmax = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        >>> bool(np.allclose(ll[0, :2], log_softmax[[0, 1], [9, 1]], atol=1e-5))
+        True
+
+    References:
+        Wu et al., EMNLP 2022 (`PrefixTransformer.get_predictions`,
+        allenai/better-promptability); `keras_hub.models.T5Seq2SeqLM`.
     """
     _check_prompted_t5(model)
     target_ids = ops.convert_to_tensor(target_ids, "int32")
@@ -402,6 +527,40 @@ def t5_generate(
     Simple on purpose: the encoder runs once, the decoder is recomputed on the whole prefix
     at each step (no key/value cache: O(max_length^2) decoder work), which is enough for
     the short answers of prompted tasks. Eager NumPy loop; not traced.
+
+    Args:
+        model: a `PromptedT5`.
+        encoder_token_ids: [B, S] int array or tensor, the inputs.
+        encoder_padding_mask: [B, S] 0/1, 1 on the real input tokens.
+        max_length: the number of tokens to generate, >= 1.
+        start_token_id: the decoder's start token (0, T5's pad id).
+        end_token_id: the EOS id that ends a row (1, T5's EOS), or None.
+        pad_token_id: what fills a row after its EOS.
+
+    Returns:
+        [B, max_length] int32 NumPy array.
+
+    Example:
+        >>> import keras_hub
+        >>> from tf_metaalign import prompts
+        >>> model = prompts.prompt_t5(keras_hub.models.T5Backbone(
+        ...     vocabulary_size=32, num_layers=1, num_heads=2, hidden_dim=8,
+        ...     intermediate_dim=16, dropout=0.0), length=2)
+        >>> inputs, input_mask = np.array([[5, 6, 1]]), np.array([[1, 1, 1]])
+        >>> ids = prompts.t5_generate(model, inputs, input_mask, max_length=4, end_token_id=None)
+        >>> ids.shape, ids.dtype
+        ((1, 4), dtype('int32'))
+        >>> start = np.zeros((1, 1), "int32")  # the decoder's start token, its mask 1 below
+        >>> hidden = model.decode(*model.encode(inputs, input_mask), start, start + 1)
+        >>> int(ids[0, 0]) == int(np.argmax(model.lm_logits(hidden)[0, 0]))  # greedy
+        True
+        >>> stop = int(ids[0, 0])  # taken as the EOS: the row ends there, padded with 0
+        >>> prompts.t5_generate(model, inputs, input_mask, 4, end_token_id=stop)[0].tolist() == [
+        ...     stop, 0, 0, 0]
+        True
+
+    References:
+        `keras_hub.models.T5Seq2SeqLM.generate` (greedy sampler); Wu et al., EMNLP 2022.
     """
     _check_prompted_t5(model)
     if (
