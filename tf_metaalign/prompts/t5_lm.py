@@ -56,7 +56,9 @@ class PromptedT5LM(keras.Model):
       >>> initial_loss = float(prompts.masked_token_loss()(y, lm(x)))
       >>> backbone_weights = [w.numpy() for w in backbone.weights]
       >>> prompt = lm.prompt_variables[0].numpy()
-      >>> lm.compile(optimizer=keras.optimizers.SGD(0.1), loss=prompts.masked_token_loss())
+      >>> lm.compile(  # (eager: nothing to trace for these two steps)
+      ...     optimizer=keras.optimizers.SGD(0.1), loss=prompts.masked_token_loss(),
+      ...     run_eagerly=True)
       >>> [v.name for v in lm.trainable_variables]  # prompt_t5's default train="prompt"
       ['prompt_embeddings']
       >>> history = lm.fit(x, y, epochs=2, verbose=0).history
