@@ -57,6 +57,12 @@ everything it compares, so a comparison is never vacuous):
    probe). TensorFlow's gRPC server listens on all interfaces whatever TF_CONFIG says, so
    the two workers run in a network namespace of their own holding only loopback
    (`unshare --net`, where permitted).
+9. `no_host_round_trip`: Keras's train function, traced (not run) on batches of static
+   shape, under `mixed_bfloat16` with `jit_compile=True` and in float32 as a plain graph:
+   no Python callback and no string op (an `Assert`'s constant message aside) in the step
+   or in any function it calls (while / cond bodies, nested tf.functions, the XLA
+   function); the XLA step lowers to HLO with no dynamic dimension. Its failures are
+   shown on toy trainers (`tf.print`, `tf.py_function` in a nested loop, a boolean mask).
 
 The subprocess scenarios run tests/battery_worker.py (one entry, one scenario, bounded by
 `SUBPROCESS_TIMEOUT`).
@@ -64,6 +70,7 @@ The subprocess scenarios run tests/battery_worker.py (one entry, one scenario, b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -72,12 +79,13 @@ import sys
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tf_metaalign
 import battery_lib as B
 from conftest import two_cpu_strategy
 from precision import global_float_precision
-from trainer_entries import CHECKS, ENTRIES
+from trainer_entries import CHECKS, ENTRIES, regression_data
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 REPO = os.path.dirname(TESTS)
@@ -319,6 +327,139 @@ def test_mixed_bfloat16_trains_finite_and_close_to_float32(entry):
     error = np.linalg.norm(delta - reference) / np.linalg.norm(reference)
     assert error <= 0.1, f"{entry.name}: bf16 weight change off float32's by {error:.3f}"
     assert error > 0, f"{entry.name}: bf16 and float32 runs are identical (policy not applied?)"
+
+
+# --------------------------------------------------- 9. the step stays on the device
+
+
+@contextlib.contextmanager
+def _global_policy(name):
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy(name)
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+
+
+#: The steps check 9 traces: (dtype policy, jit_compile). The XLA step in the TPU's
+#: policy, the plain graph step in the default one.
+STEP_MODES = (("mixed_bfloat16", True), ("float32", False))
+
+
+def _step_problems(name, make_trainer, x, y, batch_size):
+    """Check 9 on `make_trainer()` (a compiled trainer) in each of `STEP_MODES`: an
+    AssertionError naming the trainer, the mode, the function and the op, or None."""
+    problems = []
+    for policy, jit_compile in STEP_MODES:
+        with _global_policy(policy):
+            trainer = make_trainer(jit_compile=jit_compile)
+            assert trainer.jit_compile is jit_compile, f"{name}: Keras turned XLA off"
+            batches = B.dataset(x, y, batch_size, drop_remainder=True)  # static shapes
+            mode = f"{policy}, jit_compile={jit_compile}"
+            problems += [f"[{mode}] {p}" for p in B.step_problems(trainer, batches, jit_compile)]
+    if problems:
+        listed = "\n  ".join(problems)
+        return AssertionError(f"{name}: the train step leaves the device:\n  {listed}")
+    return None
+
+
+@pytest.mark.parametrize("entry", cases("no_host_round_trip"))
+def test_step_compiles_with_static_shapes_and_no_host_round_trip(entry):
+    """Keras's train function of the trainer, traced (not run) on batches of static shape,
+    as a TPU runs it: under `mixed_bfloat16` with `jit_compile=True`, and the plain graph
+    step in float32. Every op of the step and of every function it calls
+    (`battery_lib.host_round_trips`: no `tf.py_function`, no string op but an `Assert`'s
+    constant message), the XLA step marked for XLA and lowered to HLO, with no dynamic
+    dimension in it (`battery_lib.step_problems`)."""
+    x, y = B.data(entry, dtype="float32")
+
+    def make(jit_compile):
+        return B.build(entry, dtype=None, jit_compile=jit_compile)
+
+    error = _step_problems(entry.name, make, x, y, entry.batch_size)
+    if error is not None:
+        raise error
+
+
+def _toy_trainer(extra, jit_compile):
+    """A MetaTrainer whose step runs `extra(loss, y_pred)` on the loss before finishing."""
+    from tf_metaalign.trainers import MetaTrainer
+
+    class ToyTrainer(MetaTrainer):
+        def train_step(self, data):
+            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+            with tf.GradientTape() as tape:
+                y_pred = self.model(x, training=True)
+                loss = self.compute_loss(x, y, y_pred)
+            gradients = tape.gradient(loss, self.model.trainable_variables)
+            return self.finish_step(data, y_pred, extra(loss, y_pred), gradients=gradients)
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    trainer = ToyTrainer(model)
+    trainer.compile(optimizer="sgd", loss="mse", jit_compile=jit_compile)
+    return trainer
+
+
+def _printed(loss, y_pred):
+    tf.print("loss:", loss)
+    return loss
+
+
+@tf.function
+def _through_python_in_a_loop(loss, y_pred):
+    """A nested tf.function whose while-loop body calls Python."""
+
+    def body(i, value):
+        value = tf.py_function(lambda v: v, [value], value.dtype)
+        return i + 1, tf.reshape(value, [])
+
+    return tf.while_loop(lambda i, _: i < 2, body, (tf.constant(0), loss))[1]
+
+
+def _asserted(loss, y_pred):
+    tf.debugging.assert_less(loss, tf.constant(1e9, loss.dtype), message="a huge loss")
+    return loss
+
+
+def _asserted_with_a_computed_message(loss, y_pred):
+    tf.debugging.Assert(loss < 1e9, [tf.strings.as_string(loss)])
+    return loss
+
+
+def _dynamic_shape(loss, y_pred):
+    return loss + 0.0 * tf.cast(tf.reduce_sum(tf.boolean_mask(y_pred, y_pred > 0)), loss.dtype)
+
+
+@pytest.mark.parametrize(
+    "extra, found",
+    [
+        (_printed, "PrintV2"),
+        (_through_python_in_a_loop, "EagerPyFunc (a Python callback)"),
+        (_asserted_with_a_computed_message, "AsString"),
+        (_dynamic_shape, "a dynamic shape under XLA"),
+        (_asserted, None),
+    ],
+    ids=["tf.print", "py_function_in_nested_loop", "computed_message", "boolean_mask", "assert"],
+)
+def test_host_round_trip_check_catches_a_toy_trainer(extra, found):
+    """Check 9 can fail: a step that prints, that calls Python inside a while loop of a
+    nested tf.function, that formats an Assert's message, or that masks (a dynamic shape
+    under XLA) is reported, naming the op (and, nested, the function it sits in); a
+    `tf.debugging.assert_less` with a constant message is allowed (XLA drops it)."""
+    x, y = regression_data(16, dtype="float32")
+    error = _step_problems("toy", lambda jit_compile: _toy_trainer(extra, jit_compile), x, y, 8)
+    if found is None:
+        assert error is None, str(error)
+        return
+    assert error is not None, f"{extra.__name__}: not caught"
+    message = str(error)
+    assert message.startswith("toy: the train step leaves the device") and found in message, message
+    if extra is _through_python_in_a_loop:
+        assert "while_body" in message and "<step>" not in message, message
+    if extra is not _dynamic_shape:  # both steps
+        assert "jit_compile=True]" in message and "jit_compile=False]" in message, message
 
 
 # ------------------------------------------------------------- 6. .keras round trip
