@@ -4,9 +4,11 @@ zero-shot, prompt vs prefix vs LoRA vs full fine-tuning) and its pre-training
 
 Fast: the teacher-forcing arrays against the rank-classification score (the training loss
 IS the scored answer's nats), the pre-training chunks, the config errors and flags. The
-end-to-end test runs the whole program at a tiny budget (a 2-layer GPT-2 pre-trained for
-10 steps, 4 shots, 2 seeds; ~1 min on 2 shared cores, the first time a little more for the
-SentencePiece model and the pre-training, cached after)."""
+default suite also trains each method once on a tiny GPT-2 (what trains, what stays
+bit-identical, the parameter counts). Slow (`-m slow`): the whole program at a tiny budget
+(a 2-layer GPT-2 pre-trained for 10 steps, one dataset, 4 shots, 2 seeds; 75 s on 2
+shared cores at load 8, more the first time for the SentencePiece model and the
+pre-training, cached after)."""
 
 import dataclasses
 
@@ -136,6 +138,62 @@ def test_every_setting_is_a_flag_with_help():
     assert config.learning_rates == {"prefix": 0.05} and config.seeds == (3, 4)
 
 
+def _lora_count(layers, hidden, heads, rank):
+    """keras-hub's enable_lora on the query and value EinsumDense layers (kernel [H, heads,
+    head_dim]): A [H, heads, r], B [r, head_dim], and the layer's bias [heads, head_dim]
+    (the targeted layer is set trainable whole)."""
+    head_dim = hidden // heads
+    return layers * 2 * (hidden * heads * rank + rank * head_dim + hidden)
+
+
+def test_methods_train_what_they_say_and_leave_the_rest_bit_identical():
+    """On a tiny GPT-2 (no pre-training): one short training run of each trained method.
+    Prompt and prefix train their prompt only (the shared backbone bit-identical), LoRA its
+    factors and q/v biases (its other weights bit-identical), full a copy; the counts are
+    the formulas; `reset` puts LoRA / full back at the pre-trained weights."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    config = tiny_config(shots=4, epochs=2, batch_size=2, input_length=8, answer_length=3)
+    backbone = small_gpt2.build_gpt2(small_gpt2.gpt2_config("tiny", 60, 32)).backbone
+    weights = [w.numpy().copy() for w in backbone.weights]
+    codec = D.Codec(CharTokenizer(), config.input_length, config.answer_length)
+    shots = [_example(t, ["no", "yes"], i % 2) for i, t in enumerate(["ab", "cd", "ef", "gh"])]
+    size = small_gpt2.GPT2_SIZES["tiny"]
+    layers, hidden, heads = size["num_layers"], size["hidden_dim"], size["num_heads"]
+    expected = {
+        "prompt": config.prompt_length * hidden,
+        "prefix": config.prompt_length * layers * 2 * hidden,
+        "lora": _lora_count(layers, hidden, heads, config.lora_rank),
+        "full": backbone.count_params(),
+    }
+    for name in D.TRAINED:
+        method = D.Method(name, backbone, weights, config)
+        assert method.trainable == expected[name], name
+        method.reset(3)
+        start = [v.numpy().copy() for v in method.model.trainable_variables]
+        before, after = method.train(shots, codec, seed=3)
+        assert after < before, name
+        moved = [
+            not np.array_equal(v.numpy(), s)
+            for v, s in zip(method.model.trainable_variables, start)
+        ]
+        assert any(moved), name
+        assert all(np.array_equal(w.numpy(), p) for w, p in zip(backbone.weights, weights)), name
+        if name == "lora":
+            trained = {id(v) for v in method.model.trainable_variables}
+            frozen = [(w, p) for w, p in zip(method.own, weights) if id(w) not in trained]
+            assert len(frozen) == len(weights) - layers * 2  # all but the q / v biases
+            assert all(np.array_equal(w.numpy(), p) for w, p in frozen)
+        if name in ("lora", "full"):
+            method.reset(3)
+            own = method.own if name == "lora" else method.backbone.weights
+            assert all(np.array_equal(w.numpy(), p) for w, p in zip(own, weights))
+            if name == "lora":  # fresh factors: B = 0, so the model is the pre-trained one
+                assert all(not b.numpy().any() for _, b in method.lora)
+
+
+@pytest.mark.slow
 def test_tiny_run_rows_counts_frozen_weights_and_intervals():
     config = tiny_config()
     config.check()
@@ -148,14 +206,11 @@ def test_tiny_run_rows_counts_frozen_weights_and_intervals():
     # Trainable parameters: the formula of each method.
     size = small_gpt2.GPT2_SIZES["tiny"]
     layers, hidden, heads = size["num_layers"], size["hidden_dim"], size["num_heads"]
-    head_dim, r, length = hidden // heads, config.lora_rank, config.prompt_length
+    r, length = config.lora_rank, config.prompt_length
     assert methods["zero_shot"]["trainable_parameters"] == 0
     assert methods["prompt"]["trainable_parameters"] == length * hidden
     assert methods["prefix"]["trainable_parameters"] == length * layers * 2 * hidden
-    # keras-hub's enable_lora on the query and value EinsumDense layers (kernel [H, heads,
-    # head_dim]): A [H, heads, r], B [r, head_dim], and the layer's bias [heads, head_dim].
-    lora = layers * 2 * (hidden * heads * r + r * head_dim + hidden)
-    assert methods["lora"]["trainable_parameters"] == lora
+    assert methods["lora"]["trainable_parameters"] == _lora_count(layers, hidden, heads, r)
     full = small_gpt2.build_gpt2(small_gpt2.gpt2_config("tiny", 600, 32)).backbone
     assert methods["full"]["trainable_parameters"] == full.count_params()
 
