@@ -82,7 +82,7 @@ def _parse_rates(items) -> dict:
     return rates
 
 
-DEFAULT_RATES = {"prompt": 3e-2, "prefix": 1e-2, "lora": 3e-3, "full": 3e-4}
+DEFAULT_RATES = {"prompt": 9e-2, "prefix": 3e-2, "lora": 9e-3, "full": 3e-4}
 
 
 @dataclasses.dataclass
