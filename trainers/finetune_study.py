@@ -30,6 +30,14 @@ def study(FLAGS, recorded_flags, settings_and_options, prepare, output_dir, prog
     )
     rows_by_seed, histories = {}, {}
     for seed in seeds:
+        # Each run traces its trainer and its Hessian-vector products: without this, a
+        # MiniLM study grew past 10 GB by its third seed (measured) and was stopped.
+        import gc
+
+        import keras
+
+        keras.backend.clear_session()
+        gc.collect()
         settings, options = settings_and_options(seed)
         splits, model, initial_weights = prepare(seed, progress)
         rows_by_seed[seed] = {}
@@ -58,6 +66,11 @@ def study(FLAGS, recorded_flags, settings_and_options, prepare, output_dir, prog
         reference = rows_by_seed[seed].get("baseline") or rows_by_seed[seed][FLAGS.runs[0]]
         for row in rows_by_seed[seed].values():
             row["step_ratio"] = row["step_ms"] / reference["step_ms"]
+        # The seeds done so far, kept if the study is stopped (rows only; the summary
+        # and tables are written at the end).
+        common.write_json(
+            output_dir / "partial_rows.json", {str(k): v for k, v in rows_by_seed.items()}
+        )
     summary = summarize(rows_by_seed, FLAGS.runs)
     per_run, differences = study_tables(summary)
     settings, options = settings_and_options(FLAGS.seed)
