@@ -214,6 +214,7 @@ def test_colab_quickstart_notebook_runs_offline():
     assert elapsed < 60, f"notebook took {elapsed:.0f} s (budget: 60 s)"
 
 
+@pytest.mark.slow  # ~20-40 s: 6 runs in a subprocess (the report's algebra is tested below)
 def test_finetune_study_runs_seeds_intervals_and_significance(tmp_path):
     """`--runs` with `--seeds`: every run for every seed, lambda_max and G1.G2 measured
     at the final weights, the summary with intervals and paired differences."""
