@@ -95,10 +95,12 @@ Reading (the JSON's "summary" lists what met and missed, with the ratios):
   run at load 4-5 with other sessions on the cores, results/multitask_overhead_factored
   .json): no per-task gradient is formed; each Dense layer's Gram matrix
   S^T((XX^T+1)*(dZdZ^T))S from its inputs and the output gradients of ONE backward
-  pass, the combination one product X^T(c*dZ): 1.32-1.39x for the 7 methods it applies
-  to (vectorized PCGrad 1.49x, the vmap reference 1.48x, GradNorm, which reads task
-  gradients, 1.55x vectorized, in the same run). The table's "vectorized" rows are the
-  earlier quiet run (before "factored"). Under XLA it is "auto" too (static shapes).
+  pass, the combination one product X^T(c*dZ): 1.32-1.39x for 7 methods (vectorized
+  PCGrad 1.49x, the vmap reference 1.48x in the same run); GradNorm, whose layer norms
+  are the diagonal of its layer's Gram matrix, 1.32x in a run at load ~10
+  (results/multitask_overhead_factored_gradnorm.json; medians there swing by 0.3, the
+  20th percentiles are 1.32-1.35 for every factored method). The table's "vectorized"
+  rows are the earlier quiet run (before "factored"). Under XLA it is "auto" too.
 * XLA (`--jit_compile`, MLP, a subset: results/multitask_overhead_xla.json): sum 1.04x,
   uw 1.05x, pcgrad/mgda+rep_grad 1.03/1.07x (met); the per-parameter gradient methods
   take "masked" (the vectorized pass has a data-dependent m: no static shape): 6.5-7.3x;

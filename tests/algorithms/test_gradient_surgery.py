@@ -277,13 +277,6 @@ def test_trainer_three_steps_equal_numpy_rederivation(float64, method, options, 
     lr, batch = 0.1, 9
     x, y, task = _batches()
     kwargs = {k: v for k, v in options.items() if k != "l2"}
-    if method == "gradnorm" and task_passes == "factored":
-        # GradNorm reads the task gradients of its layer, which "factored" never forms
-        trainer = MultiTaskTrainer(_linear_model(), num_tasks=3, method=method, **kwargs)
-        trainer.task_passes = "factored"
-        with pytest.raises(ValueError, match="reads the task gradients"):
-            trainer._factored_plan()
-        return
     if options.get("l2") and task_passes in ("vectorized", "gathered"):
         # the model's own losses: "gathered" and "vectorized" refuse them, "auto" masks
         with pytest.raises(ValueError, match="task_passes='masked'"):

@@ -77,6 +77,7 @@ def _data(n=27):
 
 
 def _train(passes, method, strategy=None, jit_compile=False, weights=None, **model_kwargs):
+    options = model_kwargs.pop("method_options", None)
     x, y = _data()
     strategy = strategy or tf.distribute.get_strategy()
     with strategy.scope():
@@ -86,6 +87,7 @@ def _train(passes, method, strategy=None, jit_compile=False, weights=None, **mod
             method=method,
             model_takes_task_id=True,
             task_passes=passes,
+            method_options=options,
         )
         trainer.compile(
             optimizer=keras.optimizers.Adam(0.05),
@@ -105,8 +107,10 @@ def _assert_same(a, b, rtol=1e-10):
         np.testing.assert_allclose(a[1][key], b[1][key], rtol=1e-6)  # float32 metrics
 
 
-@pytest.mark.parametrize("method", [m for m in GRADIENT_METHODS if m != "gradnorm"])
+@pytest.mark.parametrize("method", GRADIENT_METHODS)
 def test_factored_equals_masked_for_every_gradient_method(float64, method):
+    """GradNorm included: its layer norms are the square roots of the diagonal of its
+    layer's own Gram matrix (`TaskInputs.variable_gram`), its weights method state."""
     factored = _train("factored", method)
     assert factored[2]._task_passes_used() == "factored"
     _assert_same(factored, _train("masked", method))
@@ -122,6 +126,15 @@ def test_factored_equals_masked_with_dropout_weights_and_model_losses(float64, m
     weights = np.linspace(0.5, 2.0, 27)
     factored = _train("factored", "pcgrad", weights=weights, **model_kwargs)
     _assert_same(factored, _train("masked", "pcgrad", weights=weights, **model_kwargs))
+
+
+def test_factored_gradnorm_on_a_bias_equals_masked(float64):
+    """GradNorm's layer may be a bias: its Gram matrix is S^T (dZ dZ^T) S."""
+    options = {"variable": 1, "learning_rate": 0.3}  # the first Dense layer's bias
+    _assert_same(
+        _train("factored", "gradnorm", method_options=options),
+        _train("masked", "gradnorm", method_options=options),
+    )
 
 
 @pytest.mark.parametrize("method", ["pcgrad", "mgda"])
@@ -151,11 +164,10 @@ def test_auto_takes_factored_where_it_applies_and_says_why_not_elsewhere():
     assert used(_model(l2=0.1)) == "factored"
     assert used(_model(layer_norm=True)) == "vectorized"
     assert used(_model(batch_norm=True)) == "gathered"
-    assert used(_model(), method="gradnorm") == "vectorized"
+    assert used(_model(), method="gradnorm") == "factored"
     cases = [
         (_model(layer_norm=True), "pcgrad", "layer_normalization"),
         (_model(batch_norm=True), "pcgrad", "moving_mean"),
-        (_model(), "gradnorm", "reads the task gradients"),
     ]
     x, y = _data(9)
     for model, method, message in cases:

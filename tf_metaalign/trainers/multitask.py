@@ -88,8 +88,9 @@ class MultiTaskTrainer(MetaTrainer):
         masks as "masked", which it equals: tested), model losses added as "masked"
         adds them; under a strategy X, dZ and the task one-hots are all-gathered for the
         global Gram matrix (the cost: B^2 (d_in + d_out) per layer, B the global batch).
-        Not for GradNorm (it reads task gradients), BatchNorm (rows interact) or other
-        shared layers (LayerNorm, embeddings, attention: "vectorized").
+        GradNorm's layer norms: the diagonal of that layer's own Gram matrix
+        (`TaskInputs.variable_gram`). Not for BatchNorm (rows interact) or other shared
+        layers (LayerNorm, embeddings, attention: "vectorized").
       "vectorized": each task's loss and gradient over its own rows, the T tasks in ONE
         `tf.vectorized_map` pass: the batch is laid out [T, m, ...] (task t's rows,
         padded with weight-0 rows to m, the largest task count on the replica), so the
@@ -534,7 +535,9 @@ class MultiTaskTrainer(MetaTrainer):
         )
         method_state = {k: tf.convert_to_tensor(v.value) for k, v in self.method_state.items()}
 
-        def task_inputs(losses, task_grads=None, gram=None, shared_variables=None):
+        def task_inputs(
+            losses, task_grads=None, gram=None, shared_variables=None, variable_gram=None
+        ):
             # task_grads: stacked by variable ([T, ...] per variable) when gram is None,
             # else task_grads[t][v] (rep_grad's representation gradients).
             shared_grads = None
@@ -558,6 +561,7 @@ class MultiTaskTrainer(MetaTrainer):
                 gram=gram,
                 task_grads=shared_grads,
                 shared_variables=shared_variables,
+                variable_gram=variable_gram,
             )
 
         regularizer = None
@@ -1261,7 +1265,21 @@ class MultiTaskTrainer(MetaTrainer):
             ]
         )
         losses = F.all_reduce_sum(stacked_losses)
-        inputs = task_inputs(losses, gram=gram)
+        # One shared variable's Gram matrix (GradNorm's layer norms): the kernel's alone,
+        # or the bias's (S^T (dZ dZ^T) S: zero-width inputs).
+        owner = {}
+        for k, (_, kernel_i, bias_i) in enumerate(plan):
+            owner[kernel_i], owner[bias_i] = (k, "kernel"), (k, "bias")
+        shared_index, _ = self._variable_split()
+
+        def variable_gram(v):
+            k, part = owner[shared_index[v]]
+            x = gathered[0][k]
+            if part == "bias":
+                x = tf.zeros([tf.shape(x)[0], 0], x.dtype)
+            return GS.dense_task_gram(x, gathered[1][k], gathered[2], has_bias=part == "bias")
+
+        inputs = task_inputs(losses, gram=gram, variable_gram=variable_gram)
         combination, cosine = self._combine(inputs, method_state)
         shared_c, specific_c = _coefficients(combination, acc)
         row_c = tf.gather(shared_c, task_id) * scale

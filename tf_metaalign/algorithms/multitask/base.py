@@ -34,7 +34,7 @@ return `specific == shared`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Mapping, Optional
+from typing import Any, Callable, ClassVar, Mapping, Optional
 
 import tensorflow as tf
 
@@ -89,6 +89,10 @@ class TaskInputs:
         if not `uses_gradients`).
       shared_variables: the shared variables (for methods that pick one, e.g. GradNorm's
         last shared layer), in the order of `task_grads[t]`.
+      variable_gram: `variable_gram(v)` is the [T, T] Gram matrix of the task gradients
+        on the v-th shared variable alone (GradNorm's layer norms are the square roots
+        of its diagonal); given by the trainer where it forms no per-task gradient
+        (task_passes="factored", `task_grads` None there), else None.
 
     Example:
       >>> from tf_metaalign.algorithms.multitask import PCGrad, TaskInputs
@@ -110,6 +114,7 @@ class TaskInputs:
     gram: Optional[tf.Tensor] = None
     task_grads: Optional[list] = None
     shared_variables: Optional[list] = None
+    variable_gram: Optional[Callable[[int], tf.Tensor]] = None
 
     @property
     def num_tasks(self) -> int:
@@ -188,8 +193,9 @@ class MultiTaskMethod:
     #: that reads the task gradients themselves (GradNorm: XLA would take the large
     #: tensors in and out) or runs slower under XLA (CAGrad's face enumeration on CPU).
     compiles_well: ClassVar[bool] = True
-    #: the method reads `inputs.task_grads` (GradNorm: the norms on one layer), so the
-    #: trainer must form the per-task gradients (not its task_passes="factored").
+    #: the method reads `inputs.task_grads` beyond what `inputs.variable_gram` gives, so
+    #: the trainer must form the per-task gradients (not its task_passes="factored").
+    #: No method of the zoo does (GradNorm's layer norms come from `variable_gram`).
     reads_task_gradients: ClassVar[bool] = False
 
     def state_spec(self, num_tasks: int) -> dict[str, StateSpec]:

@@ -42,7 +42,6 @@ class GradNorm(MultiTaskMethod):
     kind = "loss"
     reference = "Chen et al. 2018, Algorithm 1 (NumPy re-derivation)"
     compiles_well = False  # reads the task gradients: keep them out of an XLA call
-    reads_task_gradients = True  # its layer norms: task_passes="factored" does not apply
 
     def __init__(self, alpha: float = 1.5, learning_rate: float = 0.025, variable=None):
         self.alpha = check_number("alpha", alpha, 0.0)
@@ -102,7 +101,11 @@ class GradNorm(MultiTaskMethod):
         initial = tf.cast(state["initial_losses"], acc)
         initial = initial + first * (losses - initial)
         index = self.variable_index(inputs.shared_variables)
-        layer_norms = tf.stack([F.global_norm([g[index]]) for g in inputs.task_grads])
+        if inputs.task_grads is not None:
+            layer_norms = tf.stack([F.global_norm([g[index]]) for g in inputs.task_grads])
+        else:  # no per-task gradient formed (task_passes="factored"): ||g_t||^2 = G_tt
+            diagonal = tf.linalg.diag_part(inputs.variable_gram(index))
+            layer_norms = tf.sqrt(tf.maximum(diagonal, 0.0))
         new_weights = GS.gradnorm_update(
             weights,
             tf.cast(layer_norms, acc),
