@@ -1,7 +1,7 @@
 r"""Time, peak memory and optimizer-slot bytes per training step of prompt-only training
 against full fine-tuning of the same model, and the prompt FOMAML / Reptile meta-steps.
 
-    python -m benchmarks.prompt_overhead                    # ~16 min on 2 shared CPU cores
+    python -m benchmarks.prompt_overhead                    # ~30 min on 2 shared CPU cores
     python -m benchmarks.prompt_overhead --nobert           # T5 only
     python -m benchmarks.prompt_overhead --t5_size=base-ish --rounds=8
 
@@ -59,21 +59,20 @@ callback. Ratios are of medians over all timed steps; the ratio of means and the
 over rounds of each round's ratio are recorded too. The load average is recorded at the
 start and at the end.
 
-What the default run says (2 shared CPU cores at load average 6-7; see the JSON):
-* Against the SAME prompted model trained whole (`train="both"`), prompt-only steps take
-  0.62x (shallow) and 0.73x (deep) the time and 0.77x / 0.75x the peak memory, in every
-  round (per-round ratios 0.45-0.91); the optimizer slots shrink to the prompt's (0.45% /
-  8.8% of the bytes; Adafactor's factored slots are small to begin with, Adam's would be
-  two copies of the trainable weights).
-* Against full fine-tuning of the plain backbone the saving is mostly eaten by the longer
-  sequence (20 prompt positions on 64 tokens; deep: 20 more keys in every attention
-  block): `train="both"` costs 1.31x / 1.62x plain, prompt-only 0.80x / 1.17x, with
-  per-round ratios spread over 0.4-1.4 by the load. MiniLM shallow: 1.00x time, 1.16x
-  peak memory (the 84-token sequence), 0.19% of the slot bytes.
-* A prompt FOMAML (Reptile) task costs 1.34x (1.23x) its pieces run as ordinary steps
-  (inner_steps prompt-only steps + one train="both" step); the first meta-step traced the
-  unrolled loop over tasks x inner steps in 2-4 minutes in that run, before each kind of
-  task pass was traced once (`functional.traced_once`); not re-measured since.
+The plain backbones also run at the same sequence length INCLUDING the prompt
+(`t5_full_long`, `bert_full_long`: S + L tokens), MiniLM also trains whole with its prompt
+(`bert_shallow_both`), and a GPT-2 decoder LM of GPT-2 small's shape built from a config
+(`--decoder`, `--gpt2_size`; `gpt2_full`, `gpt2_full_long`, `gpt2_{shallow,deep}_{prompt,both}`
+through `prompts.prompt_causal_lm`; batch `--gpt2_batch_size`, `--gpt2_sequence_length`
+tokens, next-token loss on every position).
+
+What the committed runs say (2 shared CPU cores; docs/promptability.md "Cost of a
+prompt-only step" has the table and where the time goes): prompt-only vs `train="both"`
+T5 small 0.75x shallow / 0.73x deep, MiniLM 0.66x, GPT-2 small 0.53x / 0.52x; vs the plain
+backbone at S + L tokens 0.76x / 0.70x, 0.74x, 0.51x / 0.47x; peak memory 0.41-0.87x.
+`prompt_overhead.json` is `--nodecoder --rounds=8`; `prompt_overhead_gpt2.json` is
+`--configs=gpt2_* --nobert --rounds=5 --steps_per_round=2`, run on its own (six GPT-2-small
+models beside the others' did not fit the shared machine's memory).
 
 Writes `benchmarks/results/prompt_overhead.json`.
 """
