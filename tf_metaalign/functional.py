@@ -421,6 +421,43 @@ def all_reduce_sum(tensors):
     return ctx.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
 
 
+def all_gather_rows(tensors):
+    """Every replica's rows of a nest of [rows, ...] tensors, concatenated in replica
+    order (identity with one replica); a replica with fewer rows than the largest is
+    padded with zero rows (callers must be indifferent to zero rows).
+
+    Built on an all-reduce (each replica writes its rows into its own block of a zero
+    buffer), which works under every strategy: `ReplicaContext.all_gather` fails inside
+    Keras's step under MultiWorkerMirroredStrategy ("destinations can not be empty").
+    The block size is the static row count when the trace knows it (XLA-friendly), else
+    the largest replica's. Must be called in a replica context.
+    """
+    replicas = num_replicas()
+    if replicas == 1:
+        return tensors
+    context = tf.distribute.get_replica_context()
+    flat = tf.nest.flatten(tensors)
+    rows = tf.shape(flat[0])[0]
+    static_rows = flat[0].shape[0]
+    replica = tf.cast(context.replica_id_in_sync_group, tf.int32)
+    if static_rows is not None:
+        block = static_rows
+    else:
+        counts = context.all_reduce(
+            tf.distribute.ReduceOp.SUM,
+            tf.one_hot(replica, replicas, dtype=tf.float32) * tf.cast(rows, tf.float32),
+        )
+        block = tf.cast(tf.reduce_max(counts), tf.int32)
+    buffers = []
+    for t in flat:
+        padded = tf.pad(t, [[0, block - rows]] + [[0, 0]] * (t.shape.rank - 1))
+        shape = tf.concat([[replicas, block], tf.shape(t)[1:]], axis=0)
+        buffers.append(tf.scatter_nd([[replica]], padded[None], shape))
+    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, buffers)
+    out = [tf.reshape(s, [-1, *t.shape[1:]]) for s, t in zip(summed, flat)]
+    return tf.nest.pack_sequence_as(tensors, out)
+
+
 def replica_safe_cond(pred, true_fn, false_fn, communicates=False, merged=None):
     """`tf.cond(pred, true_fn, false_fn)` that is valid under any strategy.
 

@@ -1250,14 +1250,8 @@ class MultiTaskTrainer(MetaTrainer):
         dzs = [tf.cast(dz, acc) / scale for dz in dzs]
         xs = [tf.cast(x, acc) for x in xs]
         onehot = tf.one_hot(task_id, T, dtype=acc)
-        gathered = (xs, dzs, onehot)
-        if F.num_replicas() > 1:
-            context = tf.distribute.get_replica_context()
-            # (all_gather forgets the static feature dimensions: T must stay static)
-            gathered = tf.nest.map_structure(
-                lambda t: tf.reshape(context.all_gather(t, axis=0), [-1, *t.shape[1:]]),
-                gathered,
-            )
+        # (zero padding rows of a replica with fewer rows add nothing: their one-hot is 0)
+        gathered = F.all_gather_rows((xs, dzs, onehot))
         gram = tf.add_n(
             [
                 GS.dense_task_gram(x, dz, gathered[2], has_bias=bias is not None)
