@@ -95,7 +95,10 @@ Reading (the JSON's "summary" lists what met and missed, with the ratios):
   run at load 4-5 with other sessions on the cores, results/multitask_overhead_factored
   .json): no per-task gradient is formed; each Dense layer's Gram matrix
   S^T((XX^T+1)*(dZdZ^T))S from its inputs and the output gradients of ONE backward
-  pass, the combination one product X^T(c*dZ): 1.32-1.39x for 7 methods (vectorized
+  pass, the combination one product X^T(c*dZ). Quiet rerun (load ~1, the committed
+  results/multitask_overhead.json, default configurations, 8 rounds): the 8 gradient
+  methods 1.28-1.44x, rep_grad 1.07-1.13x, weighting 1.05-1.08x, sum 1.05x, gathered
+  2.6x, masked 4.6x, the vmap reference 1.51x. Earlier, loaded: 1.32-1.39x for 7 methods (vectorized
   PCGrad 1.49x, the vmap reference 1.48x in the same run); GradNorm, whose layer norms
   are the diagonal of its layer's Gram matrix, 1.32x in a run at load ~10
   (results/multitask_overhead_factored_gradnorm.json; medians there swing by 0.3, the
