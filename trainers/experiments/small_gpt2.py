@@ -212,10 +212,6 @@ def unigram_nll(train_docs, heldout_docs, vocabulary_size: int) -> float:
     return -total / sum(len(d) + 1 for d in heldout_docs)
 
 
-def _hash(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def cached_pretrained_gpt2(
     cache_dir: str | os.PathLike,
     corpus: Sequence[str] | None = None,
@@ -259,7 +255,7 @@ def cached_pretrained_gpt2(
         spm=hashlib.sha256(spm_path.read_bytes()).hexdigest(),
         version=1,
     )
-    key = _hash(settings)
+    key = tp.settings_hash(settings)
     weights = cache_dir / f"gpt2-{key}.weights.h5"
     meta = cache_dir / f"gpt2-{key}.json"
     model = build_gpt2(config, seed)

@@ -230,10 +230,6 @@ def heldout_loss(model, x, y, sample_weight, batch_size: int = 64) -> float:
     return total / count
 
 
-def _hash(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def cached_pretrained_t5(
     cache_dir: str | os.PathLike,
     corpus: Sequence[str] | None = None,
@@ -279,7 +275,7 @@ def cached_pretrained_t5(
         spm=hashlib.sha256(spm_path.read_bytes()).hexdigest(),
         version=1,
     )
-    key = _hash(settings)
+    key = tp.settings_hash(settings)
     weights = cache_dir / f"t5-{key}.weights.h5"
     meta = cache_dir / f"t5-{key}.json"
     model = build_t5(config, seed)

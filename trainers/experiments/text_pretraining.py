@@ -135,6 +135,12 @@ def corpus_statistics(texts: Sequence[str]) -> dict:
     }
 
 
+def settings_hash(settings) -> str:
+    """A short SHA-256 of JSON-able settings (key order ignored): a cache key of a
+    pre-trained model (small_t5, small_gpt2)."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def corpus_hash(texts: Sequence[str]) -> str:
     """A SHA-256 of the texts (order matters), for cache keys."""
     digest = hashlib.sha256()
