@@ -1222,7 +1222,7 @@ class MultiTaskTrainer(MetaTrainer):
         those of "masked" (tested equal).
         """
         plan = self._factored_plan()
-        _, specific_index = self._variable_split()
+        shared_index, specific_index = self._variable_split()
         T = self.num_tasks
         scale = tf.cast(loss_scale, acc)
         layers = [layer for layer, _, _ in plan]
@@ -1264,7 +1264,6 @@ class MultiTaskTrainer(MetaTrainer):
         owner = {}
         for k, (_, kernel_i, bias_i) in enumerate(plan):
             owner[kernel_i], owner[bias_i] = (k, "kernel"), (k, "bias")
-        shared_index, _ = self._variable_split()
 
         def variable_gram(v):
             k, part = owner[shared_index[v]]
