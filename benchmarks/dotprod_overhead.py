@@ -9,7 +9,11 @@ each with its own compiled trainer. Warm: each first runs `--warmup` untimed ste
 for `--steps_per_round` steps in a shuffled order (so load from other processes on a
 shared machine falls on all of them alike), and the wall time of every step is taken by
 a Keras batch callback. Ratio = median step time / plain's median (the mean ratio is
-recorded too).
+recorded too). A configuration that perturbs every k-th step (`every=k`) is judged by its
+amortized ratio instead: per round, its mean step time over the round's steps / plain's
+in the same round, the median over rounds (the median step alone would hide the one
+expensive step in k). That needs `--steps_per_round` a multiple of k, so that every round
+holds exactly one perturbed step per k steps.
 
 Memory: on GPU the TensorFlow allocator's peak during the configuration's warm-up
 (`tf.config.experimental.get_memory_info`, reset before each; exact). On CPU a fresh
@@ -37,8 +41,12 @@ flags.DEFINE_integer("width", 1024, "Hidden units of each Dense layer.")
 flags.DEFINE_integer("depth", 3, "Hidden Dense layers.")
 flags.DEFINE_integer("num_classes", 10, "Output classes.")
 flags.DEFINE_integer("batch_size", 1024, "Global batch (DotProd halves: batch_size/2).")
-flags.DEFINE_integer("rounds", 6, "Timed rounds; each runs every configuration once, shuffled.")
-flags.DEFINE_integer("steps_per_round", 3, "Timed steps per configuration and round.")
+flags.DEFINE_integer("rounds", 4, "Timed rounds; each runs every configuration once, shuffled.")
+flags.DEFINE_integer(
+    "steps_per_round",
+    10,
+    "Timed steps per configuration and round (a multiple of every k, for the amortized ratio).",
+)
 flags.DEFINE_integer("warmup", 3, "Untimed steps first (tracing, compilation).")
 flags.DEFINE_bool("memory", True, "CPU: measure peak RSS in a fresh process per configuration.")
 flags.DEFINE_string("memory_child", None, "Internal: run one configuration for the memory probe.")
@@ -68,6 +76,12 @@ TARGETS = {
     "sam": 2.05,
     "sam_every=10": 1.15,
 }
+
+
+def every_period(config: str) -> int:
+    """k of a configuration that perturbs every k-th step ("every=10", "sam_every=10"), else 1."""
+    _, sep, k = config.rpartition("every=")
+    return int(k) if sep and k.isdigit() else 1
 
 
 def build_model():
@@ -258,6 +272,10 @@ def main(argv):
     else:
         memory, memory_kind = {c: {} for c in FLAGS.configs}, "not measured"
 
+    def round_means(config):
+        t = np.asarray(times[config][: FLAGS.rounds * FLAGS.steps_per_round])
+        return t.reshape(FLAGS.rounds, FLAGS.steps_per_round).mean(axis=1)
+
     plain = float(np.median(times["plain"])) if "plain" in times else None
     plain_mean = float(np.mean(times["plain"])) if "plain" in times else None
     rows, results = [], {}
@@ -270,13 +288,23 @@ def main(argv):
             "mean_step_ms": 1000 * mean,
             "ratio_median": common.ratio(med, plain) if plain else None,
             "ratio_mean": common.ratio(mean, plain_mean) if plain else None,
+            # Per round: the mean step over the round / plain's in the same round.
+            "ratio_amortized": float(np.median(round_means(config) / round_means("plain")))
+            if plain
+            else None,
             "target_ratio": TARGETS.get(config),
             "first_step_s": first_step[config],
             "timed_steps": len(t),
             **memory[config],
         }
-        if r["target_ratio"] is not None and r["ratio_median"] is not None:
-            r["meets_target"] = bool(r["ratio_median"] <= r["target_ratio"])
+        period = every_period(config)
+        judged = "ratio_amortized" if period > 1 else "ratio_median"
+        if period > 1 and FLAGS.steps_per_round % period:
+            judged = None  # a round does not hold whole periods: no amortized figure
+            r["ratio_amortized"] = None
+        r["judged_by"] = judged
+        if r["target_ratio"] is not None and judged and r[judged] is not None:
+            r["meets_target"] = bool(r[judged] <= r["target_ratio"])
         results[config] = r
         rows.append(r)
     derived = {}
@@ -301,6 +329,7 @@ def main(argv):
             ("mean_step_ms", "mean ms/step", ".1f"),
             ("ratio_median", "ratio (median)", ".3f"),
             ("ratio_mean", "ratio (mean)", ".3f"),
+            ("ratio_amortized", "ratio (per round)", ".3f"),
             ("target_ratio", "target", ".2f"),
             ("peak_mb", "peak MB", ".0f"),
             ("delta_mb", "delta MB", ".0f"),
@@ -314,7 +343,8 @@ def main(argv):
         "description": f"{', '.join(FLAGS.configs)} vs plain model.fit: same MLP, Adam, "
         "global batch; warm "
         "per-step wall time (compilation excluded), ratio = config / plain "
-        "(median over all timed steps; configurations interleaved).",
+        "(median over all timed steps; configurations interleaved); every=k configurations "
+        "judged by ratio_amortized (median over rounds of the round's mean step / plain's).",
         "model": {
             "kind": "mlp",
             "input_dim": FLAGS.input_dim,
