@@ -45,6 +45,7 @@ Datasets (`--dataset`):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -52,6 +53,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from absl import app, flags  # noqa: E402
+
+from trainers.settings import define_program_flags, program_config, setting  # noqa: E402
 
 from trainers.finetune_data import DATASETS, LOADING  # noqa: E402
 from trainers.finetune_report import TABLE_COLUMNS  # noqa: E402,F401 (the table's columns)
@@ -77,73 +80,97 @@ DATASET_DEFAULTS = {
     },
 }
 
-flags.DEFINE_enum("algorithm", "both", ALGORITHMS, "Which runs: baseline, dotprod or both.")
-flags.DEFINE_enum("dataset", "wordnet", DATASETS, "The offline dataset (see module doc).")
-flags.DEFINE_float(
-    "weight",
-    None,
-    "DotProd regulariser weight (the paper's LR_G1G2; default 0.01 wordnet, 0.3 digits).",
-)
-flags.DEFINE_string("alpha", "auto", 'Finite-difference step: "auto" or a float.')
-flags.DEFINE_integer("every", 1, "Apply the regulariser on every n-th pair only.")
-flags.DEFINE_enum(
-    "alignment",
-    "capped",
-    ["capped", "dot"],
-    "DotProd's step: 'capped' (the default: the regulariser shrunk to at most "
-    "cap * ||G1 + G2||) or 'dot' (the paper's Algorithm 1 exactly).",
-)
-flags.DEFINE_enum(
-    "method",
-    "finite_difference",
-    ["finite_difference", "exact"],
-    "DotProd's G1G2 term: the paper's finite difference or an exact HVP.",
-)
-flags.DEFINE_integer("steps", 40, "Optimizer steps per run.")
-flags.DEFINE_integer("batch_size", 32, "Global batch (split in halves b1/b2 by DotProd).")
-flags.DEFINE_float("learning_rate", None, "Learning rate (default: 1e-4 wordnet, 0.05 digits).")
-flags.DEFINE_enum(
-    "optimizer", None, ["adam", "sgd"], "Optimizer (default: adam wordnet, sgd digits)."
-)
-flags.DEFINE_integer("seed", 0, "Seed of the initial head weights, data split and order, dropout.")
-flags.DEFINE_string(
-    "output_dir", "/tmp/tf_metaalign_finetune", "Where results.json and TensorBoard logs go."
-)
-flags.DEFINE_integer(
-    "log_every", 8, "Steps per logged interval (grad_dot curve, TensorBoard, progress lines)."
-)
-flags.DEFINE_integer("eval_examples", 384, "Held-out examples evaluated (0: the whole test split).")
-flags.DEFINE_integer("sequence_length", 24, "wordnet: tokens per gloss.")
-flags.DEFINE_integer(
-    "max_examples", 6000, "wordnet: synsets sampled (stratified) before the split."
-)
-flags.DEFINE_list("parts_of_speech", ["noun", "verb", "adj", "adv"], "wordnet: parts of speech.")
-flags.DEFINE_integer("hidden_units", 64, "digits: hidden units of the MLP.")
-flags.DEFINE_integer("timing_warmup", 2, "Steps left out of the time per step (compilation).")
 
-flags.DEFINE_list(
-    "runs",
-    [],
-    f"The study: runs to compare, from {RUNS} (overrides --algorithm; with --seeds, "
-    "intervals and paired differences; see docs/sharpness.md).",
-)
-flags.DEFINE_integer("seeds", 1, "The study: seeds --seed, --seed+1, ... per run.")
-flags.DEFINE_float("rho", 0.05, "sam / gsam: the neighbourhood size (gsam: rho_max).")
-flags.DEFINE_float("asam_rho", 0.5, "asam: the neighbourhood size (ASAM's scale-invariant rho).")
-flags.DEFINE_float("gsam_alpha", 0.1, "gsam: the weight of the ascent along g_perp.")
-flags.DEFINE_float(
-    "inner_learning_rate",
-    None,
-    "reptile / fomaml: inner SGD rate (default 0.01 wordnet, 0.05 digits).",
-)
-flags.DEFINE_integer(
-    "sharpness_examples", 256, "The study: training examples of the lambda_max and G1.G2 measures."
-)
-flags.DEFINE_integer("sharpness_iterations", 20, "The study: power-iteration steps (HVPs) at most.")
-flags.DEFINE_integer("alignment_pairs", 4, "The study: (b1, b2) pairs of the final G1.G2.")
+@dataclasses.dataclass
+class Config:
+    """Every setting of the program; each field is also the flag of its name
+    (`trainers.settings`). None: the dataset's default (`DATASET_DEFAULTS`)."""
+
+    algorithm: str = setting("both", "Which runs: baseline, dotprod or both.", choices=ALGORITHMS)
+    dataset: str = setting("wordnet", "The offline dataset (see module doc).", choices=DATASETS)
+    weight: float | None = setting(
+        None, "DotProd regulariser weight (the paper's LR_G1G2; default 0.01 wordnet, 0.3 digits)."
+    )
+    alpha: str = setting("auto", 'Finite-difference step: "auto" or a float.')
+    every: int = setting(1, "Apply the regulariser on every n-th pair only.")
+    alignment: str = setting(
+        "capped",
+        "DotProd's step: 'capped' (the default: the regulariser shrunk to at most "
+        "cap * ||G1 + G2||) or 'dot' (the paper's Algorithm 1 exactly).",
+        choices=("capped", "dot"),
+    )
+    method: str = setting(
+        "finite_difference",
+        "DotProd's G1G2 term: the paper's finite difference or an exact HVP.",
+        choices=("finite_difference", "exact"),
+    )
+    steps: int = setting(40, "Optimizer steps per run.")
+    batch_size: int = setting(32, "Global batch (split in halves b1/b2 by DotProd).")
+    learning_rate: float | None = setting(
+        None, "Learning rate (default: 1e-4 wordnet, 0.05 digits)."
+    )
+    optimizer: str | None = setting(
+        None, "Optimizer (default: adam wordnet, sgd digits).", choices=("adam", "sgd")
+    )
+    seed: int = setting(0, "Seed of the initial head weights, data split and order, dropout.")
+    log_every: int = setting(
+        8, "Steps per logged interval (grad_dot curve, TensorBoard, progress lines)."
+    )
+    eval_examples: int = setting(384, "Held-out examples evaluated (0: the whole test split).")
+    sequence_length: int = setting(24, "wordnet: tokens per gloss.")
+    max_examples: int = setting(6000, "wordnet: synsets sampled (stratified) before the split.")
+    parts_of_speech: tuple[str, ...] = setting(
+        ("noun", "verb", "adj", "adv"), "wordnet: parts of speech."
+    )
+    hidden_units: int = setting(64, "digits: hidden units of the MLP.")
+    timing_warmup: int = setting(2, "Steps left out of the time per step (compilation).")
+    # The study (docs/sharpness.md).
+    runs: tuple[str, ...] = setting(
+        (),
+        "The study: runs to compare (overrides --algorithm; with --seeds, intervals and "
+        "paired differences; see docs/sharpness.md).",
+        choices=RUNS,
+    )
+    seeds: int = setting(1, "The study: seeds --seed, --seed+1, ... per run.")
+    rho: float = setting(0.05, "sam / gsam: the neighbourhood size (gsam: rho_max).")
+    asam_rho: float = setting(0.5, "asam: the neighbourhood size (ASAM's scale-invariant rho).")
+    gsam_alpha: float = setting(0.1, "gsam: the weight of the ascent along g_perp.")
+    inner_learning_rate: float | None = setting(
+        None, "reptile / fomaml: inner SGD rate (default 0.01 wordnet, 0.05 digits)."
+    )
+    sharpness_examples: int = setting(
+        256, "The study: training examples of the lambda_max and G1.G2 measures."
+    )
+    sharpness_iterations: int = setting(20, "The study: power-iteration steps (HVPs) at most.")
+    alignment_pairs: int = setting(4, "The study: (b1, b2) pairs of the final G1.G2.")
+
+    def check(self):
+        """A bad setting raises ValueError naming its flag."""
+        if self.batch_size < 2:
+            raise ValueError(
+                f"`--batch_size` must be >= 2 (DotProd splits it in halves); got {self.batch_size}."
+            )
+        for name in ("steps", "log_every", "every", "seeds") + STUDY_MEASURES:
+            if getattr(self, name) < 1:
+                raise ValueError(f"`--{name}` must be >= 1; got {getattr(self, name)}.")
+        for name in ("weight", "eval_examples", "rho", "asam_rho"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"`--{name}` must be >= 0; got {value}.")
+        if len(set(self.runs)) != len(self.runs) or any(r not in RUNS for r in self.runs):
+            raise ValueError(f"`--runs` must name distinct runs from {RUNS}; got {self.runs}.")
+        for name in ("learning_rate", "inner_learning_rate"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"`--{name}` must be > 0; got {value}.")
+        parse_alpha(self.alpha)
+
+
+STUDY_MEASURES = ("sharpness_examples", "sharpness_iterations", "alignment_pairs")
 
 FLAGS = flags.FLAGS
 
+#: The settings results.json records (`flags`): the single comparison's, and the study's.
 RECORDED_FLAGS = (
     "algorithm",
     "dataset",
@@ -178,6 +205,12 @@ STUDY_FLAGS = (
 )
 
 
+def recorded(config: Config, names) -> dict:
+    """The named settings, for results.json (lists as lists)."""
+    values = dataclasses.asdict(config)
+    return {n: list(values[n]) if isinstance(values[n], tuple) else values[n] for n in names}
+
+
 def parse_alpha(value: str):
     if value == "auto":
         return "auto"
@@ -190,75 +223,44 @@ def parse_alpha(value: str):
     return alpha
 
 
-def check_flags():
-    if FLAGS.steps < 1:
-        raise ValueError(f"`--steps` must be >= 1; got {FLAGS.steps}.")
-    if FLAGS.batch_size < 2:
-        raise ValueError(
-            f"`--batch_size` must be >= 2 (DotProd splits it in halves); got {FLAGS.batch_size}."
-        )
-    if FLAGS.log_every < 1:
-        raise ValueError(f"`--log_every` must be >= 1; got {FLAGS.log_every}.")
-    if FLAGS.every < 1:
-        raise ValueError(f"`--every` must be >= 1; got {FLAGS.every}.")
-    if FLAGS.weight is not None and FLAGS.weight < 0:
-        raise ValueError(f"`--weight` must be >= 0; got {FLAGS.weight}.")
-    if FLAGS.eval_examples < 0:
-        raise ValueError(f"`--eval_examples` must be >= 0; got {FLAGS.eval_examples}.")
-    unknown = [r for r in FLAGS.runs if r not in RUNS]
-    if unknown or len(set(FLAGS.runs)) != len(FLAGS.runs):
-        raise ValueError(f"`--runs` must name distinct runs from {RUNS}; got {FLAGS.runs}.")
-    if FLAGS.seeds < 1:
-        raise ValueError(f"`--seeds` must be >= 1; got {FLAGS.seeds}.")
-    for name in ("rho", "asam_rho"):
-        if not getattr(FLAGS, name) >= 0:
-            raise ValueError(f"`--{name}` must be >= 0; got {getattr(FLAGS, name)}.")
-    if FLAGS.inner_learning_rate is not None and not FLAGS.inner_learning_rate > 0:
-        raise ValueError(f"`--inner_learning_rate` must be > 0; got {FLAGS.inner_learning_rate}.")
-    for name in ("sharpness_examples", "sharpness_iterations", "alignment_pairs"):
-        if getattr(FLAGS, name) < 1:
-            raise ValueError(f"`--{name}` must be >= 1; got {getattr(FLAGS, name)}.")
-    parse_alpha(FLAGS.alpha)
-
-
-def settings_and_options(seed):
+def settings_and_options(config: Config, seed: int):
     """The run settings (optimizer, schedule of steps, timing) and the methods' options."""
-    defaults = DATASET_DEFAULTS[FLAGS.dataset]
+    defaults = DATASET_DEFAULTS[config.dataset]
     settings = {
-        "optimizer": FLAGS.optimizer or defaults["optimizer"],
+        "optimizer": config.optimizer or defaults["optimizer"],
         "learning_rate": (
-            FLAGS.learning_rate if FLAGS.learning_rate is not None else defaults["learning_rate"]
+            config.learning_rate if config.learning_rate is not None else defaults["learning_rate"]
         ),
-        "steps": FLAGS.steps,
-        "batch_size": FLAGS.batch_size,
+        "steps": config.steps,
+        "batch_size": config.batch_size,
         "seed": seed,
-        "log_every": FLAGS.log_every,
-        "timing_warmup": FLAGS.timing_warmup,
+        "log_every": config.log_every,
+        "timing_warmup": config.timing_warmup,
     }
     options = {
-        "weight": FLAGS.weight if FLAGS.weight is not None else defaults["weight"],
-        "every": FLAGS.every,
-        "alpha": parse_alpha(FLAGS.alpha),
-        "method": FLAGS.method,
-        "alignment": FLAGS.alignment,
-        "rho": FLAGS.rho,
-        "asam_rho": FLAGS.asam_rho,
-        "gsam_alpha": FLAGS.gsam_alpha,
+        "weight": config.weight if config.weight is not None else defaults["weight"],
+        "every": config.every,
+        "alpha": parse_alpha(config.alpha),
+        "method": config.method,
+        "alignment": config.alignment,
+        "rho": config.rho,
+        "asam_rho": config.asam_rho,
+        "gsam_alpha": config.gsam_alpha,
         "inner_learning_rate": (
-            FLAGS.inner_learning_rate
-            if FLAGS.inner_learning_rate is not None
+            config.inner_learning_rate
+            if config.inner_learning_rate is not None
             else defaults["inner_learning_rate"]
         ),
     }
     return settings, options
 
 
-def prepare(seed, progress):
+def prepare(config: Config, seed: int, progress):
     """Load the task of `seed` and build its model: `(splits, model, initial_weights)`."""
     from trainers.finetune_data import load_task
 
-    progress(f"loading {LOADING[FLAGS.dataset]}")
-    splits, build_model = load_task(FLAGS.dataset, seed, FLAGS)
+    progress(f"loading {LOADING[config.dataset]}")
+    splits, build_model = load_task(config.dataset, seed, config)
     progress(
         f"loaded {splits.name}: {len(splits.y_train)} train / {len(splits.y_test)} test "
         f"examples, {splits.num_classes} classes; building the model"
@@ -271,35 +273,35 @@ def main(argv):
     del argv
     from trainers import startup
 
-    check_flags()
+    config = program_config(Config)
     devices = startup.start_tensorflow()  # before anything imports TensorFlow
 
     from trainers import common
 
     progress = common.Progress()
     output_dir = common.prepare_output_dir(FLAGS.output_dir)
-    if FLAGS.runs:
+    if config.runs:
         from trainers.finetune_study import study
 
         return study(
-            FLAGS,
-            RECORDED_FLAGS + STUDY_FLAGS,
+            config,
+            recorded(config, RECORDED_FLAGS + STUDY_FLAGS),
             settings_and_options,
             prepare,
             output_dir,
             progress,
             devices,
         )
-    settings, options = settings_and_options(FLAGS.seed)
+    settings, options = settings_and_options(config, config.seed)
     optimizer_name, learning_rate = settings["optimizer"], settings["learning_rate"]
     weight = options["weight"]
 
     t0 = time.perf_counter()
     progress(
-        f"finetune: dataset={FLAGS.dataset}, runs={FLAGS.algorithm}, {FLAGS.steps} steps of "
-        f"batch {FLAGS.batch_size}; devices: {', '.join(devices)}; results to {output_dir}"
+        f"finetune: dataset={config.dataset}, runs={config.algorithm}, {config.steps} steps of "
+        f"batch {config.batch_size}; devices: {', '.join(devices)}; results to {output_dir}"
     )
-    splits, model, initial_weights = prepare(FLAGS.seed, progress)
+    splits, model, initial_weights = prepare(config, config.seed, progress)
     load_seconds = time.perf_counter() - t0
     progress(
         f"built {model.name} ({model.count_params():,} parameters); data and "
@@ -309,9 +311,9 @@ def main(argv):
     from trainers.finetune_runs import run_one
 
     names = []
-    if FLAGS.algorithm in ("baseline", "both"):
+    if config.algorithm in ("baseline", "both"):
         names.append("baseline")  # weight 0: G1 + G2, no G21 pass, G1.G2 logged
-    if FLAGS.algorithm in ("dotprod", "both"):
+    if config.algorithm in ("dotprod", "both"):
         names.append("dotprod")
     rows, histories = [], {}
     for name in names:
@@ -330,20 +332,21 @@ def main(argv):
     header = (
         f"dataset={splits.name} ({len(splits.y_train)} train / {len(splits.y_test)} test "
         f"examples, {splits.num_classes} classes; majority-class test acc {majority:.4f})\n"
-        f"{optimizer_name} lr={learning_rate:g}, {FLAGS.steps} steps of batch {FLAGS.batch_size} "
-        f"(halves b1/b2 of {FLAGS.batch_size // 2}), seed={FLAGS.seed}; dotprod: weight={weight:g} "
-        f"alpha={FLAGS.alpha} every={FLAGS.every} alignment={FLAGS.alignment} "
-        f"method={FLAGS.method}\n"
+        f"{optimizer_name} lr={learning_rate:g}, {config.steps} steps of batch "
+        f"{config.batch_size} (halves b1/b2 of {config.batch_size // 2}), seed={config.seed}; "
+        f"dotprod: weight={weight:g} "
+        f"alpha={config.alpha} every={config.every} alignment={config.alignment} "
+        f"method={config.method}\n"
         "baseline = DotProdTrainer(weight=0, regulariser pass off): plain training on G1+G2, "
         "G1.G2 logged on the same pairs.\n"
         "mean G1.G2 / cos: mean over all training steps; ms/step: median warm step time "
-        f"(first {FLAGS.timing_warmup} steps, incl. compilation, left out)."
+        f"(first {config.timing_warmup} steps, incl. compilation, left out)."
     )
     progress(f"done in {progress.elapsed():.1f} s")
     print(header)
     print(table)
     results = {
-        "flags": common.flag_values(flags, RECORDED_FLAGS),
+        "flags": recorded(config, RECORDED_FLAGS),
         "optimizer": optimizer_name,
         "learning_rate": learning_rate,
         "weight": weight,
@@ -367,4 +370,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_program_flags(Config, "/tmp/tf_metaalign_finetune")
     app.run(main)

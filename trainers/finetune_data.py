@@ -10,10 +10,10 @@ LOADING = {
 }
 
 
-def load_task(dataset: str, seed: int, flags_values):
+def load_task(dataset: str, seed: int, config):
     """`(splits, build_model)`: data as numpy arrays and a function building a fresh model.
 
-    `flags_values`: the program's flags (steps, batch_size, eval_examples,
+    `config`: the program's `trainers.finetune.Config` (steps, batch_size, eval_examples,
     sequence_length, max_examples, parts_of_speech, hidden_units).
     """
     import keras
@@ -22,7 +22,7 @@ def load_task(dataset: str, seed: int, flags_values):
     from trainers.experiments import text_encoder
     from trainers.experiments.wordnet import load_wordnet_supersenses
 
-    f = flags_values
+    f = config
     if dataset == "digits":
         splits = load_digits(seed=seed)
 

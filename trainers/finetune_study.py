@@ -8,24 +8,22 @@ import time
 from trainers.finetune_runs import DESCRIPTIONS, SCALE_NOTE
 
 
-def study(FLAGS, recorded_flags, settings_and_options, prepare, output_dir, progress, devices):
+def study(config, recorded_settings, settings_and_options, prepare, output_dir, progress, devices):
     """`--runs`: every run for every seed, the final measurements, the summary.
 
-    `FLAGS`: the program's flags (`recorded_flags`: the names results.json records);
-    `settings_and_options(seed)` and `prepare(seed, progress)` are `trainers.finetune`'s
-    (passed in: the program runs as __main__, and importing it would define its flags
-    twice)."""
-    from absl import flags
-
+    `config`: the program's `Config` (`recorded_settings`: what results.json records of it);
+    `settings_and_options(config, seed)` and `prepare(config, seed, progress)` are
+    `trainers.finetune`'s (passed in: the program runs as __main__, and importing it from
+    here would load a second copy of it)."""
     from trainers import common
     from trainers.finetune_report import MEASURES, study_tables, summarize
     from trainers.finetune_runs import final_measurements, run_one
 
     t0 = time.perf_counter()
-    seeds = [FLAGS.seed + i for i in range(FLAGS.seeds)]
+    seeds = [config.seed + i for i in range(config.seeds)]
     progress(
-        f"finetune study: dataset={FLAGS.dataset}, runs={','.join(FLAGS.runs)}, seeds "
-        f"{seeds}, {FLAGS.steps} steps of batch {FLAGS.batch_size}; devices: "
+        f"finetune study: dataset={config.dataset}, runs={','.join(config.runs)}, seeds "
+        f"{seeds}, {config.steps} steps of batch {config.batch_size}; devices: "
         f"{', '.join(devices)}; results to {output_dir}"
     )
     rows_by_seed, histories = {}, {}
@@ -38,10 +36,10 @@ def study(FLAGS, recorded_flags, settings_and_options, prepare, output_dir, prog
 
         keras.backend.clear_session()
         gc.collect()
-        settings, options = settings_and_options(seed)
-        splits, model, initial_weights = prepare(seed, progress)
+        settings, options = settings_and_options(config, seed)
+        splits, model, initial_weights = prepare(config, seed, progress)
         rows_by_seed[seed] = {}
-        for run in FLAGS.runs:
+        for run in config.runs:
             name = f"{run}@{seed}"
             row, history, _ = run_one(
                 name, model, initial_weights, splits, options, settings, output_dir, progress
@@ -50,10 +48,10 @@ def study(FLAGS, recorded_flags, settings_and_options, prepare, output_dir, prog
                 final_measurements(
                     model,
                     splits,
-                    FLAGS.batch_size,
-                    FLAGS.sharpness_examples,
-                    FLAGS.sharpness_iterations,
-                    FLAGS.alignment_pairs,
+                    config.batch_size,
+                    config.sharpness_examples,
+                    config.sharpness_iterations,
+                    config.alignment_pairs,
                     seed,
                 )
             )
@@ -63,7 +61,7 @@ def study(FLAGS, recorded_flags, settings_and_options, prepare, output_dir, prog
             )
             rows_by_seed[seed][run] = row
             histories[name] = history
-        reference = rows_by_seed[seed].get("baseline") or rows_by_seed[seed][FLAGS.runs[0]]
+        reference = rows_by_seed[seed].get("baseline") or rows_by_seed[seed][config.runs[0]]
         for row in rows_by_seed[seed].values():
             row["step_ratio"] = row["step_ms"] / reference["step_ms"]
         # The seeds done so far, kept if the study is stopped (rows only; the summary
@@ -71,19 +69,19 @@ def study(FLAGS, recorded_flags, settings_and_options, prepare, output_dir, prog
         common.write_json(
             output_dir / "partial_rows.json", {str(k): v for k, v in rows_by_seed.items()}
         )
-    summary = summarize(rows_by_seed, FLAGS.runs)
+    summary = summarize(rows_by_seed, config.runs)
     per_run, differences = study_tables(summary)
-    settings, options = settings_and_options(FLAGS.seed)
+    settings, options = settings_and_options(config, config.seed)
     header = (
-        f"dataset={splits.name}: {len(FLAGS.runs)} runs x {len(seeds)} seeds, "
-        f"{settings['optimizer']} lr={settings['learning_rate']:g}, {FLAGS.steps} steps of batch "
-        f"{FLAGS.batch_size}; dotprod weight={options['weight']:g}, rho={FLAGS.rho:g}, "
-        f"asam_rho={FLAGS.asam_rho:g}, gsam_alpha={FLAGS.gsam_alpha:g}, "
+        f"dataset={splits.name}: {len(config.runs)} runs x {len(seeds)} seeds, "
+        f"{settings['optimizer']} lr={settings['learning_rate']:g}, {config.steps} steps of batch "
+        f"{config.batch_size}; dotprod weight={options['weight']:g}, rho={config.rho:g}, "
+        f"asam_rho={config.asam_rho:g}, gsam_alpha={config.gsam_alpha:g}, "
         f"inner_learning_rate={options['inner_learning_rate']:g}\n"
         "mean ± 95% t interval over the seeds; lambda_max and G1.G2 at the final weights on "
-        f"the first {FLAGS.sharpness_examples} training examples (inference mode); cost x = "
+        f"the first {config.sharpness_examples} training examples (inference mode); cost x = "
         "median step time / the baseline's (same seed).\n"
-        + "\n".join(f"  {run}: {DESCRIPTIONS[run]}" for run in FLAGS.runs)
+        + "\n".join(f"  {run}: {DESCRIPTIONS[run]}" for run in config.runs)
         + f"\n{SCALE_NOTE}"
     )
     progress(f"done in {progress.elapsed():.1f} s")
@@ -92,11 +90,11 @@ def study(FLAGS, recorded_flags, settings_and_options, prepare, output_dir, prog
     print("\npaired differences (same seed); * = the 95% interval excludes 0")
     print(differences)
     results = {
-        "flags": common.flag_values(flags, recorded_flags),
+        "flags": recorded_settings,
         "settings": settings,
         "options": options,
         "measures": [k for k, _, _ in MEASURES],
-        "descriptions": {run: DESCRIPTIONS[run] for run in FLAGS.runs},
+        "descriptions": {run: DESCRIPTIONS[run] for run in config.runs},
         "rows": {str(s): rows for s, rows in rows_by_seed.items()},
         "summary": summary,
         "history": histories,

@@ -58,6 +58,19 @@ def setting(
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
+def _optional(field_type) -> type | None:
+    """`T` of `T | None` / `Optional[T]` with T in bool / int / float / str (else None):
+    a setting whose default None means "chosen at run time" (a per-dataset default)."""
+    import types
+
+    if typing.get_origin(field_type) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(field_type) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(field_type)) == 2:
+            if args[0] in (bool, int, float, str):
+                return args[0]
+    return None
+
+
 def _list_element(field_type) -> type | None:
     """`T` of `tuple[T, ...]` / `list[T]` (None: not a list setting)."""
     origin, args = typing.get_origin(field_type), typing.get_args(field_type)
@@ -120,11 +133,12 @@ def define_flags_from(config_cls, flag_values=None) -> list[str]:
     `config_cls`; returns their names.
 
     The annotation gives the flag's type: `bool`, `int`, `float`, `str` (an enum with
-    `choices`), `tuple[T, ...]` with T in str / int / float (a comma-separated list whose
-    items are converted, and checked against `choices`), or any type with a `parse`
-    function (a list of strings). The field's default is the flag's, its help the flag's
-    help. The flags count as defined by the calling module (the program: `--help` lists
-    them), not by this one.
+    `choices`), each also as `T | None` (a flag whose default None the program resolves,
+    e.g. a per-dataset default), `tuple[T, ...]` with T in str / int / float (a
+    comma-separated list whose items are converted, and checked against `choices`), or
+    any type with a `parse` function (a list of strings). The field's default is the
+    flag's, its help the flag's help. The flags count as defined by the calling module
+    (the program: `--help` lists them), not by this one.
     """
     flag_values = flags.FLAGS if flag_values is None else flag_values
     names = []
@@ -134,6 +148,7 @@ def define_flags_from(config_cls, flag_values=None) -> list[str]:
         help_text = help_text() if callable(help_text) else help_text
         choices = field.metadata["choices"]
         element = _list_element(field_type)
+        field_type = _optional(field_type) or field_type  # the flag's default stays None
         if field.metadata["parse"] is not None:
             flags.DEFINE_list(name, [], help_text, flag_values=flag_values)
         elif field_type is bool:

@@ -105,22 +105,23 @@ def test_finetune_single_algorithm_and_bad_flags(tmp_path):
 
     from absl import flags
 
-    from trainers import finetune
+    from trainers import finetune, settings
 
-    flags.FLAGS.unparse_flags()
-    try:
-        for argv, name in (
-            (["--steps=0"], "--steps"),
-            (["--batch_size=1"], "--batch_size"),
-            (["--alpha=fast"], "--alpha"),
-            (["--weight=-1"], "--weight"),
-        ):
-            flags.FLAGS(["finetune", *argv])
-            with pytest.raises(ValueError, match=name):
-                finetune.check_flags()
-            flags.FLAGS.unparse_flags()
-    finally:
-        flags.FLAGS.unparse_flags()
+    for argv, name in (
+        (["--steps=0"], "--steps"),
+        (["--batch_size=1"], "--batch_size"),
+        (["--alpha=fast"], "--alpha"),
+        (["--weight=-1"], "--weight"),
+        (["--runs=sam,sam"], "--runs"),
+        (["--learning_rate=0"], "--learning_rate"),
+    ):
+        values = flags.FlagValues()
+        settings.define_flags_from(finetune.Config, values)
+        values(["finetune", *argv])
+        with pytest.raises(ValueError, match=name):
+            settings.config_from_flags(finetune.Config, values)
+    proc = _run_job("--dataset=digits", "--steps=0", f"--output_dir={tmp_path}")
+    assert proc.returncode != 0 and "`--steps` must be >= 1; got 0." in proc.stderr
 
 
 def test_common_helpers(tmp_path):

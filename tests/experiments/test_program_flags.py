@@ -126,13 +126,43 @@ def test_the_config_check_runs_and_the_full_preset_yields_to_explicit_flags():
         settings.config_from_flags(Toy, values, {"hidden": 1})
 
 
+@dataclasses.dataclass
+class WithOptional:
+    weight: float | None = setting(None, "A float or None (a per-dataset default).")
+    units: int | None = setting(None, "An int or None.")
+    optimizer: str | None = setting(None, "An enum or None.", choices=("adam", "sgd"))
+    label: str | None = setting("x", "A string or None.")
+
+
+def test_optional_settings_default_to_none_and_take_values_of_their_type():
+    values = flags.FlagValues()
+    settings.define_flags_from(WithOptional, values)
+    values(["program"])
+    assert values["weight"].flag_type() == "float" and values["units"].flag_type() == "int"
+    assert values["optimizer"].flag_type() == "string enum"
+    assert settings.config_from_flags(WithOptional, values) == WithOptional()
+    values.unparse_flags()
+    values(["program", "--weight=0.5", "--units=3", "--optimizer=sgd", "--label=y"])
+    assert settings.config_from_flags(WithOptional, values) == WithOptional(0.5, 3, "sgd", "y")
+    for argv in (["--weight=heavy"], ["--units=1.5"], ["--optimizer=rmsprop"]):
+        values.unparse_flags()
+        with pytest.raises(flags.IllegalFlagValueError, match=argv[0].split("=")[0][2:]):
+            values(["program", *argv])
+
+
 def test_settings_the_helper_cannot_make_a_flag_of_are_refused():
     @dataclasses.dataclass
     class Bad:
         pair: tuple[int, int] = setting((1, 2), "Two ints, not a list.")
 
+    @dataclasses.dataclass
+    class Either:
+        value: int | str = setting(1, "An int or a string: which flag type?")
+
     with pytest.raises(TypeError, match="`pair`"):
         settings.define_flags_from(Bad, flags.FlagValues())
+    with pytest.raises(TypeError, match="`value`"):
+        settings.define_flags_from(Either, flags.FlagValues())
     with pytest.raises(ValueError, match="`help` is empty"):
         setting(1)
     with pytest.raises(TypeError, match="dataclass"):
@@ -145,7 +175,15 @@ def test_the_flags_belong_to_the_module_that_defines_them():
     assert "trainers.settings" not in values.flags_by_module_dict()
 
 
-PROGRAMS = ("fewshot", "guided", "multitask", "multitask_synthetic", "promptability")
+PROGRAMS = (
+    "fewshot",
+    "finetune",
+    "guided",
+    "multitask",
+    "multitask_synthetic",
+    "promptability",
+    "promptability_decoder",
+)
 
 
 @pytest.mark.parametrize("program", PROGRAMS)
