@@ -4,6 +4,7 @@
   experiments live there and run from a checkout; they are not installed);
 * every package `__init__` of the library lists its public API in `__all__`, and every
   name listed resolves;
+* every program module in `trainers/` is split by stage (under ~400 lines each);
 * the tree passes the lint settings of pyproject.toml (`ruff check`, when ruff is
   installed: it is in the `test` extra).
 """
@@ -114,3 +115,15 @@ def test_the_tests_mirror_the_library():
     names = [p.name for p in tests.rglob("test_*.py")]
     repeated = sorted({n for n in names if names.count(n) > 1})
     assert not repeated, f"test modules with the same name in two folders: {repeated}"
+
+
+def test_every_program_is_split_by_stage():
+    """A program module in `trainers/` stays under ~400 lines: a bigger one is split into
+    its stages (`<program>_data`, `_run`, `_report`, as `promptability_*` and
+    `finetune_*` are). The experiments' builders (`trainers/experiments/`) are exempt."""
+    long = {
+        path.name: n
+        for path in sorted((ROOT / "trainers").glob("*.py"))
+        if (n := len(path.read_text().splitlines())) > 420
+    }
+    assert not long, f"programs to split by stage (lines): {long}"

@@ -20,6 +20,9 @@ pytest.importorskip("django", reason="the offline prompted tasks need Django's c
 
 from tf_metaalign.prompts.templates import PromptedExample  # noqa: E402
 from trainers import promptability_decoder as D  # noqa: E402
+from trainers import promptability_decoder_data as DD  # noqa: E402
+from trainers import promptability_decoder_report as DR  # noqa: E402
+from trainers import promptability_decoder_run as DRun  # noqa: E402
 from trainers import settings  # noqa: E402
 from trainers.experiments import small_gpt2  # noqa: E402
 
@@ -79,20 +82,20 @@ def test_the_training_loss_is_the_scored_answers_nats():
 
     from tf_metaalign import prompts
 
-    codec = D.Codec(CharTokenizer(), input_length=6, answer_length=4)
+    codec = DD.Codec(CharTokenizer(), input_length=6, answer_length=4)
     examples = [
         _example("a long input cut from the left", ["yes", "no"], 0),
         _example("hi", ["no", "yes"], 0),
         _example("abc", ["x", "yz"], 1),
     ]
-    x, y, w = D.training_arrays(examples, codec)
+    x, y, w = DD.training_arrays(examples, codec)
     # "hi": EOS h i | n o EOS: answer "no" -> its 2 ids + EOS, predicted from positions 2..4.
     hi, no = CharTokenizer()("hi").tolist(), CharTokenizer()("no").tolist()
-    assert x["token_ids"][1, :6].tolist() == [D.EOS_ID, *hi, *no, D.EOS_ID]
-    assert y[1, :5].tolist() == [*hi, *no, D.EOS_ID]
+    assert x["token_ids"][1, :6].tolist() == [DD.EOS_ID, *hi, *no, DD.EOS_ID]
+    assert y[1, :5].tolist() == [*hi, *no, DD.EOS_ID]
     assert w[1].tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 0, 0]
     # Cut from the left: the input keeps its last 5 ids after the EOS.
-    assert x["token_ids"][0, :6].tolist() == [D.EOS_ID, *CharTokenizer()(" left").tolist()]
+    assert x["token_ids"][0, :6].tolist() == [DD.EOS_ID, *CharTokenizer()(" left").tolist()]
 
     keras.utils.set_random_seed(0)
     lm = small_gpt2.build_gpt2(small_gpt2.gpt2_config("tiny", 60, 16))
@@ -101,8 +104,8 @@ def test_the_training_loss_is_the_scored_answers_nats():
     log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
     nll = -np.take_along_axis(log_p, y[..., None], -1)[..., 0]
     loss = float((nll * w).sum() / w.sum())
-    score_fn = prompts.causal_lm_score_fn(D.TracedForward(lm), pad_id=D.PAD_ID)
-    np.testing.assert_allclose(D.answer_nll(score_fn, examples, codec), loss, rtol=1e-5)
+    score_fn = prompts.causal_lm_score_fn(DRun.TracedForward(lm), pad_id=DD.PAD_ID)
+    np.testing.assert_allclose(DRun.answer_nll(score_fn, examples, codec), loss, rtol=1e-5)
 
 
 def test_causal_lm_chunks_are_eos_separated_documents_in_seeded_order():
@@ -157,7 +160,7 @@ def test_methods_train_what_they_say_and_leave_the_rest_bit_identical():
     config = tiny_config(shots=4, epochs=2, batch_size=2, input_length=8, answer_length=3)
     backbone = small_gpt2.build_gpt2(small_gpt2.gpt2_config("tiny", 60, 32)).backbone
     weights = [w.numpy().copy() for w in backbone.weights]
-    codec = D.Codec(CharTokenizer(), config.input_length, config.answer_length)
+    codec = DD.Codec(CharTokenizer(), config.input_length, config.answer_length)
     shots = [_example(t, ["no", "yes"], i % 2) for i, t in enumerate(["ab", "cd", "ef", "gh"])]
     size = small_gpt2.GPT2_SIZES["tiny"]
     layers, hidden, heads = size["num_layers"], size["hidden_dim"], size["num_heads"]
@@ -168,7 +171,7 @@ def test_methods_train_what_they_say_and_leave_the_rest_bit_identical():
         "full": backbone.count_params(),
     }
     for name in D.TRAINED:
-        method = D.Method(name, backbone, weights, config)
+        method = DRun.Method(name, backbone, weights, config)
         assert method.trainable == expected[name], name
         method.reset(3)
         start = [v.numpy().copy() for v in method.model.trainable_variables]
@@ -197,7 +200,7 @@ def test_methods_train_what_they_say_and_leave_the_rest_bit_identical():
 def test_tiny_run_rows_counts_frozen_weights_and_intervals():
     config = tiny_config()
     config.check()
-    results = D.run(config, log=lambda message: None)
+    results = DRun.run(config, log=lambda message: None)
     methods = results["methods"]
     assert list(methods) == list(D.METHODS)
     rows = {row["method"]: row for row in results["summary"]}
@@ -245,5 +248,5 @@ def test_tiny_run_rows_counts_frozen_weights_and_intervals():
     assert rows["full"]["step_vs_full"] == pytest.approx(1.0)
     assert all(rows[m]["step_ms"] > 0 for m in D.TRAINED)
     assert "zero_shot" not in {m for m in methods if "step_ms_interleaved" in methods[m]}
-    text = D.format_report(results["summary"])
+    text = DR.format_report(results["summary"])
     assert all(name in text for name in D.METHODS)
