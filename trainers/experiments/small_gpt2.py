@@ -24,8 +24,6 @@ unigram model's.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from pathlib import Path
@@ -252,17 +250,14 @@ def cached_pretrained_gpt2(
         seed=seed,
         heldout_texts=heldout_texts,
         corpus=tp.corpus_hash(corpus),
-        spm=hashlib.sha256(spm_path.read_bytes()).hexdigest(),
+        spm=tp.file_hash(spm_path),
         version=1,
     )
     key = tp.settings_hash(settings)
-    weights = cache_dir / f"gpt2-{key}.weights.h5"
-    meta = cache_dir / f"gpt2-{key}.json"
+    name = f"gpt2-{key}"
     model = build_gpt2(config, seed)
-    if weights.is_file() and meta.is_file():
-        model.backbone.load_weights(str(weights))
-        info = json.loads(meta.read_text())
-        info["cached"] = True
+    info = tp.load_cached_backbone(model, cache_dir, name)
+    if info is not None:
         return model, tokenizer, info
     docs = tp.tokenize_texts(corpus, tokenizer)
     train_index, heldout_index = heldout_split(len(docs), heldout_texts, seed)
@@ -284,19 +279,10 @@ def cached_pretrained_gpt2(
         "settings": settings,
         "spm_path": str(spm_path),
         "parameters": int(model.backbone.count_params()),
-        "history": {
-            k: (v if isinstance(v, (list, float, int)) else list(v))
-            for k, v in history.history.items()
-        },
+        "history": tp.history_lists(history),
         "heldout_nll_initial": before,
         "heldout_nll": heldout_nll(model, heldout_docs, sequence_length),
         "heldout_nll_unigram": unigram_nll(train_docs, heldout_docs, config["vocabulary_size"]),
         "uniform_nll": float(np.log(config["vocabulary_size"])),
     }
-    tmp = weights.with_name(f"tmp{os.getpid()}-" + weights.name)
-    # The backbone holds every weight (the LM head is its tied ReversibleEmbedding).
-    model.backbone.save_weights(str(tmp))
-    os.replace(tmp, weights)
-    meta.write_text(json.dumps(info, indent=1, default=float))
-    info["cached"] = False
-    return model, tokenizer, info
+    return model, tokenizer, tp.save_cached_backbone(model, cache_dir, name, info)

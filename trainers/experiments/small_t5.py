@@ -28,8 +28,6 @@ mixes the two instead of running them in sequence.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from pathlib import Path
@@ -272,17 +270,14 @@ def cached_pretrained_t5(
         seed=seed,
         optimizer=optimizer,
         corpus=tp.corpus_hash(corpus),
-        spm=hashlib.sha256(spm_path.read_bytes()).hexdigest(),
+        spm=tp.file_hash(spm_path),
         version=1,
     )
     key = tp.settings_hash(settings)
-    weights = cache_dir / f"t5-{key}.weights.h5"
-    meta = cache_dir / f"t5-{key}.json"
+    name = f"t5-{key}"
     model = build_t5(config, seed)
-    if weights.is_file() and meta.is_file():
-        model.backbone.load_weights(str(weights))
-        info = json.loads(meta.read_text())
-        info["cached"] = True
+    info = tp.load_cached_backbone(model, cache_dir, name)
+    if info is not None:
         return model, tokenizer, info
     history = pretrain_t5(
         model,
@@ -302,16 +297,6 @@ def cached_pretrained_t5(
         "key": key,
         "settings": settings,
         "spm_path": str(spm_path),
-        "history": {
-            k: (v if isinstance(v, (list, float, int)) else list(v))
-            for k, v in history.history.items()
-        },
+        "history": tp.history_lists(history),
     }
-    tmp = weights.with_name(f"tmp{os.getpid()}-" + weights.name)
-    # The backbone holds every weight (the LM head is its ReversibleEmbedding); saving the
-    # task would also save the optimizer, which a loaded model's fresh one cannot take.
-    model.backbone.save_weights(str(tmp))
-    os.replace(tmp, weights)
-    meta.write_text(json.dumps(info, indent=1, default=float))
-    info["cached"] = False
-    return model, tokenizer, info
+    return model, tokenizer, tp.save_cached_backbone(model, cache_dir, name, info)
