@@ -87,14 +87,7 @@ class MultiTaskDiagnostics(keras.callbacks.Callback):
                 )
                 + "."
             )
-        if every_n_batches is not None and (
-            isinstance(every_n_batches, bool)
-            or not isinstance(every_n_batches, int)
-            or every_n_batches < 1
-        ):
-            raise ValueError(
-                f"`every_n_batches` must be None or an integer >= 1; got {every_n_batches!r}."
-            )
+        _check_every_n_batches(every_n_batches)
         self.task_names = list(task_batches)
         self._batches = [
             _model_batch(task_batches[n], model_takes_task_id, n) for n in self.task_names
@@ -245,14 +238,7 @@ class DivergenceGuard(keras.callbacks.Callback):
                 or value <= 1
             ):
                 raise ValueError(f"`{name}` must be a finite number > 1; got {value!r}.")
-        if every_n_batches is not None and (
-            isinstance(every_n_batches, bool)
-            or not isinstance(every_n_batches, int)
-            or every_n_batches < 1
-        ):
-            raise ValueError(
-                f"`every_n_batches` must be None or an integer >= 1; got {every_n_batches!r}."
-            )
+        _check_every_n_batches(every_n_batches)
         self.action = action
         self.loss_ratio = float(loss_ratio)
         self.grad_dot_ratio = None if grad_dot_ratio is None else float(grad_dot_ratio)
@@ -324,6 +310,18 @@ class DivergenceGuard(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         self._epoch = epoch + 1
         self._check(logs, f"epoch {epoch + 1}", True)
+
+
+def _check_every_n_batches(every_n_batches):
+    """None (no check within an epoch) or an integer >= 1, else a ValueError naming it."""
+    if every_n_batches is not None and (
+        isinstance(every_n_batches, bool)
+        or not isinstance(every_n_batches, int)
+        or every_n_batches < 1
+    ):
+        raise ValueError(
+            f"`every_n_batches` must be None or an integer >= 1; got {every_n_batches!r}."
+        )
 
 
 def _model_batch(batch, model_takes_task_id, name):
