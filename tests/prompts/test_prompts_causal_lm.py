@@ -666,11 +666,14 @@ def test_deep_prefix_equals_hugging_face_gpt2_with_past_key_values():
         )
         for i in range(2)
     )
-    past = (
-        transformers.DynamicCache.from_legacy_cache(legacy)
-        if hasattr(transformers, "DynamicCache")
-        else legacy
-    )
+    if hasattr(transformers, "DynamicCache"):
+        # Filled layer by layer: `update` exists in transformers 4.36+ and 5 (5 dropped
+        # `from_legacy_cache`); older versions take the legacy tuples.
+        past = transformers.DynamicCache()
+        for i, (key, value) in enumerate(legacy):
+            past.update(key, value, i)
+    else:
+        past = legacy
     mask = np.concatenate([np.ones((2, L), "int64"), x["padding_mask"]], 1)
     with torch.no_grad():
         expected = hf(
