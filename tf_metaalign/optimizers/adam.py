@@ -89,9 +89,7 @@ class Adam(base.BaseOptimizer):
         name="Adam",
         **kwargs,
     ):
-        beta_1 = base.check_unit_interval("beta_1", beta_1)
-        beta_2 = base.check_unit_interval("beta_2", beta_2)
-        epsilon = base.check_non_negative("epsilon", epsilon)
+        beta_1, beta_2, epsilon = base.check_adam_hyperparameters(beta_1, beta_2, epsilon)
         super().__init__(
             learning_rate,
             AdamRule(beta_1=beta_1, beta_2=beta_2, epsilon=epsilon),
@@ -214,9 +212,7 @@ class AdamW(base.BaseOptimizer):
         **kwargs,
     ):
         weight_decay = base.check_non_negative("weight_decay", weight_decay)
-        beta_1 = base.check_unit_interval("beta_1", beta_1)
-        beta_2 = base.check_unit_interval("beta_2", beta_2)
-        epsilon = base.check_non_negative("epsilon", epsilon)
+        beta_1, beta_2, epsilon = base.check_adam_hyperparameters(beta_1, beta_2, epsilon)
         super().__init__(
             learning_rate,
             AdamWRule(weight_decay=weight_decay, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon),

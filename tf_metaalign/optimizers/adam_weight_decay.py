@@ -52,9 +52,7 @@ class AdamWeightDecayRule(base.UpdateRule):
     def update(self, grad, var, slots, hparams, step, options=None):
         g, w, slots, hp, _, options, dtype = self._prepare(grad, var, slots, hparams, step, options)
         c = lambda x: tf.cast(x, dtype)  # noqa: E731  (float64 scalar -> compute dtype)
-        b1, b2 = hp["beta_1"], hp["beta_2"]
-        m = c(b1) * slots["m"] + c(1.0 - b1) * g
-        v = c(b2) * slots["v"] + c(1.0 - b2) * tf.square(g)
+        m, v = base.moment_estimates(g, slots["m"], slots["v"], hp["beta_1"], hp["beta_2"], dtype)
         update = m / (tf.sqrt(v) + c(hp["epsilon"]))
         if options.get("weight_decay", True):
             update = update + c(hp["weight_decay_rate"]) * w
@@ -68,8 +66,81 @@ def decay_options(variable, weight_decay_rate, exclude_from_weight_decay):
     return not base.matches_any(base.variable_path(variable), exclude_from_weight_decay)
 
 
+class _DecayExcludingAdam(base.BaseOptimizer):
+    """What BERT's two optimizers, `AdamWeightDecay` and `Lamb`, share around their rules:
+    the checked arguments, beta_1, beta_2 and weight_decay_rate as learnable variables,
+    the decay option decided per variable from the exclusion patterns (`decay_options`),
+    and the config.
+
+    Args:
+      learning_rate: float >= 0, schedule or callable.
+      make_rule: `make_rule(weight_decay_rate, beta_1, beta_2, epsilon)` -> the
+        `UpdateRule`, called with the checked values.
+      weight_decay_rate: float >= 0.
+      beta_1: in [0, 1).
+      beta_2: in [0, 1).
+      epsilon: >= 0.
+      exclude_from_weight_decay: regex patterns searched in the variable path.
+      aggregated_clipnorm: as in `BaseOptimizer`.
+      name: the optimizer's name.
+      **kwargs: other `keras.optimizers.Optimizer` arguments.
+    """
+
+    differentiable_hyperparameters = ("learning_rate", "beta_1", "beta_2", "weight_decay_rate")
+
+    def __init__(
+        self,
+        learning_rate,
+        make_rule,
+        weight_decay_rate,
+        beta_1,
+        beta_2,
+        epsilon,
+        exclude_from_weight_decay,
+        aggregated_clipnorm,
+        name,
+        **kwargs,
+    ):
+        weight_decay_rate = base.check_non_negative("weight_decay_rate", weight_decay_rate)
+        beta_1, beta_2, epsilon = base.check_adam_hyperparameters(beta_1, beta_2, epsilon)
+        exclude = base.check_name_patterns("exclude_from_weight_decay", exclude_from_weight_decay)
+        super().__init__(
+            learning_rate,
+            make_rule(weight_decay_rate, beta_1, beta_2, epsilon),
+            variable_hyperparameters={
+                "beta_1": beta_1,
+                "beta_2": beta_2,
+                "weight_decay_rate": weight_decay_rate,
+            },
+            aggregated_clipnorm=aggregated_clipnorm,
+            name=name,
+            **kwargs,
+        )
+        self.weight_decay_rate = weight_decay_rate
+        self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
+        self.exclude_from_weight_decay_patterns = exclude
+
+    def variable_options(self, variable):
+        return {
+            "weight_decay": decay_options(
+                variable, self.weight_decay_rate, self.exclude_from_weight_decay_patterns
+            )
+        }
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            weight_decay_rate=self.weight_decay_rate,
+            beta_1=self.beta_1,
+            beta_2=self.beta_2,
+            epsilon=self.epsilon,
+            exclude_from_weight_decay=list(self.exclude_from_weight_decay_patterns),
+        )
+        return config
+
+
 @keras.saving.register_keras_serializable(package="tf_metaalign")
-class AdamWeightDecay(base.BaseOptimizer):
+class AdamWeightDecay(_DecayExcludingAdam):
     """BERT's AdamWeightDecayOptimizer as a Keras 3 optimizer (see `AdamWeightDecayRule`).
 
     No bias correction; epsilon 1e-6; the decay `weight_decay_rate * w` is added to the Adam
@@ -123,8 +194,6 @@ class AdamWeightDecay(base.BaseOptimizer):
       google-research/bert). https://arxiv.org/abs/1810.04805
     """
 
-    differentiable_hyperparameters = ("learning_rate", "beta_1", "beta_2", "weight_decay_rate")
-
     def __init__(
         self,
         learning_rate=0.001,
@@ -137,41 +206,15 @@ class AdamWeightDecay(base.BaseOptimizer):
         name="AdamWeightDecay",
         **kwargs,
     ):
-        weight_decay_rate = base.check_non_negative("weight_decay_rate", weight_decay_rate)
-        beta_1 = base.check_unit_interval("beta_1", beta_1)
-        beta_2 = base.check_unit_interval("beta_2", beta_2)
-        epsilon = base.check_non_negative("epsilon", epsilon)
-        exclude = base.check_name_patterns("exclude_from_weight_decay", exclude_from_weight_decay)
         super().__init__(
             learning_rate,
-            AdamWeightDecayRule(weight_decay_rate, beta_1, beta_2, epsilon),
-            variable_hyperparameters={
-                "beta_1": beta_1,
-                "beta_2": beta_2,
-                "weight_decay_rate": weight_decay_rate,
-            },
-            aggregated_clipnorm=aggregated_clipnorm,
-            name=name,
+            AdamWeightDecayRule,
+            weight_decay_rate,
+            beta_1,
+            beta_2,
+            epsilon,
+            exclude_from_weight_decay,
+            aggregated_clipnorm,
+            name,
             **kwargs,
         )
-        self.weight_decay_rate = weight_decay_rate
-        self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
-        self.exclude_from_weight_decay_patterns = exclude
-
-    def variable_options(self, variable):
-        return {
-            "weight_decay": decay_options(
-                variable, self.weight_decay_rate, self.exclude_from_weight_decay_patterns
-            )
-        }
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(
-            weight_decay_rate=self.weight_decay_rate,
-            beta_1=self.beta_1,
-            beta_2=self.beta_2,
-            epsilon=self.epsilon,
-            exclude_from_weight_decay=list(self.exclude_from_weight_decay_patterns),
-        )
-        return config

@@ -100,6 +100,16 @@ def check_non_negative(name, value, allow_none=False, positive=False):
     return float(value)
 
 
+def check_adam_hyperparameters(beta_1, beta_2, epsilon):
+    """`(beta_1, beta_2, epsilon)` checked as every Adam-family optimizer takes them:
+    betas in [0, 1), epsilon >= 0."""
+    return (
+        check_unit_interval("beta_1", beta_1),
+        check_unit_interval("beta_2", beta_2),
+        check_non_negative("epsilon", epsilon),
+    )
+
+
 def check_name_patterns(name, patterns, allow_none=False):
     """Exclusion lists: a tuple/list of regex strings searched in the variable path."""
     if patterns is None and allow_none:
@@ -171,6 +181,20 @@ def learning_rate_tensor(value):
 
 def rms(x):
     return tf.sqrt(tf.reduce_mean(tf.square(x)))
+
+
+def moment_estimates(g, m, v, beta_1, beta_2, dtype):
+    """The BERT/ALBERT and RecAdam moment updates, as their reference code writes them:
+
+        m <- beta_1 * m + (1 - beta_1) * g
+        v <- beta_2 * v + (1 - beta_2) * g^2
+
+    `beta_1`, `beta_2` are the float64 scalars of `UpdateRule._prepare` (1 - beta computed
+    in float64, then cast to `dtype`). `AdamRule` keeps Keras's form m + (1 - beta_1)(g - m)
+    instead, which rounds differently. Returns `(m, v)`."""
+    m = tf.cast(beta_1, dtype) * m + tf.cast(1.0 - beta_1, dtype) * g
+    v = tf.cast(beta_2, dtype) * v + tf.cast(1.0 - beta_2, dtype) * tf.square(g)
+    return m, v
 
 
 class UpdateRule:

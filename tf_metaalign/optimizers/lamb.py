@@ -1,12 +1,14 @@
 """LAMB as in google-research/bert and ALBERT `lamb_optimizer.py` (and the tf-addons variant)."""
 
+import functools
+
 import keras
 import tensorflow as tf
 
 from tf_metaalign.optimizers import base
 from tf_metaalign.optimizers.adam_weight_decay import (
     BERT_EXCLUDE_FROM_WEIGHT_DECAY,
-    decay_options,
+    _DecayExcludingAdam,
 )
 
 
@@ -72,8 +74,7 @@ class LambRule(base.UpdateRule):
         g, w, slots, hp, t, options, dtype = self._prepare(grad, var, slots, hparams, step, options)
         c = lambda x: tf.cast(x, dtype)  # noqa: E731  (float64 scalar -> compute dtype)
         b1, b2 = hp["beta_1"], hp["beta_2"]
-        m = c(b1) * slots["m"] + c(1.0 - b1) * g
-        v = c(b2) * slots["v"] + c(1.0 - b2) * tf.square(g)
+        m, v = base.moment_estimates(g, slots["m"], slots["v"], b1, b2, dtype)
         if self.bias_correction:
             m_hat = m / c(1.0 - tf.pow(b1, t))
             v_hat = v / c(1.0 - tf.pow(b2, t))
@@ -92,7 +93,7 @@ class LambRule(base.UpdateRule):
 
 
 @keras.saving.register_keras_serializable(package="tf_metaalign")
-class Lamb(base.BaseOptimizer):
+class Lamb(_DecayExcludingAdam):
     """LAMB with the BERT/ALBERT semantics by default (see `LambRule`).
 
     Args:
@@ -124,8 +125,6 @@ class Lamb(base.BaseOptimizer):
       minutes", ICLR 2020. https://arxiv.org/abs/1904.00962
     """
 
-    differentiable_hyperparameters = ("learning_rate", "beta_1", "beta_2", "weight_decay_rate")
-
     def __init__(
         self,
         learning_rate=0.001,
@@ -140,32 +139,22 @@ class Lamb(base.BaseOptimizer):
         name="Lamb",
         **kwargs,
     ):
-        weight_decay_rate = base.check_non_negative("weight_decay_rate", weight_decay_rate)
-        beta_1 = base.check_unit_interval("beta_1", beta_1)
-        beta_2 = base.check_unit_interval("beta_2", beta_2)
-        epsilon = base.check_non_negative("epsilon", epsilon)
-        exclude_wd = base.check_name_patterns(
-            "exclude_from_weight_decay", exclude_from_weight_decay
-        )
         exclude_la = base.check_name_patterns(
             "exclude_from_layer_adaptation", exclude_from_layer_adaptation, allow_none=True
         )
         super().__init__(
             learning_rate,
-            LambRule(weight_decay_rate, beta_1, beta_2, epsilon, bias_correction),
-            variable_hyperparameters={
-                "beta_1": beta_1,
-                "beta_2": beta_2,
-                "weight_decay_rate": weight_decay_rate,
-            },
-            aggregated_clipnorm=aggregated_clipnorm,
-            name=name,
+            functools.partial(LambRule, bias_correction=bias_correction),
+            weight_decay_rate,
+            beta_1,
+            beta_2,
+            epsilon,
+            exclude_from_weight_decay,
+            aggregated_clipnorm,
+            name,
             **kwargs,
         )
-        self.weight_decay_rate = weight_decay_rate
-        self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
         self.bias_correction = bool(bias_correction)
-        self.exclude_from_weight_decay_patterns = exclude_wd
         self.exclude_from_layer_adaptation_patterns = exclude_la
 
     def variable_options(self, variable):
@@ -173,9 +162,7 @@ class Lamb(base.BaseOptimizer):
         if layer_exclusions is None:
             layer_exclusions = self.exclude_from_weight_decay_patterns
         return {
-            "weight_decay": decay_options(
-                variable, self.weight_decay_rate, self.exclude_from_weight_decay_patterns
-            ),
+            **super().variable_options(variable),
             "layer_adaptation": not base.matches_any(
                 base.variable_path(variable), layer_exclusions
             ),
@@ -184,11 +171,6 @@ class Lamb(base.BaseOptimizer):
     def get_config(self):
         config = super().get_config()
         config.update(
-            weight_decay_rate=self.weight_decay_rate,
-            beta_1=self.beta_1,
-            beta_2=self.beta_2,
-            epsilon=self.epsilon,
-            exclude_from_weight_decay=list(self.exclude_from_weight_decay_patterns),
             exclude_from_layer_adaptation=(
                 None
                 if self.exclude_from_layer_adaptation_patterns is None

@@ -134,8 +134,7 @@ class RecAdamRule(base.UpdateRule):
         g, w, slots, hp, t, options, dtype = self._prepare(grad, var, slots, hparams, step, options)
         c = lambda x: tf.cast(x, dtype)  # noqa: E731
         b1, b2, lr = hp["beta_1"], hp["beta_2"], hp["learning_rate"]
-        m = c(b1) * slots["m"] + c(1.0 - b1) * g
-        v = c(b2) * slots["v"] + c(1.0 - b2) * tf.square(g)
+        m, v = base.moment_estimates(g, slots["m"], slots["v"], b1, b2, dtype)
         direction = m / (tf.sqrt(v) + c(hp["epsilon"]))
         step_size = lr
         if self.correct_bias:
@@ -257,9 +256,7 @@ class RecAdam(base.BaseOptimizer):
         name="RecAdam",
         **kwargs,
     ):
-        beta_1 = base.check_unit_interval("beta_1", beta_1)
-        beta_2 = base.check_unit_interval("beta_2", beta_2)
-        epsilon = base.check_non_negative("epsilon", epsilon)
+        beta_1, beta_2, epsilon = base.check_adam_hyperparameters(beta_1, beta_2, epsilon)
         weight_decay_rate = base.check_non_negative("weight_decay_rate", weight_decay_rate)
         if not isinstance(correct_bias, bool):
             raise ValueError(f"`correct_bias` must be a bool; got correct_bias={correct_bias!r}.")
