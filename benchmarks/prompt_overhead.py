@@ -181,6 +181,13 @@ def define_flags():
         "meta_steps_per_round", 1, "Timed meta-steps per meta configuration and round."
     )
     flags.DEFINE_integer("warmup", 2, "Untimed steps first (tracing, compilation).")
+    flags.DEFINE_bool(
+        "jit_compile",
+        False,
+        "XLA-compile every configuration's train step (`compile(jit_compile=True)`): the "
+        "per-op overhead of TensorFlow's executor, which every configuration pays alike, "
+        "is fused away, as on TPU and usually GPU.",
+    )
     flags.DEFINE_string(
         "output",
         str(Path(__file__).resolve().parent / "results" / "prompt_overhead.json"),
@@ -422,7 +429,7 @@ def build(config):
         }
         y = rng.integers(1, V, (B, S)).astype("int32")  # next-token targets, every position
         data = tf.data.Dataset.from_tensors((x, y)).repeat()
-        runner.compile(optimizer=make_optimizer(), loss=loss)
+        runner.compile(optimizer=make_optimizer(), loss=loss, jit_compile=FLAGS.jit_compile)
         return runner, data, model, params
     if config.startswith("t5_"):
         backbone = t5_backbone()
@@ -494,7 +501,7 @@ def build(config):
         }
         y = rng.integers(0, FLAGS.bert_num_classes, (B,)).astype("int32")
         data = tf.data.Dataset.from_tensors((x, y)).repeat()
-    runner.compile(optimizer=make_optimizer(), loss=loss)
+    runner.compile(optimizer=make_optimizer(), loss=loss, jit_compile=FLAGS.jit_compile)
     return runner, data, model, params
 
 
@@ -715,6 +722,7 @@ def main(argv):
         "steps_per_round": FLAGS.steps_per_round,
         "meta_steps_per_round": FLAGS.meta_steps_per_round,
         "warmup": FLAGS.warmup,
+        "jit_compile": FLAGS.jit_compile,
         "paths": PATHS,
         "notes": {
             "ratios": "'a/b': quantity of a over quantity of b, for each of "
