@@ -5,8 +5,31 @@ length / mode / which weights train, its prompt variables, and the configuration
 from __future__ import annotations
 
 import keras
+import numpy as np
 
 from tf_metaalign.prompts import storage
+
+MODES = ("shallow", "deep")
+
+
+def check_mode(mode) -> str:
+    """`mode` if it is one of `MODES`, else a ValueError naming it."""
+    if mode not in MODES:
+        raise ValueError(f"`mode` must be one of {MODES}; received mode={mode!r}.")
+    return mode
+
+
+def check_backbone(backbone, class_name: str):
+    """`backbone` if it is a `keras_hub.models.<class_name>` (or a subclass), else a
+    ValueError naming the expected class."""
+    import keras_hub  # here, not at the top: importing tf_metaalign.prompts stays keras-hub free
+
+    if not isinstance(backbone, getattr(keras_hub.models, class_name)):
+        raise ValueError(
+            f"`backbone` must be a keras_hub.models.{class_name} (or a subclass); "
+            f"received {type(backbone).__name__}."
+        )
+    return backbone
 
 
 class KeyValueCache:
@@ -56,9 +79,10 @@ class KeyValueCache:
 
 
 class PromptedBackbone(keras.Model):
-    """Base of `PromptedT5` and `PromptedBert`. A subclass sets `ARCHITECTURE` (the name a
-    prompt file is checked against), checks its backbone type and mode, creates
-    `self.prompt_variables` and then calls `self._select_trainable()`."""
+    """Base of `PromptedT5`, `PromptedBert` and `PromptedCausalLM`. A subclass sets
+    `ARCHITECTURE` (the name a prompt file is checked against), checks its backbone type
+    and mode (`check_backbone`, `check_mode`), creates `self.prompt_variables` (with
+    `_add_prompt_variable`) and then calls `self._select_trainable()`."""
 
     ARCHITECTURE = None
 
@@ -90,6 +114,12 @@ class PromptedBackbone(keras.Model):
             self.init_vocabulary_rows,
             self.seed,
         )
+        return self._add_prompt_variable(name, initial)
+
+    def _add_prompt_variable(self, name, initial):
+        """A variable of this model holding `initial` (a NumPy array), in the backbone's
+        variable dtype."""
+        initial = np.asarray(initial)
         return self.add_weight(
             shape=initial.shape,
             initializer=keras.initializers.Constant(initial),

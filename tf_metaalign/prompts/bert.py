@@ -20,7 +20,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from tf_metaalign.prompts.base import PromptedBackbone
+from tf_metaalign.prompts.base import PromptedBackbone, check_backbone
 
 
 @keras.saving.register_keras_serializable(package="tf_metaalign")
@@ -81,13 +81,7 @@ class PromptedBert(PromptedBackbone):
         seed=0,
         **kwargs,
     ):
-        import keras_hub
-
-        if not isinstance(backbone, keras_hub.models.BertBackbone):
-            raise ValueError(
-                f"`backbone` must be a keras_hub.models.BertBackbone (or a "
-                f"subclass); received {type(backbone).__name__}."
-            )
+        check_backbone(backbone, "BertBackbone")
         if mode != "shallow":
             raise ValueError(
                 f"`mode` must be 'shallow' for BERT-family encoders (deep "

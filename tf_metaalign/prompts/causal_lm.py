@@ -72,7 +72,8 @@ import tensorflow as tf
 from keras import ops
 
 from tf_metaalign.prompts import storage
-from tf_metaalign.prompts.base import KeyValueCache, PromptedBackbone
+from tf_metaalign.prompts.base import MODES as MODES  # the modes PromptedCausalLM accepts
+from tf_metaalign.prompts.base import KeyValueCache, PromptedBackbone, check_mode
 
 __all__ = [
     "SUPPORTED_BACKBONES",
@@ -82,7 +83,6 @@ __all__ = [
     "causal_lm_score_fn",
 ]
 
-MODES = ("shallow", "deep")
 INITS = ("random", "vocab")
 #: The keras-hub backbones (and subclasses, e.g. Llama3Backbone) `prompt_causal_lm` accepts.
 SUPPORTED_BACKBONES = ("GPT2Backbone", "GemmaBackbone", "LlamaBackbone")
@@ -140,12 +140,6 @@ def _family(backbone):
     )
 
 
-def _check_mode(mode):
-    if mode not in MODES:
-        raise ValueError(f"`mode` must be one of {MODES}; received mode={mode!r}.")
-    return mode
-
-
 def _torch_linear(rng, fan_in, fan_out):
     """`torch.nn.Linear`'s default initial (kernel [in, out], bias [out]): U(+-1/sqrt(in))."""
     bound = 1.0 / np.sqrt(fan_in)
@@ -153,15 +147,6 @@ def _torch_linear(rng, fan_in, fan_out):
         rng.uniform(-bound, bound, (fan_in, fan_out)),
         rng.uniform(-bound, bound, (fan_out,)),
     )
-
-
-def _vocabulary_ids(vocabulary_size, length, init_vocabulary_rows, seed):
-    """The token ids whose rows `storage.vocabulary_rows_init` draws (same draws)."""
-    available = min(int(init_vocabulary_rows), int(vocabulary_size))
-    rng = np.random.default_rng(seed)
-    if length <= available:
-        return rng.permutation(available)[:length]
-    return rng.integers(0, available, size=length)
 
 
 def _text_ids(init, tokenizer, length):
@@ -262,7 +247,7 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
         **kwargs,
     ):
         family, lm_class = _family(backbone)
-        _check_mode(mode)
+        check_mode(mode)
         if not isinstance(reparameterize, bool):
             raise ValueError(f"`reparameterize` must be True or False; got {reparameterize!r}.")
         if reparameterize_hidden_dim is not None and (
@@ -323,33 +308,18 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
 
     def _init_ids(self):
         if self.init == "vocab":
-            return _vocabulary_ids(
+            return storage.vocabulary_row_ids(
                 self.backbone.vocabulary_size, self.length, self.init_vocabulary_rows, self.seed
             )
         return np.asarray(self.init, "int32")
-
-    def _add(self, name, initial):
-        return self.add_weight(
-            shape=initial.shape,
-            initializer=keras.initializers.Constant(np.asarray(initial)),
-            dtype=self.backbone.dtype_policy.variable_dtype,
-            name=name,
-        )
 
     def _create_prompt(self):
         storage.check_train(self.train)
         rng = np.random.default_rng(self.seed)
         hidden_dim = self.backbone.hidden_dim
         table = None
-        if self.init == "vocab" and not (self.mode == "deep" or self.reparameterize):
-            table = storage.vocabulary_rows_init(
-                self.backbone.token_embedding.embeddings.numpy(),
-                self.length,
-                self.init_vocabulary_rows,
-                self.seed,
-            )
-        elif self.init != "random":
-            ids = self._init_ids()
+        if self.init != "random":
+            ids = self._init_ids()  # "vocab": the rows storage.vocabulary_rows_init draws
             if self.mode == "shallow":
                 table = ops.convert_to_numpy(
                     ops.take(self.backbone.token_embedding.embeddings, ids, axis=0)
@@ -362,7 +332,7 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
                 width = hidden_dim if self.mode == "shallow" else self._prefix_width
                 table = rng.standard_normal((self.length, width))
             name = "prompt_embeddings" if self.mode == "shallow" else "prompt_prefix"
-            self.prompt_variables.append(self._add(name, table))
+            self.prompt_variables.append(self._add_prompt_variable(name, table))
             return
         if self.mode == "shallow":
             width = hidden_dim
@@ -375,11 +345,15 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
             table = rng.standard_normal((self.length, width))
             hidden = self.reparameterize_hidden_dim or width
             shapes = [(width, hidden), (hidden, self._prefix_width)]
-        self.prompt_variables.append(self._add("prompt_embeddings", table))
+        self.prompt_variables.append(self._add_prompt_variable("prompt_embeddings", table))
         for i, (fan_in, fan_out) in enumerate(shapes):
             kernel, bias = _torch_linear(rng, fan_in, fan_out)
-            self.prompt_variables.append(self._add(f"prompt_mlp_{i}_kernel", kernel))
-            self.prompt_variables.append(self._add(f"prompt_mlp_{i}_bias", bias))
+            self.prompt_variables.extend(
+                [
+                    self._add_prompt_variable(f"prompt_mlp_{i}_kernel", kernel),
+                    self._add_prompt_variable(f"prompt_mlp_{i}_bias", bias),
+                ]
+            )
 
     def _activation_prefix(self, ids):
         """[L, num_layers * 2 * kv_heads * head_dim]: the keys/values each layer computes

@@ -43,15 +43,15 @@ def check_train(train) -> str:
     return train
 
 
-def vocabulary_rows_init(
-    embeddings, length: int, init_vocabulary_rows: int, seed: int
+def vocabulary_row_ids(
+    vocabulary_size: int, length: int, init_vocabulary_rows: int, seed: int
 ) -> np.ndarray:
-    """Initial shallow prompt: `length` rows of the embedding matrix `embeddings`, drawn
-    without replacement among its first `init_vocabulary_rows` rows (Lester et al. 2021; the
-    reference's `np.random.permutation(range(5000))[:n_prefix]`), seeded.
+    """`length` token ids drawn without replacement among the first `init_vocabulary_rows`
+    of a vocabulary of `vocabulary_size` tokens (Lester et al. 2021; the reference's
+    `np.random.permutation(range(5000))[:n_prefix]`), seeded.
 
-    When fewer rows are available than `length` (tiny vocabularies), rows are drawn with
-    replacement. The result is a NumPy copy used as the variable's initial value only.
+    When fewer ids are available than `length` (tiny vocabularies), they are drawn with
+    replacement.
     """
     if (
         isinstance(init_vocabulary_rows, bool)
@@ -62,14 +62,22 @@ def vocabulary_rows_init(
             f"`init_vocabulary_rows` must be an integer >= 1; received "
             f"init_vocabulary_rows={init_vocabulary_rows!r}."
         )
-    table = np.asarray(embeddings)
-    available = min(int(init_vocabulary_rows), table.shape[0])
+    available = min(int(init_vocabulary_rows), int(vocabulary_size))
     rng = np.random.default_rng(seed)
     if length <= available:
-        rows = rng.permutation(available)[:length]
-    else:
-        rows = rng.integers(0, available, size=length)
-    return table[rows]
+        return rng.permutation(available)[:length]
+    return rng.integers(0, available, size=length)
+
+
+def vocabulary_rows_init(
+    embeddings, length: int, init_vocabulary_rows: int, seed: int
+) -> np.ndarray:
+    """Initial shallow prompt: the rows of the embedding matrix `embeddings` whose ids
+    `vocabulary_row_ids` draws. The result is a NumPy copy used as the variable's initial
+    value only.
+    """
+    table = np.asarray(embeddings)
+    return table[vocabulary_row_ids(table.shape[0], length, init_vocabulary_rows, seed)]
 
 
 def apply_train(train: str, backbone, prompt_variables) -> None:

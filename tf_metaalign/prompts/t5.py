@@ -39,16 +39,10 @@ import keras
 import numpy as np
 from keras import ops
 
-from tf_metaalign.prompts.base import KeyValueCache, PromptedBackbone
+from tf_metaalign.prompts.base import MODES as MODES  # the modes PromptedT5 accepts
+from tf_metaalign.prompts.base import KeyValueCache, PromptedBackbone, check_backbone, check_mode
 
-MODES = ("shallow", "deep")
 _MASK_VALUE = -1e9  # keras-hub T5MultiHeadAttention's additive mask value
-
-
-def _check_mode(mode):
-    if mode not in MODES:
-        raise ValueError(f"`mode` must be one of {MODES}; received mode={mode!r}.")
-    return mode
 
 
 @keras.saving.register_keras_serializable(package="tf_metaalign")
@@ -118,19 +112,12 @@ class PromptedT5(PromptedBackbone):
         seed=0,
         **kwargs,
     ):
-        import keras_hub
-
-        if not isinstance(backbone, keras_hub.models.T5Backbone):
-            raise ValueError(
-                f"`backbone` must be a keras_hub.models.T5Backbone; received "
-                f"{type(backbone).__name__}."
-            )
+        check_backbone(backbone, "T5Backbone")
         super().__init__(
-            backbone, length, _check_mode(mode), train, init_vocabulary_rows, seed, **kwargs
+            backbone, length, check_mode(mode), train, init_vocabulary_rows, seed, **kwargs
         )
         self.num_heads = backbone.num_heads
         self.key_value_dim = backbone.key_value_dim or backbone.hidden_dim // backbone.num_heads
-        variable_dtype = backbone.dtype_policy.variable_dtype
 
         if self.mode == "shallow":
             self.prompt_embeddings = self._shallow_prompt()
@@ -140,12 +127,8 @@ class PromptedT5(PromptedBackbone):
             width = backbone.num_layers * 2 * self.num_heads * self.key_value_dim
             self.prompt_variables = []
             for name in ("encoder_self_prefix", "decoder_self_prefix", "decoder_cross_prefix"):
-                initial = rng.standard_normal((self.length, width))
-                variable = self.add_weight(
-                    shape=initial.shape,
-                    initializer=keras.initializers.Constant(initial),
-                    dtype=variable_dtype,
-                    name=name,
+                variable = self._add_prompt_variable(
+                    name, rng.standard_normal((self.length, width))
                 )
                 setattr(self, name, variable)
                 self.prompt_variables.append(variable)
