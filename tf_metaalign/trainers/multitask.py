@@ -798,9 +798,7 @@ class MultiTaskTrainer(MetaTrainer):
             regularizer = self._regularizer(model_x, y, y_pred, model_losses)
             if regularizer is not None:
                 total = total + tf.cast(regularizer, acc) * tf.cast(loss_scale, acc)
-        gradient = F.densify(
-            tape.gradient(total, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        )
+        gradient = _dense_gradient(tape, total, params)
         return gradient, losses, combination, new_state, y_pred, regularizer
 
     def _masked_task_loss(self, model_x, y, y_pred, sample_weight, mask, factor, compiled, acc):
@@ -904,17 +902,11 @@ class MultiTaskTrainer(MetaTrainer):
         inv_scale = 1.0 / tf.cast(loss_scale, acc)
         task_grads = []
         for t in range(T):
-            g = F.densify(
-                tape.gradient(scaled[t], params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            )
+            g = _dense_gradient(tape, scaled[t], params)
             task_grads.append([gi * tf.cast(inv_scale, gi.dtype) for gi in g])
         reg_grads = None
         if regularizer is not None:
-            reg_grads = F.densify(
-                tape.gradient(
-                    regularizer_scaled, params, unconnected_gradients=tf.UnconnectedGradients.ZERO
-                )
-            )
+            reg_grads = _dense_gradient(tape, regularizer_scaled, params)
         del tape
         return task_losses, task_grads, new_state, y_pred, regularizer, reg_grads
 
@@ -1045,10 +1037,7 @@ class MultiTaskTrainer(MetaTrainer):
             rep_grads, head_grads = [], []
             for t in range(T):
                 # Through the heads only (the encoder's part of this graph is never used).
-                g = tape.gradient(
-                    scaled[t], [z] + head_params, unconnected_gradients=tf.UnconnectedGradients.ZERO
-                )
-                g = F.densify(g)
+                g = _dense_gradient(tape, scaled[t], [z] + head_params)
                 rep_grads.append(tf.cast(g[0], acc) / scale)
                 head_grads.append([gi / tf.cast(scale, gi.dtype) for gi in g[1:]])
             # LibMTL: the representation gradient of each task summed over the batch.
@@ -1075,28 +1064,19 @@ class MultiTaskTrainer(MetaTrainer):
         else:
             combined_rep = tf.add_n([shared_c[t] * rep_grads[t] for t in range(T)]) * scale
         encoder_params = [params[i] for i in plan.encoder]
-        encoder_grads = F.densify(
-            tape.gradient(
-                z,
-                encoder_params,
-                output_gradients=tf.cast(combined_rep, z.dtype),
-                unconnected_gradients=tf.UnconnectedGradients.ZERO,
-            )
+        encoder_grads = _dense_gradient(
+            tape, z, encoder_params, output_gradients=tf.cast(combined_rep, z.dtype)
         )
         gradient = [None] * len(params)
         for i, g in zip(plan.encoder, encoder_grads):
             gradient[i] = g
         if rows_disjoint and plan.heads:
             # The heads' sum_t s_t g_t: one more backward pass through the heads only.
-            head_gradient = F.densify(
-                tape.gradient(
-                    scaled,
-                    head_params,
-                    output_gradients=[
-                        tf.cast(specific_c[t], v.dtype) for t, v in enumerate(scaled)
-                    ],
-                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
-                )
+            head_gradient = _dense_gradient(
+                tape,
+                scaled,
+                head_params,
+                output_gradients=[tf.cast(specific_c[t], v.dtype) for t, v in enumerate(scaled)],
             )
             for i, g in zip(plan.heads, head_gradient):
                 gradient[i] = g
@@ -1105,12 +1085,7 @@ class MultiTaskTrainer(MetaTrainer):
                 scale, head_grads[0][k].dtype
             )
         if regularizer is not None:
-            reg_grads = F.densify(
-                tape.gradient(
-                    regularizer_scaled, params, unconnected_gradients=tf.UnconnectedGradients.ZERO
-                )
-            )
-            gradient = F.add(gradient, reg_grads)
+            gradient = F.add(gradient, _dense_gradient(tape, regularizer_scaled, params))
         del tape
         return (losses, vectors, combination, cosine, gradient, new_state, y_pred, regularizer)
 
@@ -1282,23 +1257,16 @@ class MultiTaskTrainer(MetaTrainer):
             for i, g in zip((kernel_i, bias_i), parts):
                 gradient[i] = tf.cast(g, params[i].dtype)
         if specific_index:
-            specific = F.densify(
-                tape.gradient(
-                    stacked_losses,
-                    [params[i] for i in specific_index],
-                    output_gradients=specific_c * scale,
-                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
-                )
+            specific = _dense_gradient(
+                tape,
+                stacked_losses,
+                [params[i] for i in specific_index],
+                output_gradients=specific_c * scale,
             )
             for i, g in zip(specific_index, specific):
                 gradient[i] = g
         if regularizer is not None:
-            reg_grads = F.densify(
-                tape.gradient(
-                    regularizer_scaled, params, unconnected_gradients=tf.UnconnectedGradients.ZERO
-                )
-            )
-            gradient = F.add(gradient, reg_grads)
+            gradient = F.add(gradient, _dense_gradient(tape, regularizer_scaled, params))
         del tape
         return losses, combination, cosine, gradient, new_state, y_pred, regularizer
 
@@ -1415,9 +1383,7 @@ class MultiTaskTrainer(MetaTrainer):
             )
             value = tf.cast(value, acc) * factor
             scaled = value * tf.cast(loss_scale, acc)
-        g = F.densify(
-            tape.gradient(scaled, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        )
+        g = _dense_gradient(tape, scaled, params)
         inv_scale = 1.0 / tf.cast(loss_scale, acc)
         return value, [gi * tf.cast(inv_scale, gi.dtype) for gi in g], new_state, y_pred
 
@@ -1509,6 +1475,20 @@ def _check_task_specific_request(request):
             f"paths; got {request!r}."
         )
     return list(request)
+
+
+def _dense_gradient(tape, target, sources, output_gradients=None):
+    """`tape.gradient` as every pass here takes it: zeros for sources the target does not
+    reach (a task that does not use a head) and dense tensors (embeddings' IndexedSlices),
+    so per-task gradients can be stacked and combined."""
+    return F.densify(
+        tape.gradient(
+            target,
+            sources,
+            output_gradients=output_gradients,
+            unconnected_gradients=tf.UnconnectedGradients.ZERO,
+        )
+    )
 
 
 def _coefficients(combination, acc):
