@@ -65,16 +65,7 @@ def _unflat(v, like):
 
 def _objective(model, params, tasks, lrs_fn, hyper, **kw):
     """The post-adaptation mean query loss (no tape: for finite differences)."""
-    loss, *_ = M.adapt_and_evaluate(
-        _loss_fn(model),
-        _loss_fn(model),
-        params,
-        F.current_state(model),
-        _const([t[0] for t in tasks]),
-        _const([t[1] for t in tasks]),
-        lrs_fn(hyper),
-        **kw,
-    )
+    loss, *_ = M.adapt_and_evaluate(*_algorithm_args(model, params, tasks), lrs_fn(hyper), **kw)
     return float(loss)
 
 
@@ -91,6 +82,24 @@ def _plain_lrs(alpha, steps, n):
     return lambda h: [[tf.constant(alpha, tf.float64)] * n for _ in range(steps)]
 
 
+def _algorithm_args(model, params, tasks):
+    """The leading arguments of `M.meta_gradient` / `M.adapt_and_evaluate`: the model's MSE
+    as inner and outer loss, `params`, the model's state and the tasks' support and query
+    batches."""
+    return (
+        _loss_fn(model),
+        _loss_fn(model),
+        params,
+        F.current_state(model),
+        _const([t[0] for t in tasks]),
+        _const([t[1] for t in tasks]),
+    )
+
+
+def _meta_gradient(model, params, tasks, hyper, lrs_fn, **kw):
+    return M.meta_gradient(*_algorithm_args(model, params, tasks), hyper, lrs_fn, **kw)
+
+
 # --------------------------------------------------------------- second-order MAML
 
 
@@ -99,32 +108,13 @@ def test_maml_meta_gradient_equals_finite_differences(float64):
     tasks = _tasks(3)
     params = F.current_params(model)
     lrs = _plain_lrs(0.3, 2, len(params))
-    r = M.meta_gradient(
-        _loss_fn(model),
-        _loss_fn(model),
-        params,
-        F.current_state(model),
-        _const([t[0] for t in tasks]),
-        _const([t[1] for t in tasks]),
-        {},
-        lrs,
-    )
+    r = _meta_gradient(model, params, tasks, {}, lrs)
     fd = _central_difference(
         lambda v: _objective(model, _unflat(v, params), tasks, lrs, {}), _flat(params)
     )
     np.testing.assert_allclose(_flat(r.grads), fd, rtol=1e-6, atol=1e-9)
     # Second order differs from first order here (the test can tell them apart).
-    fo = M.meta_gradient(
-        _loss_fn(model),
-        _loss_fn(model),
-        params,
-        F.current_state(model),
-        _const([t[0] for t in tasks]),
-        _const([t[1] for t in tasks]),
-        {},
-        lrs,
-        first_order=True,
-    )
+    fo = _meta_gradient(model, params, tasks, {}, lrs, first_order=True)
     assert np.max(np.abs(_flat(fo.grads) - fd)) > 1e-4
     np.testing.assert_allclose(float(r.loss), _objective(model, params, tasks, lrs, {}), rtol=1e-12)
 
@@ -141,17 +131,7 @@ def test_first_order_equals_the_fomaml_closed_form(float64):
     tasks = _tasks(3, seed=4)
     params = F.current_params(model)
     alpha, steps = 0.2, 3
-    r = M.meta_gradient(
-        _loss_fn(model),
-        _loss_fn(model),
-        params,
-        F.current_state(model),
-        _const([t[0] for t in tasks]),
-        _const([t[1] for t in tasks]),
-        {},
-        _plain_lrs(alpha, steps, 2),
-        first_order=True,
-    )
+    r = _meta_gradient(model, params, tasks, {}, _plain_lrs(alpha, steps, 2), first_order=True)
     expected = [np.zeros_like(p.numpy()) for p in params]
     for (xs, ys), (xq, yq) in tasks:
         theta = [p.numpy() for p in params]
@@ -179,17 +159,7 @@ def test_meta_sgd_learning_rates_get_gradients_equal_to_finite_differences(float
         "lr_1": tf.constant(0.1 + 0.1 * rng.random((2,))),
     }
     for first_order in (False, True):
-        r = M.meta_gradient(
-            _loss_fn(model),
-            _loss_fn(model),
-            params,
-            F.current_state(model),
-            _const([t[0] for t in tasks]),
-            _const([t[1] for t in tasks]),
-            hyper,
-            _meta_sgd_lrs,
-            first_order=first_order,
-        )
+        r = _meta_gradient(model, params, tasks, hyper, _meta_sgd_lrs, first_order=first_order)
         got = _flat([r.hyper_grads["lr_0"], r.hyper_grads["lr_1"]])
         assert np.all(np.abs(got) > 0)
         if first_order:
@@ -240,13 +210,10 @@ def _sharing_objective(model, params, tasks, m, lam, g_hat, initialized):
 def test_sharing_m_and_lambda_gradients_equal_finite_differences(float64, initialized):
     model, tasks, params, g_hat = _sharing_setup(1)
     m0, lam0 = np.array([0.3, -0.2]), np.array([0.1, 0.4])
-    r = M.meta_gradient(
-        _loss_fn(model),
-        _loss_fn(model),
+    r = _meta_gradient(
+        model,
         params,
-        F.current_state(model),
-        _const([t[0] for t in tasks]),
-        _const([t[1] for t in tasks]),
+        tasks,
         {"sharing_m": tf.constant(m0), "sharing_lambda": tf.constant(lam0)},
         _plain_lrs(0.3, 2, len(params)),
         sharing=GradientSharing(),
@@ -279,14 +246,7 @@ def test_sharing_m_and_lambda_gradients_equal_finite_differences(float64, initia
 
 def test_sharing_gate_exactly_zero_equals_plain_maml(float64):
     model, tasks, params, g_hat = _sharing_setup(2)
-    args = (
-        _loss_fn(model),
-        _loss_fn(model),
-        params,
-        F.current_state(model),
-        _const([t[0] for t in tasks]),
-        _const([t[1] for t in tasks]),
-    )
+    args = _algorithm_args(model, params, tasks)
     plain = M.meta_gradient(*args, {}, _plain_lrs(0.3, 2, len(params)))
     for initialized in (False, True):
         shared = M.meta_gradient(
@@ -387,6 +347,17 @@ def _task_arrays(num_tasks, seed=0, n_support=6, n_query=5):
     return (sx, sy, qx), qy
 
 
+def _task_list(x, y, indices):
+    """`_task_arrays`' tasks `indices` as `_tasks` gives them: [((xs, ys), (xq, yq))]."""
+    return [((x[0][t], x[1][t]), (x[2][t], y[t])) for t in indices]
+
+
+def _assert_outer_sgd_step(model, phi, grads):
+    """The model's weights are phi - 0.5 * grads (one step of `_trainer`'s SGD(0.5))."""
+    for v, p, g in zip(model.trainable_variables, phi, grads):
+        np.testing.assert_allclose(v.numpy(), p.numpy() - 0.5 * g.numpy(), rtol=1e-10, atol=1e-12)
+
+
 def _dataset(x, y, tasks_per_batch):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(tasks_per_batch, drop_remainder=True)
 
@@ -406,23 +377,12 @@ def test_trainer_step_is_the_algorithms_meta_gradient(float64):
     for first_order in (False, True):
         trainer = _trainer(_mlp(5), inner_steps=2, inner_learning_rate=0.3, first_order=first_order)
         phi = F.current_params(trainer.model)
-        tasks = [((x[0][t], x[1][t]), (x[2][t], y[t])) for t in range(4)]
-        r = M.meta_gradient(
-            _loss_fn(trainer.model),
-            _loss_fn(trainer.model),
-            phi,
-            F.current_state(trainer.model),
-            _const([t[0] for t in tasks]),
-            _const([t[1] for t in tasks]),
-            {},
-            _plain_lrs(0.3, 2, 4),
-            first_order=first_order,
+        tasks = _task_list(x, y, range(4))
+        r = _meta_gradient(
+            trainer.model, phi, tasks, {}, _plain_lrs(0.3, 2, 4), first_order=first_order
         )
         history = trainer.fit(_dataset(x, y, 4), verbose=0)
-        for v, p, g in zip(trainer.model.trainable_variables, phi, r.grads):
-            np.testing.assert_allclose(
-                v.numpy(), p.numpy() - 0.5 * g.numpy(), rtol=1e-10, atol=1e-12
-            )
+        _assert_outer_sgd_step(trainer.model, phi, r.grads)
         np.testing.assert_allclose(history.history["loss"][0], float(r.loss), rtol=1e-10)
         assert int(trainer.outer_steps.numpy()) == 1
 
@@ -486,7 +446,7 @@ def test_trainer_g_hat_and_gates_follow_numpy(float64):
     for step, start in enumerate((0, 3)):
         theta = [v.numpy() for v in trainer.model.trainable_variables]
         m, lam = trainer.sharing_m.numpy(), trainer.sharing_lambda.numpy()
-        tasks = [((x[0][t], x[1][t]), (x[2][t], y[t])) for t in range(start, start + 3)]
+        tasks = _task_list(x, y, range(start, start + 3))
         _, want = np_sharing_inner_loop(theta, tasks, 0.25, m, lam, g_hat, step > 0)
         sub = tuple(a[start : start + 3] for a in x), y[start : start + 3]
         trainer.fit(_dataset(*sub, 3), verbose=0)
@@ -520,17 +480,8 @@ def test_learned_inner_learning_rates_receive_gradients(float64, learn):
     else:
         hyper = {"lslr": tf.constant(before[0])}
         fn = lambda h: [[h["lslr"][k, i] for i in range(4)] for k in range(2)]  # noqa: E731
-    tasks = [((x[0][t], x[1][t]), (x[2][t], y[t])) for t in range(4)]
-    r = M.meta_gradient(
-        _loss_fn(trainer.model),
-        _loss_fn(trainer.model),
-        phi,
-        F.current_state(trainer.model),
-        _const([t[0] for t in tasks]),
-        _const([t[1] for t in tasks]),
-        hyper,
-        fn,
-    )
+    tasks = _task_list(x, y, range(4))
+    r = _meta_gradient(trainer.model, phi, tasks, hyper, fn)
     for name, b, a in zip(sorted(r.hyper_grads, key=lambda n: (len(n), n)), before, after):
         g = r.hyper_grads[name].numpy()
         assert np.all(g != 0), name
@@ -578,20 +529,10 @@ def test_derivative_order_annealing_is_first_order_then_second(float64):
     )
     # Epoch 2 is second order: one step from the same weights as `second` would take.
     phi = F.current_params(annealed.model)
-    tasks = [((x[0][t], x[1][t]), (x[2][t], y[t])) for t in range(4)]
-    r = M.meta_gradient(
-        _loss_fn(annealed.model),
-        _loss_fn(annealed.model),
-        phi,
-        F.current_state(annealed.model),
-        _const([t[0] for t in tasks]),
-        _const([t[1] for t in tasks]),
-        {},
-        _plain_lrs(0.3, 2, 4),
-    )
+    tasks = _task_list(x, y, range(4))
+    r = _meta_gradient(annealed.model, phi, tasks, {}, _plain_lrs(0.3, 2, 4))
     annealed.fit(_dataset(x, y, 4), epochs=1, verbose=0)
-    for v, p, g in zip(annealed.model.trainable_variables, phi, r.grads):
-        np.testing.assert_allclose(v.numpy(), p.numpy() - 0.5 * g.numpy(), rtol=1e-10, atol=1e-12)
+    _assert_outer_sgd_step(annealed.model, phi, r.grads)
     assert int(annealed.epochs_done.numpy()) == 2
 
 
