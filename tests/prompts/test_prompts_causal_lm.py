@@ -9,6 +9,7 @@ first (a text-initialised prompt must equal it), full forward passes step by ste
 optionally Hugging Face's PyTorch GPT-2 given the prefix as `past_key_values`.
 """
 
+import itertools
 import sys
 
 import keras
@@ -28,6 +29,16 @@ L = 3
 V = 32
 FAMILIES = ("gpt2", "gemma", "llama")
 MODES = ("shallow", "deep")
+
+
+def _slow_except(cases, *default):
+    """`cases` for `pytest.mark.parametrize`: those in `default` run in the default suite,
+    the others under -m slow (each builds, traces and runs keras-hub models)."""
+    params = []
+    for case in cases:
+        values = case if isinstance(case, tuple) else (case,)
+        params.append(case if case in default else pytest.param(*values, marks=pytest.mark.slow))
+    return params
 
 
 def tiny(family, seed=0):
@@ -78,9 +89,7 @@ def family(request):
 @pytest.fixture
 def backbone(family):
     """One backbone per family for the module, weights and trainability restored."""
-    if family not in _BUILT:
-        _BUILT[family] = tiny(family)
-    model = _BUILT[family]
+    model = shared(family)
     initial = [v.numpy().copy() for v in model.weights]
     yield model
     model.trainable = True
@@ -181,14 +190,7 @@ def _fit(model, epochs=3):
 
 @pytest.mark.parametrize(
     "family,mode",
-    [
-        ("gpt2", "shallow"),
-        ("llama", "deep"),
-        pytest.param("gpt2", "deep", marks=pytest.mark.slow),
-        pytest.param("gemma", "shallow", marks=pytest.mark.slow),
-        pytest.param("gemma", "deep", marks=pytest.mark.slow),
-        pytest.param("llama", "shallow", marks=pytest.mark.slow),
-    ],
+    _slow_except(itertools.product(FAMILIES, MODES), ("gpt2", "shallow"), ("llama", "deep")),
 )
 def test_prompt_only_training_leaves_every_backbone_weight_bit_identical(backbone, mode):
     model = prompts.prompt_causal_lm(backbone, length=L, mode=mode, train="prompt")
@@ -211,7 +213,7 @@ def test_transformer_only_training_leaves_the_prompt_identical():
     assert sum(moved) == len(moved)
 
 
-@pytest.mark.parametrize("mode", ["deep", pytest.param("shallow", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", _slow_except(MODES, "deep"))
 def test_reparameterised_prompt_trains_its_mlp_and_folds_to_the_same_model(mode):
     backbone = tiny("llama")
     model = prompts.prompt_causal_lm(backbone, length=L, mode=mode, reparameterize=True)
@@ -404,14 +406,7 @@ def _generation_inputs():
 
 @pytest.mark.parametrize(
     "family,mode",
-    [
-        ("gpt2", "deep"),
-        ("gemma", "shallow"),
-        pytest.param("gpt2", "shallow", marks=pytest.mark.slow),
-        pytest.param("gemma", "deep", marks=pytest.mark.slow),
-        pytest.param("llama", "shallow", marks=pytest.mark.slow),
-        pytest.param("llama", "deep", marks=pytest.mark.slow),
-    ],
+    _slow_except(itertools.product(FAMILIES, MODES), ("gpt2", "deep"), ("gemma", "shallow")),
 )
 def test_greedy_generation_with_cache_equals_without_and_full_forward_argmax(backbone, mode):
     model = prompts.prompt_causal_lm(backbone, length=L, mode=mode, init="random", seed=1)
@@ -430,14 +425,7 @@ def test_greedy_generation_with_cache_equals_without_and_full_forward_argmax(bac
     )
 
 
-@pytest.mark.parametrize(
-    "family",
-    [
-        "gpt2",
-        pytest.param("gemma", marks=pytest.mark.slow),
-        pytest.param("llama", marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.parametrize("family", _slow_except(FAMILIES, "gpt2"))
 def test_zero_length_generation_equals_keras_hub_generate(backbone, family):
     inputs = _generation_inputs()
     lm = LM_CLASS[family](backbone=backbone, preprocessor=None)
