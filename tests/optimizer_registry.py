@@ -65,6 +65,12 @@ def _mesh_adafactor(
     )
 
 
+def _bert_adam_family(kind, lr, wd, **options):
+    """The oracle `kind` ("bert_adam", "lamb" or "recadam") at google-research/bert's Adam
+    constants beta_1 = 0.9, beta_2 = 0.999, epsilon = 1e-6 (LAMB's and RecAdam's too)."""
+    return dict(kind=kind, lr=lr, wd=wd, b1=0.9, b2=0.999, eps=1e-6, **options)
+
+
 _CONFIGS = [
     OptimizerConfig(
         "sgd", lambda: O.SGD(0.1), dict(kind="sgd", lr=0.1, momentum=0.0, nesterov=False)
@@ -97,7 +103,7 @@ _CONFIGS = [
     OptimizerConfig(
         "adam_weight_decay",
         lambda: O.AdamWeightDecay(0.01, weight_decay_rate=0.05),
-        dict(kind="bert_adam", lr=0.01, wd=0.05, b1=0.9, b2=0.999, eps=1e-6, exclude=BERT_EXCLUDE),
+        _bert_adam_family("bert_adam", 0.01, wd=0.05, exclude=BERT_EXCLUDE),
     ),
     # BERT's fine-tuning configuration: warmup then linear decay, aggregated clipping at 1.
     OptimizerConfig(
@@ -107,13 +113,10 @@ _CONFIGS = [
             weight_decay_rate=0.01,
             aggregated_clipnorm=1.0,
         ),
-        dict(
-            kind="bert_adam",
-            lr=_bert_schedule_numpy(0.01, 10, 2),
+        _bert_adam_family(
+            "bert_adam",
+            _bert_schedule_numpy(0.01, 10, 2),
             wd=0.01,
-            b1=0.9,
-            b2=0.999,
-            eps=1e-6,
             exclude=BERT_EXCLUDE,
             clipnorm=1.0,
         ),
@@ -121,17 +124,7 @@ _CONFIGS = [
     OptimizerConfig(
         "lamb",
         lambda: O.Lamb(0.01, weight_decay_rate=0.05),
-        dict(
-            kind="lamb",
-            lr=0.01,
-            wd=0.05,
-            b1=0.9,
-            b2=0.999,
-            eps=1e-6,
-            exclude=BERT_EXCLUDE,
-            exclude_la=None,
-            bc=False,
-        ),
+        _bert_adam_family("lamb", 0.01, wd=0.05, exclude=BERT_EXCLUDE, exclude_la=None, bc=False),
     ),
     OptimizerConfig(
         "lamb_tfa",
@@ -141,16 +134,8 @@ _CONFIGS = [
             bias_correction=True,
             exclude_from_layer_adaptation=("scalar",),
         ),
-        dict(
-            kind="lamb",
-            lr=0.01,
-            wd=0.05,
-            b1=0.9,
-            b2=0.999,
-            eps=1e-6,
-            exclude=BERT_EXCLUDE,
-            exclude_la=("scalar",),
-            bc=True,
+        _bert_adam_family(
+            "lamb", 0.01, wd=0.05, exclude=BERT_EXCLUDE, exclude_la=("scalar",), bc=True
         ),
     ),
     OptimizerConfig("adafactor_t5", lambda: O.Adafactor.t5(0.01), _mesh_adafactor(0.01)),
@@ -189,19 +174,8 @@ _CONFIGS = [
         lambda: O.RecAdam(
             0.01, anneal_k=0.8, anneal_t0=3, pretrain_cof=4.0, weight_decay_rate=0.02
         ),
-        dict(
-            kind="recadam",
-            lr=0.01,
-            b1=0.9,
-            b2=0.999,
-            eps=1e-6,
-            wd=0.02,
-            bias=True,
-            fun="sigmoid",
-            k=0.8,
-            t0=3.0,
-            w=1.0,
-            cof=4.0,
+        _bert_adam_family(
+            "recadam", 0.01, wd=0.02, bias=True, fun="sigmoid", k=0.8, t0=3.0, w=1.0, cof=4.0
         ),
     ),
     OptimizerConfig(
@@ -214,19 +188,8 @@ _CONFIGS = [
             anneal_w=0.8,
             pretrain_cof=10.0,
         ),
-        dict(
-            kind="recadam",
-            lr=0.01,
-            b1=0.9,
-            b2=0.999,
-            eps=1e-6,
-            wd=0.0,
-            bias=False,
-            fun="linear",
-            k=0.0,
-            t0=4.0,
-            w=0.8,
-            cof=10.0,
+        _bert_adam_family(
+            "recadam", 0.01, wd=0.0, bias=False, fun="linear", k=0.0, t0=4.0, w=0.8, cof=10.0
         ),
     ),
     OptimizerConfig(
