@@ -95,18 +95,9 @@ def _raw_point(names, rule):
     return raw
 
 
-def _guide_loss_at(s, raw):
-    hp = guided.hyperparameters_from_raw(s["base_hparams"], raw)
-    new, _ = apply_rule(s["rule"], s["grads"], s["params"], s["slots"], s["options"], hp, s["step"])
-    return float(s["guide_fn"](new, s["state"], s["guidance_batch"])[0])
-
-
-@pytest.mark.parametrize("key", sorted(OPTIMIZERS))
-def test_hypergradient_equals_central_finite_difference(key):
-    make_opt, names = OPTIMIZERS[key]
-    s = _setup(make_opt)
-    raw = _raw_point(names, s["rule"])
-    result = guided.hypergradients(
+def _hypergradients(s, raw):
+    """`guided.hypergradients` at `_setup`'s point `s` and the raw hyperparameters `raw`."""
+    return guided.hypergradients(
         s["guide_fn"],
         s["rule"],
         s["grads"],
@@ -119,6 +110,20 @@ def test_hypergradient_equals_central_finite_difference(key):
         s["state"],
         s["guidance_batch"],
     )
+
+
+def _guide_loss_at(s, raw):
+    hp = guided.hyperparameters_from_raw(s["base_hparams"], raw)
+    new, _ = apply_rule(s["rule"], s["grads"], s["params"], s["slots"], s["options"], hp, s["step"])
+    return float(s["guide_fn"](new, s["state"], s["guidance_batch"])[0])
+
+
+@pytest.mark.parametrize("key", sorted(OPTIMIZERS))
+def test_hypergradient_equals_central_finite_difference(key):
+    make_opt, names = OPTIMIZERS[key]
+    s = _setup(make_opt)
+    raw = _raw_point(names, s["rule"])
+    result = _hypergradients(s, raw)
     for name in names:
         eps = 1e-5
         plus = dict(raw, **{name: raw[name] + eps})
@@ -133,19 +138,7 @@ def test_sgd_closed_form():
     s = _setup(OPTIMIZERS["sgd"][0])
     raw = {"learning_rate": tf.constant(0.4, tf.float64)}
     lr = float(s["base_hparams"]["learning_rate"])
-    result = guided.hypergradients(
-        s["guide_fn"],
-        s["rule"],
-        s["grads"],
-        s["params"],
-        s["slots"],
-        s["options"],
-        s["base_hparams"],
-        raw,
-        s["step"],
-        s["state"],
-        s["guidance_batch"],
-    )
+    result = _hypergradients(s, raw)
     new = [p - lr * math.exp(0.4) * g for p, g in zip(s["params"], s["grads"])]
     for a, b in zip(result.new_params, new):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12)
