@@ -48,6 +48,18 @@ def resolved(c):
     return c.shared, specific, weights, dict(c.state), dict(c.state_gradients)
 
 
+def task_inputs(gram, losses, present):
+    """The solvers' inputs at step 0, epoch 0, seed 0."""
+    return base.TaskInputs(
+        losses=losses,
+        present=present,
+        step=tf.constant(0, tf.int64),
+        epoch=tf.constant(0, tf.int64),
+        seed=0,
+        gram=gram,
+    )
+
+
 _RUNNERS = {}
 
 
@@ -59,15 +71,7 @@ def combine(method, g, losses, present, state=None, jit=False):
     gram = tf.constant(g @ g.T, tf.float64)
 
     def run(gram, losses, present, state):
-        inputs = base.TaskInputs(
-            losses=losses,
-            present=present,
-            step=tf.constant(0, tf.int64),
-            epoch=tf.constant(0, tf.int64),
-            seed=0,
-            gram=gram,
-        )
-        return resolved(method.combine(inputs, state))
+        return resolved(method.combine(task_inputs(gram, losses, present), state))
 
     if jit is not None:
         key = (method, jit)
@@ -651,15 +655,7 @@ def test_float32_inputs_agree_with_float64_under_xla(num_tasks):
 
             @tf.function(jit_compile=True)
             def run(gram, losses, present):
-                inputs = base.TaskInputs(
-                    losses=losses,
-                    present=present,
-                    step=tf.constant(0, tf.int64),
-                    epoch=tf.constant(0, tf.int64),
-                    seed=0,
-                    gram=gram,
-                )
-                c = method.combine(inputs, state)
+                c = method.combine(task_inputs(gram, losses, present), state)
                 return c.shared, dict(c.state_gradients)
 
             shared, grads = run(
