@@ -179,13 +179,20 @@ def test_stateless_forward_at_given_prompt_equals_assigning_it(backbone):
         np.testing.assert_array_equal(ops.convert_to_numpy(outputs[key]), value)
 
 
-def test_deep_prompt_changes_every_attention_block_but_not_the_input(backbone, monkeypatch):
-    x = batch()
+def _record_plain_pass(backbone, monkeypatch, x):
+    """A Recorder on every attention block (`all_attentions`' names) and on the first
+    encoder layer ("encoder0.input"), after the plain backbone's pass on x."""
     rec = Recorder(monkeypatch)
     for name, attention in all_attentions(backbone):
         rec.watch(name, attention)
     rec.watch("encoder0.input", backbone.encoder_transformer_layers[0])
     backbone(x)
+    return rec
+
+
+def test_deep_prompt_changes_every_attention_block_but_not_the_input(backbone, monkeypatch):
+    x = batch()
+    rec = _record_plain_pass(backbone, monkeypatch, x)
     plain = {
         name: ops.convert_to_numpy(rec.last(name)[2][0]) for name, _ in all_attentions(backbone)
     }
@@ -202,11 +209,7 @@ def test_deep_prompt_changes_every_attention_block_but_not_the_input(backbone, m
 
 def test_shallow_prompt_changes_only_the_encoder_input(backbone, monkeypatch):
     x = batch()
-    rec = Recorder(monkeypatch)
-    for name, attention in all_attentions(backbone):
-        rec.watch(name, attention)
-    rec.watch("encoder0.input", backbone.encoder_transformer_layers[0])
-    backbone(x)
+    rec = _record_plain_pass(backbone, monkeypatch, x)
     plain_input = ops.convert_to_numpy(rec.last("encoder0.input")[0][0])
     plain_decoder_self = ops.convert_to_numpy(rec.last("decoder0.self")[2][0])
     plain_cross = ops.convert_to_numpy(rec.last("decoder0.cross")[2][0])
