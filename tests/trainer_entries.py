@@ -317,6 +317,23 @@ ENTRIES = [
     ),
 ]
 
+#: The checks an entry leaves to -m slow where another entry runs its trainer's machinery
+#: in the default suite (the suite's 20-minute budget): the two-process one, the ragged
+#: last batch and the model after fit.
+_SLOW_WHERE_COVERED = ("multi_worker", "ragged_last_batch", "model_after_fit")
+
+#: The fields of every MultiTaskTrainer entry on `multitask_data` (`{"inputs", "task_id"}`
+#: batches): it normalises by the global per-task counts, so a ragged last batch is exact
+#: on 2 replicas.
+_MULTITASK_FIELDS = dict(
+    compile_kwargs=_multitask_compile,
+    diagnostics=("task_cosine",),
+    make_data=multitask_data,
+    make_eval_data=multitask_data,
+    ragged_replicas_exact=True,
+    model_inputs=lambda x: x["inputs"],
+)
+
 ENTRIES += [
     TrainerEntry(
         name="sequential_reptile",
@@ -339,9 +356,8 @@ ENTRIES += [
         compile_kwargs=_outer_compile,
         state_variables=("count",),
         make_data=stacked_regression_data,  # k = 1 inner batch + 1 query batch
-        # two processes under -m slow: the "maml" entry runs MAMLTrainer's (and "reptile" the
-        # stacked inner loop's) in the default suite (its 20-minute budget)
-        slow=("multi_worker", "ragged_last_batch", "model_after_fit"),
+        # "maml" runs MAMLTrainer's in the default suite, "reptile" the stacked inner loop's
+        slow=_SLOW_WHERE_COVERED,
     ),
     TrainerEntry(
         name="multi_task_reptile",
@@ -349,47 +365,27 @@ ENTRIES += [
         compile_kwargs=_outer_compile,
         state_variables=("count",),
         make_data=task_stacked_regression_data,
-        # two processes under -m slow: "reptile" runs the stacked inner loop's in the default suite
-        slow=("multi_worker", "ragged_last_batch", "model_after_fit"),
+        slow=_SLOW_WHERE_COVERED,  # "reptile" runs the stacked inner loop's
     ),
     TrainerEntry(
         name="multitask_pcgrad",
         make_trainer=_multitask_trainer("pcgrad", seed=3),
-        compile_kwargs=_multitask_compile,
         state_variables=("count",),  # the step counter the task order is drawn from
-        diagnostics=("task_cosine",),
-        make_data=multitask_data,
-        make_eval_data=multitask_data,
-        ragged_replicas_exact=True,
-        model_inputs=lambda x: x["inputs"],
+        **_MULTITASK_FIELDS,
     ),
     TrainerEntry(
         name="multitask_gradvac",
         make_trainer=_multitask_trainer("gradvac", gradvac_beta=0.2),
-        compile_kwargs=_multitask_compile,
         state_variables=("count", "gradvac_targets"),
-        diagnostics=("task_cosine",),
-        make_data=multitask_data,
-        make_eval_data=multitask_data,
-        ragged_replicas_exact=True,
-        model_inputs=lambda x: x["inputs"],
-        # two processes under -m slow: "multitask_pcgrad" runs MultiTaskTrainer's in the
-        # default suite (its 20-minute budget)
-        slow=("multi_worker", "ragged_last_batch", "model_after_fit"),
+        **_MULTITASK_FIELDS,
+        slow=_SLOW_WHERE_COVERED,  # "multitask_pcgrad" runs MultiTaskTrainer's
     ),
     TrainerEntry(
         name="multitask_gradnorm",
         make_trainer=_multitask_trainer("gradnorm", gradnorm_learning_rate=0.05),
-        compile_kwargs=_multitask_compile,
         state_variables=("count", "gradnorm_weights", "gradnorm_initial_losses", "gradnorm_seen"),
-        diagnostics=("task_cosine",),
-        make_data=multitask_data,
-        make_eval_data=multitask_data,
-        ragged_replicas_exact=True,
-        model_inputs=lambda x: x["inputs"],
-        # two processes under -m slow: "multitask_pcgrad" runs MultiTaskTrainer's in the
-        # default suite (its 20-minute budget)
-        slow=("multi_worker", "ragged_last_batch", "model_after_fit"),
+        **_MULTITASK_FIELDS,
+        slow=_SLOW_WHERE_COVERED,  # "multitask_pcgrad" runs MultiTaskTrainer's
     ),
 ]
 
@@ -435,18 +431,9 @@ ENTRIES += [
     TrainerEntry(
         name=f"multitask_{method}",
         make_trainer=_multitask_trainer(method, seed=3),
-        compile_kwargs=_multitask_compile,
         state_variables=_method_state(method),
-        diagnostics=("task_cosine",),
-        make_data=multitask_data,
-        make_eval_data=multitask_data,
-        ragged_replicas_exact=True,
-        model_inputs=lambda x: x["inputs"],
-        slow=(
-            ("multi_worker", "ragged_last_batch", "model_after_fit")
-            if method in ("uw", "nash_mtl")
-            else _ALL_BUT_ENTRY
-        ),
+        **_MULTITASK_FIELDS,
+        slow=_SLOW_WHERE_COVERED if method in ("uw", "nash_mtl") else _ALL_BUT_ENTRY,
         # Solvers iterate to convergence: rounding differs between XLA and graph code at
         # 1e-12 and the steps then agree to ~1e-9.
         tolerances={"jit_compile": (1e-6, 1e-9)} if method in ("nash_mtl",) else {},
@@ -481,6 +468,13 @@ def maml_task_data(n, dtype="float64", seed=0, n_support=3, n_query=3):
     return (x[:, :n_support], y[:, :n_support], x[:, n_support:]), y[:, n_support:]
 
 
+#: The fields of an entry whose trainer takes whole tasks (`tasks_per_batch`). It refuses a
+#: ragged last batch of one task, and it logs float32 diagnostics: values that agree to
+#: 1e-12 in float64 can round to neighbouring float32 numbers (1 ulp = 1.2e-7 relative);
+#: one lost or repeated step changes them by > 1e-4.
+TASK_BATCH_FIELDS = dict(ragged_last_batch="leave a last batch of 1 task", tolerance=(1e-6, 1e-10))
+
+
 def _maml_trainer(**options):
     def make(model, data_dtype):
         from tf_metaalign.algorithms import GradientSharing
@@ -510,6 +504,14 @@ def _maml_state(learned, sharing=True, epochs=True, k=2, weights=4):
     return tuple(names)
 
 
+_MAML_FIELDS = dict(
+    compile_kwargs=_outer_compile,
+    diagnostics=("support_loss", "inner_learning_rate", "sharing_m", "sharing_lambda"),
+    make_data=maml_task_data,
+    evaluates_model_batches=False,
+    **TASK_BATCH_FIELDS,
+)
+
 ENTRIES += [
     TrainerEntry(
         # Second order, MAML++ (LSLR, multi-step loss annealed over 2 epochs, first order
@@ -522,16 +524,8 @@ ENTRIES += [
             multi_step_loss_epochs=2,
             first_order_epochs=1,
         ),
-        compile_kwargs=_outer_compile,
         state_variables=_maml_state(["inner_learning_rates"]),
-        diagnostics=("support_loss", "inner_learning_rate", "sharing_m", "sharing_lambda"),
-        make_data=maml_task_data,
-        evaluates_model_batches=False,
-        ragged_last_batch="leave a last batch of 1 task",
-        # The logged diagnostics are float32 metrics: values that agree to 1e-12 in
-        # float64 can round to neighbouring float32 numbers (1 ulp = 1.2e-7 relative);
-        # one lost or repeated step changes them by > 1e-4.
-        tolerance=(1e-6, 1e-10),
+        **_MAML_FIELDS,
     ),
     TrainerEntry(
         # First order (inner loop off the outer tape), Meta-SGD, gradient sharing.
@@ -555,16 +549,8 @@ ENTRIES += [
             "ragged_last_batch",
             "model_after_fit",
         ),
-        compile_kwargs=_outer_compile,
         state_variables=_maml_state([f"inner_learning_rate_{i}" for i in range(4)], epochs=False),
-        diagnostics=("support_loss", "inner_learning_rate", "sharing_m", "sharing_lambda"),
-        make_data=maml_task_data,
-        evaluates_model_batches=False,
-        ragged_last_batch="leave a last batch of 1 task",
-        # The logged diagnostics are float32 metrics: values that agree to 1e-12 in
-        # float64 can round to neighbouring float32 numbers (1 ulp = 1.2e-7 relative);
-        # one lost or repeated step changes them by > 1e-4.
-        tolerance=(1e-6, 1e-10),
+        **_MAML_FIELDS,
     ),
 ]
 
@@ -660,7 +646,7 @@ def prompt_task_data(n, dtype="float64", seed=0, steps=STACKED_K, n_support=2, n
     )
 
 
-def _prompt_fomaml_trainer(model, data_dtype):
+def prompt_fomaml_trainer(model, data_dtype):
     from tf_metaalign import optimizers as O
     from tf_metaalign.trainers.prompt_meta import PromptFOMAMLTrainer
 
@@ -684,6 +670,14 @@ def _prompt_reptile_trainer(model, data_dtype):
     )
 
 
+_PROMPT_MLP_FIELDS = dict(
+    compile_kwargs=_outer_compile,
+    diagnostics=("support_loss",),
+    make_model=prompt_mlp,
+    make_data=prompt_task_data,
+    **TASK_BATCH_FIELDS,
+)
+
 _CARRIED = (
     "the inner optimizer state is chained through each replica's tasks (as through "
     "each DDP process's in the reference), so R replicas differ from 1"
@@ -692,20 +686,13 @@ _CARRIED = (
 ENTRIES += [
     TrainerEntry(
         name="prompt_fomaml",
-        make_trainer=_prompt_fomaml_trainer,
-        compile_kwargs=_outer_compile,
+        make_trainer=prompt_fomaml_trainer,
         state_variables=("count",),
-        diagnostics=("support_loss",),
-        make_model=prompt_mlp,
-        make_data=prompt_task_data,
-        ragged_last_batch="leave a last batch of 1 task",
-        # float32 diagnostics (see the "maml" entry)
-        tolerance=(1e-6, 1e-10),
+        **_PROMPT_MLP_FIELDS,
     ),
     TrainerEntry(
         name="prompt_reptile",
         make_trainer=_prompt_reptile_trainer,
-        compile_kwargs=_outer_compile,
         state_variables=(
             "count",
             "inner_prompt_v_0",
@@ -718,11 +705,7 @@ ENTRIES += [
             "inner_other_v_3",
             "inner_other_iterations",
         ),
-        diagnostics=("support_loss",),
-        make_model=prompt_mlp,
-        make_data=prompt_task_data,
-        ragged_last_batch="leave a last batch of 1 task",
-        tolerance=(1e-6, 1e-10),
+        **_PROMPT_MLP_FIELDS,
         xfail={"replicas": (_CARRIED, AssertionError), "multi_worker": (_CARRIED, AssertionError)},
         # The default suite keeps what exercises its carried Adafactor state (save/load,
         # kill and resume, eager == traced); prompt_fomaml runs every check.
