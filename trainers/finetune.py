@@ -143,6 +143,11 @@ class Config:
     )
     sharpness_iterations: int = setting(20, "The study: power-iteration steps (HVPs) at most.")
     alignment_pairs: int = setting(4, "The study: (b1, b2) pairs of the final G1.G2.")
+    resume: bool = setting(
+        False,
+        "The study: keep the seeds a stopped study finished (its partial_rows.json in "
+        "--output_dir) and run the others.",
+    )
 
     def check(self):
         """A bad setting raises ValueError naming its flag."""
@@ -194,6 +199,7 @@ RECORDED_FLAGS = (
 )
 STUDY_FLAGS = (
     "runs",
+    "resume",
     "seeds",
     "rho",
     "asam_rho",

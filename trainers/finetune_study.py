@@ -7,6 +7,38 @@ import time
 
 from trainers.finetune_runs import DESCRIPTIONS, SCALE_NOTE
 
+#: The study's rows (and histories) of the seeds done so far, in `--output_dir`.
+PARTIAL = "partial_rows.json"
+
+
+def resumed_seeds(config, output_dir, seeds, progress) -> tuple[dict, dict]:
+    """`(rows_by_seed, histories)` of the seeds a stopped study finished, when
+    `config.resume`: read from `output_dir / PARTIAL`, each seed kept if it has a row for
+    every run of `config.runs` (the other runs' rows dropped); empty otherwise. A file
+    written before histories were kept holds rows only (`{seed: {run: row}}`)."""
+    import json
+
+    path = output_dir / PARTIAL
+    if not (config.resume and path.is_file()):
+        return {}, {}
+    saved = json.loads(path.read_text())
+    rows = saved.get("rows", saved) if isinstance(saved, dict) else {}
+    kept = {
+        int(seed): {run: seed_rows[run] for run in config.runs}
+        for seed, seed_rows in rows.items()
+        if int(seed) in seeds and all(run in seed_rows for run in config.runs)
+    }
+    histories = {
+        name: history
+        for name, history in saved.get("histories", {}).items()
+        if name.rpartition("@")[0] in config.runs and int(name.rpartition("@")[2]) in kept
+    }
+    progress(
+        f"resumed from {path}: seeds {sorted(kept) or 'none'} done"
+        + (f" ({len(histories)} run histories)" if histories else " (histories not kept)")
+    )
+    return kept, histories
+
 
 def study(config, recorded_settings, settings_and_options, prepare, output_dir, progress, devices):
     """`--runs`: every run for every seed, the final measurements, the summary.
@@ -26,8 +58,10 @@ def study(config, recorded_settings, settings_and_options, prepare, output_dir, 
         f"{seeds}, {config.steps} steps of batch {config.batch_size}; devices: "
         f"{', '.join(devices)}; results to {output_dir}"
     )
-    rows_by_seed, histories = {}, {}
+    rows_by_seed, histories = resumed_seeds(config, output_dir, seeds, progress)
     for seed in seeds:
+        if seed in rows_by_seed:
+            continue
         # Each run traces its trainer and its Hessian-vector products: without this, a
         # MiniLM study grew past 10 GB by its third seed (measured) and was stopped.
         import gc
@@ -64,10 +98,14 @@ def study(config, recorded_settings, settings_and_options, prepare, output_dir, 
         reference = rows_by_seed[seed].get("baseline") or rows_by_seed[seed][config.runs[0]]
         for row in rows_by_seed[seed].values():
             row["step_ratio"] = row["step_ms"] / reference["step_ms"]
-        # The seeds done so far, kept if the study is stopped (rows only; the summary
-        # and tables are written at the end).
+        # The seeds done so far, kept if the study is stopped (`--resume` continues from
+        # them; the summary and tables are written at the end).
         common.write_json(
-            output_dir / "partial_rows.json", {str(k): v for k, v in rows_by_seed.items()}
+            output_dir / PARTIAL,
+            {
+                "rows": {str(k): v for k, v in rows_by_seed.items()},
+                "histories": histories,
+            },
         )
     summary = summarize(rows_by_seed, config.runs)
     per_run, differences = study_tables(summary)

@@ -218,8 +218,9 @@ def test_colab_quickstart_notebook_runs_offline():
 @pytest.mark.slow  # ~20-40 s: 6 runs in a subprocess (the report's algebra is tested below)
 def test_finetune_study_runs_seeds_intervals_and_significance(tmp_path):
     """`--runs` with `--seeds`: every run for every seed, lambda_max and G1.G2 measured
-    at the final weights, the summary with intervals and paired differences."""
-    proc = _run_job(
+    at the final weights, the summary with intervals and paired differences; a stopped
+    study resumed with `--resume` == the uninterrupted one."""
+    study_args = (
         "--dataset=digits",
         "--steps=4",
         "--log_every=2",
@@ -229,9 +230,8 @@ def test_finetune_study_runs_seeds_intervals_and_significance(tmp_path):
         "--sharpness_examples=32",
         "--sharpness_iterations=3",
         "--alignment_pairs=1",
-        f"--output_dir={tmp_path}",
-        timeout=240,
     )
+    proc = _run_job(*study_args, f"--output_dir={tmp_path}", timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "paired differences (same seed)" in proc.stdout
     results = json.loads((tmp_path / "results.json").read_text())
@@ -246,6 +246,22 @@ def test_finetune_study_runs_seeds_intervals_and_significance(tmp_path):
     summary = results["summary"]
     assert sorted(summary["differences"]) == ["reptile - baseline", "sam - baseline"]
     assert summary["per_run"]["sam"]["test_accuracy"]["n"] == 2
+
+    # Stopped after seed 0 (its partial file as an old study wrote it: rows only), then
+    # --resume: seed 0's rows are kept as they were, seed 1 is run again and equals the
+    # uninterrupted study's.
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    (resumed_dir / "partial_rows.json").write_text(json.dumps({"0": results["rows"]["0"]}))
+    proc = _run_job(*study_args, f"--output_dir={resumed_dir}", "--resume", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "seeds [0] done" in proc.stderr + proc.stdout
+    resumed = json.loads((resumed_dir / "results.json").read_text())
+    assert resumed["rows"]["0"] == results["rows"]["0"]
+    for run, row in resumed["rows"]["1"].items():
+        for key in ("test_accuracy", "test_loss", "sharpness", "final_grad_dot"):
+            assert math.isclose(row[key], results["rows"]["1"][run][key], rel_tol=1e-6), (run, key)
+    assert sorted(resumed["history"]) == ["baseline@1", "reptile@1", "sam@1"]
 
 
 def test_study_intervals_and_paired_differences():
