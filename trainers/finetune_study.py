@@ -11,6 +11,52 @@ from trainers.finetune_runs import DESCRIPTIONS, SCALE_NOTE
 PARTIAL = "partial_rows.json"
 
 
+def write_partial(output_dir, rows_by_seed: dict, histories: dict) -> None:
+    """The seeds done so far, kept if the study is stopped (`--resume` continues from them;
+    the summary and tables are written at the end)."""
+    from trainers import common
+
+    common.write_json(
+        output_dir / PARTIAL,
+        {"rows": {str(k): v for k, v in rows_by_seed.items()}, "histories": histories},
+    )
+
+
+def seed_in_subprocess(config, seed: int, output_dir) -> tuple[dict, dict]:
+    """`--seed_per_process`: the study of one seed run by a fresh `python -m
+    trainers.finetune` (the same settings, `--seed=seed --seeds=1`, its results in
+    `output_dir/seed_<seed>`; its progress lines pass through), returning its rows and
+    histories. Why: a process that traces run after run keeps growing (~600 MB per MiniLM
+    run, below Python: every trainer is freed), and a fresh process per seed bounds it."""
+    import dataclasses
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    child_dir = Path(output_dir) / f"seed_{seed}"
+    values = dataclasses.asdict(config) | {
+        "seed": seed,
+        "seeds": 1,
+        "resume": False,
+        "seed_per_process": False,
+    }
+    argv = [f"--output_dir={child_dir}"]
+    for name, value in values.items():
+        if value is None:
+            continue  # the program's per-dataset default
+        if isinstance(value, bool):
+            argv.append(f"--{'' if value else 'no'}{name}")
+        elif isinstance(value, (tuple, list)):
+            argv.append(f"--{name}={','.join(map(str, value))}")
+        else:
+            argv.append(f"--{name}={value}")
+    root = Path(__file__).resolve().parents[1]  # the checkout: programs run from it
+    subprocess.run([sys.executable, "-m", "trainers.finetune", *argv], cwd=root, check=True)
+    results = json.loads((child_dir / "results.json").read_text())
+    return results["rows"][str(seed)], results["history"]
+
+
 def resumed_seeds(config, output_dir, seeds, progress) -> tuple[dict, dict]:
     """`(rows_by_seed, histories)` of the seeds a stopped study finished, when
     `config.resume`: read from `output_dir / PARTIAL`, each seed kept if it has a row for
@@ -59,8 +105,14 @@ def study(config, recorded_settings, settings_and_options, prepare, output_dir, 
         f"{', '.join(devices)}; results to {output_dir}"
     )
     rows_by_seed, histories = resumed_seeds(config, output_dir, seeds, progress)
+    dataset_name = config.dataset  # the loaded task's own name once a seed runs here
     for seed in seeds:
         if seed in rows_by_seed:
+            continue
+        if config.seed_per_process:
+            rows_by_seed[seed], seed_histories = seed_in_subprocess(config, seed, output_dir)
+            histories.update(seed_histories)
+            write_partial(output_dir, rows_by_seed, histories)
             continue
         # Each run traces its trainer and its Hessian-vector products: without this, a
         # MiniLM study grew past 10 GB by its third seed (measured) and was stopped.
@@ -72,6 +124,7 @@ def study(config, recorded_settings, settings_and_options, prepare, output_dir, 
         gc.collect()
         settings, options = settings_and_options(config, seed)
         splits, model, initial_weights = prepare(config, seed, progress)
+        dataset_name = splits.name
         rows_by_seed[seed] = {}
         for run in config.runs:
             name = f"{run}@{seed}"
@@ -98,20 +151,12 @@ def study(config, recorded_settings, settings_and_options, prepare, output_dir, 
         reference = rows_by_seed[seed].get("baseline") or rows_by_seed[seed][config.runs[0]]
         for row in rows_by_seed[seed].values():
             row["step_ratio"] = row["step_ms"] / reference["step_ms"]
-        # The seeds done so far, kept if the study is stopped (`--resume` continues from
-        # them; the summary and tables are written at the end).
-        common.write_json(
-            output_dir / PARTIAL,
-            {
-                "rows": {str(k): v for k, v in rows_by_seed.items()},
-                "histories": histories,
-            },
-        )
+        write_partial(output_dir, rows_by_seed, histories)
     summary = summarize(rows_by_seed, config.runs)
     per_run, differences = study_tables(summary)
     settings, options = settings_and_options(config, config.seed)
     header = (
-        f"dataset={splits.name}: {len(config.runs)} runs x {len(seeds)} seeds, "
+        f"dataset={dataset_name}: {len(config.runs)} runs x {len(seeds)} seeds, "
         f"{settings['optimizer']} lr={settings['learning_rate']:g}, {config.steps} steps of batch "
         f"{config.batch_size}; dotprod weight={options['weight']:g}, rho={config.rho:g}, "
         f"asam_rho={config.asam_rho:g}, gsam_alpha={config.gsam_alpha:g}, "
