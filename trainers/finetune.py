@@ -221,9 +221,8 @@ STUDY_FLAGS = (
 
 
 def recorded(config: Config, names) -> dict:
-    """The named settings, for results.json (lists as lists)."""
-    values = dataclasses.asdict(config)
-    return {n: list(values[n]) if isinstance(values[n], tuple) else values[n] for n in names}
+    """The named settings, for results.json (`common.write_json` writes tuples as lists)."""
+    return {name: getattr(config, name) for name in names}
 
 
 def parse_alpha(value: str):

@@ -34,23 +34,11 @@ def seed_in_subprocess(config, seed: int, output_dir) -> tuple[dict, dict]:
     import sys
     from pathlib import Path
 
+    from trainers.settings import config_argv
+
     child_dir = Path(output_dir) / f"seed_{seed}"
-    values = dataclasses.asdict(config) | {
-        "seed": seed,
-        "seeds": 1,
-        "resume": False,
-        "seed_per_process": False,
-    }
-    argv = [f"--output_dir={child_dir}"]
-    for name, value in values.items():
-        if value is None:
-            continue  # the program's per-dataset default
-        if isinstance(value, bool):
-            argv.append(f"--{'' if value else 'no'}{name}")
-        elif isinstance(value, (tuple, list)):
-            argv.append(f"--{name}={','.join(map(str, value))}")
-        else:
-            argv.append(f"--{name}={value}")
+    child = dataclasses.replace(config, seed=seed, seeds=1, resume=False, seed_per_process=False)
+    argv = [f"--output_dir={child_dir}", *config_argv(child)]
     root = Path(__file__).resolve().parents[1]  # the checkout: programs run from it
     subprocess.run([sys.executable, "-m", "trainers.finetune", *argv], cwd=root, check=True)
     results = json.loads((child_dir / "results.json").read_text())
