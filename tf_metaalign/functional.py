@@ -250,8 +250,7 @@ def value_and_grad(loss_fn: LossFn, params, state, batch):
     with tf.GradientTape() as tape:
         tape.watch(params)
         value, aux = loss_fn(params, state, batch)
-    grads = tape.gradient(value, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    return value, densify(grads), aux
+    return value, dense_gradient(tape, value, params), aux
 
 
 def value_grad_and_hvp(loss_fn: LossFn, params, state, batch, vector):
@@ -269,12 +268,10 @@ def value_grad_and_hvp(loss_fn: LossFn, params, state, batch, vector):
         with tf.GradientTape() as inner:
             inner.watch(params)
             value, aux = loss_fn(params, state, batch)
-        grads = densify(
-            inner.gradient(value, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        )
+        grads = dense_gradient(inner, value, params)
         grads_dot_v = dot(grads, vector)
-    hv = outer.gradient(grads_dot_v, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    return value, grads, aux, [tf.cast(h, g.dtype) for h, g in zip(densify(hv), grads)]
+    hv = dense_gradient(outer, grads_dot_v, params)
+    return value, grads, aux, [tf.cast(h, g.dtype) for h, g in zip(hv, grads)]
 
 
 def unscale_gradients(grads, gradient_scale, dtypes=None) -> list[tf.Tensor]:
@@ -314,6 +311,21 @@ def machine_epsilon(dtype) -> float:
 def densify(tensors: Sequence) -> list[tf.Tensor]:
     """IndexedSlices (embedding gradients) -> dense tensors; other tensors unchanged."""
     return [tf.convert_to_tensor(t) for t in tensors]
+
+
+def dense_gradient(tape, target, sources, output_gradients=None) -> list[tf.Tensor]:
+    """`tape.gradient(target, sources)` as the algorithms combine gradients: zeros for a
+    source the target does not reach (a task that does not use a head) and dense tensors
+    (an embedding's IndexedSlices densified), so gradients can be added, stacked and
+    dotted."""
+    return densify(
+        tape.gradient(
+            target,
+            sources,
+            output_gradients=output_gradients,
+            unconnected_gradients=tf.UnconnectedGradients.ZERO,
+        )
+    )
 
 
 def add(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> list[tf.Tensor]:

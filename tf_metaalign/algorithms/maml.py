@@ -227,7 +227,7 @@ def _task_gradient(inner_loss_fn, theta, state, batch, mode, order_weight, loss_
     with tf.GradientTape() as tape:
         tape.watch(theta)
         loss, (state, _) = inner_loss_fn(theta, state, batch)
-    grad = F.densify(tape.gradient(loss, theta, unconnected_gradients=tf.UnconnectedGradients.ZERO))
+    grad = F.dense_gradient(tape, loss, theta)
     if loss_scale is not None:
         grad = [g / tf.cast(loss_scale, g.dtype) for g in grad]
         loss = loss / tf.cast(loss_scale, loss.dtype)

@@ -798,7 +798,7 @@ class MultiTaskTrainer(MetaTrainer):
             regularizer = self._regularizer(model_x, y, y_pred, model_losses)
             if regularizer is not None:
                 total = total + tf.cast(regularizer, acc) * tf.cast(loss_scale, acc)
-        gradient = _dense_gradient(tape, total, params)
+        gradient = F.dense_gradient(tape, total, params)
         return gradient, losses, combination, new_state, y_pred, regularizer
 
     def _masked_task_loss(self, model_x, y, y_pred, sample_weight, mask, factor, compiled, acc):
@@ -902,11 +902,11 @@ class MultiTaskTrainer(MetaTrainer):
         inv_scale = 1.0 / tf.cast(loss_scale, acc)
         task_grads = []
         for t in range(T):
-            g = _dense_gradient(tape, scaled[t], params)
+            g = F.dense_gradient(tape, scaled[t], params)
             task_grads.append([gi * tf.cast(inv_scale, gi.dtype) for gi in g])
         reg_grads = None
         if regularizer is not None:
-            reg_grads = _dense_gradient(tape, regularizer_scaled, params)
+            reg_grads = F.dense_gradient(tape, regularizer_scaled, params)
         del tape
         return task_losses, task_grads, new_state, y_pred, regularizer, reg_grads
 
@@ -1037,7 +1037,7 @@ class MultiTaskTrainer(MetaTrainer):
             rep_grads, head_grads = [], []
             for t in range(T):
                 # Through the heads only (the encoder's part of this graph is never used).
-                g = _dense_gradient(tape, scaled[t], [z] + head_params)
+                g = F.dense_gradient(tape, scaled[t], [z] + head_params)
                 rep_grads.append(tf.cast(g[0], acc) / scale)
                 head_grads.append([gi / tf.cast(scale, gi.dtype) for gi in g[1:]])
             # LibMTL: the representation gradient of each task summed over the batch.
@@ -1064,7 +1064,7 @@ class MultiTaskTrainer(MetaTrainer):
         else:
             combined_rep = tf.add_n([shared_c[t] * rep_grads[t] for t in range(T)]) * scale
         encoder_params = [params[i] for i in plan.encoder]
-        encoder_grads = _dense_gradient(
+        encoder_grads = F.dense_gradient(
             tape, z, encoder_params, output_gradients=tf.cast(combined_rep, z.dtype)
         )
         gradient = [None] * len(params)
@@ -1072,7 +1072,7 @@ class MultiTaskTrainer(MetaTrainer):
             gradient[i] = g
         if rows_disjoint and plan.heads:
             # The heads' sum_t s_t g_t: one more backward pass through the heads only.
-            head_gradient = _dense_gradient(
+            head_gradient = F.dense_gradient(
                 tape,
                 scaled,
                 head_params,
@@ -1085,7 +1085,7 @@ class MultiTaskTrainer(MetaTrainer):
                 scale, head_grads[0][k].dtype
             )
         if regularizer is not None:
-            gradient = F.add(gradient, _dense_gradient(tape, regularizer_scaled, params))
+            gradient = F.add(gradient, F.dense_gradient(tape, regularizer_scaled, params))
         del tape
         return (losses, vectors, combination, cosine, gradient, new_state, y_pred, regularizer)
 
@@ -1257,7 +1257,7 @@ class MultiTaskTrainer(MetaTrainer):
             for i, g in zip((kernel_i, bias_i), parts):
                 gradient[i] = tf.cast(g, params[i].dtype)
         if specific_index:
-            specific = _dense_gradient(
+            specific = F.dense_gradient(
                 tape,
                 stacked_losses,
                 [params[i] for i in specific_index],
@@ -1266,7 +1266,7 @@ class MultiTaskTrainer(MetaTrainer):
             for i, g in zip(specific_index, specific):
                 gradient[i] = g
         if regularizer is not None:
-            gradient = F.add(gradient, _dense_gradient(tape, regularizer_scaled, params))
+            gradient = F.add(gradient, F.dense_gradient(tape, regularizer_scaled, params))
         del tape
         return losses, combination, cosine, gradient, new_state, y_pred, regularizer
 
@@ -1383,7 +1383,7 @@ class MultiTaskTrainer(MetaTrainer):
             )
             value = tf.cast(value, acc) * factor
             scaled = value * tf.cast(loss_scale, acc)
-        g = _dense_gradient(tape, scaled, params)
+        g = F.dense_gradient(tape, scaled, params)
         inv_scale = 1.0 / tf.cast(loss_scale, acc)
         return value, [gi * tf.cast(inv_scale, gi.dtype) for gi in g], new_state, y_pred
 
@@ -1475,20 +1475,6 @@ def _check_task_specific_request(request):
             f"paths; got {request!r}."
         )
     return list(request)
-
-
-def _dense_gradient(tape, target, sources, output_gradients=None):
-    """`tape.gradient` as every pass here takes it: zeros for sources the target does not
-    reach (a task that does not use a head) and dense tensors (embeddings' IndexedSlices),
-    so per-task gradients can be stacked and combined."""
-    return F.densify(
-        tape.gradient(
-            target,
-            sources,
-            output_gradients=output_gradients,
-            unconnected_gradients=tf.UnconnectedGradients.ZERO,
-        )
-    )
 
 
 def _coefficients(combination, acc):
