@@ -8,7 +8,8 @@
 * `mkdocs build --strict` builds the API reference (mkdocs.yml, docs/api/*.md: one page
   per package, generated from these docstrings by mkdocstrings) without a warning: a
   docstring whose `Args:` name a parameter the signature lacks, or a page naming a symbol
-  that no longer exists, fails it. `./run.sh docs` runs the same build.
+  that no longer exists, fails it, and so does a link to a missing page or `#anchor`
+  (mkdocs.yml's `validation`). `./run.sh docs` runs the same build.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import types
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_SECTION = re.compile(r"^\s*Examples?:\s*$", re.MULTILINE)
@@ -169,5 +171,8 @@ def test_the_api_reference_builds_without_warnings(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    # Broken links and anchors are warnings (so failures here), not mkdocs 1.6's default INFO.
+    validation = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["validation"]
+    assert validation["anchors"] == validation["unrecognized_links"] == "warn", validation
     page = (tmp_path / "site" / "api" / "trainers" / "index.html").read_text()
     assert "DotProdTrainer" in page and "Example" in page
