@@ -319,8 +319,8 @@ ENTRIES = [
 
 #: The checks an entry leaves to -m slow where another entry runs its trainer's machinery
 #: in the default suite (the suite's 20-minute budget): the two-process one, the ragged
-#: last batch and the model after fit.
-_SLOW_WHERE_COVERED = ("multi_worker", "ragged_last_batch", "model_after_fit")
+#: last batch, the model after fit and ModelCheckpoint.
+_SLOW_WHERE_COVERED = ("multi_worker", "ragged_last_batch", "model_after_fit", "model_checkpoint")
 
 #: The fields of every MultiTaskTrainer entry on `multitask_data` (`{"inputs", "task_id"}`
 #: batches): it normalises by the global per-task counts, so a ragged last batch is exact
@@ -414,6 +414,7 @@ CHECKS = (
     "backup_and_restore",
     "multi_worker",
     "model_after_fit",
+    "model_checkpoint",
     "ragged_last_batch",
     "no_host_round_trip",
 )

@@ -335,7 +335,7 @@ def test_model_saves_and_reloads_as_itself_and_trainer_resumes_identically(tmp_p
     assert type(loaded) is type(model)
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
 
-    trainer.save(tmp_path / "trainer.keras")
+    keras.saving.save_model(trainer, tmp_path / "trainer.keras")  # the trainer itself
     resumed = keras.models.load_model(tmp_path / "trainer.keras")
     assert isinstance(resumed, DotProdTrainer) and int(resumed.pairs_seen.numpy()) == 3
     assert (resumed.weight, resumed.every) == (0.3, 2)

@@ -428,7 +428,7 @@ def test_trainer_saves_and_reloads_with_its_options_and_learned_values(tmp_path)
     )
     trainer.compile(O.Adam(0.02), loss="mse")
     trainer.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    trainer.save(tmp_path / "guided.keras")
+    keras.saving.save_model(trainer, tmp_path / "guided.keras")  # the trainer itself
     loaded = keras.models.load_model(tmp_path / "guided.keras")
     assert isinstance(loaded, GuidedTrainer)
     assert not loaded.guided.commit_forward_update

@@ -411,7 +411,7 @@ def test_save_reload_and_resume(float64, tmp_path, rep_grad):
     )
     trainer.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     path = str(tmp_path / "trainer.keras")
-    trainer.save(path)
+    keras.saving.save_model(trainer, path)  # the trainer itself (trainer.save: the model)
     again = keras.models.load_model(path)
     assert (again.tasks, again.num_tasks, again.rep_grad) == ("outputs", 2, rep_grad)
     assert len(again.weights) == len(trainer.weights)

@@ -234,7 +234,7 @@ def test_trainer_and_model_save_and_reload(float64, tmp_path):
     x, y = data64(24, seed=10)
     trainer = _compile(SAMTrainer(mlp64(seed=15), rho=0.2, adaptive=True, every=2))
     trainer.fit(x[:8], y[:8], batch_size=8, epochs=1, shuffle=False, verbose=0)
-    trainer.save(tmp_path / "t.keras")
+    keras.saving.save_model(trainer, tmp_path / "t.keras")  # the trainer (trainer.save: the model)
     resumed = keras.models.load_model(tmp_path / "t.keras")
     assert isinstance(resumed, SAMTrainer) and int(resumed.steps_seen.numpy()) == 1
     assert (resumed.rho, resumed.adaptive, resumed.every) == (0.2, True, 2)

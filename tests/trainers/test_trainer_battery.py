@@ -35,9 +35,10 @@ everything it compares, so a comparison is never vacuous):
 5. `mixed_float16`: trains under a LossScaleOptimizer, stays finite, variables float32.
    `mixed_bfloat16` (the TPU policy): trains, stays finite, variables float32, and the
    weight change of a short run is within 10% of float32's (relative, global norm).
-6. `trainer.save("t.keras")` + `keras.models.load_model`: same class, same config and
-   compile config, same weights / slots / state, and continuing training from the original
-   and the reloaded trainer gives the same weights / slots / state.
+6. `keras.saving.save_model(trainer, "t.keras")` (the trainer itself; `trainer.save` saves
+   the user's model) + `keras.models.load_model`: same class, same config and compile
+   config, same weights / slots / state, and continuing training from the original and the
+   reloaded trainer gives the same weights / slots / state.
 7. `keras.callbacks.BackupAndRestore(save_freq=2)`: a training subprocess (a Dropout
    layer, 2 epochs of 5 unshuffled batches) is SIGKILLed at the end of batch 3 of epoch 1
    (after the save at batch 2, before the one at batch 4); the same command run again
@@ -63,6 +64,10 @@ everything it compares, so a comparison is never vacuous):
    or in any function it calls (while / cond bodies, nested tf.functions, the XLA
    function); the XLA step lowers to HLO with no dynamic dimension. Its failures are
    shown on toy trainers (`tf.print`, `tf.py_function` in a nested loop, a boolean mask).
+10. `model_checkpoint`: `keras.callbacks.ModelCheckpoint` in `trainer.fit` writes the
+    user's model (`.keras`: reloads as the model's class, with the weights `trainer.model`
+    holds for the user) and, with `save_weights_only=True`, the trainer's whole state
+    (`load_weights` into a fresh trainer == the state at that epoch's end).
 
 The subprocess scenarios run tests/battery_worker.py (one entry, one scenario, bounded by
 `SUBPROCESS_TIMEOUT`).
@@ -481,7 +486,7 @@ def test_keras_file_round_trip_and_continue(entry, exact, tmp_path):
         entry, trainer, B.take_rows(x, slice(None, cut)), B.take_rows(y, slice(None, cut)), epochs=1
     )
     path = str(tmp_path / f"{entry.name}.keras")
-    trainer.save(path)
+    keras.saving.save_model(trainer, path)  # the trainer itself (trainer.save: the model)
     loaded = keras.models.load_model(path)
 
     assert type(loaded) is type(trainer)
@@ -568,6 +573,54 @@ def test_wrapped_model_evaluates_predicts_and_saves_as_itself(entry, exact, tmp_
     np.testing.assert_allclose(
         model.predict(x_model, verbose=0), trainer.predict(x_eval, verbose=0), rtol=rtol, atol=atol
     )
+
+
+@pytest.mark.parametrize("entry", cases("model_checkpoint"))
+def test_model_checkpoint_saves_the_users_model_and_weights_the_trainer(entry, exact, tmp_path):
+    """`keras.callbacks.ModelCheckpoint` in `trainer.fit`: a `.keras` checkpoint is the
+    USER'S model (`trainer.save` saves `trainer.model`), reloading as the model's class with
+    the weights the user evaluates at that epoch's end (those `trainer.model` holds after
+    `fit`: Sequential Reptile's phi, not the fast weights of its unfinished trajectory); a
+    `save_weights_only=True` checkpoint is the trainer's whole state (as BackupAndRestore),
+    which `load_weights` restores into a freshly built trainer."""
+    x, y = B.data(entry)
+    trainer = B.build(entry)
+    initial = B.snapshot(entry, trainer)
+    model_path = str(tmp_path / "model_{epoch}.keras")
+    weights_path = str(tmp_path / "trainer_{epoch}.weights.h5")
+    at_epoch_end = []
+    B.fit(
+        entry,
+        trainer,
+        x,
+        y,
+        callbacks=[
+            keras.callbacks.ModelCheckpoint(model_path),
+            keras.callbacks.ModelCheckpoint(weights_path, save_weights_only=True),
+            # after the checkpoints: what they saw
+            keras.callbacks.LambdaCallback(
+                on_epoch_end=lambda epoch, logs: at_epoch_end.append(B.snapshot(entry, trainer))
+            ),
+        ],
+    )
+    B.assert_trained(entry, initial, at_epoch_end[-1])
+
+    loaded = keras.saving.load_model(model_path.format(epoch=B.EPOCHS))
+    assert type(loaded) is type(trainer.model), type(loaded)
+    got = [np.asarray(v) for v in loaded.get_weights()]
+    want = [np.asarray(v) for v in trainer.model.get_weights()]
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(a, b, err_msg=f"{entry.name}: weight {i}")
+    first = keras.saving.load_model(model_path.format(epoch=1))
+    assert any(  # the first epoch's file holds the first epoch's weights
+        not np.array_equal(a, b) for a, b in zip(first.get_weights(), loaded.get_weights())
+    )
+
+    fresh = B.build(entry)
+    fresh.optimizer.build(fresh.trainable_variables)  # as BackupAndRestore does
+    fresh.load_weights(weights_path.format(epoch=B.EPOCHS))
+    B.assert_same(B.snapshot(entry, fresh), at_epoch_end[-1], 0.0, 0.0, "trainer weights file")
 
 
 @pytest.mark.parametrize("entry", cases("ragged_last_batch"))

@@ -3,7 +3,8 @@
 `trainer = SomeTrainer(model, ...)`, then `trainer.compile(optimizer, loss=..., metrics=...)`
 and `trainer.fit(...)` as for any Keras model. The wrapped model is `trainer.model`; it is
 never rebuilt or cloned, so after training it is the user's model, trained, and
-`trainer.model.save("m.keras")` / `keras.models.load_model` give it back as itself.
+`trainer.model.save("m.keras")` (and `trainer.save`, which saves the user's model: see
+`MetaTrainer.save`) / `keras.models.load_model` give it back as itself.
 `trainer.evaluate` / `predict` run the wrapped model unchanged.
 
 What a trainer subclass writes
@@ -34,7 +35,8 @@ Cross-step state
   is measured from. Checkpointed with the trainer.
 * `EveryKSteps`: an "every k steps" schedule that owns its checkpointed counter and the
   multi-replica rule for conditional work (`cond`, i.e. `functional.replica_safe_cond`).
-All are saved by `trainer.save_weights` / `BackupAndRestore` / `trainer.save`.
+All are saved by `trainer.save_weights` / `BackupAndRestore` /
+`keras.saving.save_model(trainer, path)` (`trainer.save` saves the user's model).
 
 Where the weights live. Inner loops inside one `train_step` (MAML, Reptile over one
 task) keep the adapted weights as tensors (`tf_metaalign.functional`, the optimizers'
@@ -73,6 +75,7 @@ or a deterministic one).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 
@@ -719,6 +722,40 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
         )
 
     # ------------------------------------------------------------------ saving
+
+    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
+        """Save the USER'S MODEL (`trainer.model.save(...)`), not the trainer.
+
+        So `keras.callbacks.ModelCheckpoint("best.keras", save_best_only=True)` in
+        `trainer.fit` writes the user's model at its best epoch, a file that
+        `keras.saving.load_model` gives back as the user's model class in any process,
+        without importing tf_metaalign (unless the model or its compiled optimizer or loss
+        uses a class of tf_metaalign, e.g. `tf_metaalign.optimizers.Adam`). The weights
+        saved are the ones the user evaluates: `model_weights_to_save` (Sequential
+        Reptile's slow weights phi in the middle of a trajectory).
+
+        The trainer's whole state (the model's weights, the optimizer, the algorithm's
+        state) is what `save_weights` / `load_weights` write and read: what
+        `keras.callbacks.BackupAndRestore` and `ModelCheckpoint(save_weights_only=True)`
+        call (restore such a file with `trainer.load_weights` into a trainer built the
+        same way). `keras.saving.save_model(trainer, "t.keras")` saves the trainer itself
+        (config, compile config and state; `load_model` then needs tf_metaalign imported).
+
+        Args:
+          filepath: where to write the `.keras` file (as `keras.Model.save`).
+          overwrite: replace an existing file.
+          zipped: as `keras.Model.save`.
+          **kwargs: passed on to `keras.Model.save`.
+        """
+        with self.model_weights_to_save():
+            return self.model.save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+
+    def model_weights_to_save(self):
+        """A context in which the wrapped model's variables hold the weights `save`
+        writes (the weights the user evaluates). The model's own by default; a trainer
+        whose model holds other weights during `fit` (Sequential Reptile's fast weights)
+        puts its user-facing weights in for the duration and restores them after."""
+        return contextlib.nullcontext()
 
     def compile_from_config(self, config):
         # Keras skips this for classes that override compile(); trainers may (to check

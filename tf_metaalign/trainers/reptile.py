@@ -15,6 +15,8 @@ Two shapes (docs/trainers.md, "Where the weights live"):
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
@@ -107,9 +109,10 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
       model at phi while `fit` runs (a `test_step` at the slow weights, no assignment);
       outside `fit` the model's variables are evaluated, which hold phi after `fit`.
     * During `fit` the wrapped model's variables hold theta: `trainer.model.save` /
-      `model.evaluate` in a callback mid-trajectory see theta (swapping weights around
-      every save would race with training); `trainer.save` / `save_weights` checkpoint
-      both (phi as `slow_*`).
+      `model.evaluate` in a callback mid-trajectory see theta. `trainer.save` (what
+      `keras.callbacks.ModelCheckpoint` calls) writes the model at phi, the weights its
+      validation measured (`model_weights_to_save`: phi put in for the save, theta back
+      after); `save_weights` (`BackupAndRestore`) checkpoints both (phi as `slow_*`).
 
     Args:
       model: the Keras model to train (`trainer.model`).
@@ -250,6 +253,23 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
             self.test_function = None  # evaluate() outside fit: the model's variables
         self.end_trajectory()
         return history
+
+    @contextlib.contextmanager
+    def model_weights_to_save(self):
+        # Between steps (callbacks run between steps, so nothing trains meanwhile).
+        count = int(self.schedule.count.numpy())
+        if count % self.inner_steps == 0 or not self.model.built:
+            yield  # at a trajectory's start the model holds phi
+            return
+        variables = self.model.trainable_variables
+        theta = [tf.convert_to_tensor(v.value) for v in variables]
+        for v, s in zip(variables, self.weights_copy("slow")):
+            v.assign(s.value)
+        try:
+            yield
+        finally:
+            for v, t in zip(variables, theta):
+                v.assign(t)
 
     def end_trajectory(self):
         """Discard an incomplete trajectory: commit phi into the model and move the
