@@ -689,10 +689,11 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
         `keras.models.load_model` gives the model back compiled, as a model trained with
         its own `fit` would be (where the trainer trains variables of its own besides the
         model's, e.g. MAML's learned inner learning rates, the model alone cannot reload
-        the optimizer's slots and Keras says so: save the trainer to resume training). With
-        `loss=None` the trainer trains with the wrapped
-        model's own compiled loss (a model the user compiled before wrapping it), and the
-        model's compilation is left as the user made it.
+        the optimizer's slots and Keras says so: to resume training, save the trainer's
+        weights or the trainer itself, `keras.saving.save_model(trainer, path)`). With
+        `loss=None` the trainer trains with the wrapped model's own compiled loss (a model
+        the user compiled before wrapping it), and the model's compilation is left as the
+        user made it.
         """
         super().compile(
             optimizer=optimizer,
