@@ -2,7 +2,8 @@
 
 * `keras.callbacks.ModelCheckpoint("best.keras", save_best_only=True)`: the USER'S model
   at its best epoch, which `keras.saving.load_model` reloads in a fresh process that never
-  imports tf_metaalign, as the model's own class, with that epoch's weights.
+  imports tf_metaalign, as the model's own class, with that epoch's weights (a model
+  compiled with the package's optimizer, as GuidedTrainer compiles it: `compile=False`).
 * Sequential Reptile: the checkpoint is phi (what its validation measures), and the save
   leaves training as it was (a run checkpointing every batch == one that does not).
 * `save_weights_only=True` / `BackupAndRestore`: the trainer's whole state (the battery's
@@ -18,7 +19,7 @@ import textwrap
 import keras
 import numpy as np
 
-from tf_metaalign.trainers import DotProdTrainer, SequentialReptileTrainer
+from tf_metaalign.trainers import DotProdTrainer, GuidedTrainer, SequentialReptileTrainer
 
 
 def _mlp(seed):
@@ -72,6 +73,20 @@ def test_best_checkpoint_is_the_users_model_reloading_without_the_package(tmp_pa
     assert best != len(val_loss) - 1, val_loss  # else the test could not tell them apart
     assert not np.allclose(epochs.weights[best][0], epochs.weights[-1][0])
 
+    # GuidedTrainer compiles the model with tf_metaalign's Adam: its checkpoint reloads
+    # without the package with compile=False (as documented).
+    guided_model = _mlp(seed=5)
+    guided = GuidedTrainer(guided_model, guidance_data=(x_val, y_val))
+    guided.compile(optimizer="adam", loss="mse")
+    guided_path = tmp_path / "guided.keras"
+    guided.fit(
+        x,
+        y,
+        batch_size=16,
+        verbose=0,
+        callbacks=[keras.callbacks.ModelCheckpoint(guided_path)],
+    )
+
     # A fresh process that imports Keras only.
     script = textwrap.dedent(
         f"""
@@ -79,9 +94,11 @@ def test_best_checkpoint_is_the_users_model_reloading_without_the_package(tmp_pa
         import numpy as np
         import keras
         model = keras.saving.load_model({str(path)!r})
+        guided = keras.saving.load_model({str(guided_path)!r}, compile=False)
         assert "tf_metaalign" not in sys.modules, "loading imported tf_metaalign"
-        print(type(model).__module__, type(model).__name__)
+        np.savez({str(tmp_path / "guided.npz")!r}, *guided.get_weights())
         np.savez({str(tmp_path / "loaded.npz")!r}, *model.get_weights())
+        print(type(model).__module__, type(model).__name__)
         """
     )
     proc = subprocess.run(
@@ -97,6 +114,11 @@ def test_best_checkpoint_is_the_users_model_reloading_without_the_package(tmp_pa
     got = [loaded[f"arr_{i}"] for i in range(len(loaded.files))]
     assert len(got) == len(epochs.weights[best])
     for a, b in zip(got, epochs.weights[best]):
+        np.testing.assert_array_equal(a, b)
+    loaded = np.load(tmp_path / "guided.npz")
+    got = [loaded[f"arr_{i}"] for i in range(len(loaded.files))]
+    assert len(got) == len(guided_model.get_weights())
+    for a, b in zip(got, guided_model.get_weights()):
         np.testing.assert_array_equal(a, b)
 
 

@@ -731,9 +731,11 @@ class MetaTrainer(PipelineDataMixin, keras.Model):
         `trainer.fit` writes the user's model at its best epoch, a file that
         `keras.saving.load_model` gives back as the user's model class in any process,
         without importing tf_metaalign (unless the model or its compiled optimizer or loss
-        uses a class of tf_metaalign, e.g. `tf_metaalign.optimizers.Adam`). The weights
-        saved are the ones the user evaluates: `model_weights_to_save` (Sequential
-        Reptile's slow weights phi in the middle of a trajectory).
+        uses a class of tf_metaalign, e.g. `tf_metaalign.optimizers.Adam`, which
+        `GuidedTrainer` compiles with: then import it, or `load_model(path, compile=False)`,
+        which needs neither). The weights saved are the ones the user evaluates:
+        `model_weights_to_save` (Sequential Reptile's slow weights phi in the middle of a
+        trajectory).
 
         The trainer's whole state (the model's weights, the optimizer, the algorithm's
         state) is what `save_weights` / `load_weights` write and read: what
