@@ -25,7 +25,6 @@ import types
 from pathlib import Path
 
 import pytest
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_SECTION = re.compile(r"^\s*Examples?:\s*$", re.MULTILINE)
@@ -172,6 +171,8 @@ def test_the_api_reference_builds_without_warnings(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     # Broken links and anchors are warnings (so failures here), not mkdocs 1.6's default INFO.
+    import yaml  # mkdocs's dependency
+
     validation = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["validation"]
     assert validation["anchors"] == validation["unrecognized_links"] == "warn", validation
     page = (tmp_path / "site" / "api" / "trainers" / "index.html").read_text()
