@@ -8,7 +8,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainers.promptability import Config
+    from trainers.promptability_config import Config
 
 
 def pretrained_t5(config: Config, log=None):

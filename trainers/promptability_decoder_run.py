@@ -18,7 +18,7 @@ from trainers.promptability_decoder_data import (
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainers.promptability_decoder import Config
+    from trainers.promptability_decoder_config import Config
 
 
 class TracedForward:
