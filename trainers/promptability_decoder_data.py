@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from trainers.promptability_decoder_config import Config
 
-EOS_ID, PAD_ID = 1, 0  # the T5 SentencePiece model's (text_pretraining.EOS_ID / PAD_ID)
+EOS_ID, PAD_ID = 1, 0  # the T5 SentencePiece model's (t5_vocabulary.EOS_ID / PAD_ID)
 
 
 class Codec:
