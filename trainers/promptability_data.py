@@ -131,7 +131,7 @@ def prepare_tasks(config: Config) -> Tasks:
 def training_mixture(tasks: Tasks, config: Config):
     """The training datasets' prompted mixture (size-proportional, capped), seeded: the one
     stream that MTL batches, meta-learning tasks and the fit draws all come from."""
-    from trainers.experiments.prompted_tasks import PromptedMixture
+    from trainers.experiments.prompted_mixture import PromptedMixture
 
     return PromptedMixture(tasks.training, cap=config.mixture_cap, seed=config.seed)
 

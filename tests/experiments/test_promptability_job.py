@@ -117,7 +117,7 @@ def test_meta_batches_draw_each_task_from_one_dataset_and_template():
     assert qx["decoder_token_ids"].shape == (m, 2, config.decoder_length)
     assert qy.shape == (m, 2, config.decoder_length)
     # Every task's examples come from the mixture draw's dataset and template.
-    from trainers.experiments.prompted_tasks import PromptedMixture
+    from trainers.experiments.prompted_mixture import PromptedMixture
 
     mixture = PromptedMixture(tasks.training, cap=config.mixture_cap, seed=config.seed)
     for k in range(m):
