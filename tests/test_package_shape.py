@@ -127,3 +127,80 @@ def test_every_program_is_split_by_stage():
         if (n := len(path.read_text().splitlines())) > 420
     }
     assert not long, f"programs to split by stage (lines): {long}"
+
+
+# ----------------------------------------------------------------------- the programs' imports
+
+PROGRAMS_PACKAGE = ROOT / "trainers"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _trainers_modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PROGRAMS_PACKAGE.rglob("*.py"))}
+
+
+def _trainers_imports(path: Path, modules) -> set[str]:
+    """The modules of `trainers` that `path` imports anywhere in it: at the top, in a
+    function body, under `if TYPE_CHECKING:` (a type checker follows those too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from trainers import fewshot_report`: the module; `from trainers.x import y`: x.
+            found.update(
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                for a in node.names
+            )
+    return {m for m in found if m in modules} - {_module_name(path)}
+
+
+def _is_program(path: Path) -> bool:
+    """A module run as `python -m trainers.<name>`: it has `if __name__ == "__main__":`."""
+    return any(
+        isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+        for node in ast.parse(path.read_text()).body
+    )
+
+
+def test_no_module_imports_a_program_back():
+    """A program's main module (`trainers/fewshot.py`, run with `python -m`) holds its flags
+    and `main`; its settings live in `<program>_config.py` (`finetune`'s in the main module,
+    which no stage imports). So no stage module (`<program>_data`, `_run`, `_report`, ...)
+    and no other module of `trainers/` imports a program's main module, not even under
+    `TYPE_CHECKING`: the programs are the top of the import graph."""
+    modules = _trainers_modules()
+    programs = {name for name, path in modules.items() if _is_program(path)}
+    assert {"trainers.fewshot", "trainers.multitask", "trainers.promptability"} <= programs
+    offenders = sorted(
+        f"{name} imports the program {imported}"
+        for name, path in modules.items()
+        for imported in _trainers_imports(path, modules) & programs
+    )
+    assert not offenders, offenders
+
+
+def test_the_programs_imports_run_one_way():
+    """The import graph of `trainers/` (every import, function bodies and `TYPE_CHECKING`
+    blocks included) has no cycle: program -> stages -> settings and experiments."""
+    modules = _trainers_modules()
+    graph = {name: _trainers_imports(path, modules) for name, path in modules.items()}
+    state, cycles = {}, []
+
+    def visit(name, path):
+        state[name] = "open"
+        for dep in sorted(graph[name]):
+            if state.get(dep) == "open":
+                cycles.append(" -> ".join(path[path.index(dep) :] + [dep]))
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, cycles

@@ -7,7 +7,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainers.fewshot import Config
+    from trainers.fewshot_config import Config
 
 
 @dataclasses.dataclass

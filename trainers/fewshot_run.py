@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainers.fewshot import Config
+    from trainers.fewshot_config import Config
     from trainers.fewshot_data import Data
 
 #: Methods that take one episode per step (task batch 1).

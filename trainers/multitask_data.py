@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainers.multitask import Config
+    from trainers.multitask_config import Config
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainers.multitask import Config
+    from trainers.multitask_config import Config
     from trainers.multitask_data import Data
 
 SUMMARY_COLUMNS = (

@@ -8,16 +8,11 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainers.multitask import Config
+    from trainers.multitask_config import Config
     from trainers.multitask_data import Data
 
 from trainers import multitask_methods as MM
-
-#: The program's own methods (not in the multi-task registry). Every registry method is
-#: accepted too (`MM.known(PROGRAM_METHODS, ALIASES)`), and "zoo" for all of them.
-PROGRAM_METHODS = ("single_task", "recadam", "reptile", "sequential_reptile")
-#: Program names of registry methods: "mtl" runs the registry's "sum" (equal weighting).
-ALIASES = {"mtl": "sum"}
+from trainers.multitask_config import ALIASES, PROGRAM_METHODS
 
 
 def build_model(data: Data, seed: int):

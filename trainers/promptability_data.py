@@ -8,14 +8,14 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainers.promptability import Config
+    from trainers.promptability_config import Config
 
 
 def pretrained_t5(config: Config, log=None):
     """`(model, tokenizer, info)`: the cached pre-trained `T5Seq2SeqLM` (trained on a miss,
     with a progress line through `log` every `log_every` steps)."""
     from trainers.experiments import small_t5
-    from trainers.experiments import text_pretraining as tp
+    from trainers.experiments.english_corpus import english_corpus
     from trainers import common
 
     callbacks = (
@@ -31,7 +31,7 @@ def pretrained_t5(config: Config, log=None):
         )
     )
 
-    corpus = tp.english_corpus(max_texts=config.corpus_max_texts or None, seed=config.seed)
+    corpus = english_corpus(max_texts=config.corpus_max_texts or None, seed=config.seed)
     return small_t5.cached_pretrained_t5(
         config.cache_dir,
         corpus,
@@ -131,7 +131,7 @@ def prepare_tasks(config: Config) -> Tasks:
 def training_mixture(tasks: Tasks, config: Config):
     """The training datasets' prompted mixture (size-proportional, capped), seeded: the one
     stream that MTL batches, meta-learning tasks and the fit draws all come from."""
-    from trainers.experiments.prompted_tasks import PromptedMixture
+    from trainers.experiments.prompted_mixture import PromptedMixture
 
     return PromptedMixture(tasks.training, cap=config.mixture_cap, seed=config.seed)
 

@@ -7,16 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainers.promptability_decoder import Config
+    from trainers.promptability_decoder_config import Config
 
-#: The datasets of the unseen task types (`prompted_tasks.EVALUATION_TASK_TYPES`).
-UNSEEN_DATASETS = (
-    "wordnet_noun_or_verb",
-    "wordnet_adj_or_adv",
-    "wordnet_gloss_match",
-    "django_translation_match",
-)
-EOS_ID, PAD_ID = 1, 0  # the T5 SentencePiece model's (text_pretraining.EOS_ID / PAD_ID)
+EOS_ID, PAD_ID = 1, 0  # the T5 SentencePiece model's (t5_vocabulary.EOS_ID / PAD_ID)
 
 
 class Codec:

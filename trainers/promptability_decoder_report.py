@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainers.promptability_decoder import Config
+    from trainers.promptability_decoder_config import Config
 
 
 def summarize(results: dict, config: Config) -> list[dict]:

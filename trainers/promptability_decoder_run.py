@@ -18,7 +18,7 @@ from trainers.promptability_decoder_data import (
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainers.promptability_decoder import Config
+    from trainers.promptability_decoder_config import Config
 
 
 class TracedForward:
@@ -186,9 +186,9 @@ def pretrained_gpt2(config: Config, log=print):
     """`(model, tokenizer, info)`: the cached pre-trained `GPT2CausalLM`."""
     from trainers import common
     from trainers.experiments import small_gpt2
-    from trainers.experiments import text_pretraining as tp
+    from trainers.experiments.english_corpus import english_corpus
 
-    corpus = tp.english_corpus(max_texts=config.corpus_max_texts or None, seed=0)
+    corpus = english_corpus(max_texts=config.corpus_max_texts or None, seed=0)
     every = min(config.log_every, config.pretrain_steps)
     return small_gpt2.cached_pretrained_gpt2(
         config.cache_dir,

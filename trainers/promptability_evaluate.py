@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainers.promptability import Config
+    from trainers.promptability_config import Config
     from trainers.promptability_data import Tasks, Tokenize
 
 from trainers.promptability_report import pair_key

@@ -10,8 +10,9 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainers.promptability import Config
+    from trainers.promptability_config import Config
 
+from trainers.promptability_config import PROMPTLESS
 from trainers.promptability_data import (
     Tokenize,
     fit_draws,
@@ -23,12 +24,7 @@ from trainers.promptability_data import (
 )
 from trainers.promptability_evaluate import Evaluator, evaluate_configuration, minilm_experiment
 from trainers.promptability_report import arg_table, majority_correctness, pair_key
-from trainers.promptability_train import (
-    PROMPTLESS,
-    build_prompted,
-    continued_pretraining,
-    token_loss,
-)
+from trainers.promptability_train import build_prompted, continued_pretraining, token_loss
 
 
 def run(config: Config, log=print):

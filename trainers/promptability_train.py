@@ -7,20 +7,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from trainers.promptability import Config
+from trainers.promptability_config import TRAIN
 
-#: Which weights each configuration trains in continued pre-training (None: no training).
-TRAIN = {
-    "none": None,
-    "mtl_t": "transformer",
-    "mtl_p": "prompt",
-    "mtl_tp": "both",
-    "fomaml": "both",
-    "reptile": "both",
-}
-#: Configurations with no prompt of their own (zero-shot without one, few-shot fresh).
-PROMPTLESS = ("none", "mtl_t")
+if TYPE_CHECKING:
+    from trainers.promptability_config import Config
 
 
 def token_loss(lm, x, y, batch_size: int = 64) -> float:

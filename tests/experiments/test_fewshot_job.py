@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tf_metaalign.data import sinusoid as S
-from trainers import fewshot, fewshot_report, fewshot_run
+from trainers import fewshot_config, fewshot_report, fewshot_run
 
 REPO = Path(__file__).resolve().parents[2]
 OMNIGLOT = REPO.parent / "shared" / "data" / "omniglot" / "images_background_small1.zip"
@@ -56,7 +56,7 @@ def test_sinusoid_arguments_are_checked():
 
 
 def test_maml_sinusoid_adaptation_beats_the_meta_initialisation():
-    config = fewshot.Config(sinusoid_tasks_per_batch=10, sinusoid_test_tasks=30)
+    config = fewshot_config.Config(sinusoid_tasks_per_batch=10, sinusoid_test_tasks=30)
     out = fewshot_run.run_sinusoid(
         config, seed=0, gradient_sharing=False, log=lambda m: None, steps=800
     )
@@ -130,9 +130,9 @@ def test_config_errors_name_the_argument():
     ]
     for kwargs, name in cases:
         with pytest.raises(ValueError, match=name):
-            fewshot.Config(**kwargs).check()
-    fewshot.Config().check()
-    fewshot.Config(**{k: v for k, v in fewshot.FULL_RUN.items()}).check()
+            fewshot_config.Config(**kwargs).check()
+    fewshot_config.Config().check()
+    fewshot_config.Config(**{k: v for k, v in fewshot_config.FULL_RUN.items()}).check()
 
 
 # ------------------------------------------------------------------------------ end to end

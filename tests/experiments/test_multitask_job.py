@@ -78,9 +78,9 @@ def test_bad_arguments_are_named(kwargs, match):
 
 
 def test_config_errors_name_the_setting():
-    from trainers import multitask as program
+    from trainers import multitask_config as MC
 
-    program.Config().check()
+    MC.Config().check()
     for changes, match in [
         ({"methods": ("mtl", "maml")}, "methods"),
         ({"methods": ()}, "methods"),
@@ -115,7 +115,7 @@ def test_config_errors_name_the_setting():
         ({"learning_rate": 0.0}, "learning_rate"),
     ]:
         with pytest.raises(ValueError, match=match):
-            program.Config(**changes).check()
+            MC.Config(**changes).check()
 
 
 def test_methods_and_their_options_come_from_the_registry():
@@ -124,17 +124,17 @@ def test_methods_and_their_options_come_from_the_registry():
     line, no change to the program); `--method_options` reach the method object."""
     from tf_metaalign.algorithms import multitask as MT
     from tf_metaalign.algorithms.multitask import base
-    from trainers import multitask as program
+    from trainers import multitask_config as MC
     from trainers import multitask_methods as MM
 
     names = MT.method_names()
     assert len(names) >= 13 and names[0] == "sum"
-    zoo = program.Config(methods=("single_task", "zoo", "pcgrad")).methods
+    zoo = MC.Config(methods=("single_task", "zoo", "pcgrad")).methods
     assert zoo == ("single_task", "mtl") + names[1:]  # pcgrad once, where zoo put it
     for name in names[1:]:
-        program.Config(methods=(name,)).check()
+        MC.Config(methods=(name,)).check()
     # The default run is the paper's eight methods, not the zoo.
-    assert program.Config().methods == program.METHODS and len(program.METHODS) == 8
+    assert MC.Config().methods == MC.METHODS and len(MC.METHODS) == 8
 
     @MT.register
     class Halves(MT.EqualWeighting):
@@ -148,15 +148,15 @@ def test_methods_and_their_options_come_from_the_registry():
             return {"factor": self.factor}
 
     try:
-        config = program.Config(methods=("zoo",), method_options="test_halves.factor=0.25")
+        config = MC.Config(methods=("zoo",), method_options="test_halves.factor=0.25")
         config.check()
         assert config.methods[-1] == "test_halves"
-        assert MM.build("test_halves", config.method_options, program.ALIASES) == Halves(0.25)
+        assert MM.build("test_halves", config.method_options, MC.ALIASES) == Halves(0.25)
         with pytest.raises(ValueError, match="`factor` must be a number >= 0"):
-            program.Config(methods=("test_halves",), method_options="test_halves.factor=-1").check()
+            MC.Config(methods=("test_halves",), method_options="test_halves.factor=-1").check()
     finally:
         base._REGISTRY.pop("test_halves")
-    assert "test_halves" not in program.Config(methods=("zoo",)).methods
+    assert "test_halves" not in MC.Config(methods=("zoo",)).methods
 
     # Values are Python literals, bare words strings; a list flag's commas inside a value
     # are put back (absl splits "famo.min_losses=(0.1,0.2)" into two items).
@@ -176,17 +176,15 @@ def test_methods_and_their_options_come_from_the_registry():
         "imtl": {"learn_scales": False},
         "famo": {"min_losses": (0.1, 0.2)},
     }
-    config = program.Config(
+    config = MC.Config(
         methods=("cagrad", "nash_mtl", "mgda", "imtl"),
         method_options={k: v for k, v in options.items() if k != "famo"},
     )
     config.check()
-    assert MM.build("cagrad", config.method_options, program.ALIASES) == MT.CAGrad(calpha=0.4)
-    assert MM.build("nash_mtl", config.method_options, program.ALIASES) == MT.NashMTL(
-        optim_niter=10
-    )
-    assert MM.build("mgda", config.method_options, program.ALIASES) == MT.MGDA("l2")
-    assert MM.build("mtl", config.method_options, program.ALIASES) == MT.EqualWeighting()
+    assert MM.build("cagrad", config.method_options, MC.ALIASES) == MT.CAGrad(calpha=0.4)
+    assert MM.build("nash_mtl", config.method_options, MC.ALIASES) == MT.NashMTL(optim_niter=10)
+    assert MM.build("mgda", config.method_options, MC.ALIASES) == MT.MGDA("l2")
+    assert MM.build("mtl", config.method_options, MC.ALIASES) == MT.EqualWeighting()
 
 
 @pytest.mark.parametrize(
@@ -281,7 +279,7 @@ def _run_program(tmp_path, methods, extra=()):
 def test_program_end_to_end_on_two_languages(tmp_path, methods):
     """One seed, a few steps: the table, per-language scores and JSON; a registry method
     with an option given by flag (CAGrad's calpha), recorded with the run."""
-    from trainers.multitask import ALIASES, METHODS
+    from trainers.multitask_config import ALIASES, METHODS
     from trainers import multitask_methods as MM
 
     methods = MM.expand(methods or METHODS, ALIASES)

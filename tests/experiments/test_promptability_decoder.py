@@ -19,7 +19,7 @@ from absl import flags
 pytest.importorskip("django", reason="the offline prompted tasks need Django's catalogs")
 
 from tf_metaalign.prompts.templates import PromptedExample  # noqa: E402
-from trainers import promptability_decoder as D  # noqa: E402
+from trainers import promptability_decoder_config as DC  # noqa: E402
 from trainers import promptability_decoder_data as DD  # noqa: E402
 from trainers import promptability_decoder_report as DR  # noqa: E402
 from trainers import promptability_decoder_run as DRun  # noqa: E402
@@ -71,7 +71,7 @@ def tiny_config(**overrides):
         cache_dir=CACHE,
     )
     values.update(overrides)
-    return D.Config(**values)
+    return DC.Config(**values)
 
 
 def test_the_training_loss_is_the_scored_answers_nats():
@@ -123,21 +123,21 @@ def test_config_errors_name_the_setting():
     with pytest.raises(ValueError, match="max_sequence_length"):
         tiny_config(prompt_length=20).check()
     with pytest.raises(ValueError, match="learning_rates"):
-        D._parse_rates(["prompt=0.1", "adapter=1"])
-    assert D._parse_rates(["lora=0.5"]) == {"lora": 0.5}
+        DC._parse_rates(["prompt=0.1", "adapter=1"])
+    assert DC._parse_rates(["lora=0.5"]) == {"lora": 0.5}
     assert tiny_config(learning_rates={"lora": 0.5}).rate("lora") == 0.5
-    assert tiny_config().rate("full") == D.DEFAULT_RATES["full"]
+    assert tiny_config().rate("full") == DC.DEFAULT_RATES["full"]
     with pytest.raises(ValueError, match="seeds"):
         tiny_config(seeds=(1, 1)).check()
 
 
 def test_every_setting_is_a_flag_with_help():
     values = flags.FlagValues()
-    names = settings.define_flags_from(D.Config, values)
-    assert names == [f.name for f in dataclasses.fields(D.Config) if f.metadata.get("flag")]
+    names = settings.define_flags_from(DC.Config, values)
+    assert names == [f.name for f in dataclasses.fields(DC.Config) if f.metadata.get("flag")]
     assert all(values[n].help.strip() for n in names)
     values(["program", "--learning_rates=prefix=0.05", "--seeds=3,4"])
-    config = settings.config_from_flags(D.Config, values)
+    config = settings.config_from_flags(DC.Config, values)
     assert config.learning_rates == {"prefix": 0.05} and config.seeds == (3, 4)
 
 
@@ -170,7 +170,7 @@ def test_methods_train_what_they_say_and_leave_the_rest_bit_identical():
         "lora": _lora_count(layers, hidden, heads, config.lora_rank),
         "full": backbone.count_params(),
     }
-    for name in D.TRAINED:
+    for name in DC.TRAINED:
         method = DRun.Method(name, backbone, weights, config)
         assert method.trainable == expected[name], name
         method.reset(3)
@@ -202,9 +202,9 @@ def test_tiny_run_rows_counts_frozen_weights_and_intervals():
     config.check()
     results = DRun.run(config, log=lambda message: None)
     methods = results["methods"]
-    assert list(methods) == list(D.METHODS)
+    assert list(methods) == list(DC.METHODS)
     rows = {row["method"]: row for row in results["summary"]}
-    assert list(rows) == [*D.METHODS, "majority"]
+    assert list(rows) == [*DC.METHODS, "majority"]
 
     # Trainable parameters: the formula of each method.
     size = small_gpt2.GPT2_SIZES["tiny"]
@@ -220,7 +220,7 @@ def test_tiny_run_rows_counts_frozen_weights_and_intervals():
     # Prompt-only training leaves the shared pre-trained backbone bit-identical; LoRA its
     # frozen weights; full fine-tuning trains a copy (the pre-trained one stays) and fits
     # its shots (the answer nats fall).
-    for name in D.METHODS:
+    for name in DC.METHODS:
         assert methods[name]["bit_identical"]["pretrained_backbone"], name
     assert methods["lora"]["bit_identical"]["frozen_weights"]
     before, after = np.asarray(list(methods["full"]["answer_nll_before_after"].values())).T
@@ -228,7 +228,7 @@ def test_tiny_run_rows_counts_frozen_weights_and_intervals():
 
     # Per seed: the accuracy is the mean over the pairs of the stored correctness; over
     # seeds: the mean and the 95% t interval (t_{0.975, 1} = 12.706), which contains it.
-    for name in D.METHODS:
+    for name in DC.METHODS:
         per_seed = []
         for seed in ("0", "1"):
             pairs = methods[name]["correct"][seed]
@@ -246,7 +246,7 @@ def test_tiny_run_rows_counts_frozen_weights_and_intervals():
                 row["minus_full_ci95"] is not None and abs(np.mean(diffs)) > row["minus_full_ci95"]
             )
     assert rows["full"]["step_vs_full"] == pytest.approx(1.0)
-    assert all(rows[m]["step_ms"] > 0 for m in D.TRAINED)
+    assert all(rows[m]["step_ms"] > 0 for m in DC.TRAINED)
     assert "zero_shot" not in {m for m in methods if "step_ms_interleaved" in methods[m]}
     text = DR.format_report(results["summary"])
-    assert all(name in text for name in D.METHODS)
+    assert all(name in text for name in DC.METHODS)

@@ -18,7 +18,7 @@ pytest.importorskip("django", reason="the offline prompted tasks need Django's c
 
 from tf_metaalign.prompts import evaluation as E  # noqa: E402
 from tf_metaalign.prompts import t5_lm  # noqa: E402
-from trainers import promptability as P  # noqa: E402
+from trainers import promptability_config as PC  # noqa: E402
 from trainers import promptability_data as PD  # noqa: E402
 from trainers import promptability_evaluate as PE  # noqa: E402
 from trainers import promptability_report as PR  # noqa: E402
@@ -59,7 +59,7 @@ def tiny_config(**overrides):
         cache_dir=CACHE,
     )
     values.update(overrides)
-    return P.Config(**values)
+    return PC.Config(**values)
 
 
 class CharTokenizer:
@@ -117,7 +117,7 @@ def test_meta_batches_draw_each_task_from_one_dataset_and_template():
     assert qx["decoder_token_ids"].shape == (m, 2, config.decoder_length)
     assert qy.shape == (m, 2, config.decoder_length)
     # Every task's examples come from the mixture draw's dataset and template.
-    from trainers.experiments.prompted_tasks import PromptedMixture
+    from trainers.experiments.prompted_mixture import PromptedMixture
 
     mixture = PromptedMixture(tasks.training, cap=config.mixture_cap, seed=config.seed)
     for k in range(m):
@@ -317,9 +317,9 @@ def test_config_errors_name_the_argument():
         (dict(shots=2000), "shots"),
     ):
         with pytest.raises(ValueError, match=name):
-            P.Config(**kwargs).check()
-    P.Config().check()
-    P.Config(**P.FULL_RUN).check()
+            PC.Config(**kwargs).check()
+    PC.Config().check()
+    PC.Config(**PC.FULL_RUN).check()
 
 
 @pytest.mark.slow
@@ -334,18 +334,18 @@ def test_program_end_to_end_tiny(tmp_path):
 
     # Every configuration, both modes, zero- and few-shot, for every evaluation pair.
     pairs = saved["evaluation_pairs"]
-    assert [r["configuration"] for r in saved["arg_table"]] == list(P.CONFIGURATIONS)
-    for c in P.CONFIGURATIONS:
+    assert [r["configuration"] for r in saved["arg_table"]] == list(PC.CONFIGURATIONS)
+    for c in PC.CONFIGURATIONS:
         for s in ("zero_shot", "few_shot"):
-            for m in P.MODES:
+            for m in PC.MODES:
                 assert set(saved["correct"][c][s][m]) == set(pairs)
-        for m in P.MODES:
+        for m in PC.MODES:
             assert set(saved["correct"][c]["seen_zero_shot"][m]) == set(saved["seen_pairs"])
     # The positive control's table, recomputed from its stored correctness, with its
     # p-values against always answering the training majority.
     majority = PR.majority_correctness(PD.prepare_tasks(config).seen_pairs)
     for row in saved["seen_arg_table"]:
-        for m in P.MODES:
+        for m in PC.MODES:
             per = {
                 tuple(k.split("/", 1)): np.asarray(v)
                 for k, v in saved["correct"][row["configuration"]]["seen_zero_shot"][m].items()
@@ -367,7 +367,7 @@ def test_program_end_to_end_tiny(tmp_path):
     choices = saved["num_choices"]
     for row in saved["arg_table"]:
         for s in ("zero_shot", "few_shot"):
-            for m in P.MODES:
+            for m in PC.MODES:
                 per = {
                     tuple(k.split("/", 1)): np.asarray(v)
                     for k, v in saved["correct"][row["configuration"]][s][m].items()
@@ -422,7 +422,7 @@ def test_program_end_to_end_tiny(tmp_path):
     )
     for (dataset, template), (_, test) in tasks.pairs.items():
         predictions, _, labels = prompts.rank_classify_examples(score, tokenize, test)
-        for mode in P.MODES:
+        for mode in PC.MODES:
             np.testing.assert_array_equal(
                 saved["correct"]["none"]["zero_shot"][mode][f"{dataset}/{template}"],
                 (predictions == labels).astype(int),

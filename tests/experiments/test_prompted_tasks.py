@@ -1,4 +1,5 @@
-"""Prompted tasks: P3's clear offline error, the offline tasks and their split, the mixture."""
+"""Prompted tasks (`trainers.experiments.p3`, `.prompted_tasks`, `.prompted_mixture`): P3's
+clear offline error, the offline tasks and their split, the mixture."""
 
 import importlib.util
 import os
@@ -8,6 +9,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from trainers.experiments import p3
+from trainers.experiments import prompted_mixture as pm
 from trainers.experiments import prompted_tasks as pt
 from trainers.experiments import wordnet
 from tf_metaalign.prompts.templates import Template
@@ -28,8 +31,8 @@ needs_django = pytest.mark.skipif(
 
 def test_p3_offline_error_says_what_it_tried_and_what_to_use(monkeypatch, tmp_path):
     monkeypatch.delenv("P3_DATA_DIR", raising=False)
-    with pytest.raises(pt.P3NotAvailableError) as info:
-        pt.load_p3("super_glue_rte_GPT_3_style")
+    with pytest.raises(p3.P3NotAvailableError) as info:
+        p3.load_p3("super_glue_rte_GPT_3_style")
     message = str(info.value)
     for part in (
         "super_glue_rte_GPT_3_style",
@@ -42,13 +45,13 @@ def test_p3_offline_error_says_what_it_tried_and_what_to_use(monkeypatch, tmp_pa
         assert part in message
     assert isinstance(info.value, FileNotFoundError)
     with pytest.raises(
-        pt.P3NotAvailableError, match=str(tmp_path / "data" / "super_glue_cb_GPT_3_style")
+        p3.P3NotAvailableError, match=str(tmp_path / "data" / "super_glue_cb_GPT_3_style")
     ):
-        pt.load_p3("super_glue_cb_GPT_3_style", split="train", data_dir=tmp_path)
+        p3.load_p3("super_glue_cb_GPT_3_style", split="train", data_dir=tmp_path)
     with pytest.raises(ValueError, match="name"):
-        pt.load_p3("../etc/passwd")
+        p3.load_p3("../etc/passwd")
     with pytest.raises(ValueError, match="split"):
-        pt.load_p3("super_glue_rte_GPT_3_style", split="dev", data_dir=tmp_path)
+        p3.load_p3("super_glue_rte_GPT_3_style", split="dev", data_dir=tmp_path)
 
 
 def _bytes(*values):
@@ -75,14 +78,14 @@ def test_p3_reads_a_local_copy_in_p3s_layout(tmp_path, monkeypatch):
                 tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString()
             )
     monkeypatch.setenv("P3_DATA_DIR", str(tmp_path))
-    records = pt.load_p3(name)
+    records = p3.load_p3(name)
     assert records[0]["inputs"] == [5, 6] and records[1]["targets_pretokenized"] == "False"
-    examples = pt.p3_prompted_examples(records)
+    examples = p3.p3_prompted_examples(records)
     assert [e.label for e in examples] == [0, 1]
     assert examples[0].answer_choices == ("True", "False")
     assert examples[1].input_text == rows[1][0]
     with pytest.raises(ValueError, match="inputs_pretokenized"):
-        pt.p3_prompted_examples([{"inputs": [1]}])
+        p3.p3_prompted_examples([{"inputs": [1]}])
 
 
 # ----------------------------------------------------------------------------- offline tasks
@@ -178,9 +181,9 @@ def fake_datasets(sizes):
 def test_mixing_rates_closed_form_and_empirical_frequencies():
     sizes = {"small": 50, "medium": 300, "large": 1000}
     cap = 400
-    rates = pt.mixing_rates(sizes, cap)
+    rates = pm.mixing_rates(sizes, cap)
     np.testing.assert_allclose(list(rates.values()), np.array([50, 300, 400]) / 750)
-    mixture = pt.PromptedMixture(fake_datasets(sizes), cap=cap, seed=0)
+    mixture = pm.PromptedMixture(fake_datasets(sizes), cap=cap, seed=0)
     n = 6000
     draws = [mixture.draw(k) for k in range(n)]
     counts = np.array([sum(d[0] == name for d in draws) for name in sizes])
@@ -199,18 +202,18 @@ def test_mixing_rates_closed_form_and_empirical_frequencies():
         assert target == "ab"[ex["label"]]
     # No cap binding: proportional to size.
     np.testing.assert_allclose(
-        list(pt.mixing_rates(sizes, 10**6).values()), np.array([50, 300, 1000]) / 1350
+        list(pm.mixing_rates(sizes, 10**6).values()), np.array([50, 300, 1000]) / 1350
     )
 
 
 def test_mixture_deterministic_and_resumable():
     datasets = fake_datasets({"a": 30, "b": 70})
-    m = pt.PromptedMixture(datasets, cap=50, seed=3)
-    assert m.take(15)[5:] == pt.PromptedMixture(datasets, cap=50, seed=3).take(10, start=5)
-    assert m.take(15) != pt.PromptedMixture(datasets, cap=50, seed=4).take(15)
+    m = pm.PromptedMixture(datasets, cap=50, seed=3)
+    assert m.take(15)[5:] == pm.PromptedMixture(datasets, cap=50, seed=3).take(10, start=5)
+    assert m.take(15) != pm.PromptedMixture(datasets, cap=50, seed=4).take(15)
     with pytest.raises(ValueError, match="cap"):
-        pt.mixing_rates({"a": 3}, 0)
+        pm.mixing_rates({"a": 3}, 0)
     with pytest.raises(ValueError, match="sizes"):
-        pt.mixing_rates({"a": 0}, 3)
+        pm.mixing_rates({"a": 0}, 3)
     with pytest.raises(ValueError, match="no train examples"):
-        pt.PromptedMixture(fake_datasets({"a": 0, "b": 3}))
+        pm.PromptedMixture(fake_datasets({"a": 0, "b": 3}))

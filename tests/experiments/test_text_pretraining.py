@@ -1,5 +1,7 @@
-"""Offline T5 pre-training: corpus, T5-convention vocabulary, span corruption and LM adaptation
-(against T5's formulas and hand cases), and a tiny keras-hub T5 that learns and caches."""
+"""Offline T5 pre-training: the corpus (`english_corpus`), the T5-convention vocabulary
+(`t5_vocabulary`), span corruption and LM adaptation (`t5_objectives`, against T5's formulas
+and hand cases), their packed examples (`text_pretraining`), and a tiny keras-hub T5 that
+learns and caches (`small_t5`)."""
 
 import itertools
 import os
@@ -7,6 +9,9 @@ import os
 import numpy as np
 import pytest
 
+from trainers.experiments import english_corpus as EC
+from trainers.experiments import t5_objectives as TO
+from trainers.experiments import t5_vocabulary as TV
 from trainers.experiments import text_pretraining as tp
 
 WORDNET = os.path.isfile("/usr/share/wordnet/data.noun") or bool(os.environ.get("WORDNET_DIR"))
@@ -37,21 +42,21 @@ def test_noise_counts_are_t5s_float32_rounding():
     # Hand values of T5's round(float32(L) * 0.15) and round(noise / 3), half to even:
     # 190*0.15 is 28.5 in float64 (-> 28, 9 spans) but 28.500002 in float32 (-> 29, 10 spans),
     # as tf.round(tf.cast(190, tf.float32) * 0.15) gives; 568 is T5's chunk for 512 inputs.
-    assert tp.num_noise_tokens_and_spans(190) == (29, 10)
-    assert tp.num_noise_tokens_and_spans(30) == (4, 1)  # 4.5 exactly -> 4 (half to even)
-    assert tp.num_noise_tokens_and_spans(568) == (85, 28)
-    assert tp.num_noise_tokens_and_spans(10) == (2, 1)  # 1.5 -> 2 (half to even); 2/3 -> 1
-    assert tp.num_noise_tokens_and_spans(3) == (1, 1)  # at least one noise token
-    assert tp.num_noise_tokens_and_spans(1) == (1, 1)  # T5 lifts length to 2
-    assert tp.random_spans_helper(512) == (568, 114)  # T5's documented pair
-    assert tp.random_spans_helper(64) == (70, 14)  # 60 kept + 3 sentinels + EOS; 10 + 3 + 1
+    assert TO.num_noise_tokens_and_spans(190) == (29, 10)
+    assert TO.num_noise_tokens_and_spans(30) == (4, 1)  # 4.5 exactly -> 4 (half to even)
+    assert TO.num_noise_tokens_and_spans(568) == (85, 28)
+    assert TO.num_noise_tokens_and_spans(10) == (2, 1)  # 1.5 -> 2 (half to even); 2/3 -> 1
+    assert TO.num_noise_tokens_and_spans(3) == (1, 1)  # at least one noise token
+    assert TO.num_noise_tokens_and_spans(1) == (1, 1)  # T5 lifts length to 2
+    assert TO.random_spans_helper(512) == (568, 114)  # T5's documented pair
+    assert TO.random_spans_helper(64) == (70, 14)  # 60 kept + 3 sentinels + EOS; 10 + 3 + 1
 
 
 @pytest.mark.parametrize("length", [2, 7, 30, 31, 64, 100, 190, 257, 568])
 def test_random_spans_noise_mask_counts_and_alternation(length):
-    noise, spans = tp.num_noise_tokens_and_spans(length)
+    noise, spans = TO.num_noise_tokens_and_spans(length)
     for seed in range(5):
-        mask = tp.random_spans_noise_mask(length, rng=seed)
+        mask = TO.random_spans_noise_mask(length, rng=seed)
         assert mask.shape == (length,) and mask.dtype == bool
         assert mask.sum() == noise
         runs = spans_of(mask)
@@ -61,13 +66,13 @@ def test_random_spans_noise_mask_counts_and_alternation(length):
 
 
 def test_random_spans_noise_mask_is_seeded_and_random():
-    a = tp.random_spans_noise_mask(200, rng=1)
-    assert np.array_equal(a, tp.random_spans_noise_mask(200, rng=1))
-    masks = {tp.random_spans_noise_mask(200, rng=s).tobytes() for s in range(20)}
+    a = TO.random_spans_noise_mask(200, rng=1)
+    assert np.array_equal(a, TO.random_spans_noise_mask(200, rng=1))
+    masks = {TO.random_spans_noise_mask(200, rng=s).tobytes() for s in range(20)}
     assert len(masks) == 20
     # Every position is noise about 15% of the time (no bias to the end beyond T5's own:
     # the last token is always noise).
-    freq = np.mean([tp.random_spans_noise_mask(200, rng=s) for s in range(400)], axis=0)
+    freq = np.mean([TO.random_spans_noise_mask(200, rng=s) for s in range(400)], axis=0)
     assert abs(freq[1:-1].mean() - 29 / 198) < 0.01
     assert freq[-1] == 1.0 and freq[0] == 0.0
 
@@ -75,7 +80,7 @@ def test_random_spans_noise_mask_is_seeded_and_random():
 def test_sentinel_replacement_hand_case():
     tokens = np.arange(10, 20)
     mask = np.array([0, 0, 1, 1, 0, 0, 0, 1, 1, 1], bool)
-    assert tp.noise_span_to_unique_sentinel(tokens, mask, V).tolist() == [
+    assert TO.noise_span_to_unique_sentinel(tokens, mask, V).tolist() == [
         10,
         11,
         199,
@@ -84,7 +89,7 @@ def test_sentinel_replacement_hand_case():
         16,
         198,
     ]
-    assert tp.nonnoise_span_to_unique_sentinel(tokens, mask, V).tolist() == [
+    assert TO.nonnoise_span_to_unique_sentinel(tokens, mask, V).tolist() == [
         199,
         12,
         13,
@@ -93,7 +98,7 @@ def test_sentinel_replacement_hand_case():
         18,
         19,
     ]
-    assert tp.sentinel_id(V) == 199 and tp.sentinel_id(V, 3) == 196
+    assert TV.sentinel_id(V) == 199 and TV.sentinel_id(V, 3) == 196
 
 
 @pytest.mark.parametrize("length", [5, 30, 64, 150])
@@ -101,9 +106,9 @@ def test_span_corruption_invariants(length):
     rng = np.random.default_rng(0)
     for _ in range(10):
         tokens = rng.integers(3, V - 100, size=length).astype(np.int32)
-        inputs, targets = tp.span_corruption(tokens, V, rng)
-        noise, spans = tp.num_noise_tokens_and_spans(length)
-        assert inputs[-1] == tp.EOS_ID and targets[-1] == tp.EOS_ID
+        inputs, targets = TO.span_corruption(tokens, V, rng)
+        noise, spans = TO.num_noise_tokens_and_spans(length)
+        assert inputs[-1] == TV.EOS_ID and targets[-1] == TV.EOS_ID
         in_sent = inputs[inputs >= V - 100]
         tg_sent = targets[targets >= V - 100]
         # Sentinels descend from the last id, one per span, the same in inputs and targets.
@@ -112,27 +117,27 @@ def test_span_corruption_invariants(length):
         assert targets[0] == V - 1
         assert len(targets) == noise + spans + 1
         assert len(inputs) == length - noise + spans + 1
-        restored = tp.restore_from_span_corruption(inputs, targets, V)
+        restored = TO.restore_from_span_corruption(inputs, targets, V)
         assert np.array_equal(restored, tokens)
 
 
 def test_span_corruption_refuses_too_many_spans():
     with pytest.raises(ValueError, match="num_extra_ids"):
-        tp.span_corruption(np.arange(200) % 50 + 3, V, 0, num_extra_ids=5)
+        TO.span_corruption(np.arange(200) % 50 + 3, V, 0, num_extra_ids=5)
 
 
 def test_lm_adaptation_splits_text_uniformly():
     tokens = np.arange(3, 13, dtype=np.int32)
     cuts = []
     for seed in range(300):
-        inputs, targets = tp.lm_adaptation(tokens, seed)
-        assert inputs[-1] == tp.EOS_ID and targets[-1] == tp.EOS_ID
+        inputs, targets = TO.lm_adaptation(tokens, seed)
+        assert inputs[-1] == TV.EOS_ID and targets[-1] == TV.EOS_ID
         assert np.array_equal(np.concatenate([inputs[:-1], targets[:-1]]), tokens)
         cuts.append(len(inputs) - 1)
     # T5's random_prefix_noise_mask at density 0.5: the prefix has 1..length-1 tokens.
     assert set(cuts) == set(range(1, 10))
     with pytest.raises(ValueError, match="noise_density"):
-        tp.random_prefix_noise_mask(10, 0, noise_density=0.7)
+        TO.random_prefix_noise_mask(10, 0, noise_density=0.7)
 
 
 # ------------------------------------------------------------------ the streams of examples
@@ -158,12 +163,12 @@ def test_pretraining_examples_pack_and_restore_the_shuffled_stream():
     restored = []
     for x, y, w in examples:
         # keras-hub's T5 packing: decoder input = <pad> + labels[:-1]; weights on targets.
-        assert x["decoder_token_ids"][0] == tp.PAD_ID
+        assert x["decoder_token_ids"][0] == TV.PAD_ID
         assert np.array_equal(x["decoder_token_ids"][1:], y[:-1])
         assert np.array_equal(x["decoder_padding_mask"], w > 0)
         n_in = int(x["encoder_padding_mask"].sum())
-        assert x["encoder_token_ids"][n_in - 1] == tp.EOS_ID
-        restored.append(tp.restore_from_span_corruption(x["encoder_token_ids"][:n_in], y[w > 0], V))
+        assert x["encoder_token_ids"][n_in - 1] == TV.EOS_ID
+        restored.append(TO.restore_from_span_corruption(x["encoder_token_ids"][:n_in], y[w > 0], V))
     assert np.array_equal(np.concatenate(restored), stream[: len(examples) * chunk])
     again = list(tp.pretraining_examples(docs, "span_corruption", L, V, seed=5, repeat=False))
     assert all(np.array_equal(a[1], b[1]) for a, b in zip(examples, again))
@@ -212,7 +217,7 @@ def test_split_wordnet_gloss():
         'an assemblage of parts that is regarded as a single entity; "how big is that '
         'part compared to the whole?"; "the team is a unit"'
     )
-    definition, examples = tp.split_wordnet_gloss(gloss)
+    definition, examples = EC.split_wordnet_gloss(gloss)
     assert definition == "an assemblage of parts that is regarded as a single entity"
     assert examples == ["how big is that part compared to the whole?", "the team is a unit"]
 
@@ -220,8 +225,8 @@ def test_split_wordnet_gloss():
 @needs_wordnet
 @pytest.mark.skipif(not DJANGO, reason="Django (`pip install django`) is not installed")
 def test_english_corpus_is_deterministic_and_sized():
-    corpus = tp.english_corpus()
-    stats = tp.corpus_statistics(corpus)
+    corpus = EC.english_corpus()
+    stats = EC.corpus_statistics(corpus)
     # Measured: 166,621 texts, 1,613,876 words.
     assert 150_000 < stats["texts"] < 200_000 and 1_400_000 < stats["words"] < 1_900_000
     assert len(set(corpus)) == len(corpus)
@@ -230,15 +235,15 @@ def test_english_corpus_is_deterministic_and_sized():
         "distinct existence (living or nonliving)"
     )
     assert "Password (again)" in corpus  # a Django msgid
-    assert tp.english_corpus(max_texts=500, seed=1) == tp.english_corpus(max_texts=500, seed=1)
+    assert EC.english_corpus(max_texts=500, seed=1) == EC.english_corpus(max_texts=500, seed=1)
     with pytest.raises(ValueError, match="sources"):
-        tp.english_corpus(sources=("c4",))
+        EC.english_corpus(sources=("c4",))
 
 
 @pytest.fixture(scope="module")
 def small_corpus():
     if WORDNET:
-        return tp.english_corpus(
+        return EC.english_corpus(
             sources=("wordnet_definitions", "wordnet_examples"), max_texts=3000, seed=0
         )
     pytest.skip("WordNet (`apt-get install wordnet-base`) is not installed")
@@ -247,8 +252,8 @@ def small_corpus():
 @pytest.fixture(scope="module")
 def vocabulary(small_corpus, tmp_path_factory):
     folder = tmp_path_factory.mktemp("spm")
-    path = tp.train_sentencepiece(small_corpus, folder, vocabulary_size=1000)
-    return path, tp.t5_tokenizer(path)
+    path = TV.train_sentencepiece(small_corpus, folder, vocabulary_size=1000)
+    return path, TV.t5_tokenizer(path)
 
 
 def test_vocabulary_has_t5_conventions(vocabulary):
@@ -258,9 +263,9 @@ def test_vocabulary_has_t5_conventions(vocabulary):
     assert tokenizer.pad_token_id == 0 and tokenizer.end_token_id == 1
     assert "<s>" not in tokenizer.get_vocabulary()
     for k in range(100):
-        assert tokenizer.token_to_id(f"<extra_id_{k}>") == tp.sentinel_id(1000, k)
+        assert tokenizer.token_to_id(f"<extra_id_{k}>") == TV.sentinel_id(1000, k)
     ids = np.asarray(tokenizer("a dog <extra_id_7> barked"))
-    assert tp.sentinel_id(1000, 7) in ids.tolist()
+    assert TV.sentinel_id(1000, 7) in ids.tolist()
 
 
 def test_vocabulary_round_trips_normalised_text(vocabulary, small_corpus):
@@ -271,20 +276,20 @@ def test_vocabulary_round_trips_normalised_text(vocabulary, small_corpus):
         d.decode() if isinstance(d, bytes) else str(d)
         for d in (decoded.numpy().tolist() if hasattr(decoded, "numpy") else decoded)
     ]
-    assert decoded == [tp.normalize_text(t) for t in texts]
+    assert decoded == [TV.normalize_text(t) for t in texts]
 
 
 def test_vocabulary_cache_and_errors(small_corpus, tmp_path):
-    first = tp.train_sentencepiece(small_corpus[:800], tmp_path, vocabulary_size=400)
+    first = TV.train_sentencepiece(small_corpus[:800], tmp_path, vocabulary_size=400)
     mtime = first.stat().st_mtime_ns
-    assert tp.train_sentencepiece(small_corpus[:800], tmp_path, vocabulary_size=400) == first
+    assert TV.train_sentencepiece(small_corpus[:800], tmp_path, vocabulary_size=400) == first
     assert first.stat().st_mtime_ns == mtime
-    other = tp.train_sentencepiece(small_corpus[:800], tmp_path, vocabulary_size=450)
+    other = TV.train_sentencepiece(small_corpus[:800], tmp_path, vocabulary_size=450)
     assert other != first
     with pytest.raises(ValueError, match="num_extra_ids"):
-        tp.train_sentencepiece(small_corpus, tmp_path, vocabulary_size=400, num_extra_ids=101)
+        TV.train_sentencepiece(small_corpus, tmp_path, vocabulary_size=400, num_extra_ids=101)
     with pytest.raises(ValueError, match="vocabulary_size"):
-        tp.train_sentencepiece(small_corpus, tmp_path, vocabulary_size=50, num_extra_ids=100)
+        TV.train_sentencepiece(small_corpus, tmp_path, vocabulary_size=50, num_extra_ids=100)
 
 
 # ---------------------------------------------------------------------- the tiny T5 learns
@@ -296,7 +301,7 @@ def test_tiny_t5_pretraining_beats_unigram_baseline(vocabulary, small_corpus):
     _, tokenizer = vocabulary
     vocab = tokenizer.vocabulary_size()
     train, held = small_corpus[:2700], small_corpus[2700:]
-    docs, held_docs = tp.tokenize_texts(train, tokenizer), tp.tokenize_texts(held, tokenizer)
+    docs, held_docs = TV.tokenize_texts(train, tokenizer), TV.tokenize_texts(held, tokenizer)
     L = 32
     hx, hy, hw = tp.stack_examples(
         tp.pretraining_examples(held_docs, "span_corruption", L, vocab, seed=1, repeat=False)

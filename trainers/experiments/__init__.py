@@ -11,7 +11,12 @@ package.
   translation       Django's catalogs as English -> X translation pairs
   text_encoder      the pretrained all-MiniLM-L6-v2 encoder through keras-hub, offline
   prompted_tasks    the offline prompted tasks of the promptability experiment
-  text_pretraining  the small-T5 pre-training pipeline (SentencePiece, span corruption)
+  english_corpus    the offline English corpus the small T5 and GPT-2 pre-train on
+  t5_vocabulary     a T5-style SentencePiece vocabulary trained on it, T5's special ids
+  t5_objectives     T5's span corruption and LM adaptation on token ids
+  text_pretraining  the small-T5 pre-training examples (the objectives packed as features)
+  pretrained_cache  the cache of the small pre-trained models, keyed by their settings
   small_t5          the small T5 the promptability experiment pre-trains
+  small_gpt2        the small GPT-2 of the decoder experiment (`promptability_decoder`)
   synthetic         the synthetic problems (the Sequential Reptile paper's Fig. 3, DotProd's)
 """

@@ -1,18 +1,13 @@
-"""Prompted tasks: P3 by name (needs a local copy), offline prompted tasks, and a mixture.
+"""Offline prompted tasks: P3-like prompted datasets built from the sources of
+../shared/DATA.md, split by task type as P3 / T0 split them.
 
-P3 (the Public Pool of Prompts; Sanh et al., "Multitask Prompted Training Enables Zero-Shot
-Task Generalization", ICLR 2022) is what T0 and Wu et al., "Continued Pretraining for Better
-Zero- and Few-Shot Promptability" (EMNLP 2022) continue pre-training on and evaluate with.
-It lives on the Hugging Face hub as `bigscience/P3`, one folder per dataset-template pair
-(`data/<name>/<split>.tfrecord-*`, e.g. `super_glue_rte_GPT_3_style`), and there is no
-network here: `load_p3` reads a local copy and otherwise raises `P3NotAvailableError`
-saying where it looked and what to use instead.
-
-The offline substitute (`offline_prompted_tasks`) builds P3-like prompted datasets from the
-sources of ../shared/DATA.md (WordNet 3.0 and Django's gettext catalogs, through the
-loaders `trainers.experiments.wordnet` and `.django_catalogs`), 2-3 templates each, and
-splits them as P3/T0 do: whole TASK TYPES are held out (T0 trains on e.g. QA, sentiment,
-topic classification and evaluates on NLI, coreference, sentence completion, word sense).
+P3 itself (Sanh et al., ICLR 2022; what T0 and Wu et al., EMNLP 2022 continue pre-training
+on and evaluate with) is not here: `trainers.experiments.p3.load_p3` reads a local copy of
+it. The offline substitute (`offline_prompted_tasks`) builds prompted datasets from WordNet
+3.0 and Django's gettext catalogs (through the loaders `trainers.experiments.wordnet` and
+`.django_catalogs`), 2-3 templates each, and splits them as P3/T0 do: whole TASK TYPES are
+held out (T0 trains on e.g. QA, sentiment, topic classification and evaluates on NLI,
+coreference, sentence completion, word sense).
 
   type            datasets                                         split
   supersense      wordnet_noun_supersense (26-way),                training
@@ -27,167 +22,30 @@ Leakage: the WordNet tasks share one synset-level train/test split (a test synse
 task is a test synset of every task); the Django tasks share `component_tasks`'s split by
 English msgid (a test string is never trained on, in any language or task).
 
-`PromptedMixture` mixes the training datasets for continued pre-training with T5's
-"examples-proportional mixing with an artificial limit" (Raffel et al. 2020, Sec. 3.5.2;
-T0 uses it with a 500k cap): dataset m is drawn with rate `min(N_m, cap) / sum_n
-min(N_n, cap)`, then one of its examples and one of its templates uniformly.
+The training datasets are mixed for continued pre-training by
+`trainers.experiments.prompted_mixture.PromptedMixture` (T5's examples-proportional
+mixing with an artificial limit).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
-import re
-from typing import Iterator, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
-from tf_metaalign.data.multitask import task_probabilities
 from tf_metaalign.data.splits import check_fraction, check_positive_int
-from tf_metaalign.prompts.templates import PromptedExample, Template
+from tf_metaalign.prompts.templates import Template
 
 __all__ = [
-    "P3_REPOSITORY",
-    "P3_EXAMPLE_NAMES",
-    "P3NotAvailableError",
-    "load_p3",
-    "p3_prompted_examples",
     "PromptedDataset",
     "TASK_TYPES",
     "TRAINING_TASK_TYPES",
     "EVALUATION_TASK_TYPES",
     "offline_prompted_tasks",
     "split_by_task_type",
-    "mixing_rates",
-    "PromptedMixture",
 ]
-
-# ----------------------------------------------------------------------------- P3
-
-P3_REPOSITORY = "bigscience/P3"
-#: A few real P3 dataset-template names (held-out evaluation sets of T0 and of Wu et al.).
-P3_EXAMPLE_NAMES = (
-    "super_glue_rte_GPT_3_style",
-    "super_glue_cb_GPT_3_style",
-    "anli_GPT_3_style_r1",
-    "super_glue_copa_best_option",
-    "super_glue_wic_GPT_3_prompt",
-    "super_glue_wsc.fixed_GPT_3_Style",
-    "winogrande_winogrande_xl_fill_in_the_blank",
-    "hellaswag_Predict_ending_with_hint",
-    "story_cloze_2016_Answer_Given_options",
-)
-_P3_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-
-
-class P3NotAvailableError(FileNotFoundError):
-    """No local copy of the requested P3 dataset, and nothing is downloaded."""
-
-
-def _p3_roots(data_dir) -> list[str]:
-    roots = [str(data_dir)] if data_dir is not None else []
-    if os.environ.get("P3_DATA_DIR"):
-        roots.append(os.environ["P3_DATA_DIR"])
-    return roots
-
-
-def load_p3(
-    name: str, split: str = "validation", data_dir: str | os.PathLike | None = None
-) -> list[dict]:
-    """The records of one P3 dataset-template pair, read from a local copy of P3.
-
-    Args:
-      name: the P3 name, e.g. "super_glue_rte_GPT_3_style" (`P3_EXAMPLE_NAMES`).
-      split: "train", "validation" or "test" (file prefix in P3's folders).
-      data_dir: a local copy of the `bigscience/P3` dataset repository (the folder that
-        holds `data/`); default `$P3_DATA_DIR`. Get one on a machine with network access:
-        `git lfs install && git clone https://huggingface.co/datasets/bigscience/P3`.
-
-    Returns:
-      one dict per record: every feature of the `tf.train.Example` (P3's
-      `inputs_pretokenized`, `targets_pretokenized`, `answer_choices`, ... as str / list of
-      str, token ids as lists of int). `p3_prompted_examples` turns them into
-      `PromptedExample`s.
-
-    Raises:
-      ValueError: `name` or `split` is not a plausible P3 name.
-      P3NotAvailableError: no local copy (nothing is ever downloaded: this project runs with
-        no network). Use `offline_prompted_tasks()` for offline prompted tasks instead.
-    """
-    if not isinstance(name, str) or not _P3_NAME.match(name):
-        raise ValueError(
-            f"`name` must be a P3 dataset-template name such as "
-            f"'super_glue_rte_GPT_3_style'; got {name!r}."
-        )
-    if split not in ("train", "validation", "test"):
-        raise ValueError(f"`split` must be 'train', 'validation' or 'test'; got {split!r}.")
-    tried = []
-    for root in _p3_roots(data_dir):
-        pattern = os.path.join(root, "data", name, f"{split}.tfrecord-*")
-        tried.append(pattern)
-        files = sorted(f for f in glob.glob(pattern) if not f.endswith(".json"))
-        if files:
-            return _read_examples(files)
-    where = (
-        ("; looked for " + ", ".join(tried))
-        if tried
-        else ("; no `data_dir` was given and $P3_DATA_DIR is not set")
-    )
-    raise P3NotAvailableError(
-        f"P3 dataset {name!r} (split {split!r}) is not available offline{where}. P3 lives on "
-        f"the Hugging Face hub as {P3_REPOSITORY!r} and this loader never downloads (there is "
-        "no network at run time). On a machine with network access run `git lfs clone "
-        "https://huggingface.co/datasets/bigscience/P3` and pass `data_dir=<that folder>` "
-        "(or set P3_DATA_DIR); offline, use "
-        "`trainers.experiments.prompted_tasks.offline_prompted_tasks()` instead."
-    )
-
-
-def _read_examples(files) -> list[dict]:
-    import tensorflow as tf
-
-    records = []
-    for raw in tf.data.TFRecordDataset(files).as_numpy_iterator():
-        example = tf.train.Example.FromString(raw)
-        record = {}
-        for key, feature in example.features.feature.items():
-            kind = feature.WhichOneof("kind")
-            values = list(getattr(feature, kind).value) if kind else []
-            if kind == "bytes_list":
-                values = [v.decode("utf-8") for v in values]
-            # P3's text fields are single strings; answer_choices and token ids are lists.
-            record[key] = (
-                values[0]
-                if kind == "bytes_list" and len(values) == 1 and key != "answer_choices"
-                else values
-            )
-        records.append(record)
-    return records
-
-
-def p3_prompted_examples(records: Sequence[Mapping]) -> list[PromptedExample]:
-    """P3 records -> `PromptedExample`s: input = `inputs_pretokenized`, target =
-    `targets_pretokenized`, choices = `answer_choices` (when present), label = the index of
-    the target among the choices (whitespace-stripped), else -1.
-
-    (P3's "_score_eval" variants hold one row per answer choice with `is_correct`; use
-    the plain variants, which carry `answer_choices`, for rank classification.)"""
-    out = []
-    for i, r in enumerate(records):
-        if "inputs_pretokenized" not in r or "targets_pretokenized" not in r:
-            raise ValueError(
-                f"`records`[{i}] lacks inputs_pretokenized/targets_pretokenized; "
-                f"its fields are {sorted(r)}."
-            )
-        target = str(r["targets_pretokenized"])
-        choices = tuple(c.strip() for c in r.get("answer_choices", ()))
-        label = choices.index(target.strip()) if target.strip() in choices else -1
-        out.append(PromptedExample(str(r["inputs_pretokenized"]), target, choices, label))
-    return out
-
-
-# ----------------------------------------------------------------------------- datasets
 
 
 #: task type -> what it asks.
@@ -592,80 +450,3 @@ def split_by_task_type(
     training = {n: d for n, d in datasets.items() if d.task_type not in evaluation_types}
     evaluation = {n: d for n, d in datasets.items() if d.task_type in evaluation_types}
     return training, evaluation
-
-
-# ----------------------------------------------------------------------------- mixture
-
-
-def mixing_rates(sizes: Mapping[str, int], cap: int) -> dict[str, float]:
-    """Examples-proportional mixing with an artificial limit (Raffel et al. 2020, 3.5.2):
-    `r_m = min(N_m, cap) / sum_n min(N_n, cap)`."""
-    cap = check_positive_int(cap, "cap")
-    if not isinstance(sizes, Mapping) or not sizes:
-        raise ValueError("`sizes` must be a non-empty mapping dataset -> number of examples.")
-    for name, n in sizes.items():
-        check_positive_int(n, f"sizes[{name!r}]")
-    return task_probabilities(sizes, weights=[min(int(n), cap) for n in sizes.values()])
-
-
-class PromptedMixture:
-    """A deterministic multi-task prompted stream of `(input_text, target_text)` pairs.
-
-    Draw k is a pure function of `(seed, k)`: dataset m with probability `mixing_rates`,
-    then a uniform example of its split and a uniform template. So `examples(start=k)`
-    resumes a stream exactly (pass the number of pairs already consumed).
-    """
-
-    def __init__(
-        self,
-        datasets: Mapping[str, PromptedDataset],
-        cap: int = 500_000,
-        seed: int = 0,
-        split: str = "train",
-    ):
-        if not isinstance(datasets, Mapping) or not datasets:
-            raise ValueError("`datasets` must be a non-empty mapping name -> PromptedDataset.")
-        if split not in ("train", "test"):
-            raise ValueError(f"`split` must be 'train' or 'test'; got {split!r}.")
-        self.datasets = dict(datasets)
-        self.names = list(self.datasets)
-        self.split = split
-        self.seed = int(seed)
-        sizes = {n: len(getattr(d, split)) for n, d in self.datasets.items()}
-        empty = [n for n, s in sizes.items() if s == 0]
-        if empty:
-            raise ValueError(f"`datasets` {empty} have no {split} examples.")
-        self.rates = mixing_rates(sizes, cap)
-        self._cumulative = np.cumsum(list(self.rates.values()))
-
-    def draw(self, k: int) -> tuple[str, int, str]:
-        """`(dataset name, example index, template name)` of draw k."""
-        rng = np.random.default_rng([self.seed, int(k)])
-        m = int(
-            min(np.searchsorted(self._cumulative, rng.random(), side="right"), len(self.names) - 1)
-        )
-        dataset = self.datasets[self.names[m]]
-        index = int(rng.integers(len(getattr(dataset, self.split))))
-        template = dataset.templates[int(rng.integers(len(dataset.templates)))]
-        return self.names[m], index, template.name
-
-    def examples(self, start: int = 0, with_names: bool = False) -> Iterator[tuple]:
-        """Endless `(input_text, target_text)` pairs from draw `start` on
-        (`(dataset, template, input_text, target_text)` with `with_names=True`)."""
-        k = int(start)
-        while True:
-            name, index, template_name = self.draw(k)
-            dataset = self.datasets[name]
-            template = next(t for t in dataset.templates if t.name == template_name)
-            p = template.apply(getattr(dataset, self.split)[index])
-            yield (
-                (name, template_name, p.input_text, p.target_text)
-                if with_names
-                else (p.input_text, p.target_text)
-            )
-            k += 1
-
-    def take(self, n: int, start: int = 0, with_names: bool = False) -> list[tuple]:
-        n = check_positive_int(n, "n")
-        stream = self.examples(start, with_names)
-        return [next(stream) for _ in range(n)]

@@ -10,12 +10,12 @@ experiment, `trainers.promptability_decoder`; no pretrained decoder exists here)
                              <|endoftext|> role: T5's vocabulary has no BOS), concatenated and
                              cut into chunks of sequence_length + 1
   pretrain_gpt2              `model.fit` on those chunks (Adam, global-norm clipping 1.0)
-  cached_pretrained_gpt2     corpus -> SentencePiece (the T5's, `text_pretraining.
+  cached_pretrained_gpt2     corpus -> SentencePiece (the T5's, `t5_vocabulary.
                              train_sentencepiece`, shared cache) -> GPT-2 -> pre-training, the
                              weights cached under `cache_dir` by a content hash of the settings
                              (as `small_t5.cached_pretrained_t5`)
 
-The corpus is `text_pretraining.english_corpus()` (WordNet definitions and examples, Django's
+The corpus is `english_corpus.english_corpus()` (WordNet definitions and examples, Django's
 English UI strings) and the vocabulary the same 4,000-piece T5 SentencePiece model: the
 decoder and the small T5 read the same text with the same ids. A held-out slice of the
 documents (`heldout_texts`, never trained on) gives the held-out nats per token next to a
@@ -33,7 +33,21 @@ import keras
 import numpy as np
 
 from tf_metaalign.data.splits import check_positive_int
-from trainers.experiments import text_pretraining as tp
+from trainers.experiments.english_corpus import corpus_hash, english_corpus
+from trainers.experiments.pretrained_cache import (
+    file_hash,
+    history_lists,
+    load_cached_backbone,
+    save_cached_backbone,
+    settings_hash,
+)
+from trainers.experiments.t5_vocabulary import (
+    EOS_ID,
+    T5_NUM_EXTRA_IDS,
+    t5_tokenizer,
+    tokenize_texts,
+    train_sentencepiece,
+)
 
 #: Named sizes: "tiny" for tests, "small" pre-trains in minutes on 2 CPU cores.
 GPT2_SIZES = {
@@ -87,7 +101,7 @@ def causal_lm_chunks(
     sequence_length: int,
     count: int,
     seed: int = 0,
-    eos_id: int = tp.EOS_ID,
+    eos_id: int = EOS_ID,
 ) -> np.ndarray:
     """`count` rows of `sequence_length + 1` ids: the documents of each pass shuffled with
     `(seed, pass)`, each as `[eos_id] + ids`, concatenated and cut (the last partial chunk
@@ -204,9 +218,9 @@ def unigram_nll(train_docs, heldout_docs, vocabulary_size: int) -> float:
     counts = np.ones(vocabulary_size)
     for d in train_docs:
         np.add.at(counts, d, 1)
-    counts[tp.EOS_ID] += len(train_docs)
+    counts[EOS_ID] += len(train_docs)
     log_p = np.log(counts / counts.sum())
-    total = sum(float(log_p[d].sum()) + log_p[tp.EOS_ID] for d in heldout_docs)
+    total = sum(float(log_p[d].sum()) + log_p[EOS_ID] for d in heldout_docs)
     return -total / sum(len(d) + 1 for d in heldout_docs)
 
 
@@ -222,7 +236,7 @@ def cached_pretrained_gpt2(
     seed: int = 0,
     max_sequence_length: int = 128,
     heldout_texts: int = 2000,
-    num_extra_ids: int = tp.T5_NUM_EXTRA_IDS,
+    num_extra_ids: int = T5_NUM_EXTRA_IDS,
     callbacks: Sequence = (),
 ):
     """A pre-trained small GPT-2 paid for once: `(model, tokenizer, info)`.
@@ -235,10 +249,10 @@ def cached_pretrained_gpt2(
     `info`: the settings, the hash, the loss curve, tokens per second, the held-out nats per
     token of the model and of a unigram model, and `cached`.
     """
-    corpus = tp.english_corpus() if corpus is None else list(corpus)
+    corpus = english_corpus() if corpus is None else list(corpus)
     cache_dir = Path(cache_dir)
-    spm_path = tp.train_sentencepiece(corpus, cache_dir / "spm", vocabulary_size, num_extra_ids)
-    tokenizer = tp.t5_tokenizer(spm_path)
+    spm_path = train_sentencepiece(corpus, cache_dir / "spm", vocabulary_size, num_extra_ids)
+    tokenizer = t5_tokenizer(spm_path)
     config = gpt2_config(size, tokenizer.vocabulary_size(), max_sequence_length)
     settings = dict(
         config=config,
@@ -249,17 +263,17 @@ def cached_pretrained_gpt2(
         learning_rate=learning_rate,
         seed=seed,
         heldout_texts=heldout_texts,
-        corpus=tp.corpus_hash(corpus),
-        spm=tp.file_hash(spm_path),
+        corpus=corpus_hash(corpus),
+        spm=file_hash(spm_path),
         version=1,
     )
-    key = tp.settings_hash(settings)
+    key = settings_hash(settings)
     name = f"gpt2-{key}"
     model = build_gpt2(config, seed)
-    info = tp.load_cached_backbone(model, cache_dir, name)
+    info = load_cached_backbone(model, cache_dir, name)
     if info is not None:
         return model, tokenizer, info
-    docs = tp.tokenize_texts(corpus, tokenizer)
+    docs = tokenize_texts(corpus, tokenizer)
     train_index, heldout_index = heldout_split(len(docs), heldout_texts, seed)
     train_docs = [docs[i] for i in train_index]
     heldout_docs = [docs[i] for i in heldout_index] or train_docs[:100]
@@ -279,10 +293,10 @@ def cached_pretrained_gpt2(
         "settings": settings,
         "spm_path": str(spm_path),
         "parameters": int(model.backbone.count_params()),
-        "history": tp.history_lists(history),
+        "history": history_lists(history),
         "heldout_nll_initial": before,
         "heldout_nll": heldout_nll(model, heldout_docs, sequence_length),
         "heldout_nll_unigram": unigram_nll(train_docs, heldout_docs, config["vocabulary_size"]),
         "uniform_nll": float(np.log(config["vocabulary_size"])),
     }
-    return model, tokenizer, tp.save_cached_backbone(model, cache_dir, name, info)
+    return model, tokenizer, save_cached_backbone(model, cache_dir, name, info)

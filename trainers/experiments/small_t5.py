@@ -36,8 +36,22 @@ from typing import Sequence
 import keras
 import numpy as np
 
-from trainers.experiments import text_pretraining as tp
 from tf_metaalign.data.splits import check_positive_int
+from trainers.experiments import text_pretraining as tp
+from trainers.experiments.english_corpus import corpus_hash, english_corpus
+from trainers.experiments.pretrained_cache import (
+    file_hash,
+    history_lists,
+    load_cached_backbone,
+    save_cached_backbone,
+    settings_hash,
+)
+from trainers.experiments.t5_vocabulary import (
+    T5_NUM_EXTRA_IDS,
+    t5_tokenizer,
+    tokenize_texts,
+    train_sentencepiece,
+)
 
 #: Named sizes. "tiny" is for tests; "small" pre-trains in minutes on 2 CPU cores; "base-ish"
 #: is a long run (T5-small's widths, fewer layers).
@@ -176,7 +190,7 @@ def pretrain_t5(
     log_every = steps // 20 if log_every is None else log_every
     log_every = min(check_positive_int(max(log_every, 1), "log_every"), steps)
     if token_docs is None:
-        token_docs = tp.tokenize_texts(corpus, tokenizer)
+        token_docs = tokenize_texts(corpus, tokenizer)
     vocabulary_size = int(tokenizer.vocabulary_size())
     model_vocab = int(model.backbone.vocabulary_size)
     if model_vocab != vocabulary_size:
@@ -240,7 +254,7 @@ def cached_pretrained_t5(
     learning_rate: float = 1e-2,
     seed: int = 0,
     optimizer: str = "adafactor",
-    num_extra_ids: int = tp.T5_NUM_EXTRA_IDS,
+    num_extra_ids: int = T5_NUM_EXTRA_IDS,
     progress: bool = True,
     config_overrides: dict | None = None,
     callbacks: Sequence = (),
@@ -255,10 +269,10 @@ def cached_pretrained_t5(
     e.g. progress lines; not part of the hash). `info` holds the settings,
     the hash, the history ("token_nll" curve, tokens per second) and `cached` (True on a hit).
     """
-    corpus = tp.english_corpus() if corpus is None else list(corpus)
+    corpus = english_corpus() if corpus is None else list(corpus)
     cache_dir = Path(cache_dir)
-    spm_path = tp.train_sentencepiece(corpus, cache_dir / "spm", vocabulary_size, num_extra_ids)
-    tokenizer = tp.t5_tokenizer(spm_path)
+    spm_path = train_sentencepiece(corpus, cache_dir / "spm", vocabulary_size, num_extra_ids)
+    tokenizer = t5_tokenizer(spm_path)
     config = t5_config(size, tokenizer.vocabulary_size(), **(config_overrides or {}))
     settings = dict(
         config=config,
@@ -269,14 +283,14 @@ def cached_pretrained_t5(
         learning_rate=learning_rate,
         seed=seed,
         optimizer=optimizer,
-        corpus=tp.corpus_hash(corpus),
-        spm=tp.file_hash(spm_path),
+        corpus=corpus_hash(corpus),
+        spm=file_hash(spm_path),
         version=1,
     )
-    key = tp.settings_hash(settings)
+    key = settings_hash(settings)
     name = f"t5-{key}"
     model = build_t5(config, seed)
-    info = tp.load_cached_backbone(model, cache_dir, name)
+    info = load_cached_backbone(model, cache_dir, name)
     if info is not None:
         return model, tokenizer, info
     history = pretrain_t5(
@@ -297,6 +311,6 @@ def cached_pretrained_t5(
         "key": key,
         "settings": settings,
         "spm_path": str(spm_path),
-        "history": tp.history_lists(history),
+        "history": history_lists(history),
     }
-    return model, tokenizer, tp.save_cached_backbone(model, cache_dir, name, info)
+    return model, tokenizer, save_cached_backbone(model, cache_dir, name, info)
