@@ -19,15 +19,24 @@ References:
 
   - shallow: `inputs_embeds = concat(prompt, token embeddings)`; the backbone then treats
     the prompt as tokens at positions 0..L-1 (GPT-2 adds its learned position embeddings
-    0..L+S-1, Gemma scales by sqrt(hidden_dim) as it scales every token embedding, the
-    rotary position of the text starts at L), the attention mask gets L ones.
+    0..L+S-1, the rotary position of the text starts at L), the attention mask gets L ones.
+    Gemma: the prompt is NOT scaled by sqrt(hidden_dim); the tokens' embeddings are, before
+    the concatenation -- as PEFT on transformers >= 5.4, whose Gemma scales inside
+    `embed_tokens`. So a Gemma prompt is in the units of the first layer's input: a
+    "vocab" / text init holds the token rows times sqrt(hidden_dim) (it still equals reading
+    those tokens), and "random" is PEFT's N(0, 1) in those units. (transformers < 5.4
+    scaled `inputs_embeds`, prompt included: `load_peft_adapter(..., gemma_scaled_prompt=
+    True)` reads such an adapter.)
   - deep: the prefix is `past_key_values`: per layer L keys and L values of
     `num_key_value_heads` heads (grouped-query attention: PEFT #1901; each key/value head
     serves its group of query heads as the layer's own keys do), used as the CACHED keys
     and values are (post-rotary for Gemma/Llama), never masked; the text follows at
     positions L..L+S-1 (HF computes position ids from the cache length: GPT-2's learned
     position embeddings too). The flat prefix matrix is [L, num_layers * 2 * kv_heads *
-    head_dim] read as [L, layer, key/value, head, head_dim], PEFT's layout.
+    head_dim] read as [L, layer, key/value, head, head_dim], PEFT's layout, the keys as HF
+    caches them (Gemma: keras-hub caches rotated keys with the rotary halves interleaved;
+    `prefix_key_values` interleaves, a text init's activations are de-interleaved), so a
+    PEFT prefix-tuning adapter's `prompt_embeddings` IS this matrix (`load_peft_adapter`).
   - `reparameterize=True`: deep, PEFT's `PrefixEncoder(prefix_projection=True)`: an
     embedding [L, kv_heads * head_dim] -> Linear -> tanh -> Linear to the flat prefix;
     shallow, P-tuning's MLP `PromptEncoder`: Linear -> ReLU -> Linear -> ReLU -> Linear.
@@ -138,6 +147,17 @@ def _family(backbone):
         "or a CausalLM around one (GPT2CausalLM, GemmaCausalLM, LlamaCausalLM); received "
         f"{type(backbone).__name__}. (BERT-family encoders: prompt_bert; T5: prompt_t5.)"
     )
+
+
+def _gemma_keys_from_hf(keys):
+    """Keys [..., d] with Hugging Face's rotary layout (halves apart) -> keras-hub Gemma's
+    cache layout (halves interleaved: x_0, x_{d/2}, x_1, ...; `GemmaAttention._apply_rope`)."""
+    return ops.reshape(ops.stack(ops.split(keys, 2, axis=-1), axis=-1), ops.shape(keys))
+
+
+def _gemma_keys_to_hf(keys):
+    """The inverse of `_gemma_keys_from_hf` on a NumPy array."""
+    return np.concatenate([keys[..., 0::2], keys[..., 1::2]], axis=-1)
 
 
 def _torch_linear(rng, fan_in, fan_out):
@@ -320,10 +340,8 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
         table = None
         if self.init != "random":
             ids = self._init_ids()  # "vocab": the rows storage.vocabulary_rows_init draws
-            if self.mode == "shallow":
-                table = ops.convert_to_numpy(
-                    ops.take(self.backbone.token_embedding.embeddings, ids, axis=0)
-                )
+            if self.mode == "shallow":  # the tokens' rows as the first layer reads them
+                table = ops.convert_to_numpy(self._token_embeddings(ids))
             else:
                 table = self._activation_prefix(ids)
         self.prompt_variables = []
@@ -359,9 +377,10 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
         """[L, num_layers * 2 * kv_heads * head_dim]: the keys/values each layer computes
         for `ids` at positions 0..L-1 (what a shallow prompt of those tokens gives)."""
         ids = ops.convert_to_tensor(np.asarray(ids, "int32")[None])
-        prompt = self.backbone.token_embedding(ids)
-        cache = self._run_prefix_layers(prompt)  # [1, layers, 2, L, kv, d]
+        cache = self._run_prefix_layers(self._token_embeddings(ids))  # [1, layers, 2, L, kv, d]
         cache = ops.convert_to_numpy(ops.cast(cache[0], "float32"))
+        if self.ARCHITECTURE == "gemma":  # keras-hub's interleaved rotary keys -> PEFT's
+            cache[:, 0] = _gemma_keys_to_hf(cache[:, 0])
         return np.transpose(cache, (2, 0, 1, 3, 4)).reshape(self.length, -1)
 
     # --- the prompt's values --------------------------------------------------------
@@ -385,14 +404,25 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
 
     def prefix_key_values(self):
         """Deep mode: the prefix as keras-hub's per-layer cache entries,
-        [num_layers, 2 (key, value), L, kv_heads, head_dim]."""
+        [num_layers, 2 (key, value), L, kv_heads, head_dim].
+
+        The flat prefix (`prompt_values()`, the variable) is in PEFT's layout: the keys as
+        Hugging Face caches them, rotary halves unpermuted. keras-hub's Gemma attention
+        caches its rotated keys with the halves interleaved (x_0, x_{d/2}, x_1, ...,
+        `GemmaAttention._apply_rope`, to match the original JAX Gemma), so for Gemma the keys
+        are interleaved here; GPT-2 (no rotary) and Llama (rotate-half, as HF) are unchanged.
+        """
         if self.mode != "deep":
             raise ValueError("`prefix_key_values` is defined for mode='deep' only.")
         flat = ops.reshape(
             self.prompt_values(),
             (self.length, self.backbone.num_layers, 2, self.num_key_value_heads, self.head_dim),
         )
-        return ops.transpose(flat, (1, 2, 0, 3, 4))
+        prefix = ops.transpose(flat, (1, 2, 0, 3, 4))
+        if self.ARCHITECTURE != "gemma":
+            return prefix
+        keys = _gemma_keys_from_hf(prefix[:, 0])
+        return ops.stack([keys, prefix[:, 1]], axis=1)
 
     def fold_reparameterization(self, name=None):
         """The same model without the MLP: a new `PromptedCausalLM` (same backbone, mode,
@@ -419,16 +449,25 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
 
     # --- the backbone's pieces, per family -----------------------------------------
 
+    def _token_embeddings(self, token_ids):
+        """Tokens [B, n] -> their input embeddings [B, n, H], in the units of a shallow
+        prompt: the embedding rows, times sqrt(hidden_dim) for Gemma (the backbone's own
+        scaling, which Hugging Face transformers >= 5.4 applies inside `embed_tokens`, so
+        that PEFT's prompt, concatenated after it, is not scaled)."""
+        x = self.backbone.token_embedding(token_ids)
+        if self.ARCHITECTURE == "gemma":
+            return x * ops.cast(ops.sqrt(self.backbone.hidden_dim), x.dtype)
+        return x
+
     def _embed(self, embeddings, start_index, training=False):
-        """The backbone's step from token embeddings [B, n, H] to the first layer's input,
-        for tokens at positions start_index.. ."""
+        """The backbone's step from input embeddings [B, n, H] (`_token_embeddings`, a
+        shallow prompt) to the first layer's input, for positions start_index.. : GPT-2
+        adds its learned position embeddings (and dropout); Gemma and Llama: as is."""
         b = self.backbone
         if self.ARCHITECTURE == "gpt2":
             positions = b.position_embedding(embeddings, start_index=start_index)
             x = b.embeddings_add((embeddings, positions))
             return b.embeddings_dropout(x, training=training)
-        if self.ARCHITECTURE == "gemma":
-            return embeddings * ops.cast(ops.sqrt(b.hidden_dim), embeddings.dtype)
         return embeddings
 
     def _layer(self, layer, x, padding_mask, cache=None, cache_update_index=None, training=False):
@@ -481,7 +520,7 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
             padding_mask = ops.ones_like(token_ids)
         mask = ops.cast(padding_mask, "int32")
         self._check_positions(token_ids.shape[1])
-        x = b.token_embedding(token_ids)
+        x = self._token_embeddings(token_ids)
         batch_size, length = ops.shape(x)[0], self.length
         ones = ops.ones((batch_size, length), "int32")
         if length and self.mode == "deep":
@@ -550,7 +589,7 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
         `cache_update_index` (cache position L + it). Returns (logits, hidden, cache)."""
         b = self.backbone
         index = cache_update_index + self.length
-        x = self._embed(b.token_embedding(token_ids), index)
+        x = self._embed(self._token_embeddings(token_ids), index)
         caches = []
         for i, layer in enumerate(b.transformer_layers):
             x, next_cache = self._layer(layer, x, None, cache[:, i, ...], index)
