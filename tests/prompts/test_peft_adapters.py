@@ -7,11 +7,13 @@ own HF converter), adapters PEFT trained and saved, and PEFT's logits and greedy
 (written by `peft_fixtures/make_peft_fixtures.py`; no torch needed here); the last tests
 compare live against PEFT where torch, transformers and peft are installed (skipped
 otherwise), in both directions: PEFT loading the adapters this package saves, and a
-text-initialised prefix equal to the HF model reading the text first. Before the Gemma
+text-initialised prefix equal to the HF model reading the text first. T5: a shallow
+PromptedT5 against PEFT's SEQ_2_SEQ_LM prompt tuning (the HF weights mapped to keras-hub's
+T5Backbone by `t5_backbone_from_hf`: keras-hub has no HF T5 converter). Before the Gemma
 fix (prefix keys copied without the rotary interleave, the shallow prompt scaled by
 sqrt(hidden)) the fixture logits differed by 1.68 (prefix) and 0.55 (prompt); now ~1e-6.
 
-Default tests take ~40 s on 2 cores (the live PEFT test ~20 s more where peft is present).
+Default tests take ~35 s on 2 cores (the live PEFT tests ~25 s more where peft is present).
 """
 
 import importlib.util
@@ -191,6 +193,73 @@ def test_shallow_t5_round_trips_and_reads_a_seq2seq_adapter(tmp_path):
         )
 
 
+def t5_backbone_from_hf(directory):
+    """keras-hub's T5Backbone holding a transformers T5 checkpoint (config.json +
+    model.safetensors; ReLU feed-forward, tied embeddings), mapped here: keras-hub has no HF
+    T5 converter. Dense kernels are the transposed torch weights."""
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(directory, "config.json")) as f:
+        config = json.load(f)
+    weights = load_file(os.path.join(directory, "model.safetensors"))
+    backbone = keras_hub.models.T5Backbone(
+        vocabulary_size=config["vocab_size"],
+        num_layers=config["num_layers"],
+        num_heads=config["num_heads"],
+        hidden_dim=config["d_model"],
+        intermediate_dim=config["d_ff"],
+        key_value_dim=config["d_kv"],
+        dropout=0.0,
+        activation="relu",
+        use_gated_activation=False,
+        layer_norm_epsilon=config["layer_norm_epsilon"],
+    )
+    backbone.token_embedding.embeddings.assign(weights["shared.weight"])
+
+    def attention(layer, prefix):
+        for name in ("query", "key", "value", "output"):
+            kernel = weights[f"{prefix}.{name[0]}.weight"].T
+            getattr(layer, f"{name}_projector").kernel.assign(kernel)
+        if layer.use_relative_attention_bias:
+            layer.relative_attention_bias.assign(
+                weights[f"{prefix}.relative_attention_bias.weight"]
+            )
+
+    for stack in ("encoder", "decoder"):
+        layers = getattr(backbone, f"{stack}_transformer_layers")
+        for i, layer in enumerate(layers):
+            p = f"{stack}.block.{i}.layer"
+            attention(layer.self_attention, f"{p}.0.SelfAttention")
+            layer.self_attention_layer_norm.weight.assign(weights[f"{p}.0.layer_norm.weight"])
+            ff = 1
+            if stack == "decoder":
+                attention(layer.cross_attention, f"{p}.1.EncDecAttention")
+                layer.cross_attention_layer_norm.weight.assign(weights[f"{p}.1.layer_norm.weight"])
+                ff = 2
+            layer.input_projector.kernel.assign(weights[f"{p}.{ff}.DenseReluDense.wi.weight"].T)
+            layer.output_projector.kernel.assign(weights[f"{p}.{ff}.DenseReluDense.wo.weight"].T)
+            layer.layer_norm.weight.assign(weights[f"{p}.{ff}.layer_norm.weight"])
+        norm = getattr(backbone, f"{stack}_layer_norm")
+        norm.weight.assign(weights[f"{stack}.final_layer_norm.weight"])
+    return backbone
+
+
+def test_peft_t5_prompt_tuning_adapter_gives_peft_logits():
+    """A PEFT-trained SEQ_2_SEQ_LM prompt-tuning adapter (PEFT's default 2 * L rows, the first
+    L used) in a shallow PromptedT5 gives PEFT's logits (keras-hub T5Seq2SeqLM's head)."""
+    backbone = t5_backbone_from_hf(os.path.join(FIXTURES, "t5", "base"))
+    reference = expected("t5")
+    model = prompts.prompt_t5(backbone, length=L, seed=9)
+    prompts.load_peft_adapter(model, os.path.join(FIXTURES, "t5", "prompt_tuning"))
+    x = {name: reference[name] for name in reference if name.endswith(("_ids", "_mask"))}
+    logits = numpy(model.lm_logits(model(x)["decoder_sequence_output"]))
+    np.testing.assert_allclose(logits, reference["prompt_tuning_logits"], rtol=2e-5, atol=2e-5)
+    plain = numpy(
+        model.lm_logits(prompts.prompt_t5(backbone, length=0)(x)["decoder_sequence_output"])
+    )
+    assert np.abs(plain - logits).max() > 1e-2  # the prompt matters
+
+
 def test_gemma_legacy_scaling_converts_by_sqrt_hidden(tmp_path):
     """transformers < 5.4 scaled a Gemma prompt by sqrt(hidden) with the tokens: such an
     adapter is multiplied by it on loading, divided on saving."""
@@ -318,3 +387,20 @@ def test_peft_loads_our_adapters_and_gives_our_logits(tmp_path, family):
             input_ids=torch.tensor(joined, dtype=torch.long), attention_mask=torch.tensor(mask)
         ).logits.numpy()[:, L:]
     np.testing.assert_allclose(got[real], reading[real], rtol=5e-5, atol=5e-5)
+
+
+def test_peft_loads_our_t5_prompt_and_gives_our_logits(tmp_path):
+    """Optional (torch, transformers, peft): a shallow PromptedT5's prompt saved with
+    `save_peft_adapter` (num_transformer_submodules=1) and loaded by PEFT into the HF T5
+    whose weights the keras-hub backbone holds gives PEFT the package's logits."""
+    peft, script = _peers()
+    hf = script.hf_model("t5", seed=4)
+    hf.save_pretrained(tmp_path / "base")
+    backbone = t5_backbone_from_hf(str(tmp_path / "base"))
+    model = prompts.prompt_t5(backbone, length=L, seed=3)
+    path = prompts.save_peft_adapter(model, tmp_path / "t5")
+    wrapped = peft.PeftModel.from_pretrained(script.hf_model("t5", seed=4), path).eval()
+    x = script.t5_batch(seed=2)
+    got = script.peft_t5_logits(wrapped, x)
+    ours = numpy(model.lm_logits(model(x)["decoder_sequence_output"]))
+    np.testing.assert_allclose(ours, got, rtol=5e-5, atol=5e-5)

@@ -6,7 +6,9 @@ reads), a PEFT prompt-tuning and a prefix-tuning adapter trained a few Adam step
 itself (`prompt_tuning/`, `prefix_tuning/`: adapter_config.json + adapter_model.safetensors,
 PEFT's `save_pretrained`), and PEFT's outputs on a fixed batch (`expected.npz`): the logits
 of both adapters (right padding) and greedy continuations by a loop over PEFT's forward
-(PEFT 0.21's prompt-learning `generate` is broken on transformers 5.x).
+(PEFT 0.21's prompt-learning `generate` is broken on transformers 5.x). For T5 (`t5/`):
+the base model, a SEQ_2_SEQ_LM prompt-tuning adapter and PEFT's logits (the test maps the
+weights to keras-hub's T5Backbone itself: keras-hub has no HF T5 converter).
 
 Run from the repository root, with the peers on PYTHONPATH (never needed by the suite):
 
@@ -38,6 +40,26 @@ def _torch():
     import torch
 
     return torch
+
+
+def hf_t5_config():
+    """A tiny T5 (2 + 2 layers, 2 heads of 8, ReLU feed-forward, tied embeddings)."""
+    import transformers
+
+    return transformers.T5Config(
+        vocab_size=VOCABULARY,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=2,
+        feed_forward_proj="relu",
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
 
 
 def hf_config(family):
@@ -94,7 +116,10 @@ def hf_model(family, seed=0):
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(family))
+    if family == "t5":
+        model = transformers.T5ForConditionalGeneration(hf_t5_config())
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(family))
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "norm" in name or "ln_" in name:
@@ -118,8 +143,9 @@ def peft_model(model, method, seed=0, steps=5, prefix_projection=False):
     import peft
 
     torch.manual_seed(seed)
-    if method == "prompt_tuning":
-        config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=LENGTH)
+    task_type = "SEQ_2_SEQ_LM" if model.config.model_type == "t5" else "CAUSAL_LM"
+    if method == "prompt_tuning":  # seq2seq: PEFT's default 2 * LENGTH rows, the first used
+        config = peft.PromptTuningConfig(task_type=task_type, num_virtual_tokens=LENGTH)
     else:
         config = peft.PrefixTuningConfig(
             task_type="CAUSAL_LM",
@@ -148,6 +174,52 @@ def peft_logits(wrapped, x):
             attention_mask=torch.tensor(x["padding_mask"], dtype=torch.long),
         ).logits.numpy()
     return logits[:, -x["token_ids"].shape[1] :]
+
+
+def t5_batch(seed=1):
+    """Encoder tokens (the second row right-padded) and decoder tokens, as keras-hub's
+    T5Backbone inputs."""
+    rng = np.random.default_rng(seed)
+    return {
+        "encoder_token_ids": rng.integers(2, VOCABULARY, (2, 5)).astype("int32"),
+        "encoder_padding_mask": np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], "int32"),
+        "decoder_token_ids": np.concatenate(
+            [np.zeros((2, 1), "int32"), rng.integers(2, VOCABULARY, (2, 3)).astype("int32")], 1
+        ),
+        "decoder_padding_mask": np.ones((2, 4), "int32"),
+    }
+
+
+def peft_t5_logits(wrapped, x):
+    """PEFT's seq2seq logits [B, T, V] for a `t5_batch`."""
+    torch = _torch()
+
+    def t(name):
+        return torch.tensor(x[name], dtype=torch.long)
+
+    with torch.no_grad():
+        return wrapped(
+            input_ids=t("encoder_token_ids"),
+            attention_mask=t("encoder_padding_mask"),
+            decoder_input_ids=t("decoder_token_ids"),
+            decoder_attention_mask=t("decoder_padding_mask"),
+        ).logits.numpy()
+
+
+def write_t5(directory):
+    """T5: the base model, a prompt-tuning adapter (PEFT's 2 * L rows) and its logits."""
+    out = os.path.join(directory, "t5")
+    hf_model("t5").save_pretrained(os.path.join(out, "base"))
+    wrapped = peft_model(hf_model("t5"), "prompt_tuning", seed=3)
+    wrapped.save_pretrained(os.path.join(out, "prompt_tuning"))
+    x = t5_batch()
+    np.savez(
+        os.path.join(out, "expected.npz"), prompt_tuning_logits=peft_t5_logits(wrapped, x), **x
+    )
+    for path in (os.path.join(out, "prompt_tuning", "README.md"),):
+        if os.path.exists(path):
+            os.remove(path)
+    return out
 
 
 def peft_greedy(wrapped, token_ids, steps=GREEDY_STEPS):
@@ -198,6 +270,7 @@ def main(directory=HERE):
 
     for family in FAMILIES:
         print("wrote", write(family, directory))
+    print("wrote", write_t5(directory))
     versions = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
