@@ -296,10 +296,10 @@ def save_peft_adapter(model, path, base_model_name_or_path=None, gemma_legacy_sc
 
     task_type, mode, dims = _expected(model)
     scale = _gemma_scale(model, gemma_legacy_scaling)
-    if mode == "shallow" and task_type == "SEQ_2_SEQ_LM":
-        value = model.prompt_embeddings
-    else:
-        value = model.prompt_values()
+    if getattr(model, "reparameterize", False):
+        value = model.prompt_values()  # the MLP's output, as PEFT saves its encoder's
+    else:  # the variable itself, not a compute-dtype copy (mixed precision stays exact)
+        value = model.prompt_variables[0]
     value = np.asarray(ops.convert_to_numpy(ops.cast(value, "float32")))
     if scale is not None:
         value = value / scale
