@@ -25,8 +25,8 @@ References:
     `embed_tokens`. So a Gemma prompt is in the units of the first layer's input: a
     "vocab" / text init holds the token rows times sqrt(hidden_dim) (it still equals reading
     those tokens), and "random" is PEFT's N(0, 1) in those units. (transformers < 5.4
-    scaled `inputs_embeds`, prompt included: `load_peft_adapter(..., gemma_scaled_prompt=
-    True)` reads such an adapter.)
+    scaled `inputs_embeds`, prompt included: `load_peft_adapter(...,
+    gemma_legacy_scaling=True)` reads such an adapter.)
   - deep: the prefix is `past_key_values`: per layer L keys and L values of
     `num_key_value_heads` heads (grouped-query attention: PEFT #1901; each key/value head
     serves its group of query heads as the layer's own keys do), used as the CACHED keys
