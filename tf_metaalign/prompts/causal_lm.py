@@ -53,6 +53,25 @@ References:
     backbone computes for the tokens (Li & Liang's real-word activations), so at
     initialisation the model equals the backbone reading those tokens before the input.
 
+Saved prompts and their format (`PROMPT_FORMAT_VERSION`, recorded as "prompt_format_version"
+in `prompt_metadata()` -- a `save_prompt` file --, in `get_config()` -- a `.keras` file -- and
+beside the variables in a weights file -- `save_weights`, `BackupAndRestore`, the `.keras`
+file's weights): version 2 holds the conventions above (PEFT's). Version 1 is every file
+without the record (tf_metaalign before 2026-11-27), whose Gemma conventions differ: the
+forward pass multiplied a shallow prompt by sqrt(hidden_dim) (with the token embeddings,
+after the concatenation), and a deep prefix held its keys in keras-hub's interleaved rotary
+layout. Loading a version-1 Gemma prompt -- `load_prompt`, `keras.models.load_model`,
+`load_weights` (of the model or of a trainer holding it) -- converts it so that the model
+computes what the saved one computed, with a warning: a shallow prompt (or, reparameterised,
+its MLP's last kernel and bias) is multiplied by sqrt(hidden_dim) in the variable's dtype (one
+rounding, the product the old forward pass computed: in float32 the first layer's input is
+bit-identical), a deep prefix's (or its MLP's last layer's) key columns are permuted (exact).
+GPT-2 and Llama files of version 1 load unchanged. A version newer than this code's is
+refused. Not converted: optimizer state restored with the model (e.g. Adam's or Adafactor's
+moments, a prompt trainer's carried inner state) stays in the old units for its remaining
+life (docs/promptability.md), and prompt values assigned by hand (`set_weights`,
+`tf.train.Checkpoint`) carry no format: they are taken as version 2.
+
 Mechanism (one for the three families; the backbone's own layer objects and weights, no
 copy): shallow runs the backbone's embedding step and layers on the longer sequence. Deep
 calls every decoder layer through its own key/value-cache interface, the route keras-hub's
@@ -74,6 +93,8 @@ shallow prompt's keys/values computed by the layers), and every index is shifted
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import keras_hub
 import numpy as np
@@ -85,6 +106,7 @@ from tf_metaalign.prompts.base import MODES as MODES  # the modes PromptedCausal
 from tf_metaalign.prompts.base import KeyValueCache, PromptedBackbone, check_mode
 
 __all__ = [
+    "PROMPT_FORMAT_VERSION",
     "SUPPORTED_BACKBONES",
     "PromptedCausalLM",
     "prompt_causal_lm",
@@ -93,6 +115,13 @@ __all__ = [
 ]
 
 INITS = ("random", "vocab")
+#: The conventions of a saved prompt (module docstring): 1 = no record, before 2026-11-27
+#: (Gemma's shallow prompt scaled by sqrt(hidden_dim) in the forward pass, Gemma's prefix keys
+#: interleaved); 2 = PEFT's on transformers >= 5.4. Written by `save_prompt`, `get_config`
+#: and `save_weights` (the key below), checked and converted from on every load.
+PROMPT_FORMAT_VERSION = 2
+_FORMAT_KEY = "prompt_format_version"
+
 #: The keras-hub backbones (and subclasses, e.g. Llama3Backbone) `prompt_causal_lm` accepts.
 SUPPORTED_BACKBONES = ("GPT2Backbone", "GemmaBackbone", "LlamaBackbone")
 
@@ -158,6 +187,21 @@ def _gemma_keys_from_hf(keys):
 def _gemma_keys_to_hf(keys):
     """The inverse of `_gemma_keys_from_hf` on a NumPy array."""
     return np.concatenate([keys[..., 0::2], keys[..., 1::2]], axis=-1)
+
+
+def _check_format(version, source):
+    """A saved prompt's `prompt_format_version` if this code reads it, else a ValueError."""
+    if (
+        isinstance(version, bool)
+        or not isinstance(version, (int, np.integer))
+        or not 1 <= version <= PROMPT_FORMAT_VERSION
+    ):
+        raise ValueError(
+            f"{source} has prompt_format_version={version!r}; this tf_metaalign reads 1 to "
+            f"{PROMPT_FORMAT_VERSION}. A newer tf_metaalign wrote it: load it with that version "
+            "(its conventions are not known here)."
+        )
+    return int(version)
 
 
 def _torch_linear(rng, fan_in, fan_out):
@@ -609,6 +653,7 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
     def prompt_metadata(self):
         metadata = super().prompt_metadata()
         metadata["reparameterize"] = self.reparameterize
+        metadata[_FORMAT_KEY] = PROMPT_FORMAT_VERSION
         return metadata
 
     def get_config(self):
@@ -621,6 +666,7 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
                 "preprocessor": (
                     None if self.preprocessor is None else keras.layers.serialize(self.preprocessor)
                 ),
+                _FORMAT_KEY: PROMPT_FORMAT_VERSION,
             }
         )
         return config
@@ -628,9 +674,89 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
     @classmethod
     def from_config(cls, config):
         config = dict(config)
+        # No key: a .keras file of format 1, whose weights (no record either) load_own_variables
+        # converts; a newer format is refused here, before anything is built.
+        _check_format(config.pop(_FORMAT_KEY, 1), "The model config")
         if isinstance(config.get("preprocessor"), dict):
             config["preprocessor"] = keras.layers.deserialize(config["preprocessor"])
         return super().from_config(config)
+
+    def save_own_variables(self, store):
+        """Keras's (the prompt variables), and the prompt format beside them, so that a
+        weights file (`save_weights`, `BackupAndRestore`), which carries no config, says which
+        conventions its values are in."""
+        super().save_own_variables(store)
+        store[_FORMAT_KEY] = np.asarray(PROMPT_FORMAT_VERSION, "int32")
+
+    def load_own_variables(self, store):
+        """Keras's, then a file without the format record (format 1: written before it
+        existed) is converted to this format (`_upgrade_prompt`)."""
+        keys = list(store.keys())
+        version = 1
+        if _FORMAT_KEY in keys:
+            version = int(np.asarray(store[_FORMAT_KEY]))
+            store = {k: store[k] for k in keys if k != _FORMAT_KEY}
+        _check_format(version, f"The weights of {self.name!r}")
+        super().load_own_variables(store)
+        if self._needs_upgrade(version):
+            values = self._upgrade_prompt(
+                [v.numpy() for v in self.prompt_variables],
+                version,
+                f"The weights of {self.name!r} (a weights or .keras file)",
+            )
+            for variable, value in zip(self.prompt_variables, values):
+                variable.assign(value)
+
+    def _upgrade_saved_prompt(self, values, metadata, source):
+        """`storage.load_prompt`'s hook: `values` (one array per prompt variable) read from a
+        prompt file with `metadata`, in this format's conventions."""
+        version = metadata.get(_FORMAT_KEY, 1)
+        _check_format(version, source)
+        if not self._needs_upgrade(version):
+            return values
+        return self._upgrade_prompt(values, version, source)
+
+    def _needs_upgrade(self, version):
+        return version < 2 and self.ARCHITECTURE == "gemma" and self.length > 0
+
+    def _upgrade_prompt(self, values, version, source):
+        """Format-1 Gemma prompt values -> format 2, the same function (module docstring).
+
+        Shallow: the old forward pass fed `prompt * cast(sqrt(hidden_dim))` (in the compute
+        dtype) to the first layer; the prompt (or the MLP's last kernel and bias, whose output
+        it is) is multiplied by the same constant, in the variable's dtype. Deep: the old
+        prefix held keras-hub's interleaved keys; their columns (of the prefix, or of the
+        MLP's last kernel and bias) are permuted to Hugging Face's layout."""
+        values = [np.asarray(v) for v in values]
+        dtype = self.prompt_variables[0].dtype
+        last = [len(values) - 2, len(values) - 1] if self.reparameterize else [0]
+        for i in last:
+            if self.mode == "shallow":
+                scale = ops.cast(ops.sqrt(self.backbone.hidden_dim), dtype)
+                values[i] = ops.convert_to_numpy(ops.cast(values[i], dtype) * scale)
+            else:
+                shape = values[i].shape
+                split = shape[:-1] + (-1, 2, self.num_key_value_heads, self.head_dim)
+                value = values[i].reshape(split).copy()
+                value[..., 0, :, :] = _gemma_keys_to_hf(value[..., 0, :, :])
+                values[i] = value.reshape(shape)
+        what = (
+            f"multiplied by sqrt(hidden_dim) = sqrt({self.backbone.hidden_dim}) in {dtype} "
+            "(what the old forward pass did; now only the token embeddings are scaled)"
+            if self.mode == "shallow"
+            else "its keys' rotary halves de-interleaved to Hugging Face's layout (exact)"
+        )
+        part = "its MLP's last layer" if self.reparameterize else "the values"
+        warnings.warn(
+            f"{source} holds a Gemma {self.mode} prompt of prompt_format_version {version} "
+            f"(saved by tf_metaalign before 2026-11-27): converted to format "
+            f"{PROMPT_FORMAT_VERSION} (PEFT's conventions) -- {part} {what} -- so the model "
+            "computes what the saved one did. Save it again to write the new format. An "
+            "optimizer state restored with it is not converted (see docs/promptability.md).",
+            UserWarning,
+            stacklevel=3,
+        )
+        return values
 
 
 def prompt_causal_lm(
