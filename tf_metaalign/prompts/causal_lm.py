@@ -269,7 +269,9 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
     The prompt variables' names start with "prompt" (the prompt FOMAML / Reptile trainers'
     default selection). A zero-length prompt is the plain backbone (the same computation).
     Loading a saved `.keras` file needs this module imported (`tf_metaalign.prompts.
-    PromptedCausalLM` imports it).
+    PromptedCausalLM` imports it). Every saved file records `prompt_format_version`; a Gemma
+    prompt saved before 2026-11-27 (no record) is converted on load, with a warning, to
+    compute what it computed (the module docstring; docs/promptability.md).
 
     Example:
 
