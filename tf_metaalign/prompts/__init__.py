@@ -3,9 +3,19 @@ shallow and deep prompts for T5Backbone, shallow prompts for BertBackbone-family
 shallow prompts and deep prefixes for decoder LMs (GPT-2, Gemma, Llama: `prompt_causal_lm`,
 generation through keras-hub's `CausalLM.generate`; loaded on first use), T5 scoring
 and greedy generation, prompt-only files; prompt templates, rank classification, the
-few-shot prompt-tuning protocol and Average Relative Gain."""
+few-shot prompt-tuning protocol and Average Relative Gain; Hugging Face PEFT prompt-tuning /
+prefix-tuning adapters in and out (`load_peft_adapter`, `save_peft_adapter`)."""
 
-from tf_metaalign.prompts import base, bert, evaluation, storage, t5, t5_lm, templates  # noqa: F401
+from tf_metaalign.prompts import (  # noqa: F401
+    base,
+    bert,
+    evaluation,
+    peft_adapters,
+    storage,
+    t5,
+    t5_lm,
+    templates,
+)
 from tf_metaalign.prompts.bert import PromptedBert, prompt_bert
 from tf_metaalign.prompts.evaluation import (
     BootstrapResult,
@@ -22,6 +32,7 @@ from tf_metaalign.prompts.evaluation import (
     stable_seed,
     token_log_likelihoods,
 )
+from tf_metaalign.prompts.peft_adapters import load_peft_adapter, save_peft_adapter
 from tf_metaalign.prompts.storage import load_prompt, save_prompt
 from tf_metaalign.prompts.t5 import (
     PromptedT5,
@@ -55,6 +66,7 @@ def __getattr__(name):
 __all__ = [
     "bert",
     "evaluation",
+    "peft_adapters",
     "storage",
     "t5",
     "t5_lm",
@@ -82,6 +94,8 @@ __all__ = [
     "prompt_bert",
     "load_prompt",
     "save_prompt",
+    "load_peft_adapter",
+    "save_peft_adapter",
     "PromptedT5",
     "prompt_t5",
     "shift_right",

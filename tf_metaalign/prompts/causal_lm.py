@@ -19,15 +19,24 @@ References:
 
   - shallow: `inputs_embeds = concat(prompt, token embeddings)`; the backbone then treats
     the prompt as tokens at positions 0..L-1 (GPT-2 adds its learned position embeddings
-    0..L+S-1, Gemma scales by sqrt(hidden_dim) as it scales every token embedding, the
-    rotary position of the text starts at L), the attention mask gets L ones.
+    0..L+S-1, the rotary position of the text starts at L), the attention mask gets L ones.
+    Gemma: the prompt is NOT scaled by sqrt(hidden_dim); the tokens' embeddings are, before
+    the concatenation -- as PEFT on transformers >= 5.4, whose Gemma scales inside
+    `embed_tokens`. So a Gemma prompt is in the units of the first layer's input: a
+    "vocab" / text init holds the token rows times sqrt(hidden_dim) (it still equals reading
+    those tokens), and "random" is PEFT's N(0, 1) in those units. (transformers < 5.4
+    scaled `inputs_embeds`, prompt included: `load_peft_adapter(...,
+    gemma_legacy_scaling=True)` reads such an adapter.)
   - deep: the prefix is `past_key_values`: per layer L keys and L values of
     `num_key_value_heads` heads (grouped-query attention: PEFT #1901; each key/value head
     serves its group of query heads as the layer's own keys do), used as the CACHED keys
     and values are (post-rotary for Gemma/Llama), never masked; the text follows at
     positions L..L+S-1 (HF computes position ids from the cache length: GPT-2's learned
     position embeddings too). The flat prefix matrix is [L, num_layers * 2 * kv_heads *
-    head_dim] read as [L, layer, key/value, head, head_dim], PEFT's layout.
+    head_dim] read as [L, layer, key/value, head, head_dim], PEFT's layout, the keys as HF
+    caches them (Gemma: keras-hub caches rotated keys with the rotary halves interleaved;
+    `prefix_key_values` interleaves, a text init's activations are de-interleaved), so a
+    PEFT prefix-tuning adapter's `prompt_embeddings` IS this matrix (`load_peft_adapter`).
   - `reparameterize=True`: deep, PEFT's `PrefixEncoder(prefix_projection=True)`: an
     embedding [L, kv_heads * head_dim] -> Linear -> tanh -> Linear to the flat prefix;
     shallow, P-tuning's MLP `PromptEncoder`: Linear -> ReLU -> Linear -> ReLU -> Linear.
@@ -43,6 +52,25 @@ References:
     and a deep prefix accepts "vocab" / text too: its initial keys/values are those the
     backbone computes for the tokens (Li & Liang's real-word activations), so at
     initialisation the model equals the backbone reading those tokens before the input.
+
+Saved prompts and their format (`PROMPT_FORMAT_VERSION`, recorded as "prompt_format_version"
+in `prompt_metadata()` -- a `save_prompt` file --, in `get_config()` -- a `.keras` file -- and
+beside the variables in a weights file -- `save_weights`, `BackupAndRestore`, the `.keras`
+file's weights): version 2 holds the conventions above (PEFT's). Version 1 is every file
+without the record (tf_metaalign before 2026-11-27), whose Gemma conventions differ: the
+forward pass multiplied a shallow prompt by sqrt(hidden_dim) (with the token embeddings,
+after the concatenation), and a deep prefix held its keys in keras-hub's interleaved rotary
+layout. Loading a version-1 Gemma prompt -- `load_prompt`, `keras.models.load_model`,
+`load_weights` (of the model or of a trainer holding it) -- converts it so that the model
+computes what the saved one computed, with a warning: a shallow prompt (or, reparameterised,
+its MLP's last kernel and bias) is multiplied by sqrt(hidden_dim) in the variable's dtype (one
+rounding, the product the old forward pass computed: in float32 the first layer's input is
+bit-identical), a deep prefix's (or its MLP's last layer's) key columns are permuted (exact).
+GPT-2 and Llama files of version 1 load unchanged. A version newer than this code's is
+refused. Not converted: optimizer state restored with the model (e.g. Adam's or Adafactor's
+moments, a prompt trainer's carried inner state) stays in the old units for its remaining
+life (docs/promptability.md), and prompt values assigned by hand (`set_weights`,
+`tf.train.Checkpoint`) carry no format: they are taken as version 2.
 
 Mechanism (one for the three families; the backbone's own layer objects and weights, no
 copy): shallow runs the backbone's embedding step and layers on the longer sequence. Deep
@@ -65,6 +93,8 @@ shallow prompt's keys/values computed by the layers), and every index is shifted
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import keras_hub
 import numpy as np
@@ -76,6 +106,7 @@ from tf_metaalign.prompts.base import MODES as MODES  # the modes PromptedCausal
 from tf_metaalign.prompts.base import KeyValueCache, PromptedBackbone, check_mode
 
 __all__ = [
+    "PROMPT_FORMAT_VERSION",
     "SUPPORTED_BACKBONES",
     "PromptedCausalLM",
     "prompt_causal_lm",
@@ -84,6 +115,13 @@ __all__ = [
 ]
 
 INITS = ("random", "vocab")
+#: The conventions of a saved prompt (module docstring): 1 = no record, before 2026-11-27
+#: (Gemma's shallow prompt scaled by sqrt(hidden_dim) in the forward pass, Gemma's prefix keys
+#: interleaved); 2 = PEFT's on transformers >= 5.4. Written by `save_prompt`, `get_config`
+#: and `save_weights` (the key below), checked and converted from on every load.
+PROMPT_FORMAT_VERSION = 2
+_FORMAT_KEY = "prompt_format_version"
+
 #: The keras-hub backbones (and subclasses, e.g. Llama3Backbone) `prompt_causal_lm` accepts.
 SUPPORTED_BACKBONES = ("GPT2Backbone", "GemmaBackbone", "LlamaBackbone")
 
@@ -138,6 +176,32 @@ def _family(backbone):
         "or a CausalLM around one (GPT2CausalLM, GemmaCausalLM, LlamaCausalLM); received "
         f"{type(backbone).__name__}. (BERT-family encoders: prompt_bert; T5: prompt_t5.)"
     )
+
+
+def _gemma_keys_from_hf(keys):
+    """Keys [..., d] with Hugging Face's rotary layout (halves apart) -> keras-hub Gemma's
+    cache layout (halves interleaved: x_0, x_{d/2}, x_1, ...; `GemmaAttention._apply_rope`)."""
+    return ops.reshape(ops.stack(ops.split(keys, 2, axis=-1), axis=-1), ops.shape(keys))
+
+
+def _gemma_keys_to_hf(keys):
+    """The inverse of `_gemma_keys_from_hf` on a NumPy array."""
+    return np.concatenate([keys[..., 0::2], keys[..., 1::2]], axis=-1)
+
+
+def _check_format(version, source):
+    """A saved prompt's `prompt_format_version` if this code reads it, else a ValueError."""
+    if (
+        isinstance(version, bool)
+        or not isinstance(version, (int, np.integer))
+        or not 1 <= version <= PROMPT_FORMAT_VERSION
+    ):
+        raise ValueError(
+            f"{source} has prompt_format_version={version!r}; this tf_metaalign reads 1 to "
+            f"{PROMPT_FORMAT_VERSION}. A newer tf_metaalign wrote it: load it with that version "
+            "(its conventions are not known here)."
+        )
+    return int(version)
 
 
 def _torch_linear(rng, fan_in, fan_out):
@@ -205,7 +269,9 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
     The prompt variables' names start with "prompt" (the prompt FOMAML / Reptile trainers'
     default selection). A zero-length prompt is the plain backbone (the same computation).
     Loading a saved `.keras` file needs this module imported (`tf_metaalign.prompts.
-    PromptedCausalLM` imports it).
+    PromptedCausalLM` imports it). Every saved file records `prompt_format_version`; a Gemma
+    prompt saved before 2026-11-27 (no record) is converted on load, with a warning, to
+    compute what it computed (the module docstring; docs/promptability.md).
 
     Example:
 
@@ -320,10 +386,8 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
         table = None
         if self.init != "random":
             ids = self._init_ids()  # "vocab": the rows storage.vocabulary_rows_init draws
-            if self.mode == "shallow":
-                table = ops.convert_to_numpy(
-                    ops.take(self.backbone.token_embedding.embeddings, ids, axis=0)
-                )
+            if self.mode == "shallow":  # the tokens' rows as the first layer reads them
+                table = ops.convert_to_numpy(self._token_embeddings(ids))
             else:
                 table = self._activation_prefix(ids)
         self.prompt_variables = []
@@ -359,9 +423,10 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
         """[L, num_layers * 2 * kv_heads * head_dim]: the keys/values each layer computes
         for `ids` at positions 0..L-1 (what a shallow prompt of those tokens gives)."""
         ids = ops.convert_to_tensor(np.asarray(ids, "int32")[None])
-        prompt = self.backbone.token_embedding(ids)
-        cache = self._run_prefix_layers(prompt)  # [1, layers, 2, L, kv, d]
+        cache = self._run_prefix_layers(self._token_embeddings(ids))  # [1, layers, 2, L, kv, d]
         cache = ops.convert_to_numpy(ops.cast(cache[0], "float32"))
+        if self.ARCHITECTURE == "gemma":  # keras-hub's interleaved rotary keys -> PEFT's
+            cache[:, 0] = _gemma_keys_to_hf(cache[:, 0])
         return np.transpose(cache, (2, 0, 1, 3, 4)).reshape(self.length, -1)
 
     # --- the prompt's values --------------------------------------------------------
@@ -385,14 +450,25 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
 
     def prefix_key_values(self):
         """Deep mode: the prefix as keras-hub's per-layer cache entries,
-        [num_layers, 2 (key, value), L, kv_heads, head_dim]."""
+        [num_layers, 2 (key, value), L, kv_heads, head_dim].
+
+        The flat prefix (`prompt_values()`, the variable) is in PEFT's layout: the keys as
+        Hugging Face caches them, rotary halves unpermuted. keras-hub's Gemma attention
+        caches its rotated keys with the halves interleaved (x_0, x_{d/2}, x_1, ...,
+        `GemmaAttention._apply_rope`, to match the original JAX Gemma), so for Gemma the keys
+        are interleaved here; GPT-2 (no rotary) and Llama (rotate-half, as HF) are unchanged.
+        """
         if self.mode != "deep":
             raise ValueError("`prefix_key_values` is defined for mode='deep' only.")
         flat = ops.reshape(
             self.prompt_values(),
             (self.length, self.backbone.num_layers, 2, self.num_key_value_heads, self.head_dim),
         )
-        return ops.transpose(flat, (1, 2, 0, 3, 4))
+        prefix = ops.transpose(flat, (1, 2, 0, 3, 4))
+        if self.ARCHITECTURE != "gemma":
+            return prefix
+        keys = _gemma_keys_from_hf(prefix[:, 0])
+        return ops.stack([keys, prefix[:, 1]], axis=1)
 
     def fold_reparameterization(self, name=None):
         """The same model without the MLP: a new `PromptedCausalLM` (same backbone, mode,
@@ -419,16 +495,25 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
 
     # --- the backbone's pieces, per family -----------------------------------------
 
+    def _token_embeddings(self, token_ids):
+        """Tokens [B, n] -> their input embeddings [B, n, H], in the units of a shallow
+        prompt: the embedding rows, times sqrt(hidden_dim) for Gemma (the backbone's own
+        scaling, which Hugging Face transformers >= 5.4 applies inside `embed_tokens`, so
+        that PEFT's prompt, concatenated after it, is not scaled)."""
+        x = self.backbone.token_embedding(token_ids)
+        if self.ARCHITECTURE == "gemma":
+            return x * ops.cast(ops.sqrt(self.backbone.hidden_dim), x.dtype)
+        return x
+
     def _embed(self, embeddings, start_index, training=False):
-        """The backbone's step from token embeddings [B, n, H] to the first layer's input,
-        for tokens at positions start_index.. ."""
+        """The backbone's step from input embeddings [B, n, H] (`_token_embeddings`, a
+        shallow prompt) to the first layer's input, for positions start_index.. : GPT-2
+        adds its learned position embeddings (and dropout); Gemma and Llama: as is."""
         b = self.backbone
         if self.ARCHITECTURE == "gpt2":
             positions = b.position_embedding(embeddings, start_index=start_index)
             x = b.embeddings_add((embeddings, positions))
             return b.embeddings_dropout(x, training=training)
-        if self.ARCHITECTURE == "gemma":
-            return embeddings * ops.cast(ops.sqrt(b.hidden_dim), embeddings.dtype)
         return embeddings
 
     def _layer(self, layer, x, padding_mask, cache=None, cache_update_index=None, training=False):
@@ -481,7 +566,7 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
             padding_mask = ops.ones_like(token_ids)
         mask = ops.cast(padding_mask, "int32")
         self._check_positions(token_ids.shape[1])
-        x = b.token_embedding(token_ids)
+        x = self._token_embeddings(token_ids)
         batch_size, length = ops.shape(x)[0], self.length
         ones = ops.ones((batch_size, length), "int32")
         if length and self.mode == "deep":
@@ -550,7 +635,7 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
         `cache_update_index` (cache position L + it). Returns (logits, hidden, cache)."""
         b = self.backbone
         index = cache_update_index + self.length
-        x = self._embed(b.token_embedding(token_ids), index)
+        x = self._embed(self._token_embeddings(token_ids), index)
         caches = []
         for i, layer in enumerate(b.transformer_layers):
             x, next_cache = self._layer(layer, x, None, cache[:, i, ...], index)
@@ -570,6 +655,7 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
     def prompt_metadata(self):
         metadata = super().prompt_metadata()
         metadata["reparameterize"] = self.reparameterize
+        metadata[_FORMAT_KEY] = PROMPT_FORMAT_VERSION
         return metadata
 
     def get_config(self):
@@ -582,6 +668,7 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
                 "preprocessor": (
                     None if self.preprocessor is None else keras.layers.serialize(self.preprocessor)
                 ),
+                _FORMAT_KEY: PROMPT_FORMAT_VERSION,
             }
         )
         return config
@@ -589,9 +676,89 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
     @classmethod
     def from_config(cls, config):
         config = dict(config)
+        # No key: a .keras file of format 1, whose weights (no record either) load_own_variables
+        # converts; a newer format is refused here, before anything is built.
+        _check_format(config.pop(_FORMAT_KEY, 1), "The model config")
         if isinstance(config.get("preprocessor"), dict):
             config["preprocessor"] = keras.layers.deserialize(config["preprocessor"])
         return super().from_config(config)
+
+    def save_own_variables(self, store):
+        """Keras's (the prompt variables), and the prompt format beside them, so that a
+        weights file (`save_weights`, `BackupAndRestore`), which carries no config, says which
+        conventions its values are in."""
+        super().save_own_variables(store)
+        store[_FORMAT_KEY] = np.asarray(PROMPT_FORMAT_VERSION, "int32")
+
+    def load_own_variables(self, store):
+        """Keras's, then a file without the format record (format 1: written before it
+        existed) is converted to this format (`_upgrade_prompt`)."""
+        keys = list(store.keys())
+        version = 1
+        if _FORMAT_KEY in keys:
+            version = int(np.asarray(store[_FORMAT_KEY]))
+            store = {k: store[k] for k in keys if k != _FORMAT_KEY}
+        _check_format(version, f"The weights of {self.name!r}")
+        super().load_own_variables(store)
+        if self._needs_upgrade(version):
+            values = self._upgrade_prompt(
+                [v.numpy() for v in self.prompt_variables],
+                version,
+                f"The weights of {self.name!r} (a weights or .keras file)",
+            )
+            for variable, value in zip(self.prompt_variables, values):
+                variable.assign(value)
+
+    def _upgrade_saved_prompt(self, values, metadata, source):
+        """`storage.load_prompt`'s hook: `values` (one array per prompt variable) read from a
+        prompt file with `metadata`, in this format's conventions."""
+        version = metadata.get(_FORMAT_KEY, 1)
+        _check_format(version, source)
+        if not self._needs_upgrade(version):
+            return values
+        return self._upgrade_prompt(values, version, source)
+
+    def _needs_upgrade(self, version):
+        return version < 2 and self.ARCHITECTURE == "gemma" and self.length > 0
+
+    def _upgrade_prompt(self, values, version, source):
+        """Format-1 Gemma prompt values -> format 2, the same function (module docstring).
+
+        Shallow: the old forward pass fed `prompt * cast(sqrt(hidden_dim))` (in the compute
+        dtype) to the first layer; the prompt (or the MLP's last kernel and bias, whose output
+        it is) is multiplied by the same constant, in the variable's dtype. Deep: the old
+        prefix held keras-hub's interleaved keys; their columns (of the prefix, or of the
+        MLP's last kernel and bias) are permuted to Hugging Face's layout."""
+        values = [np.asarray(v) for v in values]
+        dtype = self.prompt_variables[0].dtype
+        last = [len(values) - 2, len(values) - 1] if self.reparameterize else [0]
+        for i in last:
+            if self.mode == "shallow":
+                scale = ops.cast(ops.sqrt(self.backbone.hidden_dim), dtype)
+                values[i] = ops.convert_to_numpy(ops.cast(values[i], dtype) * scale)
+            else:
+                shape = values[i].shape
+                split = shape[:-1] + (-1, 2, self.num_key_value_heads, self.head_dim)
+                value = values[i].reshape(split).copy()
+                value[..., 0, :, :] = _gemma_keys_to_hf(value[..., 0, :, :])
+                values[i] = value.reshape(shape)
+        what = (
+            f"multiplied by sqrt(hidden_dim) = sqrt({self.backbone.hidden_dim}) in {dtype} "
+            "(what the old forward pass did; now only the token embeddings are scaled)"
+            if self.mode == "shallow"
+            else "its keys' rotary halves de-interleaved to Hugging Face's layout (exact)"
+        )
+        part = "its MLP's last layer" if self.reparameterize else "the values"
+        warnings.warn(
+            f"{source} holds a Gemma {self.mode} prompt of prompt_format_version {version} "
+            f"(saved by tf_metaalign before 2026-11-27): converted to format "
+            f"{PROMPT_FORMAT_VERSION} (PEFT's conventions) -- {part} {what} -- so the model "
+            "computes what the saved one did. Save it again to write the new format. An "
+            "optimizer state restored with it is not converted (see docs/promptability.md).",
+            UserWarning,
+            stacklevel=3,
+        )
+        return values
 
 
 def prompt_causal_lm(

@@ -144,6 +144,9 @@ def load_prompt(model, path) -> None:
 
     Raises a ValueError when the file was made for another architecture, mode or length,
     or holds arrays of other shapes (the backbone's hidden size, layers or heads differ).
+    A `PromptedCausalLM` also reads the file's `prompt_format_version`: an older Gemma prompt
+    is converted to the current conventions (with a warning), a newer one refused
+    (`tf_metaalign.prompts.causal_lm`'s docstring).
 
     Args:
       model: a prompted model (`PromptedT5`, `PromptedBert`, `PromptedCausalLM`).
@@ -203,6 +206,9 @@ def load_prompt(model, path) -> None:
                     f"{tuple(variable.shape)}."
                 )
             values.append(value)
+    upgrade = getattr(model, "_upgrade_saved_prompt", None)  # older formats (causal_lm)
+    if upgrade is not None:
+        values = upgrade(values, saved, f"The prompt file {os.fspath(path)!r}")
     for variable, value in zip(model.prompt_variables, values):
         variable.assign(value.astype(variable.dtype))
 
