@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import two_cpu_strategy
 from tf_metaalign.algorithms import multitask as methods
 from tf_metaalign.data import one_head_per_task_model
 from tf_metaalign.trainers.multitask import MultiTaskTrainer
@@ -306,3 +307,19 @@ def test_task_cosine_is_logged_only_where_measured():
         assert ("task_cosine" in history) == (method != "sum"), (method, sorted(history))
         if method != "sum":
             assert -1.0 <= history["task_cosine"][0] <= 1.0 and history["task_cosine"][0] != 0
+
+
+def test_sum_on_embeddings_two_replicas_equal_plain_fit_on_them(float64):
+    """Under a MirroredStrategy the sparse gradient goes through Keras's own cross-replica
+    reduction, as fit's: "sum" on 2 replicas == plain fit on 2 replicas (float64)."""
+    x, y = ticket_data()
+    strategy = two_cpu_strategy()
+    with strategy.scope():
+        trainer = MultiTaskTrainer(ticket_model(), method="sum")
+        trainer.compile(optimizer=OPTIMIZERS["adam"](), loss=ticket_losses())
+        plain = ticket_model()
+        plain.compile(optimizer=OPTIMIZERS["adam"](), loss=ticket_losses())
+    (steps, _), (plain_steps, _) = _fit_both(trainer, plain, x, y, epochs=1)
+    for mine, theirs in zip(steps, plain_steps):
+        for v, a, b in zip(plain.trainable_variables, mine, theirs):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14, err_msg=v.path)
