@@ -3,7 +3,8 @@ gradient of a loss-weighting method reaches the optimizer in fit's form (an Embe
 sparse IndexedSlices), an output without a loss is no task, `num_tasks` is checked
 against the model, and `task_cosine` is logged only where it is measured.
 
-The default tests here take ~70 s on 2 busy CPU cores (-m slow: ~20 s more)."""
+The default tests here take ~90 s on 2 shared, busy cores (~35 s of CPU); -m slow
+adds ~14 s."""
 
 import keras
 import numpy as np
