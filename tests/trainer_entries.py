@@ -424,6 +424,15 @@ CHECKS = (
 #: checkpointed state there; the battery's slow runs cover the rest of each entry).
 _ALL_BUT_ENTRY = tuple(check for check in CHECKS if check != "entry")
 
+
+def _multitask_diagnostics(method):
+    """task_cosine where it is measured: not for a loss-weighting method (no task
+    gradients formed)."""
+    from tf_metaalign.algorithms import multitask as methods
+
+    return ("task_cosine",) if methods.get_method(method).uses_gradients else ()
+
+
 # The method zoo (issue 19), one entry per registered method beyond the three above.
 # UW (trainable state, trained by the compiled optimizer) and Nash-MTL (an in-graph
 # Newton solver, under XLA too) run every check in the default suite but the two-process
@@ -433,7 +442,10 @@ ENTRIES += [
         name=f"multitask_{method}",
         make_trainer=_multitask_trainer(method, seed=3),
         state_variables=_method_state(method),
-        **_MULTITASK_FIELDS,
+        **{
+            **_MULTITASK_FIELDS,
+            "diagnostics": _multitask_diagnostics(method),
+        },
         slow=_SLOW_WHERE_COVERED if method in ("uw", "nash_mtl") else _ALL_BUT_ENTRY,
         # Solvers iterate to convergence: rounding differs between XLA and graph code at
         # 1e-12 and the steps then agree to ~1e-9.

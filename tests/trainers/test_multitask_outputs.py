@@ -80,7 +80,8 @@ def test_graph_split_of_a_shared_bottom_model():
         v.path for v in model_graph.upstream_variables(model, model.get_layer("trunk").output)
     ] == ["trunk/kernel", "trunk/bias"]
     trainer = MultiTaskTrainer(model, method="pcgrad")
-    assert trainer.tasks == "outputs" and trainer.num_tasks == 2
+    assert trainer.tasks == "outputs" and trainer.num_tasks is None  # counted by compile
+    assert compiled(trainer).num_tasks == 2
     shared, task_specific = trainer._variable_split()
     paths = [v.path for v in model.trainable_variables]
     assert [paths[i] for i in shared] == ["trunk/kernel", "trunk/bias"]
@@ -360,6 +361,9 @@ def test_config_round_trip():
     config = trainer.get_config()
     assert config["tasks"] == "outputs" and config["rep_grad"] is True
     again = MultiTaskTrainer.from_config(config)
+    assert (again.tasks, again.num_tasks, again.rep_grad) == ("outputs", None, True)
+    config = compiled(trainer).get_config()  # the count compile made
+    again = MultiTaskTrainer.from_config(config)
     assert (again.tasks, again.num_tasks, again.rep_grad) == ("outputs", 2, True)
 
 
@@ -385,12 +389,27 @@ def test_bad_arguments_and_batches_are_clear_errors():
     with pytest.raises(ValueError, match="no layer named 'nope'"):
         MultiTaskTrainer(two_head_model(), method="pcgrad", rep_grad=True, representation="nope")
     x, y = data()
-    # three tasks declared, two output losses compiled
-    trainer = compiled(
+    # three tasks declared on two outputs: at construction; one on two losses: at compile
+    with pytest.raises(ValueError, match=r"`num_tasks`=3 .* `model` 'ticket' has 2 outputs"):
         MultiTaskTrainer(two_head_model(), num_tasks=3, tasks="outputs", method="pcgrad")
-    )
-    with pytest.raises(ValueError, match="2 output losses"):
-        trainer.fit(x, y, batch_size=8, verbose=0)
+    trainer = MultiTaskTrainer(two_head_model(), num_tasks=1, tasks="outputs", method="pcgrad")
+    with pytest.raises(ValueError, match=r"num_tasks=1\).*`loss` gives 2 outputs a loss"):
+        compiled(trainer)
+
+    # where compile cannot count (one loss for every output of a model without a graph)
+    # the first step checks num_tasks against the compiled loss's terms
+    class TwoOutputs(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = keras.layers.Dense(1), keras.layers.Dense(1)
+
+        def call(self, x):
+            return [self.a(x), self.b(x)]
+
+    trainer = MultiTaskTrainer(TwoOutputs(), num_tasks=3, tasks="outputs", method="pcgrad")
+    trainer.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match=r"num_tasks=3\): the compiled loss has 2 output"):
+        trainer.fit(x, [y["priority"], y["priority"]], batch_size=8, verbose=0)
     # a two-output model given task_id batches' trainer: the error says what to do
     trainer = MultiTaskTrainer(two_head_model(), num_tasks=2)
     trainer.compile(optimizer="sgd", loss=losses())

@@ -42,8 +42,12 @@ class MultiTaskTrainer(MetaTrainer):
       per-output "<name>_loss" logs are counted once. `loss_weights` therefore scale the
       tasks BEFORE the method (LibMTL has no loss weights; with none, L_t is LibMTL's
       task loss): "sum" is exactly plain multi-output `fit` (tested step for step), and a
-      gradient method sees the weighted tasks' gradients. `num_tasks` (the number of
-      outputs by default) must equal the number of output losses. `evaluate` reports the
+      gradient method sees the weighted tasks' gradients. `num_tasks=None` counts one
+      task per output WITH a loss when the trainer is compiled (an auxiliary output
+      compiled with no loss, `loss={"aux": None}` or keras-io's `[loss1, loss2, None]`,
+      is no task and gets no gradient, as in fit); a given `num_tasks` must equal that
+      count (checked by `compile`, or at the first step where the count needs Keras's
+      compiled loss) and not exceed the model's outputs. `evaluate` reports the
       total, each output's loss and each output's metrics as Keras does for a
       multi-output model (the trainer takes the model's `output_names`).
       Task-specific variables come from the model's functional graph
@@ -56,7 +60,10 @@ class MultiTaskTrainer(MetaTrainer):
       batches mix examples of T tasks, `x = {"inputs": <model inputs>, "task_id": int
       [B]}`; the model is called on `x["inputs"]`, or on the whole dict with
       `model_takes_task_id=True` (per-task heads). `evaluate` / `predict` take the same
-      dicts (or plain model inputs). The rest of this doc describes how rows are masked.
+      dicts (or plain model inputs). `num_tasks` must equal the heads of every
+      `PerTaskHead` layer of the model (checked once the model is built), and every
+      task_id lie in [0, num_tasks) (checked each step in graph mode; XLA drops the
+      check). The rest of this doc describes how rows are masked.
 
     Per-task losses (tasks="rows"). One forward pass over the whole batch; task t's loss
     is the trainer's compiled loss (`functional.compute_loss`, the loss `fit` uses) evaluated with
@@ -146,9 +153,21 @@ class MultiTaskTrainer(MetaTrainer):
     the summed loss; on batches where every task has B/T examples and the compiled loss
     is a mean, that is exactly T times plain `fit`'s gradient. Loss-weighting methods
     (`uses_gradients = False`: sum, UW, DWA, RLW, FAMO) take one backward pass of
-    sum_t w_t L_t; the gradient methods (PCGrad, GradVac, GradNorm, ...) take T. The
-    per-task-gradient `task_cosine` diagnostic is measured by the gradient methods, and
-    by the others only with `measure_task_cosine=True` (it costs T backward passes).
+    sum_t w_t L_t and hand the optimizer its gradient as the tape returns it, as
+    Keras's TF trainer hands fit's: an Embedding's gradient stays `tf.IndexedSlices`,
+    which Keras's optimizers apply slice by slice (a token repeated in the batch adds
+    the sum of its slices' squares to Adam's, RMSprop's or Adagrad's second moment), and
+    a variable no loss reaches gets None (skipped, as by fit). The gradient methods
+    (PCGrad, GradVac, GradNorm, ...) take T passes and DENSIFY: per-task gradients are
+    stacked, dotted and combined as dense tensors (`functional.dense_gradient`), so the
+    optimizer gets a dense update (a repeated token's second moment then grows by the
+    square of its summed gradient, and an unreached variable gets zeros, which a weight
+    decay still shrinks); so do the loss-weighting methods with
+    `measure_task_cosine=True` (their update is then combined from the dense task
+    gradients). The per-task-gradient `task_cosine` diagnostic is measured
+    (and logged) by the gradient methods, and by the others only with
+    `measure_task_cosine=True` (it costs T backward passes); without it a
+    loss-weighting method logs no `task_cosine`.
 
     Shared vs task-specific variables (`task_specific_variables`): by default the
     variables of every `PerTaskHead` layer in the model (the heads of
@@ -194,9 +213,11 @@ class MultiTaskTrainer(MetaTrainer):
 
     State (checkpointed trainer variables): `count` (steps, drives the RNG), the method's
     own (`<method>_<key>`, e.g. `gradvac_targets` [T, T], `gradnorm_weights` [T]), and
-    `epochs_done` for the methods that read the epoch (DWA). Logs: "loss" =
-    sum_t w_t L_t with the method's loss weights, and "task_cosine", the mean pairwise
-    cosine of the task gradients (before surgery) over the tasks present.
+    `epochs_done` for the methods that read the epoch (DWA); with tasks='outputs' and
+    `num_tasks=None` they are created by `compile` (which counts the tasks). Logs:
+    "loss" = sum_t w_t L_t with the method's loss weights, and, where it is measured
+    (above), "task_cosine", the mean pairwise cosine of the task gradients (before
+    surgery) over the tasks present.
 
     Example:
       >>> from tf_metaalign.trainers import MultiTaskTrainer
@@ -291,7 +312,14 @@ class MultiTaskTrainer(MetaTrainer):
                         "and batches {'inputs': ..., 'task_id': ...} for tasks that are "
                         "rows of the batch, or a model with one output per task."
                     )
-                num_tasks = outputs
+                # One task per output that has a loss: counted by `compile`, which
+                # creates the method's state then (an output without a loss is no task).
+            elif outputs is not None and num_tasks > outputs:
+                raise ValueError(
+                    f"`num_tasks`={num_tasks} with tasks='outputs' is one task per output "
+                    f"loss, but the `model` {model.name!r} has {outputs} outputs: give "
+                    f"num_tasks <= {outputs} (or None: one task per output with a loss)."
+                )
         if not isinstance(model_takes_task_id, bool):
             raise ValueError(f"`model_takes_task_id` must be a bool; got {model_takes_task_id!r}.")
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -344,6 +372,30 @@ class MultiTaskTrainer(MetaTrainer):
         self.steps = self.every_k_steps(1, name="multitask_steps")
         self.method_state = {}
         self._trainable_method_state = {}
+        self.epochs_done = None
+        if num_tasks is not None:
+            self._create_method_state()
+        self.add_diagnostic("task_cosine", "mean")
+        # Logged only where measured: a loss-weighting method forms no task gradients.
+        self.set_active_diagnostics(["task_cosine"] if self._needs_task_gradients() else [])
+        if rep_grad and not self.method_object.uses_gradients:
+            raise ValueError(
+                f"`rep_grad=True` computes the task gradients at the shared representation; "
+                f"method={self.method!r} weighs the losses without task gradients (its "
+                "update is one backward pass already): use rep_grad=False."
+            )
+        self._check_num_tasks_against_heads()
+        if model.built:
+            self._variable_split()  # bad task_specific_variables / GradNorm layer fail now
+            if rep_grad:
+                self._rep_plan()
+
+    def _create_method_state(self):
+        """The method's state variables for `num_tasks` tasks (and `epochs_done` for a
+        method that reads the epoch): in `__init__` when `num_tasks` is known, else in
+        `compile`, which counts the output losses (in the same order either way, so a
+        reloaded trainer's variables line up with the saved ones)."""
+        num_tasks = self.num_tasks
         for key, spec in self.method_object.state_spec(num_tasks).items():
             name = spec.name or f"{self.method}_{key}"
             initializer = spec.initializer
@@ -370,22 +422,61 @@ class MultiTaskTrainer(MetaTrainer):
                 variable = self.add_state_variable(name, spec.shape, spec.dtype, initializer)
             self.method_state[key] = variable
             setattr(self, name, variable)
-        self.epochs_done = (
-            self.add_state_variable("epochs_done", dtype="int64")
-            if getattr(self.method_object, "uses_epoch", False)
-            else None
-        )
-        self.add_diagnostic("task_cosine", "mean")
-        if rep_grad and not self.method_object.uses_gradients:
+        if getattr(self.method_object, "uses_epoch", False):
+            self.epochs_done = self.add_state_variable("epochs_done", dtype="int64")
+
+    def compile(self, optimizer="rmsprop", loss=None, *args, **kwargs):
+        """`MetaTrainer.compile`; with tasks='outputs' it counts the output losses: one
+        task per output that has a loss (`num_tasks=None`), or checks `num_tasks`
+        against them. Without a `loss` the wrapped model's own compiled loss counts."""
+        super().compile(optimizer, loss, *args, **kwargs)
+        if self.tasks != "outputs":
+            return
+        loss = loss if loss is not None else getattr(self.model, "loss", None)
+        outputs = len(self.model.outputs) if model_graph.has_graph(self.model) else None
+        count = _output_loss_count(loss, outputs)
+        if count is None:
+            if self.num_tasks is None:
+                raise ValueError(
+                    "MultiTaskTrainer(tasks='outputs', num_tasks=None) counts one task per "
+                    "output with a compiled loss: compile the trainer with one loss per "
+                    "output, e.g. loss={'<output name>': ..., ...}."
+                )
+            return  # checked against the compiled loss's terms at the first step
+        if self.num_tasks is None:
+            if count < 2:
+                raise ValueError(
+                    "MultiTaskTrainer(num_tasks=None) makes one task per output with a loss; "
+                    f"the compiled `loss` gives {count} of the model's {outputs} outputs a "
+                    "loss: give two or more outputs a loss (or `num_tasks` explicitly)."
+                )
+            self.num_tasks = count
+            self._cache.counted_tasks = True
+            with self.distribute_strategy.scope(), _compat.unlocked_state(self):
+                self._create_method_state()
+        elif count != self.num_tasks:
+            counted = " (counted by an earlier compile)" if self._cache.counted_tasks else ""
             raise ValueError(
-                f"`rep_grad=True` computes the task gradients at the shared representation; "
-                f"method={self.method!r} weighs the losses without task gradients (its "
-                "update is one backward pass already): use rep_grad=False."
+                f"MultiTaskTrainer(tasks='outputs', num_tasks={self.num_tasks}){counted}: "
+                f"the compiled `loss` gives {count} outputs a loss; one task is one output's "
+                "loss: give num_tasks = the number of outputs with a loss (or None to count "
+                "them), or a loss for each task's output."
             )
-        if model.built:
-            self._variable_split()  # bad task_specific_variables / GradNorm layer fail now
-            if rep_grad:
-                self._rep_plan()
+
+    def _check_num_tasks_against_heads(self):
+        """tasks='rows': `num_tasks` must be the number of heads of every `PerTaskHead`
+        layer of the model (one per task_id value)."""
+        if self.tasks != "rows":
+            return
+        for layer in _compat.flatten_layers(self.model):
+            if isinstance(layer, multitask_data.PerTaskHead) and (
+                layer.num_tasks != self.num_tasks
+            ):
+                raise ValueError(
+                    f"`num_tasks`={self.num_tasks}, but the `model` {self.model.name!r} has "
+                    f"{layer.num_tasks} task heads (its PerTaskHead layer {layer.name!r}): "
+                    "num_tasks is the number of task_id values, one per head."
+                )
 
     # ----------------------------------------------------------------- batches
 
@@ -422,6 +513,7 @@ class MultiTaskTrainer(MetaTrainer):
             )
         if not self.model.built:
             self.model(self.model_inputs(x), training=False)
+            self._check_num_tasks_against_heads()  # a subclassed model's, built now
         return x, y, sample_weight
 
     @property
@@ -508,6 +600,18 @@ class MultiTaskTrainer(MetaTrainer):
         else:
             model_x = x if self.model_takes_task_id else x["inputs"]
             task_id = tf.cast(x["task_id"], tf.int32)
+            # A task_id >= T would be no task's row (silently left out by the masks) or
+            # out of range of a [T] gather: every use of task_id waits for the check.
+            checks = [
+                tf.debugging.assert_non_negative(
+                    task_id, message="MultiTaskTrainer: a task_id is negative"
+                ),
+                tf.debugging.assert_less(
+                    task_id, T, message=f"MultiTaskTrainer: a task_id is >= num_tasks={T}"
+                ),
+            ]
+            with tf.control_dependencies([c for c in checks if c is not None]):
+                task_id = tf.identity(task_id)
             masks = [tf.cast(tf.equal(task_id, t), acc) for t in range(T)]
             local_batch = tf.cast(F.batch_size(task_id), acc)
             counts = F.all_reduce_sum(tf.stack([tf.reduce_sum(m) for m in masks]))
@@ -665,8 +769,7 @@ class MultiTaskTrainer(MetaTrainer):
                     method_state,
                 )
             )
-            cosine = tf.constant(0.0, acc)
-            cosine_weight = tf.constant(0.0, tf.float32)
+            cosine = None  # no task gradients: not measured, not logged
             shared_c, _ = _coefficients(combination, acc)
 
         # The reported loss weighs each task as the method weighs its loss: the loss
@@ -688,8 +791,9 @@ class MultiTaskTrainer(MetaTrainer):
             for key, value in combination.state.items():
                 variable = self.method_state[key]
                 variable.assign(tf.cast(value, variable.dtype))
-            gradient = [tf.identity(g) for g in gradient]
-        diagnostics = {"task_cosine": (cosine, cosine_weight)}
+            # (None: a variable no loss reaches, left to the optimizer as fit leaves it)
+            gradient = [None if g is None else tf.identity(g) for g in gradient]
+        diagnostics = {} if cosine is None else {"task_cosine": (cosine, cosine_weight)}
         if not self._trainable_method_state:
             return self.finish_step(
                 data,
@@ -784,7 +888,16 @@ class MultiTaskTrainer(MetaTrainer):
     def _weighted_loss_pass(
         self, params, state, model_x, y, task_losses_of, loss_scale, acc, task_inputs, method_state
     ):
-        """One forward and ONE backward pass of sum_t w_t L_t (w from the method)."""
+        """One forward and ONE backward pass of sum_t w_t L_t (w from the method).
+
+        Its gradient goes to the optimizer as the tape returns it, as Keras's own TF
+        trainer hands fit's: an Embedding's gradient stays IndexedSlices (Keras's
+        optimizers apply it slice by slice: a token repeated in the batch adds the sum of
+        its slices' squares to Adam's, RMSprop's or Adagrad's second moment, where the
+        densified gradient would add the square of their sum) and a variable no loss
+        reaches gets None (the optimizer skips it: no slot decay, no weight decay).
+        "sum" is then plain multi-output fit to the bit (tested with repeated tokens).
+        """
         with tf.GradientTape() as tape:
             tape.watch(params)
             y_pred, new_state, model_losses = F.stateless_forward(
@@ -798,7 +911,7 @@ class MultiTaskTrainer(MetaTrainer):
             regularizer = self._regularizer(model_x, y, y_pred, model_losses)
             if regularizer is not None:
                 total = total + tf.cast(regularizer, acc) * tf.cast(loss_scale, acc)
-        gradient = F.dense_gradient(tape, total, params)
+        gradient = tape.gradient(total, params)
         return gradient, losses, combination, new_state, y_pred, regularizer
 
     def _masked_task_loss(self, model_x, y, y_pred, sample_weight, mask, factor, compiled, acc):
@@ -838,9 +951,10 @@ class MultiTaskTrainer(MetaTrainer):
             )
         if len(terms) != self.num_tasks:
             names = _compat.compile_loss_names(compile_loss)
+            counted = " (counted from compile's `loss`)" if self._cache.counted_tasks else ""
             raise ValueError(
-                f"MultiTaskTrainer(tasks='outputs', num_tasks={self.num_tasks}): the compiled "
-                f"loss has {len(terms)} output losses ({names}); one task is one output's "
+                f"MultiTaskTrainer(tasks='outputs', num_tasks={self.num_tasks}){counted}: the "
+                f"compiled loss has {len(terms)} output losses ({names}); one task is one output's "
                 "loss: give a loss for each output (or num_tasks = their number)"
                 + (" (a compute_loss override must call the compiled loss)" if not terms else "")
                 + "."
@@ -1320,7 +1434,6 @@ class MultiTaskTrainer(MetaTrainer):
         """
         self._check_vectorizable()
         T = self.num_tasks
-        tf.debugging.assert_less(task_id, T, message="MultiTaskTrainer: a task_id is >= num_tasks")
         weight_dtype = _loss_weight_dtype(y)
         rows = tf.shape(task_id)[0]
         local_counts = tf.math.bincount(task_id, minlength=T, maxlength=T)
@@ -1411,7 +1524,6 @@ class MultiTaskTrainer(MetaTrainer):
         batch of an epoch under a strategy).
         """
         T = self.num_tasks
-        tf.debugging.assert_less(task_id, T, message="MultiTaskTrainer: a task_id is >= num_tasks")
         weight_dtype = _loss_weight_dtype(y)
         pad_row = tf.cast(tf.shape(task_id)[0], tf.int64)  # the appended zero row
         padded = tf.nest.map_structure(_with_zero_row, (model_x, y, sample_weight))
@@ -1503,6 +1615,19 @@ def _with_zero_row(a):
     return tf.concat([a, row], axis=0)
 
 
+def _output_loss_count(loss, outputs):
+    """The number of output losses `compile(loss=loss)` gives a model of `outputs`
+    outputs, as Keras's compiled loss builds them: one per output for a single loss,
+    else one per non-None entry of the dict / list (Keras skips an output whose loss is
+    None: keras-io's `[loss1, loss2, None]`); None where it cannot be told (no loss, or
+    a single loss on a model without a graph)."""
+    if loss is None:
+        return None
+    if not keras.tree.is_nested(loss):
+        return outputs
+    return sum(item is not None for item in keras.tree.flatten(loss))
+
+
 def _loss_weight_dtype(y):
     """The dtype sample weights are given in: the targets' float dtype (float32 for
     integer labels)."""
@@ -1520,6 +1645,7 @@ class _Untracked:
     """A plain holder Keras does not track (the representation model shares the
     model's layers and must not be saved or counted twice)."""
 
+    counted_tasks = False  # num_tasks=None, counted by compile
     plan = None
     task_names = None
     vectorizable = False

@@ -138,6 +138,10 @@ class AlignedMTL(MultiTaskMethod):
     eigenvectors and lambda_min is the smallest kept one; see `aligned_mtl_weights`.
     Absent tasks count as not there (T = the present count; alpha 0).
 
+    Dense task gradients: the trainer forms this method's per-task gradients as dense
+    tensors, so an Embedding's sparse gradient is densified and the optimizer gets a
+    dense update (see `tf_metaalign.algorithms.multitask.base`, "Sparse gradients").
+
     Args:
       scale_mode: "min" (LibMTL and the paper: sqrt of the smallest kept eigenvalue),
         "median" or "rmse" (the official code's other modes: sqrt of the lower median /

@@ -29,6 +29,19 @@ Methods that need no per-task gradients (`uses_gradients = False`: equal, random
 uncertainty weighting, DWA, FAMO) get `inputs.gram = inputs.task_grads = None`, and the
 trainer takes ONE backward pass of `sum_t shared[t] L_t` instead of T (they must then
 return `specific == shared`).
+
+Sparse gradients. The gradient of that one backward pass goes to the optimizer as the
+tape returns it, as in Keras's own `fit`: an Embedding's gradient stays
+`tf.IndexedSlices`, which Keras's optimizers apply slice by slice (a token repeated in a
+batch adds the SUM of its slices' squares to Adam's / RMSprop's second moment or
+Adagrad's accumulator), and a variable no loss reaches gets None. So "sum" is plain
+multi-output `fit` to the bit on a model with embeddings. A gradient method
+(`uses_gradients = True`) must densify: the trainer stacks the T task gradients, takes
+their Gram matrix and combines them as dense tensors (`functional.dense_gradient`), and
+the optimizer gets the dense combination (a repeated token adds the square of its
+summed gradient; an unreached variable gets zeros). The same holds for a loss-weighting
+method run with `MultiTaskTrainer(measure_task_cosine=True)`, whose update is then
+combined from the dense task gradients.
 """
 
 from __future__ import annotations

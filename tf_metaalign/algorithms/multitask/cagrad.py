@@ -43,6 +43,10 @@ class CAGrad(MultiTaskMethod):
     ||g_w|| without LibMTL's 1e-8 under the square root (it picks among its candidates
     with LibMTL's objective), a difference of order 1e-8 / ||g_w||^2 in w.
 
+    Dense task gradients: the trainer forms this method's per-task gradients as dense
+    tensors, so an Embedding's sparse gradient is densified and the optimizer gets a
+    dense update (see `tf_metaalign.algorithms.multitask.base`, "Sparse gradients").
+
     Args:
       calpha: c in the paper, >= 0 (LibMTL's default 0.5).
       rescale: 0, 1 (default) or 2, as above.

@@ -33,6 +33,10 @@ class GradNorm(MultiTaskMethod):
     optimizer, its norms are over ALL shared parameters, and it starts after epoch 0; this
     follows the paper's Algorithm 1 (one layer, renormalised weights).
 
+    Dense task gradients: the trainer forms this method's per-task gradients as dense
+    tensors, so an Embedding's sparse gradient is densified and the optimizer gets a
+    dense update (see `tf_metaalign.algorithms.multitask.base`, "Sparse gradients").
+
     Example:
       >>> GradNorm(alpha=1.5, learning_rate=0.025)
       GradNorm(alpha=1.5, learning_rate=0.025, variable=None)

@@ -19,6 +19,10 @@ class GradVac(MultiTaskMethod):
     """GradVac (`gradient_surgery.gradvac_coefficients`): EMA targets phi_hat per ordered
     task pair (state `gradvac_targets` [T, T], checkpointed), `beta` their EMA rate.
 
+    Dense task gradients: the trainer forms this method's per-task gradients as dense
+    tensors, so an Embedding's sparse gradient is densified and the optimizer gets a
+    dense update (see `tf_metaalign.algorithms.multitask.base`, "Sparse gradients").
+
     Args:
       beta: the targets' EMA rate, in [0, 1] (LibMTL's default 0.5; the paper's 1e-2).
 

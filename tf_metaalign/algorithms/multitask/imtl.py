@@ -78,6 +78,10 @@ class IMTL(MultiTaskMethod):
     learned scales the task-specific variables get e^{s_t} g_t, the scaled loss's
     gradient, as in LibMTL.
 
+    Dense task gradients: the trainer forms this method's per-task gradients as dense
+    tensors, so an Embedding's sparse gradient is densified and the optimizer gets a
+    dense update (see `tf_metaalign.algorithms.multitask.base`, "Sparse gradients").
+
     Args:
       learn_scales: train the IMTL-L scales (LibMTL's IMTL does; default True).
 

@@ -48,6 +48,10 @@ class MGDA(MultiTaskMethod):
     shared REPRESENTATION and apply the returned weights w unscaled (LibMTL applies `sol`,
     not sol / n, to the representation gradients).
 
+    Dense task gradients: the trainer forms this method's per-task gradients as dense
+    tensors, so an Embedding's sparse gradient is densified and the optimizer gets a
+    dense update (see `tf_metaalign.algorithms.multitask.base`, "Sparse gradients").
+
     Args:
       normalization: "none" (LibMTL's default), "l2", "loss" or "loss+".
       max_iter: the solver's maximum number of iterations (T >= 3).

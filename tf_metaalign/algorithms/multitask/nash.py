@@ -137,6 +137,10 @@ class NashMTL(MultiTaskMethod):
     bargaining ones). This returns the paper's bargaining solution there; the shared
     gradient's norm is the same (max_norm) either way, its direction differs.
 
+    Dense task gradients: the trainer forms this method's per-task gradients as dense
+    tensors, so an Embedding's sparse gradient is densified and the optimizer gets a
+    dense update (see `tf_metaalign.algorithms.multitask.base`, "Sparse gradients").
+
     Args:
       update_weights_every: solve every this many steps (LibMTL default 1).
       optim_niter: Newton iterations of the in-graph solver (LibMTL's name and default

@@ -26,6 +26,10 @@ class PCGrad(MultiTaskMethod):
     that runs are reproducible and resumable. LibMTL divides by ||g_j||^2 + 1e-8; a zero
     g_j (an absent task) projects nothing here.
 
+    Dense task gradients: the trainer forms this method's per-task gradients as dense
+    tensors, so an Embedding's sparse gradient is densified and the optimizer gets a
+    dense update (see `tf_metaalign.algorithms.multitask.base`, "Sparse gradients").
+
     Example:
       >>> PCGrad()
       PCGrad()
