@@ -365,3 +365,21 @@ def test_recorded_dense_pre_activations_reproduce_dense_and_record_each_call():
     with pytest.raises(ValueError, match="plain keras.layers.Dense"):
         with _compat.recorded_dense_pre_activations([lora]):
             pass
+
+
+def test_functional_model_classes_are_what_keras_injects_into_a_subclass():
+    """A keras.Model subclass built with inputs/outputs gets exactly these classes put into
+    its hierarchy (Keras's inject_functional_model_class), before keras.Model."""
+
+    class Subclass(keras.Model):
+        pass
+
+    inputs = keras.Input((2,))
+    Subclass(inputs=inputs, outputs=keras.layers.Dense(1)(inputs))
+    injected = Subclass.__mro__[1 : Subclass.__mro__.index(keras.Model)]
+    assert injected == _compat.functional_model_classes(), _broken(
+        "keras.src.models.functional.Functional / inject_functional_model_class",
+        "keeping Functional out of the prompted models' class hierarchy "
+        "(tf_metaalign.prompts.base.SubclassedModelType)",
+        f"functional_model_classes must return {injected}.",
+    )

@@ -312,6 +312,28 @@ def distributed_update_step(optimizer):
 
 
 # ================================================================================================
+# model classes
+# ================================================================================================
+
+
+def functional_model_classes() -> tuple:
+    """The classes Keras puts into a `keras.Model` subclass's hierarchy once an instance of
+    it is built functionally (`Functional` and its base `Function`, in MRO order).
+
+    Private: `keras.src.models.functional.Functional` (Keras exports it only as the class of
+    `keras.Model(inputs, outputs)`) and the behaviour of `inject_functional_model_class`
+    (keras/src/models/model.py): a subclass called with `inputs=`/`outputs=` gets its
+    `__bases__`, and those of every class between it and `keras.Model`, rewritten so that
+    `Functional` replaces `keras.Model` -- in the shared class objects, for every other
+    subclass of them too (keras-team/keras#17270). `tf_metaalign.prompts` keeps these
+    classes out of its models' hierarchy, which extends keras-hub's functional `CausalLM`.
+    """
+    from keras.src.models.functional import Functional
+
+    return tuple(c for c in Functional.__mro__ if c not in keras.Model.__mro__)
+
+
+# ================================================================================================
 # Keras's fit under MultiWorkerMirroredStrategy
 # ================================================================================================
 

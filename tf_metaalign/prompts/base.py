@@ -4,9 +4,13 @@ length / mode / which weights train, its prompt variables, and the configuration
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import keras
 import numpy as np
 
+from tf_metaalign import _compat
 from tf_metaalign.prompts import storage
 
 MODES = ("shallow", "deep")
@@ -78,11 +82,56 @@ class KeyValueCache:
         )
 
 
-class PromptedBackbone(keras.Model):
+@functools.cache
+def _functional_classes():
+    return _compat.functional_model_classes()
+
+
+class SubclassedModelType(type):
+    """The metaclass of the prompted models: a class whose MRO never holds Keras's
+    `Functional` (nor its base `Function`), whatever the classes it extends become.
+
+    Why: `PromptedCausalLM` is a subclassed `keras_hub.models.CausalLM`, and keras-hub's
+    tasks (`GPT2CausalLM`, ...) are functional subclasses of the same `CausalLM` / `Task` /
+    `PipelineModel` class objects. Keras makes a functional subclass work by rewriting the
+    `__bases__` of those shared classes to put `Functional` in (keras-team/keras#17270), and
+    keras-hub's `PipelineModel.__init__` takes it out again on every construction, so that a
+    subclassed task can be built -- which breaks every functional task already built
+    (`lm(x)`: "does not have a `call()` method"; saving and loading fail). Python recomputes
+    the MRO of every subclass of a class whose `__bases__` change, through the metaclass's
+    `mro()`: this one drops the functional classes, so a prompted model computes the same
+    whether or not a functional keras-hub task exists, and `PromptedBackbone.__init__` can
+    leave the shared classes as it found them (`kept_class_hierarchy`).
+    """
+
+    def mro(cls):
+        functional = _functional_classes()
+        return [c for c in super().mro() if c not in functional]
+
+
+@contextlib.contextmanager
+def kept_class_hierarchy(cls):
+    """Within the block, the `__bases__` of the classes `cls` extends may change (keras-hub's
+    `PipelineModel.__init__` resets its own); on exit each is given back what it had, so
+    building `cls` leaves every other model whose class shares them as it was."""
+    saved = [(c, c.__bases__) for c in type.mro(cls) if c is not object]
+    try:
+        yield
+    finally:
+        for c, bases in saved:
+            if c.__bases__ != bases:
+                c.__bases__ = bases
+
+
+class PromptedBackbone(keras.Model, metaclass=SubclassedModelType):
     """Base of `PromptedT5`, `PromptedBert` and `PromptedCausalLM`. A subclass sets
     `ARCHITECTURE` (the name a prompt file is checked against), checks its backbone type
     and mode (`check_backbone`, `check_mode`), creates `self.prompt_variables` (with
-    `_add_prompt_variable`) and then calls `self._select_trainable()`."""
+    `_add_prompt_variable`) and then calls `self._select_trainable()`.
+
+    Building one leaves the user's models as they were: their classes' hierarchy (see
+    `SubclassedModelType`); the backbone is shared, and `train` sets its `trainable`.
+    """
 
     ARCHITECTURE = None
 
@@ -96,7 +145,8 @@ class PromptedBackbone(keras.Model):
         seed=0,
         **kwargs,
     ):
-        super().__init__(**kwargs)
+        with kept_class_hierarchy(type(self)):  # keras-hub's PipelineModel resets it
+            super().__init__(**kwargs)
         self.backbone = backbone
         self.length = storage.check_length(length)
         self.mode = mode
