@@ -6,6 +6,7 @@ and greedy generation, prompt-only files; prompt templates, rank classification,
 few-shot prompt-tuning protocol and Average Relative Gain."""
 
 from tf_metaalign.prompts import base, bert, evaluation, storage, t5, t5_lm, templates  # noqa: F401
+from tf_metaalign.prompts.base import TrainableSelection
 from tf_metaalign.prompts.bert import PromptedBert, prompt_bert
 from tf_metaalign.prompts.evaluation import (
     BootstrapResult,
@@ -78,6 +79,7 @@ __all__ = [
     "relative_gain",
     "sample_few_shot",
     "token_log_likelihoods",
+    "TrainableSelection",
     "PromptedBert",
     "prompt_bert",
     "load_prompt",
