@@ -11,8 +11,14 @@ a subclassed keras-hub task (our `PromptedCausalLM`) shares the `CausalLM` / `Ta
 already built. `test_upstream_...` reproduces that with a plain keras-hub subclass: it fails
 the day upstream fixes it (then `base.kept_class_hierarchy` and the docs note can go).
 
-Default suite ~18 s on 2 shared cores (GPT-2 ~8 s, BERT ~8 s, the upstream reproduction
-~1 s); Gemma and Llama (~8 s each; the mechanism is the families' shared constructor) and T5
+What trains: prompting sets no `trainable` flag on the shared backbone (the prompted model
+selects its own set, `functional.TrainableSelection`): `lm` trains after prompt-only training
+exactly as a never-prompted copy (oracle: the copy's weights after the same `fit`), prompted
+models on one backbone keep their own sets, and models around a prompted one (a head, a
+`MetaTrainer`) honour its selection. These five tests ~25 s.
+
+Default suite otherwise ~18 s on 2 shared cores (GPT-2 ~8 s, BERT ~8 s, the upstream
+reproduction ~1 s); Gemma and Llama (~8 s each; the mechanism is the families' shared constructor) and T5
 (~25-45 s) run under -m slow.
 """
 
