@@ -18,8 +18,8 @@ models on one backbone keep their own sets, and models around a prompted one (a 
 `MetaTrainer`) honour its selection. These five tests ~25 s.
 
 Default suite otherwise ~18 s on 2 shared cores (GPT-2 ~8 s, BERT ~8 s, the upstream
-reproduction ~1 s); Gemma and Llama (~8 s each; the mechanism is the families' shared constructor) and T5
-(~25-45 s) run under -m slow.
+reproduction ~1 s); Gemma and Llama (~8 s each; the mechanism is the families' shared
+constructor) and T5 (~25-45 s) run under -m slow.
 """
 
 import keras
