@@ -275,9 +275,10 @@ RATIO_KEYS = (
 #: Which code path each family's numbers took (the JSON's "paths").
 PATHS = {
     "all": "Keras fit (steps_per_execution=1), one tf.function step per batch, no XLA "
-    "(Keras's jit_compile='auto' is off on CPU); the frozen backbone is Keras "
-    "trainable=False (prompts.storage.apply_train): its variables are not in "
-    "trainable_variables, so they get no optimizer update and no slot; the tape still "
+    "(Keras's jit_compile='auto' is off on CPU); the frozen backbone is left out of the "
+    "prompted model's trainable_variables / trainable_weights by its train='prompt' "
+    "(prompts.TrainableSelection; no flag set on the shared backbone), so it gets no "
+    "optimizer update and no slot; the tape still "
     "traces their weight-gradient ops (the tf.Variable stays trainable), which feed "
     "nothing and are pruned by TensorFlow's function runtime before the step runs "
     "(tests/prompts/test_prompt_step_cost.py).",
@@ -338,8 +339,11 @@ def lm_head_class():
 def bert_head_class():
     import keras
 
-    class ClassifierHead(keras.Model):
-        """Dense(num_classes) logits on the (prompted) BERT's `pooled_output`."""
+    from tf_metaalign import prompts
+
+    class ClassifierHead(prompts.TrainableSelection, keras.Model):
+        """Dense(num_classes) logits on the (prompted) BERT's `pooled_output`; trains what
+        the prompted model's `train` selects (and the head)."""
 
         def __init__(self, encoder, num_classes, **kwargs):
             super().__init__(**kwargs)

@@ -365,3 +365,82 @@ def test_recorded_dense_pre_activations_reproduce_dense_and_record_each_call():
     with pytest.raises(ValueError, match="plain keras.layers.Dense"):
         with _compat.recorded_dense_pre_activations([lora]):
             pass
+
+
+def test_functional_model_classes_are_what_keras_injects_into_a_subclass():
+    """A keras.Model subclass built with inputs/outputs gets exactly these classes put into
+    its hierarchy (Keras's inject_functional_model_class), before keras.Model."""
+
+    class Subclass(keras.Model):
+        pass
+
+    inputs = keras.Input((2,))
+    Subclass(inputs=inputs, outputs=keras.layers.Dense(1)(inputs))
+    injected = Subclass.__mro__[1 : Subclass.__mro__.index(keras.Model)]
+    assert injected == _compat.functional_model_classes(), _broken(
+        "keras.src.models.functional.Functional / inject_functional_model_class",
+        "keeping Functional out of the prompted models' class hierarchy "
+        "(tf_metaalign.prompts.base.SubclassedModelType)",
+        f"functional_model_classes must return {injected}.",
+    )
+
+
+def test_own_variables_and_sublayers_walk_what_keras_variables_walks():
+    """Every variable of `layer.variables` but the seed states is a variable some layer in
+    the walk holds itself, in Keras's order (a frozen sublayer included)."""
+
+    class Model(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.bias = self.add_weight(shape=(1,), name="bias")
+            self.dense = keras.layers.Dense(2)
+            self.norm = keras.layers.BatchNormalization()
+            self.norm.trainable = False
+
+        def call(self, x):
+            return self.norm(self.dense(x)) + self.bias
+
+    model = Model()
+    model(np.ones((1, 3), "float32"))
+
+    def walk(layer):
+        variables, sublayers = _compat.own_variables_and_sublayers(layer)
+        return list(variables) + [v for s in sublayers for v in walk(s)]
+
+    expected = [v for v in model.variables if not _compat.is_seed_state(v)]
+    assert [id(v) for v in walk(model)] == [id(v) for v in expected], _broken(
+        "Layer._trainable_variables / _non_trainable_variables / _layers",
+        "a model's trainable set honouring a prompted model's `train` "
+        "(tf_metaalign.functional.TrainableSelection)",
+        "own_variables_and_sublayers must return what Layer.variables walks.",
+    )
+
+
+def test_outermost_call_names_the_model_whose_call_began():
+    """Inside a sublayer's call, the outermost model being called and its `training`."""
+    seen = []
+
+    class Probe(keras.layers.Layer):
+        def call(self, x, training=None):
+            seen.append(_compat.outermost_call())
+            return x
+
+    class Outer(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.probe = Probe()
+
+        def call(self, x, training=None):
+            return self.probe(x)
+
+    outer = Outer()
+    outer(np.ones((1, 2), "float32"))  # builds (Keras may run the probe on its own then)
+    seen.clear()
+    outer(np.ones((1, 2), "float32"), training=True)
+    assert _compat.outermost_call() == (None, None)
+    assert seen == [(outer, True)], _broken(
+        "keras.src.backend.common.global_state 'current_call_ctx' (CallContext)",
+        "the error when a plain model trains a prompt-only model's backbone "
+        "(tf_metaalign.prompts.base.PromptedBackbone._check_outer_model)",
+        "outermost_call must return (entry_layer, training) of the current call.",
+    )

@@ -312,6 +312,56 @@ def distributed_update_step(optimizer):
 
 
 # ================================================================================================
+# model classes
+# ================================================================================================
+
+
+def functional_model_classes() -> tuple:
+    """The classes Keras puts into a `keras.Model` subclass's hierarchy once an instance of
+    it is built functionally (`Functional` and its base `Function`, in MRO order).
+
+    Private: `keras.src.models.functional.Functional` (Keras exports it only as the class of
+    `keras.Model(inputs, outputs)`) and the behaviour of `inject_functional_model_class`
+    (keras/src/models/model.py): a subclass called with `inputs=`/`outputs=` gets its
+    `__bases__`, and those of every class between it and `keras.Model`, rewritten so that
+    `Functional` replaces `keras.Model` -- in the shared class objects, for every other
+    subclass of them too (keras-team/keras#17270). `tf_metaalign.prompts` keeps these
+    classes out of its models' hierarchy, which extends keras-hub's functional `CausalLM`.
+    """
+    from keras.src.models.functional import Functional
+
+    return tuple(c for c in Functional.__mro__ if c not in keras.Model.__mro__)
+
+
+def own_variables_and_sublayers(layer) -> tuple[list, list]:
+    """(the variables `layer` holds itself, its direct sublayers), in the order Keras's
+    `layer.variables` visits them.
+
+    Private: `Layer._trainable_variables`, `_non_trainable_variables`, `_layers`. Keras 3
+    collects a model's `trainable_variables` from each variable's own `trainable` flag
+    over `variables` (keras/src/layers/layer.py); a model that selects the trainable set
+    of a sublayer itself (`tf_metaalign.prompts.TrainableSelection`) walks the same tree.
+    """
+    return layer._trainable_variables + layer._non_trainable_variables, list(layer._layers)
+
+
+def outermost_call():
+    """(the layer whose `__call__` began the Keras call now running, its `training`), or
+    (None, None) outside any call.
+
+    Private: `keras.src.backend.common.global_state`'s "current_call_ctx" (a `CallContext`
+    with `entry_layer` and `training`), which `Layer.__call__` sets. A prompted model reads
+    it to tell when a model around it is being trained (`fit`: `self(x, training=True)`).
+    """
+    from keras.src.backend.common import global_state
+
+    context = global_state.get_global_attribute("current_call_ctx")
+    if context is None:
+        return None, None
+    return context.entry_layer, getattr(context, "training", None)
+
+
+# ================================================================================================
 # Keras's fit under MultiWorkerMirroredStrategy
 # ================================================================================================
 

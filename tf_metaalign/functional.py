@@ -39,6 +39,97 @@ LossFn = Callable  # (params, state, batch) -> (loss, (new_state, outputs))
 # --------------------------------------------------------------------------- model state
 
 
+def selected_variable_ids(layer) -> set:
+    """The ids of the variables `layer` trains: Keras's rule (each variable's own
+    `trainable` flag, nothing when `layer.trainable` is False), except that a sublayer which
+    selects its own trainable set (a `TrainableSelection`, e.g. a prompted model) contributes
+    that set."""
+    if not layer.trainable:
+        return set()
+    if isinstance(layer, TrainableSelection):
+        return layer._selected_ids()
+    return _flag_selected_ids(layer)
+
+
+def _flag_selected_ids(layer) -> set:
+    variables, sublayers = _compat.own_variables_and_sublayers(layer)
+    ids = {id(v) for v in variables if v.trainable}
+    for sublayer in sublayers:
+        if isinstance(sublayer, TrainableSelection):
+            ids |= selected_variable_ids(sublayer)
+        else:  # Keras reads the flags below a trainable layer, not the sublayers' `trainable`
+            ids |= _flag_selected_ids(sublayer)
+    return ids
+
+
+class TrainableSelection:
+    """A `keras.Model` mixin: the model's trainable set is Keras's (each variable's own
+    `trainable` flag), except that a sublayer which is itself a `TrainableSelection` (a
+    prompted model, `tf_metaalign.prompts`) contributes the set it selects. Put it before
+    `keras.Model` in the bases of a model that holds a prompted model (a task head around
+    `prompt_bert`, `PromptedT5LM`; every `MetaTrainer` has it).
+
+    Why: a prompted model selects what it trains without setting any flag on the backbone
+    it shares with your own models (so `lm.trainable_variables` stays as it was), and Keras 3
+    builds a model's `trainable_variables` / `trainable_weights` from the flags of the
+    variables under it, never from its sublayers' `trainable_variables`; a plain
+    `keras.Model` around `prompt_bert(backbone, train="prompt")` would train the backbone.
+
+    `trainable_variables`, `non_trainable_variables`, `trainable_weights` and
+    `non_trainable_weights` keep Keras's order (that of `variables` / `weights`) and split,
+    so `stateless_call`, `fit` (TensorFlow's `trainable_weights`, JAX's
+    `trainable_variables`), the optimizer and this module's `params` / `state` see one set;
+    with no selecting sublayer inside, they are Keras's lists. A class that selects its own
+    set overrides `_selected_ids` (the ids of the variables it trains; its `trainable` is
+    checked before).
+
+    Example:
+      >>> import keras_hub
+      >>> from tf_metaalign import prompts  # prompts.TrainableSelection is this class
+      >>> backbone = keras_hub.models.BertBackbone(
+      ...     vocabulary_size=32, num_layers=1, num_heads=2, hidden_dim=8,
+      ...     intermediate_dim=16, max_sequence_length=8)
+      >>> class Classifier(prompts.TrainableSelection, keras.Model):
+      ...     def __init__(self, prompted):
+      ...         super().__init__()
+      ...         self.prompted, self.head = prompted, keras.layers.Dense(2)
+      ...     def call(self, x):
+      ...         return self.head(self.prompted(x)["pooled_output"])
+      >>> model = Classifier(prompts.prompt_bert(backbone, length=2, train="prompt"))
+      >>> _ = model({"token_ids": np.array([[2, 5, 6]]), "segment_ids": np.zeros((1, 3)),
+      ...            "padding_mask": np.ones((1, 3))})
+      >>> [v.name for v in model.trainable_variables]  # the prompt and the head
+      ['prompt_embeddings', 'kernel', 'bias']
+      >>> len(backbone.trainable_variables) == len(backbone.weights)  # still all yours
+      True
+    """
+
+    def _selected_ids(self) -> set:
+        """The ids of the variables this model trains (`selected_variable_ids` checked its
+        `trainable`)."""
+        return _flag_selected_ids(self)
+
+    def _selected(self, variables, trained: bool) -> list:
+        ids = selected_variable_ids(self)
+        return [v for v in variables if (id(v) in ids) == trained]
+
+    @property
+    def trainable_variables(self):
+        return self._selected(self.variables, True)
+
+    @property
+    def non_trainable_variables(self):
+        return self._selected(self.variables, False)
+
+    @property
+    def trainable_weights(self):
+        return self._selected(self.weights, True)
+
+    @property
+    def non_trainable_weights(self):
+        return self._selected(self.weights, False)
+
+
 def current_params(model: keras.Model) -> list[tf.Tensor]:
     """The current values of `model.trainable_variables`, as tensors."""
     return [tf.convert_to_tensor(v.value) for v in model.trainable_variables]

@@ -84,7 +84,7 @@ class Method:
         self.name, self.config = name, config
         self.pretrained = weights
         if name in ("prompt", "prefix", "zero_shot"):
-            self.backbone = pretrained_backbone  # shared, frozen
+            self.backbone = pretrained_backbone  # shared; train="prompt" leaves it out
         else:
             self.backbone = keras_hub.models.GPT2Backbone.from_config(
                 pretrained_backbone.get_config()
@@ -98,7 +98,7 @@ class Method:
             )
         else:
             if name == "full":
-                self.backbone.trainable = True  # the copied config says False (frozen above)
+                self.backbone.trainable = True  # (prompting sets no flag; explicit all the same)
             if name == "lora":
                 self.backbone.enable_lora(config.lora_rank)
                 self.lora = [

@@ -204,8 +204,9 @@ def minilm_experiment(tasks: Tasks, config: Config, log=print) -> dict:
     tokenizer, backbone = TE.load_minilm_tokenizer(), TE.load_minilm_backbone()
     classes = max(tasks.num_choices.values())
 
-    class Classifier(keras.Model):
-        """Prompted MiniLM -> masked mean of the token outputs -> linear head."""
+    class Classifier(prompts.TrainableSelection, keras.Model):
+        """Prompted MiniLM -> masked mean of the token outputs -> linear head (trains the
+        prompt and the head: the prompted model's `train="prompt"` selection)."""
 
         def __init__(self, length):
             super().__init__()

@@ -72,7 +72,8 @@ def tiny_backbone(family):
 
 @pytest.fixture
 def restore():
-    """The shared backbones' weights and trainability are restored after each test."""
+    """The shared backbones' weights are restored after each test (and their trainability,
+    which prompting no longer changes)."""
     saved = {name: [v.numpy().copy() for v in b.weights] for name, b in _BUILT.items()}
     yield
     for name, b in _BUILT.items():
@@ -81,7 +82,9 @@ def restore():
             v.assign(value)
 
 
-class ClassifierHead(keras.Model):
+class ClassifierHead(prompts.TrainableSelection, keras.Model):
+    """A head on a prompted BERT that trains what the prompted model's `train` selects."""
+
     def __init__(self, encoder, **kwargs):
         super().__init__(**kwargs)
         self.encoder = encoder

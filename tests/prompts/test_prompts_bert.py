@@ -164,7 +164,7 @@ def test_padding_mask_extended_and_prompt_never_masked(backbone, monkeypatch):
     np.testing.assert_allclose(weights[0, ..., : 1 + L].sum(-1), 1.0, rtol=1e-6)
 
 
-class PooledOutput(keras.Model):
+class PooledOutput(prompts.TrainableSelection, keras.Model):
     def __init__(self, prompted):
         super().__init__()
         self.prompted = prompted

@@ -116,7 +116,7 @@ def test_train_argument_selects_exactly_the_trainable_set(backbone, mode):
     assert {id(v) for v in model.weights} == transformer_ids | prompt_ids
 
 
-class PromptedLMHead(keras.Model):
+class PromptedLMHead(prompts.TrainableSelection, keras.Model):
     """Logits of a PromptedT5 (the test's training head)."""
 
     def __init__(self, prompted):

@@ -16,6 +16,7 @@ from tf_metaalign.prompts import (  # noqa: F401
     t5_lm,
     templates,
 )
+from tf_metaalign.prompts.base import TrainableSelection
 from tf_metaalign.prompts.bert import PromptedBert, prompt_bert
 from tf_metaalign.prompts.evaluation import (
     BootstrapResult,
@@ -90,6 +91,7 @@ __all__ = [
     "relative_gain",
     "sample_few_shot",
     "token_log_likelihoods",
+    "TrainableSelection",
     "PromptedBert",
     "prompt_bert",
     "load_prompt",

@@ -4,9 +4,14 @@ length / mode / which weights train, its prompt variables, and the configuration
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import keras
 import numpy as np
 
+from tf_metaalign import _compat
+from tf_metaalign.functional import TrainableSelection
 from tf_metaalign.prompts import storage
 
 MODES = ("shallow", "deep")
@@ -78,11 +83,61 @@ class KeyValueCache:
         )
 
 
-class PromptedBackbone(keras.Model):
+@functools.cache
+def _functional_classes():
+    return _compat.functional_model_classes()
+
+
+class SubclassedModelType(type):
+    """The metaclass of the prompted models: a class whose MRO never holds Keras's
+    `Functional` (nor its base `Function`), whatever the classes it extends become.
+
+    Why: `PromptedCausalLM` is a subclassed `keras_hub.models.CausalLM`, and keras-hub's
+    tasks (`GPT2CausalLM`, ...) are functional subclasses of the same `CausalLM` / `Task` /
+    `PipelineModel` class objects. Keras makes a functional subclass work by rewriting the
+    `__bases__` of those shared classes to put `Functional` in (keras-team/keras#17270), and
+    keras-hub's `PipelineModel.__init__` takes it out again on every construction, so that a
+    subclassed task can be built -- which breaks every functional task already built
+    (`lm(x)`: "does not have a `call()` method"; saving and loading fail). Python recomputes
+    the MRO of every subclass of a class whose `__bases__` change, through the metaclass's
+    `mro()`: this one drops the functional classes, so a prompted model computes the same
+    whether or not a functional keras-hub task exists, and `PromptedBackbone.__init__` can
+    leave the shared classes as it found them (`kept_class_hierarchy`).
+    """
+
+    def mro(cls):
+        functional = _functional_classes()
+        return [c for c in super().mro() if c not in functional]
+
+
+@contextlib.contextmanager
+def kept_class_hierarchy(cls):
+    """Within the block, the `__bases__` of the classes `cls` extends may change (keras-hub's
+    `PipelineModel.__init__` resets its own); on exit each is given back what it had, so
+    building `cls` leaves every other model whose class shares them as it was."""
+    saved = [(c, c.__bases__) for c in type.mro(cls) if c is not object]
+    try:
+        yield
+    finally:
+        for c, bases in saved:
+            if c.__bases__ != bases:
+                c.__bases__ = bases
+
+
+class PromptedBackbone(TrainableSelection, keras.Model, metaclass=SubclassedModelType):
     """Base of `PromptedT5`, `PromptedBert` and `PromptedCausalLM`. A subclass sets
     `ARCHITECTURE` (the name a prompt file is checked against), checks its backbone type
     and mode (`check_backbone`, `check_mode`), creates `self.prompt_variables` (with
-    `_add_prompt_variable`) and then calls `self._select_trainable()`."""
+    `_add_prompt_variable`) and then calls `self._select_trainable()`.
+
+    Building or training one leaves the user's models as they were: their classes'
+    hierarchy (see `SubclassedModelType`), and the backbone's `trainable` flags: the backbone
+    is shared, and `train` selects this model's trainable set itself (`TrainableSelection`):
+    "prompt" leaves the backbone out of it, "transformer" the prompt (whose variables are this
+    model's own: their `trainable` flag says whether `train` includes them, and you may set it
+    False to freeze one). `model.trainable = False` freezes this model (nothing trains) and
+    does not reach the backbone.
+    """
 
     ARCHITECTURE = None
 
@@ -96,7 +151,8 @@ class PromptedBackbone(keras.Model):
         seed=0,
         **kwargs,
     ):
-        super().__init__(**kwargs)
+        with kept_class_hierarchy(type(self)):  # keras-hub's PipelineModel resets it
+            super().__init__(**kwargs)
         self.backbone = backbone
         self.length = storage.check_length(length)
         self.mode = mode
@@ -128,13 +184,72 @@ class PromptedBackbone(keras.Model):
         )
 
     def _select_trainable(self):
-        storage.apply_train(self.train, self.backbone, self.prompt_variables)
+        storage.apply_train(self.train, self.prompt_variables, self.trainable)
         self.built = True
 
     def set_train(self, train):
-        """Re-select which weights train ("prompt", "transformer" or "both")."""
+        """Re-select which weights train ("prompt", "transformer" or "both"); as after
+        changing a layer's `trainable`, compile again before `fit`."""
         self.train = storage.check_train(train)
-        storage.apply_train(self.train, self.backbone, self.prompt_variables)
+        storage.apply_train(self.train, self.prompt_variables, self.trainable)
+
+    def __call__(self, *args, **kwargs):
+        if self.train == "prompt":
+            self._check_outer_model(kwargs.get("training"))
+        return super().__call__(*args, **kwargs)
+
+    def _check_outer_model(self, training):
+        """A model around this one, called in training (its `fit`), whose trainable set
+        holds the backbone that `train="prompt"` freezes: a ValueError naming the fix (Keras
+        collects a model's trainable variables by their own flags, which stay the user's).
+        Checked once per outer model."""
+        outer, context_training = _compat.outermost_call()
+        in_training = any(
+            isinstance(t, (bool, np.bool_)) and bool(t) for t in (training, context_training)
+        )
+        if outer is None or outer is self or not in_training:
+            return
+        checked = self.__dict__.setdefault("_checked_outer_models", set())
+        if id(outer) in checked:
+            return
+        backbone = {id(v) for v in self.backbone.variables}
+        trained = [v for v in outer.trainable_variables if id(v) in backbone]
+        if trained:
+            raise ValueError(
+                f"{type(outer).__name__} {outer.name!r} is being trained around the prompted "
+                f"model {self.name!r} (train='prompt'), and its trainable_variables hold "
+                f"{len(trained)} variables of the backbone, which train='prompt' keeps "
+                "frozen: Keras collects a model's trainable variables by each variable's own "
+                "`trainable` flag, and prompting leaves the backbone's flags as you set them. "
+                f"Add `prompts.TrainableSelection` before keras.Model in the bases of "
+                f"{type(outer).__name__} (its trainable set then honours the prompted "
+                "model's `train`), or use train='both' to fine-tune the backbone too."
+            )
+        checked.add(id(outer))
+
+    def _selected_ids(self) -> set:
+        ids = super()._selected_ids()  # the prompt by its flags, the backbone by its own
+        if self.train == "prompt":
+            ids -= {id(v) for v in self.backbone.variables}
+        elif self.train == "transformer":
+            ids -= {id(v) for v in self.prompt_variables}
+        return ids
+
+    @property
+    def trainable(self):
+        return self._trainable
+
+    @trainable.setter
+    def trainable(self, value):
+        """Keras's setter (this model's flag, its variables', its sublayers'), except that
+        the shared backbone keeps its own: freezing a prompted model never freezes your LM."""
+        self._trainable = bool(value)
+        train = getattr(self, "train", "both")
+        storage.apply_train(train, getattr(self, "prompt_variables", []), self._trainable)
+        backbone = getattr(self, "backbone", None)
+        for sublayer in _compat.own_variables_and_sublayers(self)[1]:
+            if sublayer is not backbone:
+                sublayer.trainable = value
 
     def prompt_metadata(self):
         return {

@@ -29,7 +29,7 @@ class PromptedBert(PromptedBackbone):
     `[CLS]`, running the backbone's own layers and weights.
 
     Args:
-        backbone: a built `BertBackbone`; shared, not copied (`train` sets its `trainable`).
+        backbone: a built `BertBackbone`; shared, not copied (`train` sets no flag on it).
         length: L >= 0 prompt vectors.
         mode: "shallow" only (deep prefixes are implemented for T5; a ValueError otherwise).
         train: "prompt", "transformer" or "both": `trainable_variables` is exactly that set.

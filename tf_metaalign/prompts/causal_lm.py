@@ -248,7 +248,7 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
 
     Args:
         backbone: a built `GPT2Backbone`, `GemmaBackbone` or `LlamaBackbone` (or subclass);
-            shared, not copied (`train` sets its `trainable`).
+            shared, not copied (`train` sets no flag on it).
         length: L >= 0 virtual tokens (shallow) or key/value prefixes per layer (deep).
         mode: "shallow" (prompt tuning: L embeddings before the input's) or "deep" (prefix
             tuning / P-tuning v2: L keys and values before the text's in every layer).

@@ -80,15 +80,17 @@ def vocabulary_rows_init(
     return table[vocabulary_row_ids(table.shape[0], length, init_vocabulary_rows, seed)]
 
 
-def apply_train(train: str, backbone, prompt_variables) -> None:
-    """Set `trainable` so that the owner's `trainable_variables` is exactly the intended set:
-    "prompt" freezes the backbone (every sublayer), "transformer" freezes the prompt, "both"
-    trains all. Note: the backbone object is shared with the caller, so its flag changes too.
+def apply_train(train: str, prompt_variables, trainable: bool = True) -> None:
+    """Set the prompt variables' own `trainable` flag: True when `train` ("prompt",
+    "transformer" or "both") trains the prompt and the prompted model is `trainable`.
+
+    The backbone is not touched: it is shared with the caller's models, and the prompted
+    model leaves it out of its trainable set itself when `train="prompt"`
+    (`base.TrainableSelection`).
     """
     check_train(train)
-    backbone.trainable = train in ("transformer", "both")
     for variable in prompt_variables:
-        variable.trainable = train in ("prompt", "both")
+        variable.trainable = bool(trainable) and train in ("prompt", "both")
 
 
 def save_prompt(model, path) -> str:

@@ -51,7 +51,7 @@ class PromptedT5(PromptedBackbone):
 
     Args:
         backbone: a `keras_hub.models.T5Backbone` (built). Shared, not copied: training the
-            transformer trains `backbone`'s variables, and `train` sets `backbone.trainable`.
+            transformer trains `backbone`'s variables; `train` sets no flag on it.
         length: L >= 0, the number of prompt vectors (shallow) or of key/value prefixes per
             attention block (deep). 20 in the paper.
         mode: "shallow" (prompt vectors prepended to the encoder input embeddings) or

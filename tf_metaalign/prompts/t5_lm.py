@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 import keras
 import numpy as np
 
+from tf_metaalign.prompts.base import TrainableSelection
 from tf_metaalign.prompts.t5 import PromptedT5, _check_prompted_t5
 
 __all__ = ["PromptedT5LM", "masked_token_loss", "encode_examples"]
@@ -30,7 +31,7 @@ EOS_ID = 1
 
 
 @keras.saving.register_keras_serializable(package="tf_metaalign")
-class PromptedT5LM(keras.Model):
+class PromptedT5LM(TrainableSelection, keras.Model):
     """`inputs -> logits [B, T, V]` of a `PromptedT5` (`prompted.lm_logits` of its decoder
     output). Inputs: the backbone's dict (`encoder_token_ids`, `encoder_padding_mask`,
     `decoder_token_ids`, `decoder_padding_mask`).

@@ -227,12 +227,14 @@ class EveryKSteps(keras.layers.Layer):
 # ------------------------------------------------------------------------ trainer
 
 
-class MetaTrainer(PipelineDataMixin, keras.Model):
+class MetaTrainer(F.TrainableSelection, PipelineDataMixin, keras.Model):
     """Owns the wrapped model, the loss at given weights, state, diagnostics, the end
     of a step and mid-epoch resumption (see the module doc).
 
     Args:
       model: the Keras model to train; it stays itself (`trainer.model`) and saves as itself.
+        The trainer's trainable set is the model's (a prompted model's `train` selection
+        included: `functional.TrainableSelection`) and the trainer's own.
       **kwargs: other `keras.Model` arguments.
 
     Example:
