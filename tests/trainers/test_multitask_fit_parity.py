@@ -216,7 +216,7 @@ def test_an_output_without_a_loss_under_gradient_methods_and_resume(tmp_path):
         }
         trainer.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
         path = str(tmp_path / f"{method}.keras")
-        trainer.save(path)
+        keras.saving.save_model(trainer, path)  # the trainer itself
         again = keras.models.load_model(path)
         assert again.num_tasks == 2
         for a, b in zip(trainer.weights, again.weights):
