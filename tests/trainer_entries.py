@@ -413,6 +413,7 @@ CHECKS = (
     "backup_machinery",
     "backup_and_restore",
     "multi_worker",
+    "multi_worker_backup",
     "model_after_fit",
     "ragged_last_batch",
     "no_host_round_trip",
@@ -750,4 +751,35 @@ ENTRIES = [
 ]
 assert set(HOST_SCAN_DEFAULT) <= {e.name for e in ENTRIES}, HOST_SCAN_DEFAULT
 
+BY_NAME = {e.name: e for e in ENTRIES}
+
+# The "multi_worker_backup" check (a 2-worker MultiWorkerMirroredStrategy job loses a
+# worker to SIGKILL mid-epoch and is restarted from MultiWorkerBackupAndRestore's backup;
+# three 2-process launches, ~60-75 s on 2 shared cores) runs for one trainer of each
+# family, the worker killed alternating between the chief (0) and the other (1): the
+# MetaTrainer base with its `every` schedule, SAM, MultiTaskTrainer, Sequential Reptile
+# (slow weights across steps), the stacked Reptile loop, MAML (learned rates, gradient
+# sharing, epoch schedules), guided learning (a learned optimizer), the prompt
+# meta-trainers (prompt Reptile's carried Adafactor state). Its machinery
+# (tf_metaalign.callbacks.MultiWorkerBackupAndRestore, MetaTrainer's mid-epoch skip) is
+# the same for every entry. The default suite runs "dotprod" only; the rest -m slow.
+MULTI_WORKER_BACKUP_KILLED = {
+    "dotprod": 0,
+    "sam": 1,
+    "multitask_pcgrad": 0,
+    "sequential_reptile": 1,
+    "reptile": 0,
+    "maml": 1,
+    "guided": 0,
+    "prompt_fomaml": 1,
+    "prompt_reptile": 0,
+}
+MULTI_WORKER_BACKUP_DEFAULT = ("dotprod",)
+assert set(MULTI_WORKER_BACKUP_KILLED) <= set(BY_NAME), MULTI_WORKER_BACKUP_KILLED
+ENTRIES = [
+    entry
+    if entry.name in MULTI_WORKER_BACKUP_DEFAULT or "multi_worker_backup" in entry.slow
+    else dataclasses.replace(entry, slow=(*entry.slow, "multi_worker_backup"))
+    for entry in ENTRIES
+]
 BY_NAME = {e.name: e for e in ENTRIES}
