@@ -388,8 +388,7 @@ class MultiWorkerBackupAndRestore(keras.callbacks.Callback):
         self._private_dir = None  # a non-chief's directory (saves, restore copy)
 
     def on_train_begin(self, logs=None):
-        # False on a multi-worker strategy's non-chief workers only.
-        if self.model.distribute_strategy.extended.should_checkpoint:
+        if self._is_chief():
             self._private_dir = None
             self._backup = keras.callbacks.BackupAndRestore(self.backup_dir, **self._options)
         else:
@@ -400,6 +399,10 @@ class MultiWorkerBackupAndRestore(keras.callbacks.Callback):
             )
         self._backup.set_model(self.model)
         self._backup.on_train_begin(logs)  # the chief restores here (a non-chief: nothing)
+
+    def _is_chief(self):
+        # False on a multi-worker strategy's non-chief workers only.
+        return self.model.distribute_strategy.extended.should_checkpoint
 
     def _restore_from_copy(self):
         copy = os.path.join(self._private_dir, "restore")
