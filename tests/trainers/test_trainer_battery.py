@@ -63,6 +63,15 @@ everything it compares, so a comparison is never vacuous):
    or in any function it calls (while / cond bodies, nested tf.functions, the XLA
    function); the XLA step lowers to HLO with no dynamic dimension. Its failures are
    shown on toy trainers (`tf.print`, `tf.py_function` in a nested loop, a boolean mask).
+10. `multi_worker_backup`: a 2-worker MultiWorkerMirroredStrategy job with
+   `tf_metaalign.callbacks.MultiWorkerBackupAndRestore(save_freq=2)` and a Dropout layer
+   loses one worker to SIGKILL at the end of batch 3 of epoch 1; the survivor's
+   collectives fail (or the launcher kills it, as a cluster manager would); the whole
+   job is restarted and must end with both workers equal to an uninterrupted 2-worker
+   job (weights, optimizer variables, trainer state, Dropout seed). One trainer per
+   family (`trainer_entries.MULTI_WORKER_BACKUP_KILLED`, which also says which worker
+   dies: the chief for some, the other worker for the rest); "dotprod" in the default
+   suite, the others under -m slow.
 
 The subprocess scenarios run tests/battery_worker.py (one entry, one scenario, bounded by
 `SUBPROCESS_TIMEOUT`).
