@@ -684,6 +684,14 @@ _CARRIED = (
     "each DDP process's in the reference), so R replicas differ from 1"
 )
 
+_WORKER_LOCAL = (
+    "under MultiWorkerMirroredStrategy each worker keeps its own replica's chain of the "
+    "carried inner optimizer state ('only_first_replica' broadcasts within a worker only: "
+    "measured, the two workers' states differ by up to 0.6 in an uninterrupted job), and "
+    "the chief's backup holds the chief's: a restarted job gives every worker the chief's "
+    "chain (the restarted workers then differ from the uninterrupted ones by ~1e-3)"
+)
+
 ENTRIES += [
     TrainerEntry(
         name="prompt_fomaml",
@@ -707,7 +715,11 @@ ENTRIES += [
             "inner_other_iterations",
         ),
         **_PROMPT_MLP_FIELDS,
-        xfail={"replicas": (_CARRIED, AssertionError), "multi_worker": (_CARRIED, AssertionError)},
+        xfail={
+            "replicas": (_CARRIED, AssertionError),
+            "multi_worker": (_CARRIED, AssertionError),
+            "multi_worker_backup": (_WORKER_LOCAL, AssertionError),
+        },
         # The default suite keeps what exercises its carried Adafactor state (save/load,
         # kill and resume, eager == traced); prompt_fomaml runs every check.
         slow=(

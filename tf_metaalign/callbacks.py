@@ -327,10 +327,10 @@ class MultiWorkerBackupAndRestore(keras.callbacks.Callback):
     MultiWorkerMirroredStrategy every worker writes the same `latest.weights.h5` and
     `training_metadata.json` in `backup_dir`, concurrently, and every worker deletes
     `backup_dir` when its training ends. Where `backup_dir` is shared (it must be, for
-    the workers to resume from one state) two workers' writes race on one HDF5 file,
-    and a worker that finishes first deletes the directory under the other's last save
-    (measured here with two workers on one host; see docs/trainers.md). This callback
-    follows tf.keras 2's convention instead:
+    the workers to resume from one state) two workers' writes race on one HDF5 file
+    (measured with two workers on one host: `BlockingIOError: ... unable to lock file`
+    at their first save; docs/trainers.md), and a worker that ends first can delete the
+    directory under another's last save. This callback follows tf.keras 2's convention:
 
     * the chief (`strategy.extended.should_checkpoint`: worker 0, or the "chief" task)
       backs up into `backup_dir` exactly as Keras's callback does, and deletes it at
@@ -343,16 +343,23 @@ class MultiWorkerBackupAndRestore(keras.callbacks.Callback):
       the chief's directory): the job resumes from the chief's last backup.
 
     `backup_dir` must therefore be storage every worker reads (a shared file system,
-    GCS). Outside a multi-worker strategy this is Keras's `BackupAndRestore` with the
-    same arguments. With a trainer of this package, a restart resumes mid-epoch exactly
+    GCS). The backup is the chief's: state that differs between workers is restored with
+    the chief's value on every worker. Trainers keep their state identical on every
+    replica, except `PromptReptileTrainer(carry_inner_state=True)`, whose carried inner
+    optimizer state is each worker's own under this strategy ("only_first_replica"
+    variables are synchronised within a worker, not across workers): it does not resume
+    exactly (tested, a strict xfail of the battery).
+
+    Outside a multi-worker strategy this is Keras's `BackupAndRestore` with the same
+    arguments. With a trainer of this package, a restart resumes mid-epoch exactly
     (the trainers skip the batches the interrupted epoch trained; see
     `tf_metaalign.trainers.MetaTrainer`); a plain Keras model restarts the interrupted
     epoch from its first batch, as under Keras's own callback.
 
-    When one worker dies, the others cannot go on (each step is a collective): the job
-    must be stopped and restarted as a whole, which is the cluster manager's job (set
-    `tf.distribute.experimental.CommunicationOptions(timeout_seconds=...)` so that the
-    survivors fail instead of waiting; Keras's callback cannot restart anything).
+    When one worker dies, the others cannot go on (each step is a collective):
+    TensorFlow's coordination service aborts their collectives (measured 4-10 s after a
+    SIGKILL), their `fit` raises, and the job must be restarted as a whole, every worker
+    with the same command: the cluster manager's job, not this callback's.
 
     Args:
       backup_dir: the directory of the chief's backup (see above).
