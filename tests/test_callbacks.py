@@ -1,4 +1,6 @@
-"""tf_metaalign.callbacks.MultiTaskDiagnostics against NumPy closed forms."""
+"""tf_metaalign.callbacks: MultiTaskDiagnostics against NumPy closed forms;
+MultiWorkerBackupAndRestore in one process (its 2-worker job: the trainer battery's
+multi_worker_backup check)."""
 
 import itertools
 import os
