@@ -907,32 +907,41 @@ def test_multi_worker_job_resumes_after_a_lost_worker(entry, exact, tmp_path):
 
     backup = tmp_path / "backup"
     reference = launch("reference", -1, tmp_path / "reference_backup")
-    lost = report(launch("lost", KILL_BATCH, backup), "lost")
-    # The job was lost as planned: one worker killed by SIGKILL mid-epoch, the other
-    # stopped (its collectives failed, or the launcher killed it); nothing finished.
-    codes = lost["returncodes"]
-    assert codes[killed] == -9 and not lost["killed_by_launcher"][killed], failures(lost)
-    assert codes[survivor] != 0, "the surviving worker finished without its peer"
-    # ... and it failed by itself, in time: its collectives were aborted (TensorFlow's
-    # coordination service: the lost task's heartbeats stopped, or its socket closed).
-    assert not lost["killed_by_launcher"][survivor], (
-        f"the surviving worker hung for {SURVIVOR_GRACE} s after its peer died"
-    )
-    assert "Collective ops is aborted" in lost["outputs"][survivor], failures(lost)
-    assert not list((tmp_path / "lost").glob("worker*.npz")), "a worker of the lost job finished"
-    expected = _last_backup_before_kill(B.N_ROWS // entry.batch_size)
-    assert expected["epoch"] == KILL_EPOCH and 0 <= expected["batch"] < KILL_BATCH, expected
-    marker = tmp_path / "killed.marker"
-    assert marker.exists(), "the kill callback never ran"
-    assert json.loads(marker.read_text()) == expected, marker.read_text()
-    # On disk: the chief's mid-epoch backup, and nothing any other worker wrote.
-    assert sorted(os.listdir(backup)) == ["latest.weights.h5", "training_metadata.json"]
-    assert json.loads((backup / "training_metadata.json").read_text()) == expected
+    try:
+        lost = report(launch("lost", KILL_BATCH, backup), "lost")
+        # The job was lost as planned: one worker killed by SIGKILL mid-epoch, the other
+        # failed; nothing finished.
+        codes = lost["returncodes"]
+        assert codes[killed] == -9 and not lost["killed_by_launcher"][killed], failures(lost)
+        assert codes[survivor] != 0, "the surviving worker finished without its peer"
+        # ... and it failed by itself, in time: its collectives were aborted (TensorFlow's
+        # coordination service: the lost task's heartbeats stopped, or its socket closed).
+        assert not lost["killed_by_launcher"][survivor], (
+            f"the surviving worker hung for {SURVIVOR_GRACE} s after its peer died"
+        )
+        assert "Collective ops is aborted" in lost["outputs"][survivor], failures(lost)
+        assert not list((tmp_path / "lost").glob("worker*.npz")), (
+            "a worker of the lost job finished"
+        )
+        expected = _last_backup_before_kill(B.N_ROWS // entry.batch_size)
+        assert expected["epoch"] == KILL_EPOCH and 0 <= expected["batch"] < KILL_BATCH, expected
+        marker = tmp_path / "killed.marker"
+        assert marker.exists(), "the kill callback never ran"
+        assert json.loads(marker.read_text()) == expected, marker.read_text()
+        # On disk: the chief's mid-epoch backup, and nothing any other worker wrote.
+        assert sorted(os.listdir(backup)) == ["latest.weights.h5", "training_metadata.json"]
+        assert json.loads((backup / "training_metadata.json").read_text()) == expected
 
-    # The cluster manager restarts the job: the same command, both workers.
-    resumed = report(launch("resumed", KILL_BATCH, backup), "resumed")
-    assert resumed["returncodes"] == [0, 0], failures(resumed)
-    initial = B.snapshot(entry, B.build(entry, dropout=DROPOUT))  # meanwhile, here
+        # The cluster manager restarts the job: the same command, both workers.
+        resumed = report(launch("resumed", KILL_BATCH, backup), "resumed")
+        assert resumed["returncodes"] == [0, 0], failures(resumed)
+        initial = B.snapshot(entry, B.build(entry, dropout=DROPOUT))  # meanwhile, here
+    finally:  # a failure above: the reference job ends first (bounded by its launcher)
+        if reference.poll() is None:
+            try:
+                reference.wait(timeout=SUBPROCESS_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                reference.kill()
     job = report(reference, "reference")
     assert job["returncodes"] == [0, 0], failures(job)
     assert not backup.exists(), "the chief did not delete its backup at the end"
@@ -948,7 +957,7 @@ def test_multi_worker_job_resumes_after_a_lost_worker(entry, exact, tmp_path):
     assert int(reference["meta/batches_trained"]) == steps
     assert int(chief["optimizer/iterations"]) == steps
     # The restart began at the interrupted epoch's first batch (the backup's epoch), and
-    # went through all its batches (the first KILL_BATCH skipped, not trained again).
+    # went through all its batches (those the backup had trained skipped, not retrained).
     assert int(chief["meta/batches_trained"]) == B.N_ROWS // entry.batch_size
     B.assert_trained(entry, initial, reference)
     B.assert_same(other, chief, 0.0, 0.0, "the restarted job's two workers", keys=keys)
