@@ -878,8 +878,8 @@ def test_multi_worker_job_resumes_after_a_lost_worker(entry, exact, tmp_path):
     collectives fail within SURVIVOR_GRACE s; the whole job is restarted with the same command
     (new ports) and resumes from the chief's backup. Both workers must end with what an
     uninterrupted 2-worker job (run alongside) ends with: weights, optimizer variables,
-    the trainer's state, the Dropout seed. Measured on 2 shared cores: ~60-75 s for
-    "dotprod" (three launches of 2 workers)."""
+    the trainer's state, the Dropout seed. Measured for "dotprod" (three launches of 2
+    workers, 38 s of CPU): 34 s on 2 cores at load 5, 85 s at load 8."""
     killed = MULTI_WORKER_BACKUP_KILLED[entry.name]
     survivor = 1 - killed
 
