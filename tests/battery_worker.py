@@ -76,6 +76,10 @@ def main(argv=None):
     args = parse_args(argv)
     if args.scenario == "mwms-cluster":
         sys.exit(run_cluster(args))
+    import faulthandler
+
+    # The launcher asks a worker it is about to kill where it is (its log shows it).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     import tensorflow as tf
 
     strategy = None
@@ -257,9 +261,12 @@ def run_cluster(args):
     poll()
     for i, (p, _) in enumerate(procs):  # timed out, or the job is lost: kill the rest
         if p.poll() is None:
+            p.send_signal(signal.SIGUSR1)  # its Python stacks into its log (faulthandler)
+            time.sleep(2)
             p.kill()
             p.wait()
             killed[i] = True
+            exited[i] = round(time.monotonic() - start, 2)
     outputs = []
     for _, log in procs:
         log.seek(0)

@@ -357,8 +357,9 @@ class MultiWorkerBackupAndRestore(keras.callbacks.Callback):
     epoch from its first batch, as under Keras's own callback.
 
     When one worker dies, the others cannot go on (each step is a collective):
-    TensorFlow's coordination service aborts their collectives (measured 4-10 s after a
-    SIGKILL), their `fit` raises, and the job must be restarted as a whole, every worker
+    TensorFlow's coordination service aborts their collectives once the lost worker's
+    heartbeats stop (measured 4-21 s after a SIGKILL; on an overloaded host a survivor
+    can wait longer), and the job must be stopped and restarted as a whole, every worker
     with the same command: the cluster manager's job, not this callback's.
 
     Args:

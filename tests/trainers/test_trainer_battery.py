@@ -862,10 +862,11 @@ def test_multi_worker_mirrored_equals_one_process(entry, exact, tmp_path):
 # ------------------------------------------------- 10. a lost worker, the job restarted
 
 #: Seconds the surviving worker gets to fail by itself once its peer died, before the
-#: launcher would kill it (as a cluster manager stops a job that lost a task); the test
-#: requires that it fails by itself. Measured: 4-10 s after the kill (TensorFlow's
-#: coordination service aborts the collectives when a task's heartbeats stop or its
-#: socket closes; no CommunicationOptions timeout needed).
+#: launcher kills it (as a cluster manager stops a job that lost a task). TensorFlow's
+#: coordination service aborts its collectives when the lost task's heartbeats stop (or
+#: its socket closes): measured 4-10 s after the kill on 2 cores at load <= 5, up to 21 s
+#: at load 6, and not within 30 s in 3 of 7 runs at load ~10 (a surviving chief). The
+#: bound on the test is this launcher's kill, not TensorFlow's detection.
 SURVIVOR_GRACE = 30
 
 
@@ -874,8 +875,9 @@ def test_multi_worker_job_resumes_after_a_lost_worker(entry, exact, tmp_path):
     """A 2-worker MultiWorkerMirroredStrategy job with
     `tf_metaalign.callbacks.MultiWorkerBackupAndRestore(save_freq=2)` and a Dropout layer
     loses one worker (`MULTI_WORKER_BACKUP_KILLED`: the chief or the other) to SIGKILL at
-    the end of batch 3 of epoch 1 (after the backup at batch 2); the survivor's
-    collectives fail within SURVIVOR_GRACE s; the whole job is restarted with the same command
+    the end of batch 3 of epoch 1 (after the backup at batch 2); the survivor fails (its
+    collectives are aborted) or is killed after SURVIVOR_GRACE s; the whole job is
+    restarted with the same command
     (new ports) and resumes from the chief's backup. Both workers must end with what an
     uninterrupted 2-worker job (run alongside) ends with: weights, optimizer variables,
     the trainer's state, the Dropout seed. Measured for "dotprod" (three launches of 2
@@ -914,12 +916,8 @@ def test_multi_worker_job_resumes_after_a_lost_worker(entry, exact, tmp_path):
         codes = lost["returncodes"]
         assert codes[killed] == -9 and not lost["killed_by_launcher"][killed], failures(lost)
         assert codes[survivor] != 0, "the surviving worker finished without its peer"
-        # ... and it failed by itself, in time: its collectives were aborted (TensorFlow's
-        # coordination service: the lost task's heartbeats stopped, or its socket closed).
-        assert not lost["killed_by_launcher"][survivor], (
-            f"the surviving worker hung for {SURVIVOR_GRACE} s after its peer died"
-        )
-        assert "Collective ops is aborted" in lost["outputs"][survivor], failures(lost)
+        if not lost["killed_by_launcher"][survivor]:  # it failed by itself: how
+            assert "Collective ops is aborted" in lost["outputs"][survivor], failures(lost)
         assert not list((tmp_path / "lost").glob("worker*.npz")), (
             "a worker of the lost job finished"
         )
