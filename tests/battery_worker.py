@@ -14,11 +14,18 @@ Scenarios:
           each global batch this worker's replica receives from Keras's fit
           (--rows, JSON), then trains the entry; the chief (task 0) alone writes the
           snapshot and the per-batch logs to --out.
+          With --backup-dir: no row probe; fit with
+          tf_metaalign.callbacks.MultiWorkerBackupAndRestore (Keras's own with
+          --keras-backup) and a Dropout layer; worker --kill-task kills itself as in
+          `backup` (one --marker for the cluster); every worker that finishes writes
+          its snapshot plus meta/batches_trained and meta/task_id to --out.
   mwms-cluster
-          starts --workers `mwms` workers on 127.0.0.1 (free ports, TF_CONFIG each) and
-          waits for them (at most --timeout seconds; the first failure stops the rest).
-          --out is a directory: worker<i>.npz (the chief's results), rows<i>.json, and
-          cluster.json (each worker's return code and output tail). Imports no
+          starts --workers `mwms` workers on 127.0.0.1 (free ports, TF_CONFIG each;
+          the backup options passed on) and waits for them (at most --timeout seconds).
+          The first failure loses the job: the others get --grace seconds to exit by
+          themselves, then are killed. --out is a directory: worker<i>.npz,
+          rows<i>.json, worker<i>.log and cluster.json (each worker's return code,
+          whether the launcher killed it, when it exited, its output tail). Imports no
           TensorFlow itself. TensorFlow's gRPC server listens on every interface
           (grpc_server_lib binds "0.0.0.0:<port>" whatever TF_CONFIG says), so the
           test runs this scenario in a network namespace that has only loopback.
@@ -59,6 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--rows")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--timeout", type=float, default=240)
+    p.add_argument("--kill-task", type=int, default=1, help="mwms: the worker that kills itself")
+    p.add_argument("--keras-backup", action="store_true", help="Keras's own BackupAndRestore")
+    p.add_argument("--grace", type=float, default=30, help="cluster: wait after a failure")
     return p.parse_args(argv)
 
 
@@ -66,6 +76,10 @@ def main(argv=None):
     args = parse_args(argv)
     if args.scenario == "mwms-cluster":
         sys.exit(run_cluster(args))
+    import faulthandler
+
+    # The launcher asks a worker it is about to kill where it is (its log shows it).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     import tensorflow as tf
 
     strategy = None
@@ -88,6 +102,8 @@ def main(argv=None):
 
     if args.scenario == "backup":
         run_backup(entry, args, keras, np, B)
+    elif args.backup_dir:
+        run_mwms_backup(entry, args, strategy, keras, np, B)
     else:
         run_mwms(entry, args, strategy, tf, keras, np, B)
 
@@ -95,12 +111,10 @@ def main(argv=None):
 # ----------------------------------------------------------------------------- backup
 
 
-def run_backup(entry, args, keras, np, B):
-    from precision import global_float_precision
-
-    if not args.backup_dir:
-        sys.exit("backup: --backup-dir is required")
-    marker = args.marker or args.out + ".killed"
+def _killer(keras, args, marker):
+    """A callback that writes `marker` (with the backup's training_metadata.json) and
+    kills this process with SIGKILL at the end of batch --kill-batch of epoch
+    --kill-epoch, unless `marker` exists (the resumed run)."""
 
     class Killer(keras.callbacks.Callback):
         epoch = None
@@ -120,13 +134,28 @@ def run_backup(entry, args, keras, np, B):
                 os.fsync(f.fileno())
             os.kill(os.getpid(), signal.SIGKILL)
 
+    return Killer()
+
+
+def _counter(keras):
+    """A callback counting the batches this process trains (`.batches`)."""
+
     class Counter(keras.callbacks.Callback):
         batches = 0
 
         def on_train_batch_end(self, batch, logs=None):
             self.batches += 1
 
-    counter = Counter()
+    return Counter()
+
+
+def run_backup(entry, args, keras, np, B):
+    from precision import global_float_precision
+
+    if not args.backup_dir:
+        sys.exit("backup: --backup-dir is required")
+    marker = args.marker or args.out + ".killed"
+    counter = _counter(keras)
     with global_float_precision(entry.dtype):
         x, y = B.data(entry)
         trainer = B.build(entry, dropout=args.dropout)
@@ -135,7 +164,7 @@ def run_backup(entry, args, keras, np, B):
             counter,
         ]
         if args.kill_batch >= 0:
-            callbacks.append(Killer())
+            callbacks.append(_killer(keras, args, marker))
         B.fit(entry, trainer, x, y, callbacks=callbacks)
         result = B.snapshot(entry, trainer)
     result["meta/batches_trained"] = np.asarray(counter.batches)
@@ -159,40 +188,85 @@ def _free_ports(n):
     return ports
 
 
+#: Worker options the cluster launcher passes on to each `mwms` worker (the backup scenario).
+_FORWARDED = (
+    "backup_dir",
+    "save_freq",
+    "kill_epoch",
+    "kill_batch",
+    "kill_task",
+    "marker",
+    "dropout",
+)
+
+
+def _worker_command(args, index):
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        args.entry,
+        "mwms",
+        "--out",
+        os.path.join(args.out, f"worker{index}.npz"),
+    ]
+    if not args.backup_dir:
+        return cmd + ["--rows", os.path.join(args.out, f"rows{index}.json")]
+    for name in _FORWARDED:
+        value = getattr(args, name)
+        if value is not None:
+            cmd += ["--" + name.replace("_", "-"), str(value)]
+    return cmd + (["--keras-backup"] if args.keras_backup else [])
+
+
 def run_cluster(args):
+    """Start the workers; wait for all of them (at most --timeout s). When one fails (a
+    non-zero exit, SIGKILL included), the job is lost, as a cluster manager sees it: the
+    others get --grace seconds to exit by themselves (their collectives fail), then are
+    killed. cluster.json records each worker's return code, whether
+    the launcher killed it, and when each exited (seconds after the start)."""
     import subprocess
     import time
 
     os.makedirs(args.out, exist_ok=True)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in _free_ports(args.workers)]}
     procs = []
+    start = time.monotonic()
     for index in range(args.workers):
         env = dict(os.environ)
         env["TF_CONFIG"] = json.dumps(
             {"cluster": cluster, "task": {"type": "worker", "index": index}}
         )
-        cmd = [
-            sys.executable,
-            os.path.abspath(__file__),
-            args.entry,
-            "mwms",
-            "--out",
-            os.path.join(args.out, f"worker{index}.npz"),
-            "--rows",
-            os.path.join(args.out, f"rows{index}.json"),
-        ]
         log = open(os.path.join(args.out, f"worker{index}.log"), "w+")
+        cmd = _worker_command(args, index)
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    deadline = time.monotonic() + args.timeout
+    exited = [None] * args.workers
+    killed = [False] * args.workers
+
+    def poll():
+        for i, (p, _) in enumerate(procs):
+            if exited[i] is None and p.poll() is not None:
+                exited[i] = round(time.monotonic() - start, 2)
+        return [p.returncode for p, _ in procs]
+
+    deadline = start + args.timeout
+    first_failure = None
     while time.monotonic() < deadline:
-        codes = [p.poll() for p, _ in procs]
-        if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+        codes = poll()
+        if all(c is not None for c in codes):
             break
-        time.sleep(0.2)
-    for p, _ in procs:  # timed out, or one failed: the others would wait for it forever
+        if first_failure is None and any(c not in (None, 0) for c in codes):
+            first_failure = time.monotonic()
+            deadline = min(deadline, first_failure + args.grace)
+        time.sleep(0.1)
+    poll()
+    for i, (p, _) in enumerate(procs):  # timed out, or the job is lost: kill the rest
         if p.poll() is None:
+            p.send_signal(signal.SIGUSR1)  # its Python stacks into its log (faulthandler)
+            time.sleep(2)
             p.kill()
             p.wait()
+            killed[i] = True
+            exited[i] = round(time.monotonic() - start, 2)
     outputs = []
     for _, log in procs:
         log.seek(0)
@@ -200,7 +274,19 @@ def run_cluster(args):
         log.close()
     codes = [p.returncode for p, _ in procs]
     with open(os.path.join(args.out, "cluster.json"), "w") as f:
-        json.dump({"cluster": cluster, "returncodes": codes, "outputs": outputs}, f)
+        json.dump(
+            {
+                "cluster": cluster,
+                "returncodes": codes,
+                "killed_by_launcher": killed,
+                "exited_after_s": exited,
+                "first_failure_after_s": None
+                if first_failure is None
+                else round(first_failure - start, 2),
+                "outputs": outputs,
+            },
+            f,
+        )
     return 0 if all(c == 0 for c in codes) else 1
 
 
@@ -252,6 +338,32 @@ def run_mwms(entry, args, strategy, tf, keras, np, B):
         for name, values in B.logs_as_arrays(logs, names).items():
             result[f"logs/{name}"] = values
         np.savez(args.out, **result)
+
+
+def run_mwms_backup(entry, args, strategy, keras, np, B):
+    """One worker of the killed / resumed / uninterrupted multi-worker backup runs: fit
+    with a backup callback (the package's `MultiWorkerBackupAndRestore`, or Keras's own
+    with --keras-backup) and a Dropout layer; worker --kill-task kills itself as in the
+    `backup` scenario. Every worker that finishes writes its snapshot to --out."""
+    from precision import global_float_precision
+
+    from tf_metaalign.callbacks import MultiWorkerBackupAndRestore
+
+    task_id = strategy.cluster_resolver.task_id
+    marker = args.marker or args.out + ".killed"
+    backup = keras.callbacks.BackupAndRestore if args.keras_backup else MultiWorkerBackupAndRestore
+    counter = _counter(keras)
+    with global_float_precision(entry.dtype):
+        x, y = B.data(entry)
+        trainer = B.build(entry, strategy=strategy, dropout=args.dropout)
+        callbacks = [backup(args.backup_dir, save_freq=args.save_freq), counter]
+        if args.kill_batch >= 0 and task_id == args.kill_task:
+            callbacks.append(_killer(keras, args, marker))
+        B.fit(entry, trainer, x, y, callbacks=callbacks)
+        result = B.snapshot(entry, trainer)
+    result["meta/batches_trained"] = np.asarray(counter.batches)
+    result["meta/task_id"] = np.asarray(task_id)
+    np.savez(args.out, **result)
 
 
 if __name__ == "__main__":

@@ -413,6 +413,7 @@ CHECKS = (
     "backup_machinery",
     "backup_and_restore",
     "multi_worker",
+    "multi_worker_backup",
     "model_after_fit",
     "model_checkpoint",
     "ragged_last_batch",
@@ -696,6 +697,14 @@ _CARRIED = (
     "each DDP process's in the reference), so R replicas differ from 1"
 )
 
+_WORKER_LOCAL = (
+    "under MultiWorkerMirroredStrategy each worker keeps its own replica's chain of the "
+    "carried inner optimizer state ('only_first_replica' broadcasts within a worker only: "
+    "measured, the two workers' states differ by up to 0.6 in an uninterrupted job), and "
+    "the chief's backup holds the chief's: a restarted job gives every worker the chief's "
+    "chain (the restarted workers then differ from the uninterrupted ones by ~1e-3)"
+)
+
 ENTRIES += [
     TrainerEntry(
         name="prompt_fomaml",
@@ -719,7 +728,11 @@ ENTRIES += [
             "inner_other_iterations",
         ),
         **_PROMPT_MLP_FIELDS,
-        xfail={"replicas": (_CARRIED, AssertionError), "multi_worker": (_CARRIED, AssertionError)},
+        xfail={
+            "replicas": (_CARRIED, AssertionError),
+            "multi_worker": (_CARRIED, AssertionError),
+            "multi_worker_backup": (_WORKER_LOCAL, AssertionError),
+        },
         # The default suite keeps what exercises its carried Adafactor state (save/load,
         # kill and resume, eager == traced); prompt_fomaml runs every check.
         slow=(
@@ -763,4 +776,37 @@ ENTRIES = [
 ]
 assert set(HOST_SCAN_DEFAULT) <= {e.name for e in ENTRIES}, HOST_SCAN_DEFAULT
 
+BY_NAME = {e.name: e for e in ENTRIES}
+
+# The "multi_worker_backup" check (a 2-worker MultiWorkerMirroredStrategy job loses a
+# worker to SIGKILL mid-epoch and is restarted from MultiWorkerBackupAndRestore's backup;
+# three 2-process launches: 38 s of CPU for "dotprod", 34 s on 2 cores at load 5, 85-135 s
+# at load 8-12; 70-210 s per other entry at load 10) runs for one trainer of each
+# family, the worker killed alternating between the chief (0) and the other (1): the
+# MetaTrainer base with its `every` schedule, SAM, MultiTaskTrainer, Sequential Reptile
+# (slow weights across steps), the stacked Reptile loop, MAML (learned rates, gradient
+# sharing, epoch schedules), guided learning (a learned optimizer), the prompt
+# meta-trainers (prompt Reptile's carried Adafactor state: a strict xfail, see its
+# entry). Its machinery (tf_metaalign.callbacks.MultiWorkerBackupAndRestore,
+# MetaTrainer's mid-epoch skip) is the same for every entry. The default suite runs
+# "dotprod" only; the rest -m slow.
+MULTI_WORKER_BACKUP_KILLED = {
+    "dotprod": 0,
+    "sam": 1,
+    "multitask_pcgrad": 0,
+    "sequential_reptile": 1,
+    "reptile": 0,
+    "maml": 1,
+    "guided": 0,
+    "prompt_fomaml": 1,
+    "prompt_reptile": 0,
+}
+MULTI_WORKER_BACKUP_DEFAULT = ("dotprod",)
+assert set(MULTI_WORKER_BACKUP_KILLED) <= set(BY_NAME), MULTI_WORKER_BACKUP_KILLED
+ENTRIES = [
+    entry
+    if entry.name in MULTI_WORKER_BACKUP_DEFAULT or "multi_worker_backup" in entry.slow
+    else dataclasses.replace(entry, slow=(*entry.slow, "multi_worker_backup"))
+    for entry in ENTRIES
+]
 BY_NAME = {e.name: e for e in ENTRIES}

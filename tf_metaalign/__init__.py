@@ -17,7 +17,7 @@ What a user imports (each subpackage lists its API in `__all__`):
   optimizers   -- T5/Pegasus/BERT-faithful optimizers, each rule a pure function: Adafactor,
                   Adam, AdamW, AdamWeightDecay, Lamb, RecAdam, SGD and their schedules.
   prompts      -- soft prompts for keras-hub T5 / BERT, templates, rank classification, ARG.
-  callbacks    -- DivergenceGuard, MultiTaskDiagnostics.
+  callbacks    -- DivergenceGuard, MultiTaskDiagnostics, MultiWorkerBackupAndRestore.
   data         -- MultiTaskStream, PerTaskHead, EpisodeSampler, stacked meta-batches, and
                   the standard loaders (Omniglot, sinusoid, digits, TFDS).
   functional   -- a Keras model evaluated at *given* weights, and gradient-list algebra.
