@@ -416,6 +416,7 @@ CHECKS = (
     "model_after_fit",
     "ragged_last_batch",
     "no_host_round_trip",
+    "repeated_runs",
 )
 
 #: The battery's checks that only the first two zoo entries run in the default suite
@@ -749,5 +750,20 @@ ENTRIES = [
     for entry in ENTRIES
 ]
 assert set(HOST_SCAN_DEFAULT) <= {e.name for e in ENTRIES}, HOST_SCAN_DEFAULT
+
+BY_NAME = {e.name: e for e in ENTRIES}
+
+# The "repeated_runs" check (a subprocess that trains the entry 3 times after 3 plain fits:
+# ~15 s of CPU an entry) runs in the default suite for the MetaTrainer base (every trainer's
+# train function goes through it) and one trainer whose inner loop nests traced functions;
+# every other entry runs it under -m slow.
+REPEATED_RUNS_DEFAULT = ("dotprod", "maml")
+ENTRIES = [
+    entry
+    if entry.name in REPEATED_RUNS_DEFAULT or "repeated_runs" in entry.slow
+    else dataclasses.replace(entry, slow=(*entry.slow, "repeated_runs"))
+    for entry in ENTRIES
+]
+assert set(REPEATED_RUNS_DEFAULT) <= {e.name for e in ENTRIES}, REPEATED_RUNS_DEFAULT
 
 BY_NAME = {e.name: e for e in ENTRIES}
