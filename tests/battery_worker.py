@@ -25,7 +25,8 @@ Scenarios:
   runs    --runs + 1 fresh trainings of the entry in this one process (build, compile,
           `fit` as the other checks do; then `del`, `gc.collect()`,
           `keras.backend.clear_session()`), after --runs + 1 plain `fit`s of the battery
-          MLP in the same loop. After each: the resident set size (MB), the number of
+          MLP in the same loop. After each: the resident set size (MB, after glibc's
+          `malloc_trim`), the number of
           functions in TensorFlow's eager context and of `tf.custom_gradient` entries in
           its gradient registry. Writes them as JSON to --out.
 
@@ -156,9 +157,15 @@ def run_backup(entry, args, keras, np, B):
 
 def _retained(tf):
     """What one process keeps: (resident MB, eager-context functions, custom gradients)."""
+    import ctypes
+
     from tensorflow.python.eager import context
     from tensorflow.python.framework import ops
 
+    try:  # the C heap's free pages back to the system: RSS then counts live memory
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     with open("/proc/self/statm") as f:
         resident_pages = int(f.read().split()[1])
     custom = sum(name.startswith("CustomGradient-") for name in ops._gradient_registry.list())
