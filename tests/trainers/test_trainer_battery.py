@@ -866,7 +866,8 @@ def test_multi_worker_mirrored_equals_one_process(entry, exact, tmp_path):
 
 #: The resident memory a run may keep beyond what plain `fit` keeps in the same loop:
 #: measured, the trainers keep 0.0-0.1 MB per run of the battery MLP (DotProd kept 14.6
-#: before the fix, plain fit 4.3), the rest is allocator noise.
+#: before the fix, plain fit 4.3), the rest is allocator noise. Each case takes ~15 s of
+#: CPU (dotprod; maml ~25 s).
 RUN_MEMORY_BOUND_MB = 1.0
 REPEATED_RUNS = 2
 
