@@ -29,6 +29,13 @@ Scenarios:
           TensorFlow itself. TensorFlow's gRPC server listens on every interface
           (grpc_server_lib binds "0.0.0.0:<port>" whatever TF_CONFIG says), so the
           test runs this scenario in a network namespace that has only loopback.
+  runs    --runs + 1 fresh trainings of the entry in this one process (build, compile,
+          `fit` as the other checks do; then `del`, `gc.collect()`,
+          `keras.backend.clear_session()`), after --runs + 1 plain `fit`s of the battery
+          MLP in the same loop. After each: the resident set size (MB, after glibc's
+          `malloc_trim`), the number of
+          functions in TensorFlow's eager context and of `tf.custom_gradient` entries in
+          its gradient registry. Writes them as JSON to --out.
 
 The process uses the default single CPU device (no logical split, unlike conftest.py).
 """
@@ -55,7 +62,7 @@ if "PYTHONPATH" not in os.environ:  # run by hand: test this checkout's tf_metaa
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("entry")
-    p.add_argument("scenario", choices=("backup", "mwms", "mwms-cluster"))
+    p.add_argument("scenario", choices=("backup", "mwms", "mwms-cluster", "runs"))
     p.add_argument("--out", required=True)
     p.add_argument("--backup-dir")
     p.add_argument("--save-freq", type=int, default=2)
@@ -69,6 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--kill-task", type=int, default=1, help="mwms: the worker that kills itself")
     p.add_argument("--keras-backup", action="store_true", help="Keras's own BackupAndRestore")
     p.add_argument("--grace", type=float, default=30, help="cluster: wait after a failure")
+    p.add_argument("--runs", type=int, default=3)
     return p.parse_args(argv)
 
 
@@ -102,6 +110,8 @@ def main(argv=None):
 
     if args.scenario == "backup":
         run_backup(entry, args, keras, np, B)
+    elif args.scenario == "runs":
+        run_repeated(entry, args, tf, keras, B)
     elif args.backup_dir:
         run_mwms_backup(entry, args, strategy, keras, np, B)
     else:
@@ -169,6 +179,61 @@ def run_backup(entry, args, keras, np, B):
         result = B.snapshot(entry, trainer)
     result["meta/batches_trained"] = np.asarray(counter.batches)
     np.savez(args.out, **result)
+
+
+# ------------------------------------------------------------------------------- runs
+
+
+def _retained(tf):
+    """What one process keeps: (resident MB, eager-context functions, custom gradients)."""
+    import ctypes
+
+    from tensorflow.python.eager import context
+    from tensorflow.python.framework import ops
+
+    try:  # the C heap's free pages back to the system: RSS then counts live memory
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    with open("/proc/self/statm") as f:
+        resident_pages = int(f.read().split()[1])
+    custom = sum(name.startswith("CustomGradient-") for name in ops._gradient_registry.list())
+    return (
+        resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**20,
+        len(context.context().list_function_names()),
+        custom,
+    )
+
+
+def run_repeated(entry, args, tf, keras, B):
+    import gc
+
+    from precision import global_float_precision
+    from trainer_entries import mlp, regression_data
+
+    def plain():
+        x, y = regression_data(B.N_ROWS)
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+        model.fit(B.dataset(x, y, 8), epochs=B.EPOCHS, verbose=0, shuffle=False)
+
+    def trainer():
+        x, y = B.data(entry)
+        B.fit(entry, B.build(entry), x, y)
+
+    result = {"runs": args.runs}
+    for name, train in (("plain", plain), ("trainer", trainer)):
+        kept = []
+        for _ in range(args.runs + 1):  # the first run warms up (imports, caches)
+            with global_float_precision(entry.dtype):
+                train()
+            gc.collect()
+            keras.backend.clear_session()
+            gc.collect()
+            kept.append(_retained(tf))
+        result[name] = dict(zip(("rss_mb", "functions", "custom_gradients"), zip(*kept)))
+    with open(args.out, "w") as f:
+        json.dump(result, f)
 
 
 # ------------------------------------------------------------------------------- mwms

@@ -4,7 +4,9 @@ Each fails, after a Keras or TensorFlow upgrade that removes or changes the API,
 message naming the API and what to change in tf_metaalign/_compat.py.
 """
 
+import gc
 import inspect
+import weakref
 
 import keras
 import numpy as np
@@ -279,6 +281,55 @@ def test_loss_scaling_for_distribution_matches_replica_count():
     )
     unscaled = strategy.run(lambda: _compat.unscale_loss_for_distribution(tf.constant(3.0)))
     assert [float(v) for v in strategy.experimental_local_results(unscaled)] == [6.0, 6.0]
+
+
+def _traced_all_reduce_gradient():
+    """Traces (and runs) a function whose gradient goes through an all-reduce of a dense
+    tensor (what Keras's optimizer does to the gradients); returns (weak reference to the
+    traced graph, the gradient of sum(x^2) at x = [1, 2])."""
+
+    @tf.function
+    def gradient(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            (y,) = tf.distribute.get_replica_context().all_reduce("sum", [x * x])
+        return tape.gradient(y, x)
+
+    graph = weakref.ref(gradient.get_concrete_function(tf.TensorSpec([2])).graph)
+    return graph, gradient(tf.constant([1.0, 2.0])).numpy()
+
+
+def test_released_custom_gradients_unregisters_them_and_frees_the_graph():
+    from tensorflow.python.framework import ops
+
+    def custom():
+        return {n for n in ops._gradient_registry.list() if n.startswith("CustomGradient-")}
+
+    before = custom()
+    graph, _ = _traced_all_reduce_gradient()
+    gc.collect()
+    assert custom() - before and graph() is not None, (
+        "TensorFlow no longer keeps a graph-mode tf.custom_gradient (ReplicaContext.all_reduce "
+        "of dense tensors) registered: if the graph is freed, "
+        "tf_metaalign._compat.released_custom_gradients and its use in MetaTrainer's "
+        "make_train_function can go (tests/trainers/test_trainer_battery.py repeated_runs "
+        "checks the trainers)."
+    )
+    before = custom()
+    other = f"TfMetaalignTestGradient{ops.uid()}"
+    with _compat.released_custom_gradients():
+        graph, grad = _traced_all_reduce_gradient()
+        # Another gradient registered in the block is not a custom gradient: it stays.
+        ops.RegisterGradient(other)(lambda op, g: g)
+    gc.collect()
+    np.testing.assert_allclose(grad, [2.0, 4.0])  # traced with the custom gradient in place
+    assert custom() == before and graph() is None, (
+        "tensorflow.python.framework.ops._gradient_registry._registry (name -> gradient "
+        "function) or the 'CustomGradient-' names of custom_gradient.generate_name changed: "
+        "update tf_metaalign._compat.released_custom_gradients (without it every trainer's "
+        "train function stays in memory until the process ends)."
+    )
+    assert ops._gradient_registry.lookup(other) is not None
 
 
 def test_unlocked_state_allows_adding_weights_to_a_built_layer():

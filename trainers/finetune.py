@@ -32,9 +32,7 @@ iteration on Hessian-vector products) and G1.G2 on fixed training pairs; it prin
 run's mean and 95% interval over the seeds, the paired differences against baseline and
 against dotprod with the significant ones marked, and the per-step cost ratio to the
 baseline. Without `--runs` the job is the single-seed baseline/dotprod comparison above.
-`--resume` keeps the seeds a stopped study finished (`partial_rows.json`);
-`--seed_per_process` runs each seed in a fresh process (a MiniLM study's process grows by
-~600 MB per run otherwise).
+`--resume` keeps the seeds a stopped study finished (`partial_rows.json`).
 
 The program is split by stage: `finetune_data` (tasks, models), `finetune_runs` (one
 run, the final measurements), `finetune_report` (tables, intervals, significance).
@@ -151,11 +149,6 @@ class Config:
         "The study: keep the seeds a stopped study finished (its partial_rows.json in "
         "--output_dir) and run the others.",
     )
-    seed_per_process: bool = setting(
-        False,
-        "The study: run each seed in a fresh process (its results in --output_dir/seed_<s>): "
-        "a MiniLM study's process grows by ~600 MB per run otherwise.",
-    )
 
     def check(self):
         """A bad setting raises ValueError naming its flag."""
@@ -208,7 +201,6 @@ RECORDED_FLAGS = (
 STUDY_FLAGS = (
     "runs",
     "resume",
-    "seed_per_process",
     "seeds",
     "rho",
     "asam_rho",

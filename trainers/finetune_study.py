@@ -22,29 +22,6 @@ def write_partial(output_dir, rows_by_seed: dict, histories: dict) -> None:
     )
 
 
-def seed_in_subprocess(config, seed: int, output_dir) -> tuple[dict, dict]:
-    """`--seed_per_process`: the study of one seed run by a fresh `python -m
-    trainers.finetune` (the same settings, `--seed=seed --seeds=1`, its results in
-    `output_dir/seed_<seed>`; its progress lines pass through), returning its rows and
-    histories. Why: a process that traces run after run keeps growing (~600 MB per MiniLM
-    run, below Python: every trainer is freed), and a fresh process per seed bounds it."""
-    import dataclasses
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from trainers.settings import config_argv
-
-    child_dir = Path(output_dir) / f"seed_{seed}"
-    child = dataclasses.replace(config, seed=seed, seeds=1, resume=False, seed_per_process=False)
-    argv = [f"--output_dir={child_dir}", *config_argv(child)]
-    root = Path(__file__).resolve().parents[1]  # the checkout: programs run from it
-    subprocess.run([sys.executable, "-m", "trainers.finetune", *argv], cwd=root, check=True)
-    results = json.loads((child_dir / "results.json").read_text())
-    return results["rows"][str(seed)], results["history"]
-
-
 def resumed_seeds(config, output_dir, seeds, progress) -> tuple[dict, dict]:
     """`(rows_by_seed, histories)` of the seeds a stopped study finished, when
     `config.resume`: read from `output_dir / PARTIAL`, each seed kept if it has a row for
@@ -96,11 +73,6 @@ def study(config, recorded_settings, settings_and_options, prepare, output_dir, 
     dataset_name = config.dataset  # the loaded task's own name once a seed runs here
     for seed in seeds:
         if seed in rows_by_seed:
-            continue
-        if config.seed_per_process:
-            rows_by_seed[seed], seed_histories = seed_in_subprocess(config, seed, output_dir)
-            histories.update(seed_histories)
-            write_partial(output_dir, rows_by_seed, histories)
             continue
         # Each run traces its trainer and its Hessian-vector products: without this, a
         # MiniLM study grew past 10 GB by its third seed (measured) and was stopped.

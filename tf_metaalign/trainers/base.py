@@ -661,7 +661,11 @@ class MetaTrainer(F.TrainableSelection, PipelineDataMixin, keras.Model):
             while self._skip_batches > 0:  # a partial execution (not with whole saves)
                 next(iterator)
                 self._skip_batches -= 1
-            return train_function(iterator)
+            # A trace registers the optimizer's all-reduce of the (dense) gradients as a
+            # custom gradient in TensorFlow's global registry, which would keep the
+            # traced graphs alive for the whole process (`_compat.released_custom_gradients`).
+            with _compat.released_custom_gradients():
+                return train_function(iterator)
 
         function._skips_restored_batches = True
         self.train_function = function
