@@ -211,29 +211,6 @@ def config_from_flags(config_cls, flag_values=None, full_run: Mapping[str, Any] 
     return config
 
 
-def config_argv(config) -> list[str]:
-    """The command-line flags that rebuild `config` (`config_from_flags` of them gives it
-    back): what a program passes to a copy of itself in a subprocess. A setting at None is
-    left out (its flag's default must be None too); a `parse` setting is left out at its default and
-    refused otherwise (its items cannot be derived from the parsed value)."""
-    argv = []
-    for field, _ in _settings(type(config)):
-        name, value = field.name, getattr(config, field.name)
-        if field.metadata["parse"] is not None:
-            if value != _default(field):
-                raise ValueError(f"setting `{name}` (parsed from its flag) is not at its default.")
-        elif value is None:
-            if _default(field) is not None:
-                raise ValueError(f"setting `{name}` is None, which its flag cannot give.")
-        elif isinstance(value, bool):
-            argv.append(f"--{'' if value else 'no'}{name}")
-        elif isinstance(value, (tuple, list)):
-            argv.append(f"--{name}={','.join(map(str, value))}")
-        else:
-            argv.append(f"--{name}={value}")
-    return argv
-
-
 def define_program_flags(
     config_cls, output_dir: str, full_run_help: str | None = None, flag_values=None
 ) -> None:

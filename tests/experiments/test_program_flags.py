@@ -150,28 +150,6 @@ def test_optional_settings_default_to_none_and_take_values_of_their_type():
             values(["program", *argv])
 
 
-def test_config_argv_rebuilds_the_config():
-    """`config_argv` is `config_from_flags`'s inverse: the flags it writes parse back to the
-    same config (lists, bools both ways, floats exactly, None settings left out)."""
-    configs = [
-        (Toy, dataclasses.replace(Toy(), fast=False, rate=0.1 + 0.2, seeds=(3, 1), words=())),
-        (Toy, Toy(modes=("c", "a"), scales=(1e-7, 2.5), name="a b")),
-        (WithOptional, WithOptional(weight=0.3, optimizer="sgd")),
-        (WithOptional, WithOptional(units=4, label="y z")),
-    ]
-    for cls, config in configs:
-        values = flags.FlagValues()
-        settings.define_flags_from(cls, values)
-        values(["program", *settings.config_argv(config)])
-        rebuilt = settings.config_from_flags(cls, values)
-        expected = dataclasses.replace(config, checked=True) if cls is Toy else config
-        assert rebuilt == expected, settings.config_argv(config)
-    with pytest.raises(ValueError, match="`options`"):
-        settings.config_argv(Toy(options={"k": "1"}))
-    with pytest.raises(ValueError, match="`label` is None"):
-        settings.config_argv(WithOptional(label=None))
-
-
 def test_settings_the_helper_cannot_make_a_flag_of_are_refused():
     @dataclasses.dataclass
     class Bad:
