@@ -824,23 +824,4 @@ ENTRIES = [
 ]
 assert set(REPEATED_RUNS_DEFAULT) <= {e.name for e in ENTRIES}, REPEATED_RUNS_DEFAULT
 
-#: Measured failing (the function library and the registry flat, RSS +5 to +15 MB per run
-#: of the MLP): MultiTaskTrainer(compile_combination=True) calls a NEW
-#: `tf.function(run, jit_compile=True)` in every trace of its step, and TensorFlow's XLA
-#: compilation cache keeps each compiled cluster for the life of the process (with
-#: compile_combination=False the same runs keep 0.2 MB per run). The other multitask
-#: entries' slow cases were not run when this was written.
-_XLA_CACHE = (
-    "MultiTaskTrainer's per-trace jit_compile function stays in TensorFlow's XLA cache",
-    AssertionError,
-)
-XLA_CACHE_KEPT = ("multitask_pcgrad", "multitask_outputs_pcgrad", "multitask_outputs_mgda_rep_grad")
-ENTRIES = [
-    dataclasses.replace(entry, xfail={**entry.xfail, "repeated_runs": _XLA_CACHE})
-    if entry.name in XLA_CACHE_KEPT
-    else entry
-    for entry in ENTRIES
-]
-assert set(XLA_CACHE_KEPT) <= {e.name for e in ENTRIES}, XLA_CACHE_KEPT
-
 BY_NAME = {e.name: e for e in ENTRIES}

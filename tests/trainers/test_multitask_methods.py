@@ -333,6 +333,61 @@ def test_compiled_combination_equals_graph_ops(float64, method):
         _trainer(method, compile_combination="yes")
 
 
+def test_compiled_combination_is_shared_by_trainers(float64):
+    """Fresh trainers with the same method configuration reuse ONE compiled combination
+    (and its XLA executable: TF's XLA cache keeps every compiled function for the
+    process, so a function per trainer kept 8-15 MB per run); another configuration gets
+    its own."""
+    from tf_metaalign.trainers import multitask as trainer_module
+
+    def shared_functions(method_type):
+        return [
+            f
+            for key, f in trainer_module._COMPILED_COMBINATIONS.items()
+            if key[0] is method_type and key[2] == 5
+        ]
+
+    x, y = _data()
+    seen = [{id(f) for f in shared_functions(methods.GradVac)}]  # other tests' configurations
+    for method in (methods.GradVac(beta=0.3), methods.GradVac(beta=0.3), methods.GradVac(0.7)):
+        _trainer(method).fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0)
+        seen.append(
+            {id(f): f.experimental_get_tracing_count() for f in shared_functions(methods.GradVac)}
+        )
+    assert len(seen[1]) == len(seen[0]) + 1 and seen[2] == seen[1], seen  # reused, no retrace
+    assert len(seen[3]) == len(seen[1]) + 1, seen
+
+
+class _GradientNormWeighting(methods.MultiTaskMethod):
+    """Reads the task gradients themselves with `compiles_well` left True (a user's
+    method): the shared compiled combination cannot give them."""
+
+    name = "gradient_norm_weighting_test"
+    reads_task_gradients = True
+
+    def combine(self, inputs, state):
+        norms = tf.stack([tf.linalg.global_norm(g) for g in inputs.task_grads])
+        return methods.Combination(shared=inputs.present / (1.0 + norms))
+
+
+def test_compiled_combination_of_a_method_reading_task_gradients(float64):
+    """Such a method still trains, compiled as before (a function of the trace), equal
+    to the graph ops."""
+    x, y = _data()
+    runs, method = [], _GradientNormWeighting()
+    for compiled in (True, False):
+        trainer = _trainer(method, compile_combination=compiled)
+        trainer.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+        runs.append([v.numpy() for v in trainer.model.trainable_variables])
+    for a, b in zip(*runs):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+    assert not np.allclose(runs[0][0], _model().trainable_variables[0].numpy())
+    from tf_metaalign.trainers import multitask as trainer_module
+
+    shared = [f for k, f in trainer_module._COMPILED_COMBINATIONS.items() if k[0] is type(method)]
+    assert shared == [None]  # tried once, then compiled per trace
+
+
 @pytest.mark.parametrize("positional", [False, True])
 def test_epoch_counter_runs_before_the_users_callbacks(positional):
     """DWA reads the epoch: the trainer's counter ends each epoch BEFORE the user's

@@ -132,7 +132,10 @@ class MultiTaskTrainer(MetaTrainer):
     ops) and the task cosine run as one XLA-compiled function inside the step, which
     saves 0.3-2.6 ms of op dispatch per step on a CPU at T = 8 (methods whose
     `compiles_well` is False, CAGrad and GradNorm, keep graph ops). Equal to the graph
-    ops to rounding (tested); False turns it off (a platform without XLA).
+    ops to rounding (tested); False turns it off (a platform without XLA). One compiled
+    function per method configuration (class, hyperparameters, seed) is shared by every
+    trainer in the process, so a sweep of fresh trainers compiles it once per input
+    signature (TensorFlow's XLA cache keeps every compiled function for the process).
     Under a strategy the per-task losses and gradients are all-reduced BEFORE the
     combination (PCGrad, GradVac and GradNorm are non-linear in the gradients: combining
     per-replica gradients would not give the global batch's update), so the combination
@@ -847,21 +850,6 @@ class MultiTaskTrainer(MetaTrainer):
         gradients themselves). No collective sits inside (the inputs are already all-reduced), so
         it runs the same in a replica context and under an XLA-compiled step."""
         method = self.method_object
-
-        def run(losses, present, step, epoch, gram, state):
-            fields = dataclasses.replace(
-                inputs, losses=losses, present=present, step=step, epoch=epoch, gram=gram
-            )
-            c = method.combine(fields, state)
-            cosine = GS.mean_pairwise_cosine(gram, present)
-            return (
-                c.shared,
-                c.specific,
-                c.loss_weights,
-                dict(c.state),
-                dict(c.state_gradients),
-            ), cosine
-
         args = (
             inputs.losses,
             inputs.present,
@@ -870,12 +858,23 @@ class MultiTaskTrainer(MetaTrainer):
             inputs.gram,
             dict(method_state),
         )
+        parts = None
         if self.compile_combination and method.compiles_well:
-            # A new function per trace of the step: `run` closes over this trace's
-            # tensors (GradNorm reads one variable's task gradients).
-            parts, cosine = tf.function(run, jit_compile=True)(*args)
-        else:
-            parts, cosine = run(*args)
+            parts = _compiled_combination(method, inputs.seed, args)
+        if parts is None:
+            # Not compiled, or a method that reads the trainer's other inputs (task
+            # gradients, variables) inside: a function of this trace (kept by XLA's cache).
+            def run(losses, present, step, epoch, gram, state):
+                fields = dataclasses.replace(
+                    inputs, losses=losses, present=present, step=step, epoch=epoch, gram=gram
+                )
+                return _combination_parts(method, fields, state)
+
+            if self.compile_combination and method.compiles_well:
+                parts = tf.function(run, jit_compile=True)(*args)
+            else:
+                parts = run(*args)
+        parts, cosine = parts
         shared, specific, loss_weights, state, state_gradients = parts
         return methods.Combination(
             shared=shared,
@@ -1594,6 +1593,94 @@ def _coefficients(combination, acc):
     shared = tf.cast(combination.shared, acc)
     specific = shared if combination.specific is None else tf.cast(combination.specific, acc)
     return shared, specific
+
+
+def _combination_parts(method, inputs, state):
+    """The method's combination as a tuple (what a tf.function returns) and the cosine."""
+    c = method.combine(inputs, state)
+    cosine = GS.mean_pairwise_cosine(inputs.gram, inputs.present)
+    parts = (c.shared, c.specific, c.loss_weights, dict(c.state), dict(c.state_gradients))
+    return parts, cosine
+
+
+class _ReadsTrainerInputs(Exception):
+    """A method read a TaskInputs field the shared compiled combination does not have."""
+
+
+class _NotGiven:
+    """`task_grads`, `shared_variables` and `variable_gram` in the shared compiled
+    combination (tensors and variables of one trace and one trainer, which a function
+    shared by trainers cannot close over): any use raises `_ReadsTrainerInputs`."""
+
+    def __init__(self, field):
+        self.field = field
+
+    def _read(self, *args, **kwargs):
+        raise _ReadsTrainerInputs(self.field)
+
+    __getitem__ = __iter__ = __len__ = __bool__ = __call__ = __getattr__ = _read
+
+
+#: The XLA-compiled combinations, one `tf.function(jit_compile=True)` per method
+#: configuration (its class, its attributes, the seed), shared by every trainer. TF's XLA
+#: cache keeps each compiled cluster for the life of the process, keyed by the function's
+#: name: a new function per trainer (or per trace) kept 7.7-14.7 MB per run of the
+#: battery MLP; one per configuration compiles once for each input signature.
+#: Least recently used first; a handful in practice.
+_COMPILED_COMBINATIONS = {}
+_COMPILED_COMBINATIONS_MAX = 32
+
+
+def _frozen(value):
+    """A hashable form of a method's attribute (its type kept: 1, 1.0 and True differ);
+    TypeError if it has none."""
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((k, _frozen(v)) for k, v in value.items())))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_frozen(v) for v in value))
+    hash(value)
+    return (type(value), value)
+
+
+def _compiled_combination(method, seed, args):
+    """`_combination_parts` through the method configuration's shared compiled function:
+    the method's tensors all enter as arguments, the method and the seed as constants.
+    None where the method cannot share one (unhashable attributes, or it reads the task
+    gradients, variables or `variable_gram` inside): the caller compiles its own."""
+    try:
+        key = (type(method), _frozen(vars(method)), seed)
+        hash(key)
+    except TypeError:
+        return None
+    function = _COMPILED_COMBINATIONS.pop(key, False)
+    if function is None:
+        _COMPILED_COMBINATIONS[key] = None
+        return None
+    if function is False:
+
+        def combination(losses, present, step, epoch, gram, state):
+            inputs = methods.TaskInputs(
+                losses=losses,
+                present=present,
+                step=step,
+                epoch=epoch,
+                seed=seed,
+                gram=gram,
+                task_grads=_NotGiven("task_grads"),
+                shared_variables=_NotGiven("shared_variables"),
+                variable_gram=_NotGiven("variable_gram"),
+            )
+            return _combination_parts(method, inputs, state)
+
+        function = tf.function(combination, jit_compile=True)
+    try:
+        parts = function(*args)
+    except _ReadsTrainerInputs:
+        function, parts = None, None
+    _COMPILED_COMBINATIONS[key] = function
+    while len(_COMPILED_COMBINATIONS) > _COMPILED_COMBINATIONS_MAX:
+        del _COMPILED_COMBINATIONS[next(iter(_COMPILED_COMBINATIONS))]
+    return parts
 
 
 def _seed_states(model):
