@@ -344,6 +344,24 @@ def test_a_model_around_a_prompted_model_trains_what_the_prompted_model_selects(
     for got, expected in zip(_values(backbone.weights), before):
         np.testing.assert_array_equal(got, expected)
 
+    # A functional head: the mixin through a subclass called with (inputs, outputs), as the
+    # error message says; it trains the prompt and the head, the backbone stays bit-equal.
+    inputs = {k: keras.Input((None,), dtype="int32", name=k) for k in x}
+    outputs = keras.layers.Dense(2)(prompted(inputs)["pooled_output"])
+
+    class FunctionalHead(prompts.TrainableSelection, keras.Model):
+        pass
+
+    functional_head = FunctionalHead(inputs, outputs)
+    assert _ids(functional_head.trainable_variables) == _ids(prompted.prompt_variables) + _ids(
+        functional_head.layers[-1].trainable_variables
+    )
+    _fit_one_batch(functional_head, x, y)
+    for got, expected in zip(_values(backbone.weights), before):
+        np.testing.assert_array_equal(got, expected)
+    with pytest.raises(ValueError, match="for a functional model"):
+        _fit_one_batch(keras.Model(inputs, outputs), x, y)
+
     backbone.get_layer("token_embedding").trainable = False  # a user's own freezing
     for encoder in (backbone, prompts.prompt_bert(backbone, length=L, train="both")):
         ours = head_model((prompts.TrainableSelection, keras.Model), encoder)

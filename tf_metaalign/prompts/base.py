@@ -223,7 +223,9 @@ class PromptedBackbone(TrainableSelection, keras.Model, metaclass=SubclassedMode
                 "`trainable` flag, and prompting leaves the backbone's flags as you set them. "
                 f"Add `prompts.TrainableSelection` before keras.Model in the bases of "
                 f"{type(outer).__name__} (its trainable set then honours the prompted "
-                "model's `train`), or use train='both' to fine-tune the backbone too."
+                "model's `train`; for a functional model: `class Model(prompts."
+                "TrainableSelection, keras.Model): pass`, then `Model(inputs, outputs)`), or "
+                "use train='both' to fine-tune the backbone too."
             )
         checked.add(id(outer))
 
