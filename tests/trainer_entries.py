@@ -760,6 +760,19 @@ from causal_lm_entries import DECODER_ENTRIES  # noqa: E402
 
 ENTRIES += DECODER_ENTRIES
 
+
+def _slow_except(check: str, default) -> list:
+    """ENTRIES with `check` under -m slow for every entry but those named in `default`
+    (and those that already have it slow)."""
+    assert set(default) <= {e.name for e in ENTRIES}, default
+    return [
+        entry
+        if entry.name in default or check in entry.slow
+        else dataclasses.replace(entry, slow=(*entry.slow, check))
+        for entry in ENTRIES
+    ]
+
+
 BY_NAME = {e.name: e for e in ENTRIES}
 
 # The "no_host_round_trip" check traces each step twice (XLA in bfloat16, graph in float32)
@@ -769,13 +782,7 @@ BY_NAME = {e.name: e for e in ENTRIES}
 # the forward-mode guided update, the stacked inner loop, SAM, MultiTaskTrainer with a
 # trainable method state); every other entry runs it under -m slow.
 HOST_SCAN_DEFAULT = ("dotprod", "guided", "fomaml", "sam", "multitask_uw")
-ENTRIES = [
-    entry
-    if entry.name in HOST_SCAN_DEFAULT or "no_host_round_trip" in entry.slow
-    else dataclasses.replace(entry, slow=(*entry.slow, "no_host_round_trip"))
-    for entry in ENTRIES
-]
-assert set(HOST_SCAN_DEFAULT) <= {e.name for e in ENTRIES}, HOST_SCAN_DEFAULT
+ENTRIES = _slow_except("no_host_round_trip", HOST_SCAN_DEFAULT)
 
 BY_NAME = {e.name: e for e in ENTRIES}
 
@@ -804,24 +811,13 @@ MULTI_WORKER_BACKUP_KILLED = {
 }
 MULTI_WORKER_BACKUP_DEFAULT = ("dotprod",)
 assert set(MULTI_WORKER_BACKUP_KILLED) <= set(BY_NAME), MULTI_WORKER_BACKUP_KILLED
-ENTRIES = [
-    entry
-    if entry.name in MULTI_WORKER_BACKUP_DEFAULT or "multi_worker_backup" in entry.slow
-    else dataclasses.replace(entry, slow=(*entry.slow, "multi_worker_backup"))
-    for entry in ENTRIES
-]
+ENTRIES = _slow_except("multi_worker_backup", MULTI_WORKER_BACKUP_DEFAULT)
 
 # The "repeated_runs" check (a subprocess that trains the entry 3 times after 3 plain fits:
 # ~15 s of CPU an entry) runs in the default suite for the MetaTrainer base (every trainer's
 # train function goes through it) and one trainer whose inner loop nests traced functions;
 # every other entry runs it under -m slow.
 REPEATED_RUNS_DEFAULT = ("dotprod", "maml")
-ENTRIES = [
-    entry
-    if entry.name in REPEATED_RUNS_DEFAULT or "repeated_runs" in entry.slow
-    else dataclasses.replace(entry, slow=(*entry.slow, "repeated_runs"))
-    for entry in ENTRIES
-]
-assert set(REPEATED_RUNS_DEFAULT) <= {e.name for e in ENTRIES}, REPEATED_RUNS_DEFAULT
+ENTRIES = _slow_except("repeated_runs", REPEATED_RUNS_DEFAULT)
 
 BY_NAME = {e.name: e for e in ENTRIES}
