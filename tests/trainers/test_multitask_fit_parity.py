@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import two_cpu_strategy
+from test_multitask_outputs import WeightsPerStep
 from tf_metaalign.algorithms import multitask as methods
 from tf_metaalign.data import one_head_per_task_model
 from tf_metaalign.trainers.multitask import MultiTaskTrainer
@@ -59,15 +60,6 @@ def ticket_data(n=8, seed=0, aux=False):
 def ticket_losses(aux=False):
     losses = ["mse", keras.losses.SparseCategoricalCrossentropy(from_logits=True)]
     return losses + [None] if aux else losses
-
-
-class WeightsPerStep(keras.callbacks.Callback):
-    def __init__(self, variables):
-        super().__init__()
-        self.variables, self.steps = variables, []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.steps.append([v.numpy().copy() for v in self.variables])
 
 
 def _fit_both(trainer, plain, x, y, epochs=2, batch_size=4):
