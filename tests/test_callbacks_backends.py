@@ -208,3 +208,15 @@ def test_backup_refuses_a_multi_process_jax_job(tmp_path, monkeypatch):
 def test_tensorboard_logs_without_tensorflow_name_log_dir(tmp_path):
     with pytest.raises(ImportError, match=r"log_dir=\.\.\..*needs TensorFlow.*log_dir=None"):
         MultiTaskDiagnostics(_tasks(), log_dir=str(tmp_path))
+
+
+@pytest.mark.skipif(not HAS_TENSORFLOW, reason="tf.summary needs TensorFlow")
+def test_tensorboard_logs_where_tensorflow_is_installed(tmp_path):
+    """On either backend (on JAX: JAX beside tensorflow-cpu)."""
+    x, y = _train_data()
+    model = _linear()
+    model.compile("sgd", "mse")
+    diagnostics = MultiTaskDiagnostics(_tasks(), log_dir=str(tmp_path))
+    model.fit(x, y, epochs=2, verbose=0, callbacks=[diagnostics])
+    events = list((tmp_path / "diagnostics").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].stat().st_size > 0

@@ -6,6 +6,7 @@ NumPy route gives the tf.data route's batches is tests/data/test_numpy_routes_tf
 ~10 s per backend."""
 
 import importlib
+import importlib.util
 import pathlib
 import zipfile
 
@@ -113,6 +114,27 @@ def test_fit_on_the_stream_is_the_stream_step_by_step():
     for k in range(3, 9):
         stepped.train_on_batch(*as_xy(stream.single_task_batch(k, as_numpy=True)))
     for a, b in zip(fitted.get_weights(), stepped.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorflow") is None, reason="the tf.data route needs TensorFlow"
+)
+def test_the_tf_data_route_feeds_fit_as_the_numpy_route_does():
+    """Where TensorFlow is installed, on either backend (Keras's JAX fit takes a
+    tf.data.Dataset: JAX beside tensorflow-cpu)."""
+    stream = MultiTaskStream(_tasks(), batch_size=4, seed=2)
+
+    def fitted(batches):
+        m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        m.set_weights([np.full((2, 1), 0.1, "float32"), np.zeros(1, "float32")])
+        m.compile(keras.optimizers.SGD(0.001), "mse")
+        m.fit(batches, steps_per_epoch=3, epochs=2, shuffle=False, verbose=0)
+        return m.get_weights()
+
+    tf_route = stream.single_task_batches(start=3).map(lambda x, y: (x["inputs"], y))
+    numpy_route = ((x["inputs"], y) for x, y in stream.single_task_batches(3, as_numpy=True))
+    for a, b in zip(fitted(tf_route), fitted(numpy_route)):
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
