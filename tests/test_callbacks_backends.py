@@ -105,6 +105,27 @@ def test_diagnostics_between_batches_measure_that_batchs_weights(wrap):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.skipif(not backend.is_jax(), reason="keras.distribution is JAX's")
+def test_diagnostics_under_data_parallel_on_two_devices():
+    from backends import data_parallel
+
+    x, y = _train_data()
+    with data_parallel(2):
+        network = _linear()
+        trainer = PlainTrainer(network)
+        trainer.compile(keras.optimizers.SGD(0.05), "mse")
+        diagnostics = MultiTaskDiagnostics(_tasks(), every_n_batches=1)
+        recorder = WeightsAtBatchEnd(network)
+        trainer.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[diagnostics, recorder])
+    assert [step for step, _ in diagnostics.history] == [1, 2, 3, 3]
+    for step, values in diagnostics.history:
+        cosine, distance = _closed_form(
+            recorder.weights[step - 1], _linear().get_weights(), _tasks()
+        )
+        np.testing.assert_allclose(values["task_gradient_cosine"], cosine, rtol=2e-5)
+        np.testing.assert_allclose(values["distance_from_initial"], distance, rtol=2e-5)
+
+
 def test_diagnostics_go_into_history():
     x, y = _train_data()
     network = _linear()

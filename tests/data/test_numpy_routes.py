@@ -20,6 +20,7 @@ from tf_metaalign.data import (
     MultiTaskStream,
     Splits,
     load_omniglot,
+    load_tfds,
     make_dataset,
     official_runs_dataset,
     stack_task,
@@ -275,6 +276,10 @@ def test_tf_data_routes_without_tensorflow_name_the_numpy_route(no_tensorflow):
         gives = "tensors" if name.endswith("batch") else "a tf.data.Dataset"
         assert message.startswith(f"{name} ({gives}) needs TensorFlow"), message
         assert f"Instead: {name}(..., as_numpy=True)" in message, message
+    with pytest.raises(ImportError, match=r"element_spec.*needs TensorFlow.*as_numpy=True"):
+        sampler.element_spec
+    with pytest.raises(ImportError, match=r"load_tfds.*needs TensorFlow.*tensorflow-cpu"):
+        load_tfds("mnist")
 
 
 def test_omniglot_reads_its_cache_without_tensorflow(tmp_path, no_tensorflow):

@@ -58,6 +58,12 @@ def test_stateless_ops_draw_tensorflows_numbers():
     np.testing.assert_array_equal(
         tf.math.top_k(ties, 4).indices.numpy(), rnd.top_k_indices(ties, 4)
     )
+    for k in (1, 5, 40):  # rows longer than 256 (the partial sort), with ties and -1 fills
+        rows = np.round(rnd.uniform([3, 700], [k, 5]) * 300).astype(np.float32) / 300
+        rows[1, 350:] = -1.0
+        np.testing.assert_array_equal(
+            tf.math.top_k(rows, k).indices.numpy(), rnd.top_k_indices(rows, k)
+        )
     small = rnd.uniform([7], [3, 4]) + np.float32(1e-20)  # fewer than 8: the exact log
     np.testing.assert_array_equal((-tf.math.log(-tf.math.log(small))).numpy(), rnd.gumbel(small))
 

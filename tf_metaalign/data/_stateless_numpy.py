@@ -114,8 +114,26 @@ def categorical(logits, seed) -> int:
 def top_k_indices(values, k: int) -> np.ndarray:
     """`tf.math.top_k(values, k).indices` along the last axis (int32): largest first,
     ties to the lower index."""
-    order = np.argsort(-np.asarray(values), axis=-1, kind="stable")
-    return order[..., :k].astype(np.int32)
+    neg = -np.asarray(values)
+    n = neg.shape[-1]
+    if k >= n or n <= 256:
+        return np.argsort(neg, axis=-1, kind="stable")[..., :k].astype(np.int32)
+    # Only the k smallest of -values are sorted: the rows' k-th smallest is the threshold;
+    # a row holding exactly k values up to it (no tie at the threshold) sorts those k
+    # (in index order, so a stable sort puts ties at the lower index first), the others
+    # are sorted whole.
+    rows = neg.reshape(-1, n)
+    kth = np.partition(rows, k - 1, axis=-1)[:, k - 1 : k]
+    chosen = rows <= kth
+    out = np.empty((rows.shape[0], k), np.int64)
+    exact = chosen.sum(-1) == k
+    if exact.any():
+        index = np.nonzero(chosen[exact])[1].reshape(-1, k)
+        order = np.argsort(np.take_along_axis(rows[exact], index, -1), axis=-1, kind="stable")
+        out[exact] = np.take_along_axis(index, order, -1)
+    for r in np.flatnonzero(~exact):
+        out[r] = np.argsort(rows[r], kind="stable")[:k]
+    return out.reshape(neg.shape[:-1] + (k,)).astype(np.int32)
 
 
 def argsort(values) -> np.ndarray:

@@ -443,7 +443,10 @@ class EpisodeSampler:
         return self._spec(self.tasks_per_batch)
 
     def _spec(self, t):
-        tf = tensorflow_for("EpisodeSampler.element_spec", "tf.TensorSpecs")
+        tf = backend.require_tensorflow(
+            "EpisodeSampler.element_spec (tf.TensorSpecs)",
+            "the NumPy batches' shapes and dtypes: sampler.batch(0, as_numpy=True).",
+        )
         n, k, q = self.ways, self.shots, self.queries
         dt = tf.as_dtype(self._dtype)
         return (
