@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from tf_metaalign import functional as F
 from tf_metaalign.algorithms import sam
@@ -154,7 +154,7 @@ class SAMTrainer(MetaTrainer):
                 gradient_scale=loss_scale,
                 all_reduce=not self.m_sharpness,
             )
-            on = tf.cast(perturb, acc) if not isinstance(perturb, bool) else float(perturb)
+            on = ops.cast(perturb, acc) if not isinstance(perturb, bool) else float(perturb)
             return (
                 r.gradient,
                 r.loss,
@@ -164,14 +164,14 @@ class SAMTrainer(MetaTrainer):
                 r.surrogate_gap,
                 # ||g|| is measured on every step that runs this (a skipped step of
                 # `every` measures nothing, on one replica as on several).
-                tf.constant(1.0, acc) if isinstance(perturb, bool) else on,
-                tf.convert_to_tensor(on, acc),
+                F.scalar(1.0, acc) if isinstance(perturb, bool) else on,
+                F.scalar(on, acc),
             )
 
         def plain():
             # A step of `every > 1` that is not perturbed: one pass, no communication.
             loss, grads, (new_state, y_pred) = F.value_and_grad(loss_fn, params, state, batch)
-            zero = tf.constant(0.0, acc)
+            zero = F.scalar(0.0, acc)
             return grads, loss, y_pred, new_state, zero, zero, zero, zero
 
         if not self.perturbs():
@@ -190,7 +190,7 @@ class SAMTrainer(MetaTrainer):
                 merged=step,
             )
         gradient, loss, y_pred, new_state, grad_norm, gap, norm_weight, gap_weight = outputs
-        loss = loss / tf.cast(loss_scale, loss.dtype)
+        loss = loss / ops.cast(loss_scale, loss.dtype)
         return self.finish_step(
             data,
             y_pred,
@@ -342,7 +342,7 @@ class GSAMTrainer(SAMTrainer):
         )
 
     def step_diagnostics(self, rho):
-        return {"rho": tf.cast(tf.convert_to_tensor(rho), tf.float32)}
+        return {"rho": ops.cast(ops.convert_to_tensor(rho), "float32")}
 
     def get_config(self):
         config = super().get_config()
