@@ -13,7 +13,7 @@ from keras import ops
 
 from backends import requires_jax
 from golden_io import check_golden
-from test_sam import MSE64, data64, mlp64, np_loss_and_grad, np_sam_direction
+from test_sam import MSE64, data64, mlp64, np_loss_and_grad, np_norm, np_sam_direction
 from tf_metaalign import functional as F
 from tf_metaalign.algorithms.sam import sam_gradient
 from tf_metaalign.trainers import GSAMTrainer, SAMTrainer
@@ -317,18 +317,14 @@ def _data_parallel(devices):
 
 
 @requires_jax
-@pytest.mark.parametrize(
-    "options",
-    [dict(every=1), dict(every=2), dict(every=1, m_sharpness=True, adaptive=True)],
-    ids=["every1", "every2", "m_sharpness_asam"],
-)
-def test_one_device_equals_two_on_jax(float64, options):
+@pytest.mark.parametrize("every", [1, 2])
+def test_one_device_equals_two_on_jax(float64, every):
     x, y = data64(32, seed=5)
     results = []
     for devices in (1, 2):
         keras.distribution.set_distribution(_data_parallel(devices))
         try:
-            trainer = _compile(GSAMTrainer(mlp64(seed=10), rho=0.2, alpha=0.2, **options))
+            trainer = _compile(GSAMTrainer(mlp64(seed=10), rho=0.2, alpha=0.2, every=every))
             h = trainer.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
             results.append((_weights(trainer.model), h.history))
         finally:
@@ -338,3 +334,43 @@ def test_one_device_equals_two_on_jax(float64, options):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
     for key in ("loss", "grad_norm", "surrogate_gap"):  # float32 metrics
         np.testing.assert_allclose(h1[key], h2[key], rtol=1e-6)
+
+
+@requires_jax
+@pytest.mark.parametrize(
+    "make, options",
+    [
+        (lambda m: SAMTrainer(m, rho=0.3, m_sharpness=True), dict(rho=0.3)),
+        (
+            lambda m: GSAMTrainer(m, rho=0.4, alpha=0.2, adaptive=True, m_sharpness=True),
+            dict(rho=0.4, alpha=0.2, adaptive=True, mask=[True, False, True, False]),
+        ),
+    ],
+    ids=["sam", "gsam_asam"],
+)
+def test_m_sharpness_on_two_devices_perturbs_each_devices_rows(float64, make, options):
+    """As TensorFlow's two replicas (test_sam_trainer.py): the step is the mean of the two
+    shards' SAM directions, each perturbed along its own gradient; the global rule differs."""
+    x, y = data64(16, seed=6)
+    keras.distribution.set_distribution(_data_parallel(2))
+    try:
+        trainer = _compile(make(mlp64(seed=11)))
+        w0 = _weights(trainer.model)
+        h = trainer.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    finally:
+        keras.distribution.set_distribution(None)
+    w, norms = [a.copy() for a in w0], []
+    for s in (0, 8):
+        shards = [(x[s + r : s + r + 4], y[s + r : s + r + 4]) for r in (0, 4)]
+        for bx, by in shards:  # the logged ||g|| (ASAM: ||T g||): the shards' mean
+            g = np_loss_and_grad(w, bx, by)[1]
+            mask = options.get("mask") or [False] * len(w)
+            t = [np.abs(p) + 0.01 if m else 1.0 for p, m in zip(w, mask)]
+            norms.append(np_norm([ti * gi for ti, gi in zip(t, g)]))
+        directions = [np_sam_direction(w, bx, by, **options) for bx, by in shards]
+        w = [a - 0.1 * (b + c) / 2 for a, b, c in zip(w, *directions)]
+    for a, b in zip(_weights(trainer.model), w):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+    global_rule = _numpy_sgd(w0, x, y, 8, 0.1, lambda k: True, **options)
+    assert not all(np.allclose(a, b, rtol=1e-6) for a, b in zip(w, global_rule))
+    np.testing.assert_allclose(h.history["grad_norm"], [np.mean(norms)], rtol=1e-6)
