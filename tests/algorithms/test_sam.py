@@ -17,6 +17,8 @@ from tf_metaalign.algorithms.sam import (
     sam_perturbation,
 )
 
+BACKENDS = ("tensorflow", "jax")
+
 MSE64 = keras.losses.MeanSquaredError(dtype="float64")
 
 # ----------------------------------------------------------------- the NumPy oracle

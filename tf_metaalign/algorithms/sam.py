@@ -185,14 +185,17 @@ def sam_perturbation(params, grads, rho, *, adaptive=False, eta=0.01, adaptive_m
     return e, norm
 
 
-def gsam_rho(learning_rate, rho_max, rho_min=None, lr_max=None, lr_min=None):
+def gsam_rho(learning_rate, rho_max, rho_min=None, lr_max=None, lr_min=None, dtype=None):
     """GSAM's rho_t, linear in the learning rate (big_vision `gsam_gradient`)::
 
         rho_t = rho_min + (rho_max - rho_min) * (lr - lr_min) / (lr_max - lr_min)
 
     rho_max when `rho_min` is None or equal to `rho_max`, or when lr_max == lr_min.
-    Returns a float32 (float64 if `learning_rate` is) scalar tensor. `learning_rate`: a
-    number, a tensor or a variable (`optimizer.learning_rate`).
+    `learning_rate`: a number, a tensor or a variable (`optimizer.learning_rate`).
+    Returns a scalar tensor of `dtype`, computed in it (default: float64 if
+    `learning_rate` is, else float32; `GSAMTrainer` passes the weights' accumulation
+    dtype, so float64 weights get a float64 rho from a float32 learning rate on every
+    backend).
 
     Example:
       >>> round(float(gsam_rho(0.05, rho_max=0.1, rho_min=0.02, lr_max=0.1, lr_min=0.0)), 6)
@@ -203,7 +206,8 @@ def gsam_rho(learning_rate, rho_max, rho_min=None, lr_max=None, lr_min=None):
       ICLR 2022, Algorithm 1 (rho_t).
     """
     lr = ops.convert_to_tensor(learning_rate)
-    dtype = "float64" if keras.backend.standardize_dtype(lr.dtype) == "float64" else "float32"
+    if dtype is None:
+        dtype = "float64" if keras.backend.standardize_dtype(lr.dtype) == "float64" else "float32"
     lr = ops.cast(lr, dtype)
     if rho_min is None or float(rho_min) == float(rho_max) or lr_max is None:
         return F.scalar(rho_max, dtype)

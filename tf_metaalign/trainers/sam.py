@@ -90,6 +90,8 @@ class SAMTrainer(MetaTrainer):
       Minimization for Scale-Invariant Learning of Deep Neural Networks", ICML 2021.
     """
 
+    backends = ("tensorflow", "jax")
+
     def __init__(
         self,
         model: keras.Model,
@@ -371,7 +373,12 @@ class GSAMTrainer(SAMTrainer):
         inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
         lr_min, lr_max = self.learning_rate_range
         return sam.gsam_rho(
-            inner.learning_rate, self.rho, self.rho_min, lr_max=lr_max, lr_min=lr_min
+            inner.learning_rate,
+            self.rho,
+            self.rho_min,
+            lr_max=lr_max,
+            lr_min=lr_min,
+            dtype=F.accumulation_dtype(self.model.trainable_variables),
         )
 
     def step_diagnostics(self, rho):
