@@ -251,7 +251,7 @@ def test_trainer_and_model_save_and_reload(float64, tmp_path):
         ({"adaptive": 1}, "adaptive"),
     ],
 )
-def test_bad_options_name_the_argument(kwargs, name):
+def test_bad_options_name_the_argument(float64, kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`"):
         SAMTrainer(mlp64(), **kwargs)
 

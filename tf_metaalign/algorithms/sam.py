@@ -68,6 +68,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from tf_metaalign import backend
 from tf_metaalign import functional as F
 
 
@@ -453,15 +454,13 @@ def largest_hessian_eigenvalue(
 
 
 def _compiled(fn):
-    """`fn` compiled once for the eager loop of `largest_hessian_eigenvalue`: a
-    `tf.function` on TensorFlow (when eager), `jax.jit` on JAX; `fn` itself otherwise."""
-    name = keras.backend.backend()
-    if name == "jax":
+    """`fn` compiled once for the eager loop of `largest_hessian_eigenvalue` (`jax.jit` on
+    JAX, `tf.function` on TensorFlow); `fn` itself while a step is being traced."""
+    if not F.executing_eagerly():
+        return fn
+    if backend.is_jax():
         import jax
 
         return jax.jit(fn)
-    if name == "tensorflow":
-        import tensorflow as tf
-
-        return tf.function(fn, autograph=False) if tf.executing_eagerly() else fn
-    return fn
+    tf = backend.require_tensorflow("largest_hessian_eigenvalue")
+    return tf.function(fn, autograph=False)
