@@ -335,36 +335,42 @@ def test_one_device_equals_two_on_jax(float64, every):
 
 @requires_jax
 @pytest.mark.parametrize(
-    "make, options",
+    "make, options, every",
     [
-        (lambda m: SAMTrainer(m, rho=0.3, m_sharpness=True), dict(rho=0.3)),
+        (lambda m: SAMTrainer(m, rho=0.3, m_sharpness=True), dict(rho=0.3), 1),
         (
             lambda m: GSAMTrainer(m, rho=0.4, alpha=0.2, adaptive=True, m_sharpness=True),
             dict(rho=0.4, alpha=0.2, adaptive=True, mask=[True, False, True, False]),
+            1,
         ),
+        (lambda m: SAMTrainer(m, rho=0.3, every=2, m_sharpness=True), dict(rho=0.3), 2),
     ],
-    ids=["sam", "gsam_asam"],
+    ids=["sam", "gsam_asam", "sam_every2"],
 )
-def test_m_sharpness_on_two_devices_perturbs_each_devices_rows(float64, make, options):
-    """As TensorFlow's two replicas (test_sam_trainer.py): the step is the mean of the two
-    shards' SAM directions, each perturbed along its own gradient; the global rule differs."""
-    x, y = data64(16, seed=6)
+def test_m_sharpness_on_two_devices_perturbs_each_devices_rows(float64, make, options, every):
+    """As TensorFlow's two replicas (test_sam_trainer.py): a perturbed step is the mean of
+    the two shards' SAM directions, each perturbed along its own gradient (a step of
+    `every` that is not perturbed: the plain gradient); the global rule differs."""
+    x, y = data64(32, seed=6)
     with data_parallel(2):
         trainer = _compile(make(mlp64(seed=11)))
         w0 = _weights(trainer.model)
         h = trainer.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     w, norms = [a.copy() for a in w0], []
-    for s in (0, 8):
+    for k, s in enumerate(range(0, 32, 8)):
         shards = [(x[s + r : s + r + 4], y[s + r : s + r + 4]) for r in (0, 4)]
-        for bx, by in shards:  # the logged ||g|| (ASAM: ||T g||): the shards' mean
-            g = np_loss_and_grad(w, bx, by)[1]
-            mask = options.get("mask") or [False] * len(w)
-            t = [np.abs(p) + 0.01 if m else 1.0 for p, m in zip(w, mask)]
-            norms.append(np_norm([ti * gi for ti, gi in zip(t, g)]))
-        directions = [np_sam_direction(w, bx, by, **options) for bx, by in shards]
+        if k % every:
+            directions = [np_loss_and_grad(w, bx, by)[1] for bx, by in shards]
+        else:
+            for bx, by in shards:  # the logged ||g|| (ASAM: ||T g||): the shards' mean
+                g = np_loss_and_grad(w, bx, by)[1]
+                mask = options.get("mask") or [False] * len(w)
+                t = [np.abs(p) + 0.01 if m else 1.0 for p, m in zip(w, mask)]
+                norms.append(np_norm([ti * gi for ti, gi in zip(t, g)]))
+            directions = [np_sam_direction(w, bx, by, **options) for bx, by in shards]
         w = [a - 0.1 * (b + c) / 2 for a, b, c in zip(w, *directions)]
     for a, b in zip(_weights(trainer.model), w):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
-    global_rule = _numpy_sgd(w0, x, y, 8, 0.1, lambda k: True, **options)
+    global_rule = _numpy_sgd(w0, x, y, 8, 0.1, lambda k: k % every == 0, **options)
     assert not all(np.allclose(a, b, rtol=1e-6) for a, b in zip(w, global_rule))
     np.testing.assert_allclose(h.history["grad_norm"], [np.mean(norms)], rtol=1e-6)
