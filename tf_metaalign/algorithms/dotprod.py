@@ -72,6 +72,15 @@ perturbation must use the *global* G1, otherwise two replicas would regularise w
 different quantity than one: G1 (and G2, for the diagnostics) are all-reduced once per
 step. The gradient returned is per-replica and linear in G1, G2, G21, so the
 optimizer's sum yields exactly the single-replica `G` for the same global pair.
+
+Backends
+--------
+Written once in `keras.ops`; autodiff (`F.value_and_grad`, `F.value_grad_and_hvp`) and the
+all-reduces go through `tf_metaalign.functional`, so the same function runs on TensorFlow
+(tapes, replica context) and on JAX (`jax.grad` / `jvp` over `stateless_call`). On JAX
+`keras.distribution` runs one SPMD program over the global batch: one replica, the
+all-reduces are identities. A tensor `apply_regularizer` selects with `ops.cond`
+(`tf.cond` / `jax.lax.cond`; its branches assign nothing).
 """
 
 from __future__ import annotations

@@ -86,6 +86,17 @@ class DotProdTrainer(MetaTrainer):
         optimizer's own `gradient_accumulation_steps` (set at compile time), which
         accumulates after the cross-replica sum.
 
+    On JAX (`KERAS_BACKEND=jax`; TensorFlow not needed) the same arguments, logs and
+    numbers (float64 trajectories equal TensorFlow's, tested against golden files). What
+    differs is multi-device training: under `keras.distribution.DataParallel` the step is
+    one SPMD program that sees the GLOBAL batch, so b1 and b2 are the global batch's first
+    and second halves on any number of devices (TensorFlow with one replica), whereas a
+    `tf.distribute` strategy splits each replica's shard, so there the global b1 is the
+    union of the shards' first halves. Both give replica-count-independent results; they
+    differ from each other only in which examples form b1 and b2 on several devices. On
+    JAX the batch size is always static, so a batch too small to split is decided at
+    trace time, and skipped pairs (`every > 1`) always cost one full-batch pass.
+
     Under mixed precision (`keras.mixed_precision.set_global_policy("mixed_float16")` and
     a `LossScaleOptimizer`), gradients are of the scaled loss, and the perturbation
     theta - alpha*G1 is applied to the float32 variables with the unscaled G1.
@@ -113,6 +124,8 @@ class DotProdTrainer(MetaTrainer):
       Kedia, Chinthakindi & Ryu, "Beyond Reptile: Meta-Learned Dot-Product Maximization
       between Gradients for Improved Single-Task Regularization", Findings of EMNLP 2021.
     """
+
+    backends = ("tensorflow", "jax")
 
     def __init__(
         self,
