@@ -262,6 +262,24 @@ def test_weight_zero_equals_plain_fit_at_twice_the_learning_rate(float64):
     assert moved > 1e-2  # the runs trained
 
 
+def test_a_batch_of_one_is_a_plain_step_at_twice_the_gradient(float64):
+    """9 examples, batch 8: the last batch (1 example) cannot be split, so it is the plain
+    step on (b, b), G = 2 grad L(b), without the regulariser: == plain fit at 2x lr there."""
+    x, y = _data(9)
+    trainer = DotProdTrainer(_mlp(), weight=0.5, alpha=1e-3)
+    trainer.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    trainer.fit(x[:8], y[:8], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    plain = _mlp()
+    plain.set_weights(trainer.model.get_weights())
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    history = trainer.fit(x[8:], y[8:], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    plain.fit(x[8:], y[8:], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(_weights(trainer.model), _weights(plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    assert history.history["unsplit_fraction"] == [1.0]
+    assert int(ops.convert_to_numpy(trainer.pairs_seen)) == 2
+
+
 # ------------------------------------------------ compile, fit, evaluate, predict, save
 
 
