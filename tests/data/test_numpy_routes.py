@@ -297,3 +297,18 @@ def test_omniglot_reads_its_cache_without_tensorflow(tmp_path, no_tensorflow):
     classes = load_omniglot(root, sets=["tiny"], cache_dir=tmp_path / "cache")
     np.testing.assert_array_equal(classes["Latin/character02"], images[1:])
     assert isinstance(pathlib.Path(path), pathlib.Path)
+
+
+def test_every_data_helper_and_callback_imports_without_tensorflow():
+    """No name of tf_metaalign.data is left to a stand-in (a module that imports
+    TensorFlow at top level would be, in the JAX env), nor is a callback."""
+    import tf_metaalign.callbacks
+    import tf_metaalign.data as data
+
+    assert getattr(data, "_UNAVAILABLE", {}) == {}
+    assert all(not isinstance(getattr(data, name), type(None)) for name in data.__all__)
+    assert tf_metaalign.callbacks.__all__ == [
+        "DivergenceGuard",
+        "MultiTaskDiagnostics",
+        "MultiWorkerBackupAndRestore",
+    ]
