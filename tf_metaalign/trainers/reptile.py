@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from tf_metaalign.data import multitask as multitask_data
 from tf_metaalign import _compat
@@ -32,7 +32,32 @@ def _select(pred, a, b):
     """`a` where `pred` else `b`, element-wise over two lists (python bool: no op)."""
     if isinstance(pred, bool):
         return list(a) if pred else list(b)
-    return [tf.where(pred, x, y) for x, y in zip(a, b)]
+    return [ops.where(pred, x, y) for x, y in zip(a, b)]
+
+
+def _read(variable):
+    """A variable's current value as a tensor that later assignments leave alone
+    (`ops.convert_to_tensor` of a TensorFlow variable is the variable itself; `ops.copy`
+    reads it. On JAX the value is an immutable array already)."""
+    return ops.copy(variable.value)
+
+
+def _rank(t):
+    """The rank of `t` (a tensor or spec), or None when unknown (a TensorShape of
+    unknown rank)."""
+    try:
+        return len(t.shape)
+    except (TypeError, ValueError):
+        return None
+
+
+def _mean_loss(losses, loss_scale):
+    """The mean of the (loss-scaled) inner losses, unscaled: sum / (n * loss_scale),
+    summed in order (as tf.add_n)."""
+    total = losses[0]
+    for loss in losses[1:]:
+        total = total + loss
+    return total / (len(losses) * ops.cast(loss_scale, total.dtype))
 
 
 def _slot_variables(optimizer, variables):
@@ -185,7 +210,7 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
             F.current_state(self.model),
             (x, y, sample_weight),
         )
-        loss = scaled_loss / tf.cast(loss_scale, scaled_loss.dtype)
+        loss = scaled_loss / ops.cast(loss_scale, scaled_loss.dtype)
 
         def update():
             variables = self.model.trainable_variables
@@ -199,21 +224,21 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
                 # a commit communicates and may not sit inside tf.cond, so select, then
                 # commit unconditionally on every step).
                 theta = F.current_params(self.model)
-                phi = [tf.convert_to_tensor(v.value) for v in slow]
+                phi = [_read(v) for v in slow]
                 outer = R.outer_update(phi, theta, self.outer_learning_rate)
                 commit_weights(variables, _select(due, outer, theta))
                 for v, value in zip(slow, _select(due, outer, phi)):
                     v.assign(value)
                 if self.reset_inner_optimizer:
                     self._zero_slots(due)
-                return tf.convert_to_tensor(due)
+                return ops.convert_to_tensor(due)
 
             # One replica: the outer update runs only at the trajectory's end (tf.cond),
             # so a step costs an inner step, not an inner step plus two weight copies.
             self.schedule.cond(
                 due,
                 lambda: outer_step(True),
-                lambda: tf.constant(False),
+                lambda: ops.convert_to_tensor(False),
                 communicates=True,
                 merged=outer_step,
             )
@@ -224,8 +249,8 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
         slots = _slot_variables(self.optimizer, self.model.trainable_variables)
         if not slots:
             return
-        values = [tf.convert_to_tensor(s.value) for s in slots]
-        commit_weights(slots, _select(due, [tf.zeros_like(v) for v in values], values))
+        values = [_read(s) for s in slots]
+        commit_weights(slots, _select(due, [ops.zeros_like(v) for v in values], values))
 
     def test_step(self, data):
         if not self._evaluate_at_slow:
@@ -233,7 +258,7 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
         # During fit: evaluate the model at phi (the slow weights), assigning nothing.
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x = self._model_inputs(x)
-        phi = [tf.convert_to_tensor(v.value) for v in self.weights_copy("slow")]
+        phi = [_read(v) for v in self.weights_copy("slow")]
         loss, (_, y_pred) = self.loss_fn(training=False)(
             phi, F.current_state(self.model), (x, y, sample_weight)
         )
@@ -262,7 +287,7 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
             yield  # at a trajectory's start the model holds phi
             return
         variables = self.model.trainable_variables
-        theta = [tf.convert_to_tensor(v.value) for v in variables]
+        theta = [_read(v) for v in variables]
         for v, s in zip(variables, self.weights_copy("slow")):
             v.assign(s.value)
         try:
@@ -283,7 +308,7 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
         self.schedule.count.assign(count + self.inner_steps - count % self.inner_steps)
         if self.reset_inner_optimizer:
             for s in _slot_variables(self.optimizer, self.model.trainable_variables):
-                s.assign(tf.zeros_like(s.value))
+                s.assign(ops.zeros_like(s.value))
 
     def get_config(self):
         return {
@@ -358,7 +383,7 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
                 return None
             return t[index] if self.stack_axis == 0 else t[(slice(None),) + index]
 
-        return tf.nest.map_structure(one, nest)
+        return keras.tree.map_structure(one, nest)
 
     def example_batch(self, x, y=None, sample_weight=None):
         # Keras builds the model, loss and metrics from a training batch: its first
@@ -383,14 +408,14 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
         axes): a clear error naming the expected shape, not a Conv2D / Dense error deep
         in the model (an element that was not stacked, or stacked twice)."""
         try:
-            inputs = tf.nest.flatten(self.model.inputs)
+            inputs = keras.tree.flatten(self.model.inputs)
         except (AttributeError, ValueError):  # a subclassed model: no symbolic inputs
             return
-        given = tf.nest.flatten(x)
+        given = keras.tree.flatten(x)
         if len(given) != 1 or len(inputs) != 1:
             return  # several inputs: their order in `x` may not be the model's
         for t, i in zip(given, inputs):
-            rank, want = t.shape.rank, len(i.shape) + len(stacked)
+            rank, want = _rank(t), len(i.shape) + len(stacked)
             if rank is not None and rank != want:
                 expected = self._layout(stacked).replace(
                     "*input_shape", ", ".join(str(d) for d in i.shape[1:]) or ""
@@ -411,8 +436,8 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
 
     def _batches(self, x, y, sample_weight):
         self._check_rank(x, [f"k={self.num_stacked}"])
-        first = next(t for t in tf.nest.flatten(x) if t is not None)
-        n = first.shape[self.stack_axis] if first.shape.rank else None
+        first = next(t for t in keras.tree.flatten(x) if t is not None)
+        n = first.shape[self.stack_axis] if _rank(first) else None
         layout = self._layout([f"k={self.num_stacked}"])
         if n is None:
             raise ValueError(
@@ -530,9 +555,9 @@ class ReptileTrainer(_StackedInnerLoopTrainer):
         loss_scale = self.loss_scale()
         phi, r = self._inner(batches, loss_scale)
         delta = R.reptile_gradient(phi, r.params)
-        scale = tf.cast(loss_scale, phi[0].dtype) if phi else 1.0
-        gradients = F.replica_share([d * tf.cast(scale, d.dtype) for d in delta])
-        loss = tf.add_n(r.losses) / (len(r.losses) * tf.cast(loss_scale, r.losses[0].dtype))
+        scale = ops.cast(loss_scale, phi[0].dtype) if phi else 1.0
+        gradients = F.replica_share([d * ops.cast(scale, d.dtype) for d in delta])
+        loss = _mean_loss(r.losses, loss_scale)
         return self.finish_step(batches[-1], r.y_pred, loss, new_state=r.state, gradients=gradients)
 
 
@@ -581,7 +606,7 @@ class FOMAMLTrainer(_StackedInnerLoopTrainer):
             r.state,
             batches[-1],
         )
-        loss = scaled / tf.cast(loss_scale, scaled.dtype)
+        loss = scaled / ops.cast(loss_scale, scaled.dtype)
         return self.finish_step(batches[-1], y_pred, loss, new_state=state, gradients=grads)
 
 
@@ -619,10 +644,10 @@ class MultiTaskReptileTrainer(_StackedInnerLoopTrainer):
 
     def _tasks(self, x, y, sample_weight):
         self._check_rank(x, ["T", f"k={self.inner_steps}"])
-        first = next(t for t in tf.nest.flatten(x) if t is not None)
+        first = next(t for t in keras.tree.flatten(x) if t is not None)
         layout = "[T, k, B, ...]" if self.stack_axis == 0 else "[B, T, k, ...]"
         rank_needed = 2 + self.stack_axis
-        if first.shape.rank is None or first.shape.rank < rank_needed + 1:
+        if _rank(first) is None or _rank(first) < rank_needed + 1:
             raise ValueError(
                 f"MultiTaskReptileTrainer needs training elements {layout} (stack_axis="
                 f"{self.stack_axis}); got x of shape {first.shape}."
@@ -669,6 +694,6 @@ class MultiTaskReptileTrainer(_StackedInnerLoopTrainer):
             losses += r.losses
             state, y_pred = r.state, r.y_pred
         delta = R.mean_reptile_gradient(phi, ends)
-        gradients = F.replica_share([d * tf.cast(loss_scale, d.dtype) for d in delta])
-        loss = tf.add_n(losses) / (len(losses) * tf.cast(loss_scale, losses[0].dtype))
+        gradients = F.replica_share([d * ops.cast(loss_scale, d.dtype) for d in delta])
+        loss = _mean_loss(losses, loss_scale)
         return self.finish_step(tasks[-1][-1], y_pred, loss, new_state=state, gradients=gradients)
