@@ -16,12 +16,12 @@ Two shapes (docs/trainers.md, "Where the weights live"):
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 import keras
 from keras import ops
 
-from tf_metaalign.data import multitask as multitask_data
-from tf_metaalign import _compat
+from tf_metaalign import _compat, backend
 from tf_metaalign import functional as F
 from tf_metaalign import optimizers as O
 from tf_metaalign.algorithms import reptile as R
@@ -79,13 +79,37 @@ def _slot_variables(optimizer, variables):
     return [v for v in optimizer.variables if id(v) not in skip]
 
 
+def _stateless_test_step(trainer, step, state, data):
+    """JAX: `(logs, state)` of a stateful-style `step(data)` (reads `variable.value`,
+    updates metrics) run on Keras's test state `(trainable, non_trainable, metrics)`
+    values, inside a `keras.StatelessScope` (as `backend.jax.stateless_train_step` runs a
+    train step)."""
+    groups = (
+        list(trainer.trainable_variables),
+        list(trainer.non_trainable_variables),
+        list(trainer.metrics_variables),
+    )
+    mapping = [(v, value) for vs, values in zip(groups, state) for v, value in zip(vs, values)]
+    with keras.StatelessScope(state_mapping=mapping) as scope:
+        logs = step(data)
+    new_state = []
+    for variables, values in zip(groups, state):
+        current = [scope.get_current_value(v) for v in variables]
+        new_state.append([old if new is None else new for new, old in zip(current, values)])
+    return logs, tuple(new_state)
+
+
 class _TaskIdInputs:
     """Multi-task batches: `x = {"inputs": model inputs, "task_id": int32 [B]}`. The model
     is given `x["inputs"]` unless `model_takes_task_id` (then the whole dict). Any other
     `x` goes to the model as it is."""
 
     def _model_inputs(self, x):
-        return multitask_data.model_inputs_of(x, self.model_takes_task_id)
+        # `tf_metaalign.data.multitask.model_inputs_of`, written here because that module
+        # (its MultiTaskStream) imports TensorFlow, which a JAX user may not have.
+        if isinstance(x, Mapping) and "inputs" in x and "task_id" in x:
+            return x if self.model_takes_task_id else x["inputs"]
+        return x
 
     def call(self, inputs, training=None):
         return super().call(self._model_inputs(inputs), training=training)
@@ -167,6 +191,8 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
       Lee et al., "Sequential Reptile: Inter-Task Gradient Alignment for Multilingual
       Learning", ICLR 2022. https://arxiv.org/abs/2110.02600
     """
+
+    backends = ("tensorflow", "jax")
 
     def __init__(
         self,
@@ -252,9 +278,15 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
         values = [_read(s) for s in slots]
         commit_weights(slots, _select(due, [ops.zeros_like(v) for v in values], values))
 
-    def test_step(self, data):
+    def test_step(self, *args):
+        # TensorFlow calls test_step(data); JAX test_step(state, data) -> (logs, state).
         if not self._evaluate_at_slow:
-            return super().test_step(data)
+            return super().test_step(*args)
+        if backend.is_jax():
+            return _stateless_test_step(self, self._test_at_slow, *args)
+        return self._test_at_slow(*args)
+
+    def _test_at_slow(self, data):
         # During fit: evaluate the model at phi (the slow weights), assigning nothing.
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x = self._model_inputs(x)
@@ -289,7 +321,7 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
         variables = self.model.trainable_variables
         theta = [_read(v) for v in variables]
         for v, s in zip(variables, self.weights_copy("slow")):
-            v.assign(s.value)
+            v.assign(_read(s))
         try:
             yield
         finally:
@@ -304,7 +336,7 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
         if count % self.inner_steps == 0:
             return
         for v, s in zip(self.model.trainable_variables, self.weights_copy("slow")):
-            v.assign(s.value)
+            v.assign(_read(s))
         self.schedule.count.assign(count + self.inner_steps - count % self.inner_steps)
         if self.reset_inner_optimizer:
             for s in _slot_variables(self.optimizer, self.model.trainable_variables):
@@ -328,6 +360,7 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
     on tensors, the compiled optimizer as the outer optimizer."""
 
     _extra_batches = 0  # FOMAML: + 1 query batch
+    backends = ("tensorflow", "jax")
 
     def __init__(
         self,
