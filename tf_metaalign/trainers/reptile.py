@@ -36,10 +36,11 @@ def _select(pred, a, b):
 
 
 def _read(variable):
-    """A variable's current value as a tensor that later assignments leave alone
-    (`ops.convert_to_tensor` of a TensorFlow variable is the variable itself; `ops.copy`
-    reads it. On JAX the value is an immutable array already)."""
-    return ops.copy(variable.value)
+    """A copy of a variable's current value (`F.read_value`, a snapshot that later
+    assignments leave alone), so that assigning it to another variable outside a step
+    (`end_trajectory`, `model_weights_to_save`) does not make two variables share one JAX
+    buffer, which the jitted step's state donation refuses."""
+    return ops.copy(F.read_value(variable))
 
 
 def _rank(t):
