@@ -30,10 +30,15 @@ openai/supervised-reptile's FOMAML (the last mini-batch).
 
 from __future__ import annotations
 
-import numpy as np
-import tensorflow as tf
+from typing import TYPE_CHECKING
 
+import numpy as np
+
+from tf_metaalign import backend
 from tf_metaalign.data.splits import check_positive_int
+
+if TYPE_CHECKING:  # the annotations; TensorFlow is imported where a dataset is made
+    import tensorflow as tf
 
 __all__ = ["stack_task", "stacked_batches"]
 
@@ -150,6 +155,11 @@ def stacked_batches(
       >>> [tuple(x.shape) for x, y in ds]  # for ReptileTrainer(inner_steps=3)
       [(3, 4, 1), (3, 4, 1)]
     """
+    tf = backend.require_tensorflow(
+        "tf_metaalign.data.stacked_batches (a tf.data.Dataset)",
+        instead="build each element with tf_metaalign.data.stack_task (NumPy) and feed them "
+        "as arrays [n * B, k, ...] with stack_axis=1, or from a keras.utils.PyDataset.",
+    )
     num_batches = check_positive_int(num_batches, "num_batches")
     batch_size = check_positive_int(batch_size, "batch_size")
     if num_elements is not None:

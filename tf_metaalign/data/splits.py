@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
-import tensorflow as tf
+
+from tf_metaalign import backend
+
+if TYPE_CHECKING:  # the annotations; TensorFlow is imported where a dataset is made
+    import tensorflow as tf
 
 
 @dataclasses.dataclass
@@ -144,6 +148,8 @@ def make_dataset(
       >>> [y.numpy().tolist() for _, y in ds]
       [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     """
+    # Imported here: the split helpers and argument checks of this module run without it.
+    tf = backend.require_tensorflow("tf_metaalign.data.make_dataset (a tf.data.Dataset)")
     batch_size = check_positive_int(batch_size, "batch_size")
     n = len(y)
     if n == 0:

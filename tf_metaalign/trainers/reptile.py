@@ -2,6 +2,11 @@
 single-task first-order `ReptileTrainer` and `FOMAMLTrainer` (the Meta DotProd paper's
 baselines).
 
+On JAX (`KERAS_BACKEND=jax`) the same trainers run as pure steps (docs/trainers.md, "On
+JAX"): phi, the counters and the optimizer state are part of the step's state; with
+`keras.distribution.DataParallel` the step sees the global batch, so each inner gradient
+is the global-batch gradient TensorFlow all-reduces, and N devices compute what one does.
+
 Two shapes (docs/trainers.md, "Where the weights live"):
 
 * `SequentialReptileTrainer`: a trajectory spans `inner_steps` train steps. The model's
@@ -144,6 +149,12 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
     run stopped mid-trajectory resumes exactly.
 
     With K = 1 and eta = 1 it is plain training.
+
+    On JAX the outer update is a `jax.lax.cond` inside the pure step (its branches assign
+    phi, the model and, with `reset_inner_optimizer`, the slots); under
+    `keras.distribution.DataParallel` every step is one step on the global batch, as on
+    one TensorFlow replica (TensorFlow's multi-replica step gives the same numbers: its
+    inner step is the all-reduced `apply_gradients`).
 
     What the user gets is phi:
     * at the end of `fit`, if the last trajectory is incomplete (the step count is not a
@@ -557,6 +568,12 @@ class ReptileTrainer(_StackedInnerLoopTrainer):
         `model(x)` (keras-io's Reptile example): BatchNorm normalises with its moving
         statistics, which the step then never updates, and Dropout is off. See
         docs/porting.md.
+
+    On JAX the inner loop's gradients are the global batch's (the step sees the global
+    batch under `keras.distribution.DataParallel`), which is what TensorFlow's all-reduce
+    gives per replica: the same numbers on any number of devices. NumPy elements are
+    batched along axis 0, so give them as `[B, k, ...]` with stack_axis=1 (or `[k, B, ...]`
+    elements from a generator / `keras.utils.PyDataset`).
 
     Elements: `tf_metaalign.data.stacked_batches` builds them from a task sampler. An
     element whose rank is not the model's input rank + 1 (a model batch that was not
