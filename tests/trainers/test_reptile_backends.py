@@ -374,6 +374,27 @@ def test_save_writes_phi_and_loads_as_the_users_model(float64, tmp_path):
     )
 
 
+@pytest.mark.parametrize("name", ["sequential_reptile", "reptile"])
+def test_saved_trainer_loads_and_trains_on(float64, name, tmp_path):
+    """`keras.saving.save_model(trainer)` mid-run, `load_model` (config, compile config,
+    state: phi and the counter, the inner optimizer's config), then one more epoch: the
+    same as the trainer that was saved."""
+    x, y = _case_data(name, 4, seed=4)
+    trainer = CASES[name][0]()
+    trainer.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    path = str(tmp_path / "trainer.keras")
+    keras.saving.save_model(trainer, path)
+    loaded = keras.saving.load_model(path)
+    assert type(loaded) is type(trainer)
+    assert loaded.inner_steps == trainer.inner_steps
+    for key, values in _state(trainer).items():
+        _assert_close(_state(loaded)[key], values)
+    trainer.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    loaded.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    for key, values in _state(trainer).items():
+        _assert_close(_state(loaded)[key], values)
+
+
 # ------------------------------------------------------------ 1 device == 2 devices
 
 
