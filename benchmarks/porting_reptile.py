@@ -196,7 +196,12 @@ def train_trainer(args, data, k, inner_training, inner_lr):
     )
     timer = _Times()
     history = trainer.fit(
-        data, steps_per_epoch=args.meta_iters, epochs=1, verbose=0, callbacks=[timer]
+        data,
+        steps_per_epoch=args.meta_iters,
+        epochs=1,
+        verbose=0,
+        callbacks=[timer],
+        shuffle=False,  # a PyDataset (JAX) would be read in a shuffled order
     )
     return model, timer.times, float(history.history["loss"][-1])
 
