@@ -341,6 +341,23 @@ def test_inner_loop_is_first_order(float64):
     assert any(np.any(g) for g in through(unrolled))
 
 
+def test_task_id_batches_train_as_plain_inputs(float64):
+    """x = {"inputs", "task_id"} gives the model x["inputs"]: the same run as plain x
+    (fit with validation, evaluate)."""
+    x, y = _data(48)
+    ids = np.repeat(np.arange(6, dtype="int32") % 2, 8)
+    results = []
+    for inputs in (x, {"inputs": x, "task_id": ids}):
+        trainer = SequentialReptileTrainer(_mlp(2), inner_steps=2, outer_learning_rate=0.5)
+        trainer.compile(optimizer=O.Adam(0.01), loss="mse")
+        history = trainer.fit(
+            inputs, y, batch_size=B, shuffle=False, verbose=0, validation_data=(inputs, y)
+        )
+        results.append((_weights(trainer.model), history.history["val_loss"]))
+    _assert_close(results[1][0], results[0][0])
+    np.testing.assert_allclose(results[1][1], results[0][1], **TOL)
+
+
 # -------------------------------------------------------- the user's model, saved
 
 
