@@ -24,7 +24,7 @@ The interface (the same names in both modules, re-exported here):
   scale_loss_for_distribution(x), unscale_loss_for_distribution(x)
   traced_once(fn)
   counter_dtype()            "int64" (TF; JAX with x64) or "int32" (JAX without x64)
-  densify(tensors), add_n(tensors)
+  densify(tensors), add_n(tensors), read_value(variable)  (a snapshot tensor)
 
 `require_tensorflow(what)` imports TensorFlow for a TensorFlow-only feature, or raises an
 ImportError that names the feature and what to use instead.
@@ -64,6 +64,7 @@ traced_once = _impl.traced_once
 counter_dtype = _impl.counter_dtype
 densify = _impl.densify
 add_n = _impl.add_n
+read_value = _impl.read_value
 
 
 def is_tensorflow() -> bool:
@@ -127,6 +128,7 @@ __all__ = [
     "counter_dtype",
     "densify",
     "add_n",
+    "read_value",
     "is_tensorflow",
     "is_jax",
     "require_tensorflow",
