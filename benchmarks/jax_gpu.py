@@ -766,9 +766,11 @@ def main(argv):
         }
         for i, c in enumerate(r["comparisons"][:2]):
             verdict = "" if c.get("pass") is None else (" PASS" if c["pass"] else " FAIL")
-            ratio = "-" if c["ratio"] is None else f"{c['ratio']:.3f}"
             target = "" if c["target"] is None else f" (<= {c['target']:.2f}{verdict})"
-            row[f"vs{i}"] = f"{ratio} x {c['reference']}{target}"
+            if c["ratio"] is None:
+                row[f"vs{i}"] = f"- ({c['reference']} not run)"
+            else:
+                row[f"vs{i}"] = f"{c['ratio']:.3f} x {c['reference']}{target}"
         rows.append(row)
 
     table = format_table(
