@@ -623,7 +623,7 @@ def device_info():
 
     d = jax.devices()[0]
     kind = getattr(d, "device_kind", d.platform)
-    slug = re.sub(r"[^a-z0-9]+", "_", f"{d.platform} {kind}".lower()).strip("_")
+    slug = re.sub(r"[^a-z0-9]+", "_", str(kind).lower()).strip("_")  # "nvidia_h100_80gb_hbm3"
     if d.platform == "cpu":
         slug = "cpu"
     return d, kind, slug
