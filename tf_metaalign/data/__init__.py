@@ -11,6 +11,18 @@
   load_tfds                 a TFDS dataset already on disk (never downloads)
   Splits, make_dataset      numpy splits and their `tf.data.Dataset`s
 
+On JAX (or anywhere without TensorFlow): `import tf_metaalign.data` needs no TensorFlow,
+and every helper that makes a `tf.data.Dataset` takes `as_numpy=True` for the same batches
+as NumPy arrays, which Keras's `fit` takes on every backend: an infinite stream as a Python
+generator (`fit(..., steps_per_epoch=...)`), a finite set as a `keras.utils.PyDataset`
+(`fit` shuffles a finite PyDataset's batch order unless `shuffle=False`). The streams
+(`MultiTaskStream`, `EpisodeSampler`) draw TensorFlow's stateless random numbers in NumPy,
+so both routes give the same batches and a run can resume on either (`make_dataset`'s
+shuffle is the exception: its NumPy order is its own). Without TensorFlow a tf.data route
+raises an ImportError naming its `as_numpy` route; where TensorFlow is installed beside JAX
+(`tensorflow-cpu`), the tf.data routes feed Keras's JAX `fit` too. Decoding Omniglot's
+PNGs needs TensorFlow (`load_omniglot` reads its cache without it).
+
 Our experiments' task builders and pipelines (WordNet, Django catalogs, translation,
 prompted tasks, the small T5 and its pre-training, the MiniLM encoder, the synthetic
 problems) are not library code: they live in the repository's `trainers/experiments/`."""
