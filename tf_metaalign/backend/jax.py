@@ -140,6 +140,31 @@ def cond(pred, true_fn, false_fn):
     return outputs
 
 
+def guarded(pred, fn):
+    """`fn()` (which may assign variables) where `pred`; else nothing is assigned and the
+    outputs are zeros of `fn`'s outputs. One `jax.lax.cond`: the skipped branch costs
+    nothing, and the taken one updates the state in place (no select over the state)."""
+    if isinstance(pred, bool) or (_compat.jax_trace_state_clean() and _is_concrete(pred)):
+        return fn() if bool(pred) else None
+    shapes = {}
+
+    def probe():
+        out = fn()
+        return out
+
+    scope = _compat.current_stateless_scope()
+    if scope is not None:
+        with _RecordingScope(scope):
+            shapes["out"] = jax.eval_shape(probe)
+    else:
+        shapes["out"] = jax.eval_shape(probe)
+
+    def skip():
+        return jax.tree.map(lambda s: ops.zeros(s.shape, s.dtype), shapes["out"])
+
+    return cond(pred, fn, skip)
+
+
 # ---------------------------------------------------------------------- distribution
 
 
@@ -228,22 +253,27 @@ def _state_variables(trainer):
 
 
 def check_finite_loss(trainer, loss, message):
-    """`loss`, checked finite. Inside a stateless step the check is recorded: a step whose
-    loss is not finite keeps its old state (nothing is assigned), counts itself in the
-    trainer's `nonfinite_loss_steps`, and fit raises `FloatingPointError(message)` right
-    after (`make_train_function`). Eagerly, a concrete loss is checked at once."""
+    """Whether `loss` is finite (a boolean tensor), recorded for the step. Inside a stateless
+    step `finish_step` then runs its assignments under `guarded(finite, ...)`: a step whose
+    loss is not finite assigns nothing there, counts itself in the trainer's
+    `nonfinite_loss_steps`, and fit raises `FloatingPointError(message)` right after
+    (`make_train_function`). Eagerly, a concrete loss is checked at once (and raises)."""
+    finite = ops.all(ops.isfinite(loss))
     checks = getattr(trainer, "_finite_checks", None)
     if checks is None:
-        if _compat.jax_trace_state_clean() and not bool(ops.all(ops.isfinite(loss))):
+        if _compat.jax_trace_state_clean() and not bool(finite):
             raise FloatingPointError(message)
-        return loss
-    checks.append(ops.all(ops.isfinite(loss)))
+        return True
+    checks.append(finite)
     trainer._finite_message = message
-    return loss
+    return finite
 
 
 def stateless_train_step(trainer, state, data):
-    """`(logs, new_state)`: the trainer's `train_step(data)` run purely on `state`."""
+    """`(logs, new_state)`: the trainer's `train_step(data)` run purely on `state`.
+
+    A step whose loss is not finite assigns nothing in `finish_step` (its assignments run
+    under `guarded`), counts itself in `nonfinite_loss_steps`, and fit raises after it."""
     groups = _state_variables(trainer)
     mapping = [(v, value) for vs, values in zip(groups, state) for v, value in zip(vs, values)]
     trainer._finite_checks = []
@@ -264,10 +294,6 @@ def stateless_train_step(trainer, state, data):
         finite = checks[0]
         for check in checks[1:]:
             finite = ops.logical_and(finite, check)
-        new_state = [
-            [ops.where(finite, new, old) for new, old in zip(news, olds)]
-            for news, olds in zip(new_state, state)
-        ]
         index = _nonfinite_index(trainer)
         count = state[1][index] + ops.cast(ops.logical_not(finite), state[1][index].dtype)
         new_state[1][index] = count
