@@ -232,8 +232,9 @@ def test_float32_with_an_int32_step_stays_float32_and_near_float64(case):
 def test_jitted_float32_step_holds_no_64_bit_type(float64, case):
     """With x64 ON (float64 available), a float32 step with an int32 counter, traced by
     jax.jit, holds no float64 anywhere (nothing silently widens to it) and no uint64 (the
-    hash is uint32); and jit == eager. (int64 does appear with x64 on: Keras's own ops
-    turn python int literals and loop counters into the default int, int32 without x64.)"""
+    hash is uint32). (int64 does appear with x64 on: Keras's own ops turn python int
+    literals and loop counters into the default int, int32 without x64.) Tracing only:
+    the other tests run the steps jitted."""
     import jax
 
     name, options = CASES[case]
@@ -247,10 +248,6 @@ def test_jitted_float32_step_holds_no_64_bit_type(float64, case):
     jaxpr = str(jax.make_jaxpr(step_fn)(state))
     for wide in ("f64", "u64"):
         assert wide not in jaxpr, f"{case}: {wide} in the traced step"
-    eager = jax.tree_util.tree_leaves(step_fn(state))
-    jitted = jax.tree_util.tree_leaves(jax.jit(step_fn)(state))
-    for a, b in zip(eager, jitted):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=1e-6)
 
 
 def test_random_draws_are_the_same_for_int32_int64_and_python_steps(float64):
