@@ -124,12 +124,13 @@ def _split(g):
 
 def initial_state(method, dtype):
     """The state a trainer starts the method from (`state_spec`'s initializers)."""
-    state = {}
+    state = method.initial_state(T, dtype)
+    expected = {"zeros": 0.0, "ones": 1.0}
     for key, spec in method.state_spec(T).items():
-        init = spec.initializer
-        value = {"zeros": 0.0, "ones": 1.0}.get(init, init)
-        state[key] = np.full(spec.shape, float(value))
-    return {k: ops.convert_to_tensor(v.astype(dtype)) for k, v in state.items()}
+        want = expected.get(spec.initializer, spec.initializer)
+        np.testing.assert_array_equal(_np(state[key]), np.full(spec.shape, want, dtype))
+        assert standardize_dtype(state[key].dtype) == dtype
+    return state
 
 
 _COMPILED = {}

@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, ClassVar, Mapping, Optional
 
+import keras
 import numpy as np
 from keras import ops
 from keras.backend import standardize_dtype
@@ -232,6 +233,29 @@ class MultiTaskMethod:
 
     def state_spec(self, num_tasks: int) -> dict[str, StateSpec]:
         return {}
+
+    def initial_state(self, num_tasks: int, dtype="float32") -> dict:
+        """The state's starting values, as the trainer's variables hold them when created:
+        `state_spec`'s initializers in `dtype` (a spec's own dtype wins). For a custom
+        loop: `state = method.initial_state(T, dtype)`, then after each `combine`
+        `state = {**state, **combination.state}` (and an optimizer step on trainable
+        state with `combination.state_gradients`).
+
+        Example:
+          >>> from tf_metaalign.algorithms.multitask import NashMTL
+          >>> {k: np.asarray(v).tolist() for k, v in NashMTL().initial_state(2).items()}
+          {'prev_alpha': [1.0, 1.0]}
+        """
+        state = {}
+        for key, spec in self.state_spec(num_tasks).items():
+            kind = spec.dtype or dtype
+            init = spec.initializer
+            if isinstance(init, (int, float)) and not isinstance(init, bool):
+                value = ops.full(spec.shape, F.scalar(init, kind), dtype=kind)
+            else:
+                value = keras.initializers.get(init)(spec.shape, dtype=kind)
+            state[key] = ops.convert_to_tensor(value, dtype=kind)
+        return state
 
     def combine(self, inputs: TaskInputs, state: Mapping[str, Any]) -> Combination:
         raise NotImplementedError
