@@ -152,7 +152,9 @@ class _FlaxOptimizer(base.BaseOptimizer):
         weight_decay = base.check_non_negative("weight_decay", weight_decay)
         super().__init__(
             learning_rate,
-            self.rule_class(beta_1=beta_1, beta_2=beta_2, epsilon=epsilon, weight_decay=weight_decay),
+            self.rule_class(
+                beta_1=beta_1, beta_2=beta_2, epsilon=epsilon, weight_decay=weight_decay
+            ),
             variable_hyperparameters={"beta_1": beta_1, "beta_2": beta_2},
             aggregated_clipnorm=aggregated_clipnorm,
             name=name or type(self).__name__,
