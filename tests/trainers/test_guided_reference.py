@@ -354,3 +354,49 @@ def test_docstring_examples_run(module):
     flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
     result = doctest.testmod(module, extraglobs=globs, optionflags=flags)
     assert result.failed == 0 and result.attempted > 0
+
+
+def _reference_trainer(strategy, x, xg, yg):
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((3,)), keras.layers.Dense(4, "tanh"), keras.layers.Dense(1)]
+        )
+        trainer = GuidedTrainer(
+            model, (xg, yg[:, None]), meta_optimizer=flax_reference.FlaxAdam(0.05),
+            reference=alg.REFERENCE, meta_gradient_clip=1.0,
+        )  # fmt: skip
+        trainer.compile(O.Lamb(0.02, weight_decay_rate=0.0), loss="mse")
+    return trainer
+
+
+def test_reference_option_one_replica_equals_two_and_saves(float64, tmp_path):
+    # float64: beta_1's hypergradient at the first step is 0 in exact arithmetic (flax's
+    # LAMB: m_hat = g whatever beta_1); in float32 it is +-1e-9 of rounding, whose sign
+    # differs between 1 and 2 replicas, and flax's Adam (epsilon 1e-8 after bias
+    # correction) turns that into a meta step of ~10% of its learning rate, as the
+    # reference would: beta_1 then ends 1.3e-3 apart (measured).
+    x, y, xg, yg, *_ = _problem()
+    runs = []
+    for strategy in (tf.distribute.OneDeviceStrategy("/cpu:0"), two_cpu_strategy()):
+        trainer = _reference_trainer(strategy, x, xg, yg)
+        hist = trainer.fit(x, y[:, None], batch_size=8, epochs=2, shuffle=False, verbose=0)
+        runs.append((trainer, hist))
+    (t1, h1), (t2, h2) = runs
+    assert isinstance(t2.optimizer, flax_reference.FlaxLamb)
+    assert t1.learned_values()["learning_rate"] != 1.0  # the values did move
+    for n, v in t1.learned_values().items():
+        np.testing.assert_allclose(t2.learned_values()[n], v, rtol=1e-5)
+    for a, b in zip(t1.model.get_weights(), t2.model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(
+        h1.history["hypergrad_beta_1"], h2.history["hypergrad_beta_1"], rtol=2e-4
+    )
+
+    keras.saving.save_model(t1, tmp_path / "reference.keras")
+    loaded = keras.models.load_model(tmp_path / "reference.keras")
+    assert loaded.guided.reference == alg.REFERENCE and loaded.guided.meta_gradient_clip == 1.0
+    assert isinstance(loaded.guided.meta_optimizer, flax_reference.FlaxAdam)
+    assert isinstance(loaded.optimizer, flax_reference.FlaxLamb)
+    for n, v in t1.learned_values().items():
+        assert loaded.learned_values()[n] == pytest.approx(v, rel=1e-12)

@@ -265,7 +265,10 @@ def as_flax_optimizer(optimizer):
     else:
         return None
     schedule = optimizer._learning_rate_schedule
-    learning_rate = schedule if schedule is not None else float(optimizer.learning_rate)
+    if schedule is None:  # a fixed rate (read eagerly; also a mirrored variable's)
+        with tf.init_scope():
+            schedule = float(optimizer.learning_rate_at(tf.constant(0, tf.int64)).numpy())
+    learning_rate = schedule
     return target(
         learning_rate,
         beta_1=optimizer.beta_1,
