@@ -63,6 +63,12 @@ SIGMOID_CAP_MARGIN = 1e-5
 SIGMOID_INIT_FLOOR = 1e-2
 #: NaN hypergradients become 0 and +-inf become +-NONFINITE_REPLACEMENT (the reference).
 NONFINITE_REPLACEMENT = 10.0
+#: the name of the reference semantics (`activate`, `reduce_and_sanitize`, `guided_step`).
+REFERENCE = "gradient_based_tuning"
+#: the reference's sigmoid ceiling for beta_1/beta_2 ('sig' activation, activation_ceiling).
+REFERENCE_SIGMOID_CEILING = 1.0 - 1e-5
+#: the reference's inverse sigmoid clips the raw value to [-REFERENCE_RAW_BOUND, +...].
+REFERENCE_RAW_BOUND = 500.0
 
 
 # ----------------------------------------------------------------------- activations
@@ -73,27 +79,65 @@ def activation_name(name: str) -> str:
     return "exp" if name == "learning_rate" else "sigmoid"
 
 
-def activate(name: str, raw):
+def activate(name: str, raw, reference: bool = False):
     """The hyperparameter value (or learning-rate scale) for a raw value; differentiable
-    (by tapes, and in forward mode when `raw` is a `forward_mode.Dual`)."""
+    (by tapes, and in forward mode when `raw` is a `forward_mode.Dual`).
+
+    The learning-rate scale is exp(raw) in both semantics. A coefficient is
+    ``min(sigmoid(raw), 1 - 1e-5)`` by default; with `reference=True` it is the
+    reference's 'sig' activation with steepness 1, floor 0 and ceiling 1 - 1e-5,
+    ``(1 - 1e-5) * sigmoid(raw)`` (google-research `gradient_based_tuning`,
+    guided_parameters_utils.activation_sig_fn and guided_parameters.lamb_adam_beta1): a
+    slope smaller by the factor 1 - 1e-5 everywhere, and a value 1e-5 * sigmoid(raw) lower.
+
+    Example:
+      >>> from tf_metaalign.algorithms.guided import activate
+      >>> raw = tf.constant(2.0, tf.float64)
+      >>> float(activate("beta_1", raw) - activate("beta_1", raw, reference=True)) > 8e-6
+      True
+    """
     if not isinstance(raw, fm.Dual):
         raw = tf.convert_to_tensor(raw)
     if activation_name(name) == "exp":
         return tf.exp(raw)
+    if reference:
+        return F.scalar(REFERENCE_SIGMOID_CEILING, raw.dtype) * tf.sigmoid(raw)
     # F.scalar: 1 - 1e-5 exact in raw's dtype (tf.cast would round it through float32).
     return tf.minimum(tf.sigmoid(raw), F.scalar(1.0 - SIGMOID_CAP_MARGIN, raw.dtype))
 
 
-def initial_raw(name: str, value: float | None) -> float:
+def initial_raw(name: str, value: float | None, reference: bool = False) -> float:
     """Inverse of `activate` for the initial value (a python float).
 
     The learning-rate scale starts at 1 (raw 0) whatever `value` is. A sigmoid
     hyperparameter starts at `value` clipped to [SIGMOID_INIT_FLOOR, 1 - 1e-5]
-    (None counts as 0).
+    (None counts as 0). With `reference=True`, the reference's inverse
+    (guided_parameters_utils.activation_sig_inverter, ceiling c = 1 - 1e-5, floor 0):
+    ``clip(-log(c / value - 1), -500, 500)``, so 0 maps to -500 (a coefficient that
+    never moves: its gradient is 0) and c to 500; a value above c (where the reference
+    takes the log of a negative number) is a ValueError.
+
+    Example:
+      >>> from tf_metaalign.algorithms.guided import initial_raw
+      >>> round(initial_raw("beta_1", 0.9), 6), round(initial_raw("beta_1", 0.9, True), 6)
+      (2.197225, 2.197325)
     """
     if activation_name(name) == "exp":
         return 0.0
     v = 0.0 if value is None else float(value)
+    if reference:
+        c = REFERENCE_SIGMOID_CEILING
+        if v > c:
+            raise ValueError(
+                f"initial value of {name!r}: {v} is above the reference sigmoid's ceiling "
+                f"1 - 1e-5 (reference={REFERENCE!r}); configure a smaller value."
+            )
+        if v <= 0.0:
+            return -REFERENCE_RAW_BOUND
+        if v == c:
+            return REFERENCE_RAW_BOUND
+        raw = -math.log(c / v - 1.0)
+        return float(min(max(raw, -REFERENCE_RAW_BOUND), REFERENCE_RAW_BOUND))
     v = min(max(v, SIGMOID_INIT_FLOOR), 1.0 - SIGMOID_CAP_MARGIN)
     return float(math.log(v) - math.log1p(-v))
 
@@ -105,6 +149,7 @@ def hyperparameters_from_raw(
     base_hparams: Mapping[str, Any],
     raw: Mapping[str, tf.Tensor],
     dtype=None,
+    reference: bool = False,
 ):
     """The `hparams` dict of `rule.update` with the learned values substituted.
 
@@ -118,10 +163,11 @@ def hyperparameters_from_raw(
         the values `BaseOptimizer` computes with: the learning rate is the schedule value
         times the scale, in the schedule value's dtype (float64 for a package optimizer's
         fixed rate), as `BaseOptimizer` multiplies them.
+      reference: the reference's activations (`activate`).
     """
     hparams = dict(base_hparams)
     for name, r in raw.items():
-        value = activate(name, r)
+        value = activate(name, r, reference)
         d = dtype.get(name) if isinstance(dtype, Mapping) else dtype
         if d is not None:
             value = tf.cast(value, d)
@@ -138,12 +184,12 @@ def hyperparameters_from_raw(
 # ------------------------------------------------------------------------- the step
 
 
-def seeded_hyperparameters(base_hparams, raw, hparam_dtype=None):
+def seeded_hyperparameters(base_hparams, raw, hparam_dtype=None, reference=False):
     """`hyperparameters_from_raw` with each raw value seeded as its own forward-mode
     direction: the learned entries are `forward_mode.Dual`s (direction k = raw k)."""
     names = list(raw)
     seeded = {name: fm.seed(raw[name], len(names), k) for k, name in enumerate(names)}
-    return hyperparameters_from_raw(base_hparams, seeded, dtype=hparam_dtype)
+    return hyperparameters_from_raw(base_hparams, seeded, dtype=hparam_dtype, reference=reference)
 
 
 #: the committed update runs in at most about this many sequential groups of variables.
@@ -195,6 +241,7 @@ def update_with_tangents(
     step,
     hparam_dtype=None,
     commit=None,
+    reference=False,
 ) -> UpdateWithTangents:
     """This step's update and its derivatives with respect to every raw value.
 
@@ -218,7 +265,7 @@ def update_with_tangents(
             f"variable; got {len(grads)}, {len(params)}, {len(slots)}, {len(options)}."
         )
     n = len(raw)
-    hparams = seeded_hyperparameters(base_hparams, raw, hparam_dtype)
+    hparams = seeded_hyperparameters(base_hparams, raw, hparam_dtype, reference)
     n_vars = len(params)
     out = UpdateWithTangents([None] * n_vars, [None] * n_vars, [None] * n_vars)
     groups = [list(range(n_vars))] if commit is None else _update_groups(params)
@@ -292,6 +339,7 @@ def hypergradients(
     guidance_weight=None,
     hparam_dtype=None,
     commit=None,
+    reference=False,
 ) -> HypergradientResult:
     """The greedy hypergradient ``d L_guide(theta_{t+1}(raw)) / d raw`` (local value).
 
@@ -316,6 +364,7 @@ def hypergradients(
         and optimizer; returns the value of theta_{t+1} to evaluate the guidance loss at
         (the variable read after its assignment). Saves the optimizer recomputing the
         update and keeps no separate copy of theta_{t+1}.
+      reference: the reference's activations (`activate`).
 
     Returns:
       A `HypergradientResult` in per-replica units: call `reduce_and_sanitize` (inside
@@ -351,7 +400,17 @@ def hypergradients(
     # Pass 1: theta_{t+1} and its tangents d theta_{t+1} / d raw_k (forward mode),
     # committed group by group when `commit` is given.
     look = update_with_tangents(
-        rule, grads, params, slots, options, base_hparams, raw_t, step, hparam_dtype, commit
+        rule,
+        grads,
+        params,
+        slots,
+        options,
+        base_hparams,
+        raw_t,
+        step,
+        hparam_dtype,
+        commit,
+        reference,
     )
     eval_params = look.new_params
 
@@ -395,26 +454,70 @@ def sanitize(h: tf.Tensor):
     return clean, bad
 
 
-def reduce_and_sanitize(hypergrads: Mapping[str, tf.Tensor], guidance_loss):
+def clip_meta_gradient(h, limit):
+    """`h` clipped to [-limit, limit] (the reference's ``--use_grad_clip``
+    ``--grad_clip_limit``: `jnp.clip` of the averaged, sanitised hypergradient); None or 0
+    leaves it unchanged.
+
+    Example:
+      >>> from tf_metaalign.algorithms.guided import clip_meta_gradient
+      >>> float(clip_meta_gradient(tf.constant(-3.0), 1.0))
+      -1.0
+    """
+    if not limit:
+        return h
+    h = tf.convert_to_tensor(h)
+    return tf.clip_by_value(h, -F.scalar(limit, h.dtype), F.scalar(limit, h.dtype))
+
+
+def reduce_and_sanitize(
+    hypergrads: Mapping[str, tf.Tensor], guidance_loss, reference: bool = False, clip=None
+):
     """Sum local hypergradients and guidance losses over replicas, then sanitise.
 
     Returns `(hypergradients, guidance_loss, n_nonfinite)`: dict name -> global sanitised
     scalar, the global guidance loss, and the number (int64) of non-finite entries
     replaced this step. Must be called in a replica context (or outside any strategy).
+
+    With `reference=True` the order is the reference's (train.py's guidance step: each
+    device's hypergradient goes through `jnp.nan_to_num(..., posinf=10, neginf=-10)`, then
+    `jax.lax.pmean`): each replica's local value is brought to the units of a whole-batch
+    value (times the replica count, as a device's mean over its shard is), sanitised, and
+    the replicas' values are averaged; `n_nonfinite` counts every replica's replacements.
+    The orders agree with one replica and whenever everything is finite; with a non-finite
+    local value on one of R replicas, the default gives +-10 (or 0) for the sum while the
+    reference averages +-10 with the other replicas' finite values. `clip` (a positive
+    float or None) then clips the result (`clip_meta_gradient`), in either order.
     """
     names = list(hypergrads)
     values = [tf.convert_to_tensor(hypergrads[n]) for n in names]
     loss = tf.convert_to_tensor(guidance_loss)
     dtypes = [v.dtype for v in values] + [loss.dtype]
+    replicas = F.num_replicas()
+    n_bad = tf.constant(0, tf.int64)
+    if reference:
+        local = []
+        for x in values:
+            clean, bad = sanitize(x * F.scalar(replicas, x.dtype))
+            local.append(clean)
+            n_bad += tf.cast(bad, tf.int64)
+        values = local
     # One all-reduce of a single dtype (a batched all-reduce concatenates its inputs).
     packed = tf.stack([tf.cast(v, tf.float64) for v in values + [loss]])
+    if reference:
+        packed = tf.concat([packed, tf.cast(n_bad, tf.float64)[None]], 0)
     packed = F.all_reduce_sum(packed)
     unpacked = [tf.cast(packed[i], d) for i, d in enumerate(dtypes)]
     values, loss = unpacked[:-1], unpacked[-1]
-    out, n_bad = {}, tf.constant(0, tf.int64)
+    out = {}
+    if reference:
+        n_bad = tf.cast(packed[-1], tf.int64)
+        for n, x in zip(names, values):
+            out[n] = clip_meta_gradient(x / F.scalar(replicas, x.dtype), clip)
+        return out, loss, n_bad
     for n, x in zip(names, values):
         clean, bad = sanitize(x)
-        out[n] = clean
+        out[n] = clip_meta_gradient(clean, clip)
         n_bad += tf.cast(bad, tf.int64)
     return out, loss, n_bad
 
@@ -508,6 +611,8 @@ def guided_step(
     guidance_weight=None,
     hparam_dtype=None,
     commit=None,
+    reference=False,
+    meta_gradient_clip=None,
 ) -> GuidedStepResult:
     """One greedy guided-learning step on the learned raw values (pure but for `commit`).
 
@@ -532,6 +637,12 @@ def guided_step(
         under `tf.cond`; the cond holds no cross-replica communication, so it is valid
         under any strategy). `commit` needs `apply=True`.
       commit: see `hypergradients` (commits theta_{t+1} as it is computed).
+      reference: the reference's semantics (google-research `gradient_based_tuning`):
+        its activations (`activate`) and its order of sanitising and averaging over
+        replicas (`reduce_and_sanitize`). The rules (flax's Adam / LAMB) are the
+        caller's choice: `meta_rule` and `rule`.
+      meta_gradient_clip: clip the global hypergradient to [-c, c] before the meta step
+        (the reference's `--use_grad_clip --grad_clip_limit=c`); None: no clipping.
     """
     names = list(raw)
     raw = {n: tf.convert_to_tensor(raw[n]) for n in names}
@@ -557,6 +668,7 @@ def guided_step(
             guidance_weight=guidance_weight,
             hparam_dtype=hparam_dtype,
             commit=commit,
+            reference=reference,
         )
         holder["update"] = UpdateWithTangents(result.new_params, result.new_slots, [])
         return [result.hypergradients[n] for n in names], tf.cast(result.guidance_loss, loss_dtype)
@@ -571,7 +683,9 @@ def guided_step(
     )
     if apply is not True:
         holder.pop("update", None)  # built inside the cond: not usable outside it
-    h, guidance_loss, n_bad = reduce_and_sanitize(dict(zip(names, h_local)), loss_local)
+    h, guidance_loss, n_bad = reduce_and_sanitize(
+        dict(zip(names, h_local)), loss_local, reference=reference, clip=meta_gradient_clip
+    )
     updated = meta_update(meta_rule, raw, meta_slots, h, meta_hparams, meta_step)
     keep = apply is True
 
@@ -582,7 +696,7 @@ def guided_step(
         hypergradients=h,
         guidance_loss=guidance_loss,
         n_nonfinite=n_bad if keep else tf.where(apply, n_bad, tf.zeros_like(n_bad)),
-        values={n: activate(n, raw[n]) for n in names},
+        values={n: activate(n, raw[n], reference) for n in names},
         new_raw={n: select(updated[n][0], raw[n]) for n in names},
         new_meta_slots={
             n: {k: select(v, meta_slots[n][k]) for k, v in updated[n][1].items()} for n in names
@@ -603,6 +717,7 @@ __all__ = [
     "HypergradientResult",
     "activate",
     "activation_name",
+    "clip_meta_gradient",
     "greedy_hypergradients",
     "guided_step",
     "guidance_shard_bounds",

@@ -22,6 +22,7 @@ import tensorflow as tf
 from tf_metaalign import functional as F
 from tf_metaalign import optimizers as opt_lib
 from tf_metaalign.algorithms import guided as alg
+from tf_metaalign.optimizers import flax_reference
 from tf_metaalign.optimizers.differentiable import (
     as_rule_optimizer,
     check_optimizer,
@@ -34,6 +35,25 @@ from tf_metaalign.trainers.pipeline import Preprocessed, preprocess_data
 
 DEFAULT_HYPERPARAMETERS = ("learning_rate", "beta_1")
 DEFAULT_META_LEARNING_RATE = 3e-5
+#: the values of `reference`: None (this package's semantics) or the paper's own code.
+REFERENCES = (None, alg.REFERENCE)
+
+
+def _check_reference(reference):
+    if reference not in REFERENCES:
+        raise ValueError(
+            f"`reference` must be None (this package's semantics) or {alg.REFERENCE!r} (the "
+            f"arithmetic of the paper's JAX code); got {reference!r}."
+        )
+    return reference
+
+
+def _check_meta_gradient_clip(clip):
+    if clip is None:
+        return None
+    if isinstance(clip, bool) or not isinstance(clip, numbers.Real) or not clip > 0:
+        raise ValueError(f"`meta_gradient_clip` must be None or a float > 0; got {clip!r}.")
+    return float(clip)
 
 
 @keras.saving.register_keras_serializable(package="tf_metaalign")
@@ -83,6 +103,13 @@ class GuidedHyperparameters(keras.layers.Layer):
         ulp (the compiler may fuse a multiply-subtract differently); False makes
         meta-lr 0 bit-identical to `fit`. (Configs saved with its former name
         `reuse_lookahead` still load.)
+      reference: None (this package's semantics) or "gradient_based_tuning": the
+        arithmetic of the paper's JAX code, see `GuidedTrainer` and docs/guided.md.
+        Here it sets the activations and their inverse, the meta-optimizer (flax's Adam,
+        `optimizers.flax_reference.FlaxAdam`; default FlaxAdam(3e-5)) and the order of
+        sanitising and averaging over replicas.
+      meta_gradient_clip: clip the hypergradient to [-c, c] before the meta step (the
+        reference's `--use_grad_clip --grad_clip_limit`); None (default): no clipping.
 
     Example:
       >>> from tf_metaalign import functional, optimizers
@@ -101,11 +128,15 @@ class GuidedHyperparameters(keras.layers.Layer):
         meta_optimizer=None,
         guidance_every=1,
         commit_forward_update=True,
+        reference=None,
+        meta_gradient_clip=None,
         **kwargs,
     ):
         if "reuse_lookahead" in kwargs:  # its name before 0.2
             commit_forward_update = kwargs.pop("reuse_lookahead")
         super().__init__(**kwargs)
+        self.reference = _check_reference(reference)
+        self.meta_gradient_clip = _check_meta_gradient_clip(meta_gradient_clip)
         self.explicit_names = hyperparameters is not None
         if hyperparameters is None:
             hyperparameters = DEFAULT_HYPERPARAMETERS
@@ -131,11 +162,18 @@ class GuidedHyperparameters(keras.layers.Layer):
         ):
             raise ValueError(f"`guidance_every` must be an integer >= 1; got {guidance_every!r}.")
         if meta_optimizer is None:
-            meta_optimizer = opt_lib.Adam(DEFAULT_META_LEARNING_RATE)
+            meta_optimizer = (
+                flax_reference.FlaxAdam(DEFAULT_META_LEARNING_RATE)
+                if self.reference
+                else opt_lib.Adam(DEFAULT_META_LEARNING_RATE)
+            )
         try:
             meta_optimizer = as_rule_optimizer(meta_optimizer)
         except ValueError as e:
             raise ValueError(f"`meta_optimizer`: {e}") from None
+        if self.reference:
+            # flax's Adam for an Adam (its epsilon kept: FlaxAdam's default is flax's 1e-8).
+            meta_optimizer = flax_reference.as_flax_optimizer(meta_optimizer) or meta_optimizer
         if not isinstance(commit_forward_update, bool):
             raise ValueError(
                 f"`commit_forward_update` must be True or False; got {commit_forward_update!r}."
@@ -193,7 +231,9 @@ class GuidedHyperparameters(keras.layers.Layer):
         self._bound_optimizer = optimizer
         if int(self.initialized.numpy()) == 0:
             for name, key in self.active.items():
-                self.raw[name].assign(alg.initial_raw(key, inner.rule.defaults.get(key)))
+                self.raw[name].assign(
+                    alg.initial_raw(key, inner.rule.defaults.get(key), bool(self.reference))
+                )
             self.initialized.assign(1)
         return self.active
 
@@ -208,7 +248,7 @@ class GuidedHyperparameters(keras.layers.Layer):
     def values(self):
         """name -> current learned value (learning_rate: the scale), float64 tensors."""
         return {
-            n: alg.activate(k, tf.convert_to_tensor(self.raw[n].value))
+            n: alg.activate(k, tf.convert_to_tensor(self.raw[n].value), bool(self.reference))
             for n, k in self.active.items()
         }
 
@@ -219,6 +259,8 @@ class GuidedHyperparameters(keras.layers.Layer):
             meta_optimizer=keras.optimizers.serialize(self.meta_optimizer),
             guidance_every=self.guidance_every,
             commit_forward_update=self.commit_forward_update,
+            reference=self.reference,
+            meta_gradient_clip=self.meta_gradient_clip,
         )
         return config
 
@@ -405,6 +447,8 @@ def guided_update(
         guidance_weight=guidance_weight,
         hparam_dtype={k: opt_vars[k].dtype for k in keys},
         commit=commit,
+        reference=bool(hyper.reference),
+        meta_gradient_clip=hyper.meta_gradient_clip,
     )
     h, guidance_loss = r.hypergradients, r.guidance_loss
     if scaled:
@@ -733,6 +777,16 @@ class GuidedTrainer(MetaTrainer):
         update computed for the hypergradient, one optimizer update fewer per step;
         False: recompute it in `apply_gradients`, bit-identical to `fit` at meta
         learning rate 0). Formerly `reuse_lookahead` (still accepted).
+      reference: None (default: this package's semantics) or "gradient_based_tuning":
+        the arithmetic of the paper's JAX code (google-research `gradient_based_tuning`)
+        in its five places of difference (docs/guided.md, "The reference's semantics"):
+        beta_1 = (1 - 1e-5) * sigmoid(raw) and the reference's inverse at initialisation;
+        flax's Adam as the meta-optimizer (epsilon 1e-8 after bias correction; default
+        FlaxAdam(3e-5)); `compile` trains an Adam as flax's Adam (epsilon after bias
+        correction) and a Lamb as flax's LAMB (`optimizers.flax_reference`); on several
+        replicas each replica's hypergradient is sanitised before they are averaged.
+      meta_gradient_clip: clip the hypergradient to [-c, c] before the meta step (the
+        reference's `--use_grad_clip --grad_clip_limit=c`, off by default there too).
 
     Compile with one of `tf_metaalign.optimizers` (SGD, Adam, AdamW, AdamWeightDecay, Lamb,
     Adafactor, RecAdam), or Keras's Adam, AdamW or SGD ("adam", `keras.optimizers.Adam(1e-3)`,
@@ -772,6 +826,8 @@ class GuidedTrainer(MetaTrainer):
         guidance_every: int = 1,
         max_guidance_batches: int = 64,
         commit_forward_update: bool = True,
+        reference: str | None = None,
+        meta_gradient_clip: float | None = None,
         **kwargs,
     ):
         if "reuse_lookahead" in kwargs:  # its name before 0.2
@@ -797,6 +853,8 @@ class GuidedTrainer(MetaTrainer):
             meta_optimizer,
             guidance_every,
             commit_forward_update=commit_forward_update,
+            reference=reference,
+            meta_gradient_clip=meta_gradient_clip,
             name="guided_hyperparameters",
         )
         for name in (
@@ -826,8 +884,21 @@ class GuidedTrainer(MetaTrainer):
         logged (a warning: the instance passed is not the one trained; read
         `trainer.optimizer`). Anything that cannot be converted (e.g. "rmsprop",
         `keras.optimizers.Adadelta`, amsgrad) raises a ValueError listing what is supported.
+        With `reference="gradient_based_tuning"`, an Adam (also one converted from Keras's)
+        becomes flax's Adam and a Lamb flax's LAMB (`optimizers.flax_reference.
+        as_flax_optimizer`, logged); other optimizers are trained as they are.
         """
         optimizer = _as_rule_optimizer(optimizer)
+        if self.guided.reference:
+            flax_optimizer = flax_reference.as_flax_optimizer(optimizer)
+            if flax_optimizer is not None and flax_optimizer is not optimizer:
+                logging.warning(
+                    "GuidedTrainer.compile(reference=%r): training %s as %s (flax's rule).",
+                    self.guided.reference,
+                    type(optimizer).__name__,
+                    type(flax_optimizer).__name__,
+                )
+                optimizer = flax_optimizer
         super().compile(optimizer, *args, **kwargs)
         self.guided.bind(self.optimizer)
         self.set_active_diagnostics(self.guided.logged_names())
@@ -890,6 +961,8 @@ class GuidedTrainer(MetaTrainer):
             guidance_every=self.guided.guidance_every,
             max_guidance_batches=self.max_guidance_batches,
             commit_forward_update=self.guided.commit_forward_update,
+            reference=self.guided.reference,
+            meta_gradient_clip=self.guided.meta_gradient_clip,
         )
         return config
 
