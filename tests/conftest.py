@@ -1,26 +1,51 @@
-"""Test setup: two logical CPU devices so MirroredStrategy tests run on any machine.
+"""Test setup for both Keras backends.
 
-The logical-device split must happen before TensorFlow initialises its devices, so it
-lives here, imported by pytest before any test module.
+TensorFlow env (KERAS_BACKEND=tensorflow, the default): two logical CPU devices so
+MirroredStrategy tests run on any machine (the split must happen before TensorFlow
+initialises its devices, so it lives here, imported by pytest before any test module).
+
+JAX env (KERAS_BACKEND=jax, `.venv-jax`: no TensorFlow): two host CPU devices for
+`keras.distribution` tests (XLA_FLAGS, set before jax loads), and only the BACKEND-NEUTRAL
+test modules are collected: those that declare `BACKENDS = ("tensorflow", "jax")` at
+module level (they must not import tensorflow). The others are TensorFlow's.
 """
 
 import os
+import re
 import sys
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+BACKEND = os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+if BACKEND == "jax":
+    _flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in _flags:
+        os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=2").strip()
 
 import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
-_cpus = tf.config.list_physical_devices("CPU")
-try:
-    tf.config.set_logical_device_configuration(
-        _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2
-    )
-except RuntimeError:  # devices already initialised (e.g. by another plugin)
-    pass
+if BACKEND == "tensorflow":
+    import tensorflow as tf  # noqa: E402
+
+    _cpus = tf.config.list_physical_devices("CPU")
+    try:
+        tf.config.set_logical_device_configuration(
+            _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2
+        )
+    except RuntimeError:  # devices already initialised (e.g. by another plugin)
+        pass
+
+_NEUTRAL = re.compile(r"""^BACKENDS = \(["']tensorflow["'], ["']jax["']\)""", re.M)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """In the JAX env, collect only the backend-neutral test modules."""
+    if BACKEND != "jax" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    return not _NEUTRAL.search(collection_path.read_text())
 
 
 # tests/ mirrors the library (tests/algorithms, tests/trainers, ...). The shared helpers
@@ -39,7 +64,7 @@ _STRATEGY = []
 
 
 def two_cpu_strategy():
-    """A MirroredStrategy over two logical CPUs (the test stand-in for 2 GPUs).
+    """A MirroredStrategy over two logical CPUs (the test stand-in for 2 GPUs; TensorFlow).
 
     One instance per process: a second MirroredStrategy over the same devices reuses
     collective instance keys, and its all-reduces then fail with "Shape mismatch in
@@ -52,7 +77,14 @@ def two_cpu_strategy():
 
 @pytest.fixture
 def float64():
-    """Exact equivalences are checked in float64 (`global_float_precision`)."""
+    """Exact equivalences are checked in float64 (`global_float_precision`; on JAX with
+    64-bit types on for the test: `tf_metaalign.backend.jax.enable_x64`)."""
+    if BACKEND == "jax":
+        from tf_metaalign.backend.jax import enable_x64
+
+        with enable_x64(), global_float_precision("float64"):
+            yield
+        return
     with global_float_precision("float64"):
         yield
 

@@ -1,4 +1,4 @@
-"""tf_metaalign: gradient-alignment and meta-learning algorithms for Keras 3 on TensorFlow.
+"""tf_metaalign: gradient-alignment and meta-learning algorithms for Keras 3 (TensorFlow, JAX).
 
 What a user imports (each subpackage lists its API in `__all__`):
 
@@ -30,19 +30,27 @@ reproductions' data and models) is not part of the installed package.
 
 __version__ = "0.1.0"
 
-from tf_metaalign import (  # noqa: E402
-    algorithms,
-    callbacks,
-    data,
-    forward_mode,
-    functional,
-    optimizers,
-    prompts,
-    trainers,
-)
+from tf_metaalign._exports import export, missing_attribute  # noqa: E402
+
+# Every subpackage is imported, as before (so `import tf_metaalign` registers the classes
+# `keras.saving.load_model` needs); without TensorFlow (Keras on JAX) a subpackage that
+# needs it is a name that raises a clear ImportError.
+from tf_metaalign import backend, functional  # noqa: E402
+
+for _name in (
+    "algorithms",
+    "callbacks",
+    "data",
+    "forward_mode",
+    "optimizers",
+    "prompts",
+    "trainers",
+):
+    export(globals(), f"tf_metaalign.{_name}", as_module=_name)
 
 __all__ = [
     "algorithms",
+    "backend",
     "callbacks",
     "data",
     "forward_mode",
@@ -52,3 +60,4 @@ __all__ = [
     "trainers",
     "__version__",
 ]
+__getattr__ = missing_attribute(globals(), "tf_metaalign")

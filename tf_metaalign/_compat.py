@@ -7,7 +7,9 @@ no public API serves. The rest of the package uses public APIs only (`keras.Vari
 `optimizer.add_variable(..., aggregation=...)`, the public `optimizer.learning_rate`
 property, a variable's `overwrite_with_gradient` attribute, ...).
 
-Checked against Keras 3.15 and TensorFlow 2.21 (pinned in setup.py).
+Checked against Keras 3.15, TensorFlow 2.21 and JAX 0.10 (pinned in pyproject.toml).
+TensorFlow is imported inside the functions that need it, so this module imports on the
+JAX backend without TensorFlow.
 
 This module imports nothing of tf_metaalign.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import contextlib
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 # ================================================================================================
 # trainers and the functional core
@@ -302,6 +304,8 @@ def maybe_merge_call(fn, strategy, *args, **kwargs):
     (MirroredStrategy without merge calls) and is what Keras's own update uses, so our
     committed updates take the same path as `apply_gradients`.
     """
+    import tensorflow as tf
+
     return tf.__internal__.distribute.interim.maybe_merge_call(fn, strategy, *args, **kwargs)
 
 
@@ -430,6 +434,7 @@ def patch_keras_multi_worker_fit():
     """
     if _MULTI_WORKER_FIT_PATCHED:
         return
+    import tensorflow as tf
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
     original_build = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
@@ -487,7 +492,8 @@ def _batch_norm_axis(layer):
 def _batch_norm_training_call(layer, keras_call, inputs, training=None, mask=None):
     """`keras.layers.BatchNormalization.call` with derivatives of every order right.
 
-    Keras 3 (TF backend) takes the batch moments from `tf.nn.moments`, whose variance is
+    Keras 3 takes the batch moments from `ops.moments` (TF: `tf.nn.moments`; JAX: the
+    same stop), whose variance is
     mean((x - stop_gradient(mean))^2): its first derivative is exact (the stopped term's
     derivative is zero at the mean), its SECOND derivative is not, so a second-order
     meta-gradient (MAML) through a Keras BatchNormalization is wrong (measured: a
@@ -506,7 +512,7 @@ def _batch_norm_training_call(layer, keras_call, inputs, training=None, mask=Non
     formulation), and it was not measurably faster here (Conv-4, 2 tasks, second order,
     2 loaded CPU cores: 464 vs 477 ms per meta-step, Keras's own layer 438 ms).
     """
-    inputs = tf.convert_to_tensor(inputs)
+    inputs = ops.convert_to_tensor(inputs)
     if not (
         training
         and layer.trainable
@@ -515,40 +521,43 @@ def _batch_norm_training_call(layer, keras_call, inputs, training=None, mask=Non
         and not getattr(layer, "synchronized", False)
     ):
         return keras_call(inputs, training=training, mask=mask)
-    compute_dtype = tf.float64 if inputs.dtype == tf.float64 else tf.float32
-    x = tf.cast(inputs, compute_dtype)
-    rank = x.shape.rank
+    dtype = keras.backend.standardize_dtype(inputs.dtype)
+    compute_dtype = "float64" if dtype == "float64" else "float32"
+    x = ops.cast(inputs, compute_dtype)
+    rank = len(x.shape)
     axis = _batch_norm_axis(layer) % rank
     channels = x.shape[axis]
     gamma = (
-        tf.cast(layer.gamma, compute_dtype) if layer.scale else tf.ones([channels], compute_dtype)
+        ops.cast(layer.gamma, compute_dtype) if layer.scale else ops.ones([channels], compute_dtype)
     )
     beta = (
-        tf.cast(layer.beta, compute_dtype) if layer.center else tf.zeros([channels], compute_dtype)
+        ops.cast(layer.beta, compute_dtype)
+        if layer.center
+        else ops.zeros([channels], compute_dtype)
     )
     reduce_axes = [a for a in range(rank) if a != axis]
     shape = [1] * rank
     shape[axis] = channels
-    mean = tf.reduce_mean(x, reduce_axes)
-    centred = x - tf.reshape(mean, shape)
-    variance = tf.reduce_mean(tf.square(centred), reduce_axes)
-    outputs = centred * tf.reshape(
-        gamma * tf.math.rsqrt(variance + layer.epsilon), shape
-    ) + tf.reshape(beta, shape)
+    mean = ops.mean(x, reduce_axes)
+    centred = x - ops.reshape(mean, shape)
+    variance = ops.mean(ops.square(centred), reduce_axes)
+    outputs = centred * ops.reshape(
+        gamma * ops.rsqrt(variance + layer.epsilon), shape
+    ) + ops.reshape(beta, shape)
     momentum = layer.momentum
     layer.moving_mean.assign(
-        tf.cast(
-            tf.cast(layer.moving_mean, compute_dtype) * momentum + mean * (1.0 - momentum),
+        ops.cast(
+            ops.cast(layer.moving_mean, compute_dtype) * momentum + mean * (1.0 - momentum),
             layer.moving_mean.dtype,
         )
     )
     layer.moving_variance.assign(
-        tf.cast(
-            tf.cast(layer.moving_variance, compute_dtype) * momentum + variance * (1.0 - momentum),
+        ops.cast(
+            ops.cast(layer.moving_variance, compute_dtype) * momentum + variance * (1.0 - momentum),
             layer.moving_variance.dtype,
         )
     )
-    return tf.cast(outputs, layer.compute_dtype)
+    return ops.cast(outputs, layer.compute_dtype)
 
 
 @contextlib.contextmanager
@@ -630,3 +639,65 @@ def recorded_dense_pre_activations(layers):
     finally:
         for layer in layers:
             object.__delattr__(layer, "call")
+
+
+# ================================================================================================
+# the JAX backend
+# ================================================================================================
+
+
+def jax_trace_state_clean() -> bool:
+    """Whether JAX is not tracing (no jit, grad or vmap under way).
+
+    Private: `jax._src.core.trace_state_clean`. JAX has no public "am I tracing" test; the
+    trainers ask it only where TensorFlow asks `tf.executing_eagerly()` (a model built by
+    an eager first call, a Python branch on a concrete predicate).
+    """
+    from jax._src import core
+
+    return core.trace_state_clean()
+
+
+def in_keras_symbolic_scope() -> bool:
+    """Whether Keras is building symbolically (`compute_output_spec`, the first build).
+
+    Private: `keras.src.backend.common.symbolic_scope.in_symbolic_scope` (not exported).
+    """
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    return in_symbolic_scope()
+
+
+def current_stateless_scope():
+    """The innermost active `keras.StatelessScope`, or None.
+
+    Private: `keras.src.backend.common.stateless_scope.get_stateless_scope` (Keras
+    exports the scope class, not the accessor). The JAX step threads state through it.
+    """
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+    return get_stateless_scope()
+
+
+def keras_jax_promotes_64_bit(enabled: bool) -> bool:
+    """Let Keras's type promotion keep float64/int64 on JAX (`enabled`), or restore its
+    default (64-bit results computed as 32-bit); returns the previous setting.
+
+    Private: `keras.src.backend.common.dtypes.BIT64_TO_BIT32_DTYPE`. Keras 3.15 maps every
+    64-bit result type to 32 bits on JAX "to be aligned with JAX's default" (x64 off),
+    whatever `jax_enable_x64` says, so `ops.tanh` of a float64 tensor is float32 there and
+    a float64 model computes partly in float32. With x64 on, JAX itself keeps 64 bits;
+    Keras's table is the only thing in the way, and no public setting changes it.
+    """
+    from keras.src.backend.common import dtypes
+
+    table = dtypes.BIT64_TO_BIT32_DTYPE
+    previous = table.get("float64") == "float64"
+    if enabled:
+        table.update({"int64": "int64", "uint64": "uint64", "float64": "float64"})
+        table.update({"complex128": "complex128"})
+    else:
+        table.update(
+            {"int64": "int32", "uint64": "uint32", "float64": "float32", "complex128": "complex64"}
+        )
+    return previous

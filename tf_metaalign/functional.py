@@ -2,7 +2,9 @@
 
 Nothing in this module assigns a variable. Every function takes weights as tensors and
 returns new tensors, so it can run inside `tf.function`, XLA (`jit_compile=True`) and any
-`tf.distribute` strategy's replica context, and it can be differentiated through.
+`tf.distribute` strategy's replica context on TensorFlow, inside `jax.jit` on JAX, and it can
+be differentiated through. It is written once, in `keras.ops`; autodiff, conditional work and
+reductions across replicas come from `tf_metaalign.backend` (one implementation per backend).
 
 Conventions
 -----------
@@ -14,12 +16,15 @@ Conventions
 * A *loss function* in the algorithms has the signature
   `loss_fn(params, state, batch) -> (loss, (new_state, outputs))`, in the style of
   `jax.value_and_grad(..., has_aux=True)`; `make_loss_fn` builds one from a Keras model.
-* Loss scaling under a strategy follows Keras exactly: a compiled mean-reduced loss is
+* Tensors are the backend's (`Tensor`, `jax.Array`); dtypes are named as Keras names
+  them ("float32", "float64": `keras.backend.standardize_dtype`).
+* Loss scaling under a strategy (TensorFlow) follows Keras exactly: a compiled mean-reduced loss is
   already divided by the number of replicas (Keras's loss reduction), and
   the optimizer *sums* gradients across replicas, so per-replica gradients are in
   "replica-scaled" units whose sum is the global mean gradient. `all_reduce_sum` turns
   such per-replica values into the global value; `unscale_loss_for_distribution` turns a
-  per-replica loss back into a number that does not depend on the replica count.
+  per-replica loss back into a number that does not depend on the replica count. On JAX
+  the step sees the global batch (one SPMD program over the devices): one "replica".
 """
 
 from __future__ import annotations
@@ -30,11 +35,12 @@ from typing import Callable, Sequence
 
 import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
-from tf_metaalign import _compat
+from tf_metaalign import _compat, backend
 
 LossFn = Callable  # (params, state, batch) -> (loss, (new_state, outputs))
+Tensor = object  # the backend's tensor type (tf.Tensor, jax.Array)
 
 # --------------------------------------------------------------------------- model state
 
@@ -130,17 +136,17 @@ class TrainableSelection:
         return self._selected(self.weights, False)
 
 
-def current_params(model: keras.Model) -> list[tf.Tensor]:
+def current_params(model: keras.Model) -> list[Tensor]:
     """The current values of `model.trainable_variables`, as tensors."""
-    return [tf.convert_to_tensor(v.value) for v in model.trainable_variables]
+    return [ops.convert_to_tensor(v.value) for v in model.trainable_variables]
 
 
-def current_state(model: keras.Model) -> list[tf.Tensor]:
+def current_state(model: keras.Model) -> list[Tensor]:
     """The current values of `model.non_trainable_variables`, as tensors."""
-    return [tf.convert_to_tensor(v.value) for v in model.non_trainable_variables]
+    return [ops.convert_to_tensor(v.value) for v in model.non_trainable_variables]
 
 
-def assign_state(model: keras.Model, new_state: Sequence[tf.Tensor]) -> None:
+def assign_state(model: keras.Model, new_state: Sequence[Tensor]) -> None:
     """Write `new_state` into `model.non_trainable_variables` (what a stateful call does).
 
     Keras creates BatchNorm statistics and seed-generator states with aggregation
@@ -167,8 +173,8 @@ def _ensure_built(model: keras.Model) -> None:
 
 def stateless_forward(
     model: keras.Model,
-    params: Sequence[tf.Tensor],
-    state: Sequence[tf.Tensor],
+    params: Sequence[Tensor],
+    state: Sequence[Tensor],
     x,
     training: bool = True,
     exact_batch_norm: bool = True,
@@ -201,26 +207,11 @@ def stateless_forward(
 
 
 def traced_once(fn: Callable) -> Callable:
-    """`fn` as ONE traced function, called for every task (and step) when the caller is
-    already building a graph (`tf.function`, `fit`); else `fn` itself (eager stays eager).
-
-    For inner loops unrolled over tasks x steps (MAML, prompt FOMAML/Reptile): traced
-    inline, every call re-traces the model's forward pass, its gradient and (second
-    order) the outer tape's gradient of that gradient. A nested `tf.function` is traced
-    once per input signature, and its gradient functions are built once and reused for
-    every call. Grappler inlines the calls before the graph runs: the run time does not
-    change (keeping the calls with `_noinline` was 25% slower). Measured, MAML 8 tasks x 5
-    steps, second order, 2 CPU cores: the first meta-step (tracing + graph optimisation)
-    171 s -> 39 s. Python values are closed over; only tensors are arguments, and the
-    function must not all-reduce (keep collectives outside it).
-
-    Under XLA (`jit_compile=True`) `fn` itself: XLA compiles nested function calls and
-    their gradient functions without inlining them first, and compiling got 6x slower
-    (MAML battery model, second order: 135 s, 22 s inline).
-    """
-    if not tf.inside_function() or _compat.building_xla_function():
-        return fn
-    return tf.function(fn, autograph=False)
+    """`fn` as ONE traced function for inner loops unrolled over tasks x steps (MAML,
+    prompt FOMAML/Reptile): on TensorFlow a nested `tf.function` when the caller is
+    building a graph (see `tf_metaalign.backend.tensorflow.traced_once` for the
+    measurements), else `fn`; on JAX `fn` itself (`jax.jit` traces the step once)."""
+    return backend.traced_once(fn)
 
 
 def call_has_training_arg(model: keras.Model) -> bool:
@@ -262,7 +253,7 @@ def make_loss_fn(
     model: keras.Model,
     loss: Callable | None = None,
     training: bool = True,
-    loss_scale: tf.Tensor | float | None = None,
+    loss_scale: Tensor | float | None = None,
 ) -> LossFn:
     """A pure `loss_fn(params, state, batch) -> (loss, (new_state, outputs))` for `model`.
 
@@ -290,7 +281,7 @@ def make_loss_fn(
             model, x, y, outputs, sample_weight, model_losses, training=training, loss=loss
         )
         if loss_scale is not None:
-            value = value * tf.cast(loss_scale, value.dtype)
+            value = value * ops.cast(loss_scale, value.dtype)
         return value, (new_state, outputs)
 
     return loss_fn
@@ -301,7 +292,7 @@ def make_split_loss_fn(
     loss: Callable | None,
     n_first,
     training: bool = True,
-    loss_scale: tf.Tensor | float | None = None,
+    loss_scale: Tensor | float | None = None,
 ) -> LossFn:
     """`L(b1) + L(b2)` from ONE forward pass over the whole batch.
 
@@ -324,7 +315,7 @@ def make_split_loss_fn(
             for part in (first, second)
         ]
         if loss_scale is not None:
-            values = [v * tf.cast(loss_scale, v.dtype) for v in values]
+            values = [v * ops.cast(loss_scale, v.dtype) for v in values]
         return values[0] + values[1], (new_state, outputs, values[0], values[1])
 
     return loss_fn
@@ -336,36 +327,41 @@ def unpack_batch(batch):
 
 
 def value_and_grad(loss_fn: LossFn, params, state, batch):
-    """`(loss, grads, aux)` of `loss_fn` at `params`; `grads` are dense tensors."""
-    params = list(params)
-    with tf.GradientTape() as tape:
-        tape.watch(params)
-        value, aux = loss_fn(params, state, batch)
-    return value, dense_gradient(tape, value, params), aux
+    """`(loss, grads, aux)` of `loss_fn` at `params`; `grads` are dense tensors (zeros
+    for a weight the loss does not reach)."""
+    return backend.value_and_grad(loss_fn, params, state, batch)
 
 
 def value_grad_and_hvp(loss_fn: LossFn, params, state, batch, vector):
     """`(loss, grads, aux, H v)` of `loss_fn` at `params`: the gradient and the exact
-    Hessian-vector product with `vector` (held constant), reverse over reverse.
+    Hessian-vector product with `vector` (held constant).
 
-    `H v = d/dparams (grads . v)`; about twice the cost of `value_and_grad`. `H v` is
-    in the dtypes of `grads`. Used by Meta DotProd's `method="exact"` (-H2 G1) and by the
-    sharpness measure `algorithms.sam.largest_hessian_eigenvalue` (power iteration).
+    `H v = d/dparams (grads . v)`; about twice the cost of `value_and_grad` (TensorFlow:
+    reverse over reverse; JAX: forward over reverse). `H v` is in the dtypes of `grads`.
+    Used by Meta DotProd's `method="exact"` (-H2 G1) and by the sharpness measure
+    `algorithms.sam.largest_hessian_eigenvalue` (power iteration).
     """
-    params = list(params)
-    vector = [tf.stop_gradient(v) for v in vector]
-    with tf.GradientTape() as outer:
-        outer.watch(params)
-        with tf.GradientTape() as inner:
-            inner.watch(params)
-            value, aux = loss_fn(params, state, batch)
-        grads = dense_gradient(inner, value, params)
-        grads_dot_v = dot(grads, vector)
-    hv = dense_gradient(outer, grads_dot_v, params)
-    return value, grads, aux, [tf.cast(h, g.dtype) for h, g in zip(hv, grads)]
+    return backend.value_grad_and_hvp(loss_fn, params, (state, batch), vector)
 
 
-def unscale_gradients(grads, gradient_scale, dtypes=None) -> list[tf.Tensor]:
+def jvp(fn: Callable, primals, tangents):
+    """`(fn(*primals), J_fn tangents)`: forward mode (TF: `ForwardAccumulator`; JAX:
+    `jax.jvp`); tangents take the primals' dtypes."""
+    return backend.jvp(fn, primals, tangents)
+
+
+def executing_eagerly() -> bool:
+    """False while a step is traced (`tf.function`, `jax.jit`) or built symbolically."""
+    return backend.executing_eagerly()
+
+
+def counter_dtype() -> str:
+    """The dtype of step counters: "int64", or "int32" on JAX without `jax_enable_x64`
+    (where JAX has no 64-bit integers)."""
+    return backend.counter_dtype()
+
+
+def unscale_gradients(grads, gradient_scale, dtypes=None) -> list[Tensor]:
     """`grads / gradient_scale` (a mixed-precision loss scale), computed in the
     accumulation dtype and cast to `dtypes` (one per gradient; default: the accumulation
     dtype). A python scale is exact in that dtype (`scalar`). What a perturbation of the
@@ -374,15 +370,15 @@ def unscale_gradients(grads, gradient_scale, dtypes=None) -> list[tf.Tensor]:
     acc = accumulation_dtype(grads)
     unscale = 1.0 / scalar(gradient_scale, acc)
     dtypes = [acc] * len(grads) if dtypes is None else list(dtypes)
-    return [tf.cast(tf.cast(g, acc) * unscale, d) for g, d in zip(grads, dtypes)]
+    return [ops.cast(ops.cast(g, acc) * unscale, d) for g, d in zip(grads, dtypes)]
 
 
-def offset_params(params, direction, step) -> list[tf.Tensor]:
+def offset_params(params, direction, step) -> list[Tensor]:
     """`params + step * direction` in each parameter's dtype: the weights at which a
     two-pass algorithm takes its second gradient (Meta DotProd: step = -alpha along G1;
     SAM: step = 1 along e(w)). `step` is a scalar tensor or a python number."""
     _check_same_length(params, direction, "offset_params")
-    return [p + tf.cast(step, p.dtype) * tf.cast(d, p.dtype) for p, d in zip(params, direction)]
+    return [p + ops.cast(step, p.dtype) * ops.cast(d, p.dtype) for p, d in zip(params, direction)]
 
 
 _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}
@@ -390,7 +386,7 @@ _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64"
 
 def machine_epsilon(dtype) -> float:
     """Machine epsilon of a floating dtype (bfloat16 included, which numpy lacks)."""
-    name = tf.as_dtype(dtype).name
+    name = keras.backend.standardize_dtype(dtype)
     if name not in _EPS:
         raise ValueError(f"machine_epsilon: {name} is not a floating dtype.")
     return _EPS[name]
@@ -399,91 +395,91 @@ def machine_epsilon(dtype) -> float:
 # ------------------------------------------------------------------- gradient algebra
 
 
-def densify(tensors: Sequence) -> list[tf.Tensor]:
-    """IndexedSlices (embedding gradients) -> dense tensors; other tensors unchanged."""
-    return [tf.convert_to_tensor(t) for t in tensors]
+def densify(tensors: Sequence) -> list[Tensor]:
+    """IndexedSlices (TensorFlow's embedding gradients) -> dense tensors; other tensors
+    unchanged."""
+    return backend.densify(tensors)
 
 
-def dense_gradient(tape, target, sources, output_gradients=None) -> list[tf.Tensor]:
-    """`tape.gradient(target, sources)` as the algorithms combine gradients: zeros for a
-    source the target does not reach (a task that does not use a head) and dense tensors
-    (an embedding's IndexedSlices densified), so gradients can be added, stacked and
-    dotted."""
-    return densify(
-        tape.gradient(
-            target,
-            sources,
-            output_gradients=output_gradients,
-            unconnected_gradients=tf.UnconnectedGradients.ZERO,
-        )
-    )
+def dense_gradient(tape, target, sources, output_gradients=None) -> list[Tensor]:
+    """TensorFlow only: `tape.gradient(target, sources)` as the algorithms combine
+    gradients (zeros for unreached sources, dense tensors). Backend-neutral code uses
+    `value_and_grad`."""
+    from tf_metaalign.backend import tensorflow as tf_backend
+
+    return tf_backend.dense_gradient(tape, target, sources, output_gradients)
 
 
-def add(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+def add(a: Sequence[Tensor], b: Sequence[Tensor]) -> list[Tensor]:
     _check_same_length(a, b, "add")
-    return [x + tf.cast(y, x.dtype) for x, y in zip(a, b)]
+    return [x + ops.cast(y, x.dtype) for x, y in zip(a, b)]
 
 
-def sub(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+def sub(a: Sequence[Tensor], b: Sequence[Tensor]) -> list[Tensor]:
     _check_same_length(a, b, "sub")
-    return [x - tf.cast(y, x.dtype) for x, y in zip(a, b)]
+    return [x - ops.cast(y, x.dtype) for x, y in zip(a, b)]
 
 
-def scale(s, a: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+def scale(s, a: Sequence[Tensor]) -> list[Tensor]:
     """`s * x` for each x of `a` (a python `s` exact in each x's dtype: `scalar`)."""
     return [scalar(s, x.dtype) * x for x in a]
 
 
-def axpy(s, x: Sequence[tf.Tensor], y: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+def axpy(s, x: Sequence[Tensor], y: Sequence[Tensor]) -> list[Tensor]:
     """`s * x + y`, elementwise over the lists (in `y`'s dtypes)."""
     _check_same_length(x, y, "axpy")
-    return [scalar(s, b.dtype) * tf.cast(a, b.dtype) + b for a, b in zip(x, y)]
+    return [scalar(s, b.dtype) * ops.cast(a, b.dtype) + b for a, b in zip(x, y)]
 
 
-def scalar(value, dtype) -> tf.Tensor:
+def scalar(value, dtype) -> Tensor:
     """A hyperparameter as a scalar of `dtype`, exact in it.
 
-    A python or NumPy number becomes `tf.constant(float(value), dtype)`: `tf.cast(0.4,
-    tf.float64)` would first convert 0.4 to a float32 tensor (0.4000000059604645). A
-    tensor or variable is cast (its value is whatever its own dtype holds: a float32
-    variable's 0.4 stays float32's 0.4).
+    A python or NumPy number is converted in `dtype` directly: `tf.cast(0.4, tf.float64)`
+    would first convert 0.4 to a float32 tensor (0.4000000059604645). A tensor or variable
+    is cast (its value is whatever its own dtype holds: a float32 variable's 0.4 stays
+    float32's 0.4).
     """
-    dtype = tf.as_dtype(dtype)
+    dtype = keras.backend.standardize_dtype(dtype)
     if isinstance(value, bool) or isinstance(value, str):
         raise ValueError(f"scalar: `value` must be a number or a tensor; got {value!r}.")
     if isinstance(value, (int, float, np.integer, np.floating)):
-        return tf.constant(float(value) if dtype.is_floating else value, dtype)
+        floating = "float" in dtype
+        return ops.convert_to_tensor(float(value) if floating else int(value), dtype)
     if isinstance(value, np.ndarray):
-        return tf.constant(value.astype(dtype.as_numpy_dtype), dtype)
-    return tf.cast(value, dtype)
+        return ops.convert_to_tensor(value.astype(dtype), dtype)
+    return ops.cast(value, dtype)
 
 
-def zeros_like(a: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-    return [tf.zeros_like(x) for x in a]
+def zeros_like(a: Sequence[Tensor]) -> list[Tensor]:
+    return [ops.zeros_like(x) for x in a]
 
 
-def dot(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> tf.Tensor:
+def dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
     """Inner product of two gradient lists, accumulated in float32 (float64 if given)."""
     _check_same_length(a, b, "dot")
     if not a:
-        return tf.constant(0.0)
+        return ops.convert_to_tensor(0.0, "float32")
     acc = accumulation_dtype(a)
-    return tf.add_n([tf.reduce_sum(tf.cast(x, acc) * tf.cast(y, acc)) for x, y in zip(a, b)])
+    return backend.add_n([ops.sum(ops.cast(x, acc) * ops.cast(y, acc)) for x, y in zip(a, b)])
 
 
-def global_norm(a: Sequence[tf.Tensor]) -> tf.Tensor:
-    return tf.sqrt(dot(a, a))
+def global_norm(a: Sequence[Tensor]) -> Tensor:
+    return ops.sqrt(dot(a, a))
 
 
-def cosine(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> tf.Tensor:
+def cosine(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
     """Cosine similarity of two gradient lists; 0 when either is zero."""
-    return tf.math.divide_no_nan(dot(a, b), global_norm(a) * global_norm(b))
+    return ops.divide_no_nan(dot(a, b), global_norm(a) * global_norm(b))
 
 
-def accumulation_dtype(tensors) -> tf.DType:
-    """float64 if any of `tensors` is float64, else float32: the dtype sums, norms and
+def accumulation_dtype(tensors) -> str:
+    """ "float64" if any of `tensors` is float64, else "float32": the dtype sums, norms and
     scalar diagnostics over a list of tensors accumulate in (never float16)."""
-    return tf.float64 if any(t.dtype == tf.float64 for t in tensors) else tf.float32
+    return (
+        "float64"
+        if any(keras.backend.standardize_dtype(t.dtype) == "float64" for t in tensors)
+        else "float32"
+    )
 
 
 def _check_same_length(a, b, op):
@@ -495,74 +491,44 @@ def _check_same_length(a, b, op):
 
 
 def num_replicas() -> int:
-    """Replicas in sync of the current strategy (1 outside any strategy)."""
-    return tf.distribute.get_strategy().num_replicas_in_sync
+    """Replicas in sync of the current strategy (1 outside any strategy; 1 on JAX, where the
+    step sees the global batch)."""
+    return backend.num_replicas()
 
 
 def scale_loss_for_distribution(value):
     """Divide a per-replica loss by the replica count, as Keras does for compiled losses."""
-    return _compat.scale_loss_for_distribution(value)
+    return backend.scale_loss_for_distribution(value)
 
 
 def unscale_loss_for_distribution(value):
     """Undo `scale_loss_for_distribution`: a loss value independent of the replica count."""
-    return _compat.unscale_loss_for_distribution(value)
+    return backend.unscale_loss_for_distribution(value)
 
 
 def all_reduce_sum(tensors):
-    """Sum a nest of per-replica tensors over replicas (identity with one replica).
-
-    Must be called in a replica context (inside `strategy.run` / `train_step`).
-    """
-    if num_replicas() == 1:
-        return tensors
-    ctx = tf.distribute.get_replica_context()
-    if ctx is None:
-        raise RuntimeError(
-            "all_reduce_sum must be called in a replica context (inside strategy.run)."
-        )
-    return ctx.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
+    """Sum a nest of per-replica tensors over replicas (identity with one replica; see
+    `tf_metaalign.backend.tensorflow.all_reduce_sum`). Call it in a replica context."""
+    return backend.all_reduce_sum(tensors)
 
 
 def all_gather_rows(tensors):
-    """Every replica's rows of a nest of [rows, ...] tensors, concatenated in replica
-    order (identity with one replica); a replica with fewer rows than the largest is
-    padded with zero rows (callers must be indifferent to zero rows).
+    """Every replica's rows of a nest of [rows, ...] tensors, concatenated in replica order,
+    zero-padded to the largest replica's (identity with one replica; see
+    `tf_metaalign.backend.tensorflow.all_gather_rows`)."""
+    return backend.all_gather_rows(tensors)
 
-    Built on an all-reduce (each replica writes its rows into its own block of a zero
-    buffer), which works under every strategy: `ReplicaContext.all_gather` fails inside
-    Keras's step under MultiWorkerMirroredStrategy ("destinations can not be empty").
-    The block size is the static row count when the trace knows it (XLA-friendly), else
-    the largest replica's. Must be called in a replica context.
-    """
-    replicas = num_replicas()
-    if replicas == 1:
-        return tensors
-    context = tf.distribute.get_replica_context()
-    flat = tf.nest.flatten(tensors)
-    rows = tf.shape(flat[0])[0]
-    static_rows = flat[0].shape[0]
-    replica = tf.cast(context.replica_id_in_sync_group, tf.int32)
-    if static_rows is not None:
-        block = static_rows
-    else:
-        counts = context.all_reduce(
-            tf.distribute.ReduceOp.SUM,
-            tf.one_hot(replica, replicas, dtype=tf.float32) * tf.cast(rows, tf.float32),
-        )
-        block = tf.cast(tf.reduce_max(counts), tf.int32)
-    buffers = []
-    for t in flat:
-        padded = tf.pad(t, [[0, block - rows]] + [[0, 0]] * (t.shape.rank - 1))
-        shape = tf.concat([[replicas, block], tf.shape(t)[1:]], axis=0)
-        buffers.append(tf.scatter_nd([[replica]], padded[None], shape))
-    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, buffers)
-    out = [tf.reshape(s, [-1, *t.shape[1:]]) for s, t in zip(summed, flat)]
-    return tf.nest.pack_sequence_as(tensors, out)
+
+def cond(pred, true_fn, false_fn):
+    """`cond(pred, true_fn, false_fn)` whose branches may assign variables (TF: `tf.cond`;
+    JAX: `jax.lax.cond` with the assignments threaded through the trainer's stateless
+    step). A python bool runs one branch. Branches that communicate across replicas need
+    `replica_safe_cond`."""
+    return backend.cond(pred, true_fn, false_fn)
 
 
 def replica_safe_cond(pred, true_fn, false_fn, communicates=False, merged=None):
-    """`tf.cond(pred, true_fn, false_fn)` that is valid under any strategy.
+    """`cond(pred, true_fn, false_fn)` that is valid under any strategy.
 
     Under MirroredStrategy a cross-replica communication (all-reduce,
     `optimizer.apply_gradients`, a commit of mirrored variables) may not sit inside
@@ -576,11 +542,11 @@ def replica_safe_cond(pred, true_fn, false_fn, communicates=False, merged=None):
     if isinstance(pred, bool):
         return true_fn() if pred else false_fn()
     if not communicates or num_replicas() == 1:
-        return tf.cond(pred, true_fn, false_fn)
+        return backend.cond(pred, true_fn, false_fn)
     if merged is not None:
         return merged(pred)
     on, off = true_fn(), false_fn()
-    return tf.nest.map_structure(lambda a, b: tf.where(pred, a, b), on, off)
+    return keras.tree.map_structure(lambda a, b: ops.where(pred, a, b), on, off)
 
 
 def replica_share(tensors):
@@ -588,20 +554,17 @@ def replica_share(tensors):
     value divided by the replica count, so that the optimizer's cross-replica *sum* in
     `apply_gradients` gives the value back (e.g. a Reptile pseudo-gradient phi - theta
     computed from all-reduced quantities). Identity with one replica."""
-    n = num_replicas()
-    if n == 1:
-        return tensors
-    return tf.nest.map_structure(lambda t: t / tf.cast(n, t.dtype), tensors)
+    return backend.replica_share(tensors)
 
 
 # ----------------------------------------------------------------------------- batches
 
 
-def batch_size(x) -> tf.Tensor:
+def batch_size(x) -> Tensor:
     """The leading dimension of the first tensor of a nest (dynamic if unknown)."""
-    first = next(t for t in tf.nest.flatten(x) if t is not None)
-    static = first.shape[0] if first.shape.rank else None
-    return static if static is not None else tf.shape(first)[0]
+    first = next(t for t in keras.tree.flatten(x) if t is not None)
+    static = first.shape[0] if len(first.shape) else None
+    return static if static is not None else ops.shape(first)[0]
 
 
 def split_batch(batch, n_first):
@@ -614,6 +577,6 @@ def split_batch(batch, n_first):
         return None if t is None else t[n_first:]
 
     return (
-        tf.nest.map_structure(head, batch),
-        tf.nest.map_structure(tail, batch),
+        keras.tree.map_structure(head, batch),
+        keras.tree.map_structure(tail, batch),
     )

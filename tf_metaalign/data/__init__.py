@@ -16,49 +16,54 @@ prompted tasks, the small T5 and its pre-training, the MiniLM encoder, the synth
 problems) are not library code: they live in the repository's `trainers/experiments/`.
 """
 
-from tf_metaalign.data import episodes, meta_batches, multitask, omniglot, sinusoid
-from tf_metaalign.data.digits import load_digits
-from tf_metaalign.data.episodes import EpisodeSampler, mean_confidence_interval
-from tf_metaalign.data.meta_batches import stack_task, stacked_batches
-from tf_metaalign.data.multitask import (
-    MultiTaskStream,
-    PerTaskHead,
-    model_inputs,
-    one_head_per_task_model,
-    task_ids,
-    task_probabilities,
-)
-from tf_metaalign.data.omniglot import (
-    augment_rotations,
-    evaluate_official_runs,
-    load_official_runs,
-    load_omniglot,
-    official_runs_dataset,
-    split_classes,
-)
-from tf_metaalign.data.splits import Splits, make_dataset
-from tf_metaalign.data.tfds import load_tfds
+from tf_metaalign._exports import export, missing_attribute
+
+_PACKAGE = "tf_metaalign.data"
+_MODULES = ["episodes", "meta_batches", "multitask", "omniglot", "sinusoid"]
+_EXPORTS = {
+    "tf_metaalign.data.digits": ["load_digits"],
+    "tf_metaalign.data.episodes": ["EpisodeSampler", "mean_confidence_interval"],
+    "tf_metaalign.data.meta_batches": ["stack_task", "stacked_batches"],
+    "tf_metaalign.data.multitask": [
+        "MultiTaskStream",
+        "PerTaskHead",
+        "model_inputs",
+        "one_head_per_task_model",
+        "task_ids",
+        "task_probabilities",
+    ],
+    "tf_metaalign.data.omniglot": [
+        "augment_rotations",
+        "evaluate_official_runs",
+        "load_official_runs",
+        "load_omniglot",
+        "official_runs_dataset",
+        "split_classes",
+    ],
+    "tf_metaalign.data.splits": ["Splits", "make_dataset"],
+    "tf_metaalign.data.tfds": ["load_tfds"],
+}
+for _name in _MODULES:
+    export(globals(), f"{_PACKAGE}.{_name}", as_module=_name)
+for _module, _names in _EXPORTS.items():
+    export(globals(), _module, _names)
 
 __all__ = [
-    # modules
     "episodes",
     "meta_batches",
     "multitask",
     "omniglot",
     "sinusoid",
-    # multi-task streams and heads
     "MultiTaskStream",
     "PerTaskHead",
     "model_inputs",
     "one_head_per_task_model",
     "task_ids",
     "task_probabilities",
-    # episodes and meta-batches
     "EpisodeSampler",
     "mean_confidence_interval",
     "stack_task",
     "stacked_batches",
-    # standard datasets
     "load_digits",
     "load_omniglot",
     "split_classes",
@@ -70,3 +75,4 @@ __all__ = [
     "Splits",
     "make_dataset",
 ]
+__getattr__ = missing_attribute(globals(), _PACKAGE)

@@ -2,30 +2,39 @@
 both by the Keras optimizer and by code that differentiates through an update.
 See docs/optimizers.md."""
 
-from tf_metaalign.optimizers import differentiable, schedules
-from tf_metaalign.optimizers.adafactor import Adafactor, AdafactorRule, factored_dims
-from tf_metaalign.optimizers.adam import Adam, AdamRule, AdamW, AdamWRule
-from tf_metaalign.optimizers.adam_weight_decay import AdamWeightDecay, AdamWeightDecayRule
-from tf_metaalign.optimizers.base import BaseOptimizer, OptimizerState, UpdateRule, apply_rule
-from tf_metaalign.optimizers.differentiable import (
-    as_rule_optimizer,
-    check_optimizer,
-    describe_conversion,
-    forward_mode_error,
-    optimizer_classes,
-    resolve_hyperparameters,
-    supported_optimizers,
-    supports_forward_mode,
-)
-from tf_metaalign.optimizers.lamb import Lamb, LambRule
-from tf_metaalign.optimizers.recadam import RecAdam, RecAdamRule, anneal_lambda
-from tf_metaalign.optimizers.schedules import (
-    AdafactorRelativeStep,
-    BertSchedule,
-    PegasusSchedule,
-    T5InverseSquareRootSchedule,
-)
-from tf_metaalign.optimizers.sgd import SGD, SGDRule
+from tf_metaalign._exports import export, missing_attribute
+
+_PACKAGE = "tf_metaalign.optimizers"
+_MODULES = ["differentiable", "schedules"]
+_EXPORTS = {
+    "tf_metaalign.optimizers.adafactor": ["Adafactor", "AdafactorRule", "factored_dims"],
+    "tf_metaalign.optimizers.adam": ["Adam", "AdamRule", "AdamW", "AdamWRule"],
+    "tf_metaalign.optimizers.adam_weight_decay": ["AdamWeightDecay", "AdamWeightDecayRule"],
+    "tf_metaalign.optimizers.base": ["BaseOptimizer", "OptimizerState", "UpdateRule", "apply_rule"],
+    "tf_metaalign.optimizers.differentiable": [
+        "as_rule_optimizer",
+        "check_optimizer",
+        "describe_conversion",
+        "forward_mode_error",
+        "optimizer_classes",
+        "resolve_hyperparameters",
+        "supported_optimizers",
+        "supports_forward_mode",
+    ],
+    "tf_metaalign.optimizers.lamb": ["Lamb", "LambRule"],
+    "tf_metaalign.optimizers.recadam": ["RecAdam", "RecAdamRule", "anneal_lambda"],
+    "tf_metaalign.optimizers.schedules": [
+        "AdafactorRelativeStep",
+        "BertSchedule",
+        "PegasusSchedule",
+        "T5InverseSquareRootSchedule",
+    ],
+    "tf_metaalign.optimizers.sgd": ["SGD", "SGDRule"],
+}
+for _name in _MODULES:
+    export(globals(), f"{_PACKAGE}.{_name}", as_module=_name)
+for _module, _names in _EXPORTS.items():
+    export(globals(), _module, _names)
 
 __all__ = [
     "Adafactor",
@@ -63,3 +72,4 @@ __all__ = [
     "supported_optimizers",
     "supports_forward_mode",
 ]
+__getattr__ = missing_attribute(globals(), _PACKAGE)

@@ -1,20 +1,35 @@
-"""Keras trainers: `keras.Model` wrappers whose `train_step` runs an algorithm."""
+"""Keras trainers: `keras.Model` wrappers whose `train_step` runs an algorithm.
 
-from tf_metaalign.trainers.base import Diagnostic, EveryKSteps, MetaTrainer, commit_weights
-from tf_metaalign.trainers.dotprod import DotProdTrainer
-from tf_metaalign.trainers.multitask import MultiTaskTrainer
-from tf_metaalign.trainers.guided import (
-    GuidedHyperparameters,
-    GuidedTrainer,
-    guided_update,
-    split_guidance_batch,
-)
-from tf_metaalign.trainers.reptile import (
-    FOMAMLTrainer,
-    MultiTaskReptileTrainer,
-    ReptileTrainer,
-    SequentialReptileTrainer,
-)
+On Keras's JAX backend without TensorFlow installed, a trainer not yet moved to JAX is a
+name that raises a clear ImportError (`tf_metaalign._exports`); `MetaTrainer.backends`
+says which backends a trainer runs on.
+"""
+
+from tf_metaalign._exports import export, missing_attribute
+
+_PACKAGE = "tf_metaalign.trainers"
+_EXPORTS = {
+    "tf_metaalign.trainers.base": ["Diagnostic", "EveryKSteps", "MetaTrainer", "commit_weights"],
+    "tf_metaalign.trainers.dotprod": ["DotProdTrainer"],
+    "tf_metaalign.trainers.multitask": ["MultiTaskTrainer"],
+    "tf_metaalign.trainers.guided": [
+        "GuidedHyperparameters",
+        "GuidedTrainer",
+        "guided_update",
+        "split_guidance_batch",
+    ],
+    "tf_metaalign.trainers.reptile": [
+        "FOMAMLTrainer",
+        "MultiTaskReptileTrainer",
+        "ReptileTrainer",
+        "SequentialReptileTrainer",
+    ],
+    "tf_metaalign.trainers.maml": ["MAMLTrainer"],
+    "tf_metaalign.trainers.prompt_meta": ["PromptFOMAMLTrainer", "PromptReptileTrainer"],
+    "tf_metaalign.trainers.sam": ["GSAMTrainer", "SAMTrainer"],
+}
+for _module, _names in _EXPORTS.items():
+    export(globals(), _module, _names)
 
 __all__ = [
     "MetaTrainer",
@@ -31,16 +46,10 @@ __all__ = [
     "ReptileTrainer",
     "FOMAMLTrainer",
     "MultiTaskReptileTrainer",
+    "MAMLTrainer",
+    "PromptFOMAMLTrainer",
+    "PromptReptileTrainer",
+    "SAMTrainer",
+    "GSAMTrainer",
 ]
-
-from tf_metaalign.trainers.maml import MAMLTrainer  # noqa: E402
-
-__all__ += ["MAMLTrainer"]
-
-from tf_metaalign.trainers.prompt_meta import PromptFOMAMLTrainer, PromptReptileTrainer  # noqa: E402
-
-__all__ += ["PromptFOMAMLTrainer", "PromptReptileTrainer"]
-
-from tf_metaalign.trainers.sam import GSAMTrainer, SAMTrainer  # noqa: E402
-
-__all__ += ["SAMTrainer", "GSAMTrainer"]
+__getattr__ = missing_attribute(globals(), _PACKAGE)

@@ -80,9 +80,9 @@ import inspect
 import logging
 
 import keras
-import tensorflow as tf
+from keras import ops
 
-from tf_metaalign import _compat
+from tf_metaalign import _compat, backend
 from tf_metaalign import functional as F
 from tf_metaalign.trainers.pipeline import PipelineDataMixin
 
@@ -138,19 +138,19 @@ class Diagnostic(keras.metrics.Metric):
             )
 
     def update_state(self, value, weight=1.0):
-        value = tf.cast(value, self.dtype)
-        weight = tf.cast(weight, self.dtype)
+        value = ops.cast(value, self.dtype)
+        weight = ops.cast(weight, self.dtype)
         if self.reduction == "mean":
             self.total.assign_add(value * weight)
             self.count.assign_add(weight)
         else:
-            keep = tf.convert_to_tensor(self.last.value)
-            self.last.assign(tf.where(weight > 0, value, keep))
+            keep = ops.convert_to_tensor(self.last.value)
+            self.last.assign(ops.where(weight > 0, value, keep))
 
     def result(self):
         if self.reduction == "mean":
-            return tf.math.divide_no_nan(self.total.value, self.count.value)
-        return tf.convert_to_tensor(self.last.value)
+            return ops.divide_no_nan(self.total.value, self.count.value)
+        return ops.convert_to_tensor(self.last.value)
 
     def reset_state(self):
         if self.reduction == "mean":
@@ -165,8 +165,9 @@ class Diagnostic(keras.metrics.Metric):
 class EveryKSteps(keras.layers.Layer):
     """An "every k steps" schedule with its own checkpointed counter.
 
-    `count` is the number of steps seen (int64, saved with whatever model tracks this
-    layer, so a resumed run keeps its phase across epochs and `steps_per_execution`).
+    `count` is the number of steps seen (`functional.counter_dtype()`, saved with whatever
+    model tracks this layer, so a resumed run keeps its phase across epochs and
+    `steps_per_execution`).
     `is_first()` is true on steps 0, k, 2k, ... (the first step of each period),
     `is_last()` on steps k-1, 2k-1, ... (the last: an outer update after k inner steps);
     with k = 1 both are the python constant True (no `tf.cond` at all). `cond(...)`
@@ -197,7 +198,7 @@ class EveryKSteps(keras.layers.Layer):
         self.count = self.add_weight(
             name="count",
             shape=(),
-            dtype="int64",
+            dtype=F.counter_dtype(),
             initializer="zeros",
             trainable=False,
             aggregation="only_first_replica",
@@ -205,13 +206,13 @@ class EveryKSteps(keras.layers.Layer):
         self.built = True
 
     def phase(self):
-        return tf.math.floormod(tf.convert_to_tensor(self.count.value), self.k)
+        return ops.mod(ops.convert_to_tensor(self.count.value), self.k)
 
     def is_first(self):
-        return True if self.k == 1 else tf.equal(self.phase(), 0)
+        return True if self.k == 1 else ops.equal(self.phase(), 0)
 
     def is_last(self):
-        return True if self.k == 1 else tf.equal(self.phase(), self.k - 1)
+        return True if self.k == 1 else ops.equal(self.phase(), self.k - 1)
 
     def cond(self, pred, true_fn, false_fn, communicates=False, merged=None):
         """`functional.replica_safe_cond` (see there)."""
@@ -245,22 +246,31 @@ class MetaTrainer(F.TrainableSelection, PipelineDataMixin, keras.Model):
       (True, True)
     """
 
+    # The Keras backends this trainer's train_step runs on (a trainer not yet moved to
+    # JAX says so with a clear error instead of failing inside its step).
+    backends = ("tensorflow",)
+
     def __init__(self, model: keras.Model, **kwargs):
         if not isinstance(model, keras.Model):
             raise TypeError(
                 f"`model` must be a keras.Model (Keras 3); got {type(model).__name__}. "
                 "tf.keras 2 / tf_keras models are not supported."
             )
+        backend.check_backend(type(self).__name__, type(self).backends)
+        _check_no_tf_strategy_on_jax(type(self).__name__)
         super().__init__(**kwargs)
-        strategy = tf.distribute.get_strategy()
-        if (
-            isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-            or strategy.num_replicas_in_sync > 1
-        ):
-            # Keras 3.15's fit fails under MultiWorkerMirroredStrategy, and under any
-            # strategy of several replicas when the first batch's shards differ in size (it
-            # builds by averaging them: a first batch of 11 rows on 2 replicas).
-            _compat.patch_keras_multi_worker_fit()
+        if backend.is_tensorflow():
+            import tensorflow as tf
+
+            strategy = tf.distribute.get_strategy()
+            if (
+                isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+                or strategy.num_replicas_in_sync > 1
+            ):
+                # Keras 3.15's fit fails under MultiWorkerMirroredStrategy, and under any
+                # strategy of several replicas when the first batch's shards differ in
+                # size (it builds by averaging them: a first batch of 11 rows on 2 replicas).
+                _compat.patch_keras_multi_worker_fit()
         self.model = model
         self._diagnostics = {}
         self._active_diagnostics = None  # None: all
@@ -270,7 +280,12 @@ class MetaTrainer(F.TrainableSelection, PipelineDataMixin, keras.Model):
         self._schedules = []
         # Batches done in the current epoch: lets a fit restored by BackupAndRestore
         # skip the batches the interrupted epoch already trained on.
-        self.epoch_steps = self.add_state_variable("epoch_steps", dtype="int64")
+        self.epoch_steps = self.add_state_variable("epoch_steps", dtype=F.counter_dtype())
+        if backend.is_jax():
+            # Steps whose loss was not finite (they kept their state; fit raises after).
+            self.nonfinite_loss_steps = self.add_state_variable(
+                "nonfinite_loss_steps", dtype="int32"
+            )
         self._skip_batches = None  # set when a fit starts; read at its first step
         self._building_from_training_batch = False  # see example_batch
         if model.built:
@@ -296,7 +311,7 @@ class MetaTrainer(F.TrainableSelection, PipelineDataMixin, keras.Model):
         if self._building_from_training_batch:
             inputs = self.example_batch(inputs)[0]
         outputs = self.model(inputs, training=training)
-        if tf.executing_eagerly():
+        if F.executing_eagerly():
             # An eager first call builds the model: now the weights copies can exist.
             self._create_weight_copies()
         return outputs
@@ -313,9 +328,13 @@ class MetaTrainer(F.TrainableSelection, PipelineDataMixin, keras.Model):
         active = self._active_diagnostics
         return out + [m for n, m in self._diagnostics.items() if active is None or n in active]
 
-    def test_step(self, data):
-        # Training diagnostics (grad_dot, ...) are not measured by evaluate(): leave them out.
-        logs = super().test_step(data)
+    def test_step(self, *args):
+        # Training diagnostics (grad_dot, ...) are not measured by evaluate(): leave them
+        # out. TensorFlow calls test_step(data); JAX test_step(state, data) -> (logs, state).
+        if backend.is_jax():
+            logs, state = super().test_step(*args)
+            return {k: v for k, v in logs.items() if k not in self._diagnostics}, state
+        logs = super().test_step(*args)
         return {k: v for k, v in logs.items() if k not in self._diagnostics}
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
@@ -393,7 +412,7 @@ class MetaTrainer(F.TrainableSelection, PipelineDataMixin, keras.Model):
             pending.append(_SEED_STATES)
         if not pending:
             return
-        with self.distribute_strategy.scope(), _compat.unlocked_state(self):
+        with self._strategy_scope(), _compat.unlocked_state(self):
             for name in pending:
                 if name == _SEED_STATES:
                     sources = [self.model.non_trainable_variables[i] for i in self._seed_indices()]
@@ -414,6 +433,13 @@ class MetaTrainer(F.TrainableSelection, PipelineDataMixin, keras.Model):
                     self._seed_states = copies
                 else:
                     self._weight_copies[name] = copies
+
+    def _strategy_scope(self):
+        """The scope state variables are created in: the strategy's on TensorFlow; on JAX
+        Keras's distribution lays out the variables it finds."""
+        if backend.is_tensorflow():
+            return self.distribute_strategy.scope()
+        return contextlib.nullcontext()
 
     def _seed_indices(self):
         """Positions of the random-seed states among the model's non-trainable variables."""
@@ -484,7 +510,7 @@ class MetaTrainer(F.TrainableSelection, PipelineDataMixin, keras.Model):
 
     def loss_scale(self):
         """The optimizer's loss scale (1 unless it is a `LossScaleOptimizer`)."""
-        return self.optimizer.scale_loss(tf.constant(1.0, tf.float32))
+        return self.optimizer.scale_loss(ops.convert_to_tensor(1.0, "float32"))
 
     def model_compute_dtype(self):
         """The least precise compute dtype among the layers that hold weights.
@@ -495,7 +521,8 @@ class MetaTrainer(F.TrainableSelection, PipelineDataMixin, keras.Model):
         dtypes = {
             layer.dtype_policy.compute_dtype
             for layer in _compat.flatten_layers(self.model)
-            if layer.weights and tf.as_dtype(layer.dtype_policy.compute_dtype).is_floating
+            if layer.weights
+            and "float" in keras.backend.standardize_dtype(layer.dtype_policy.compute_dtype)
         }
         if not dtypes:
             return self.model.dtype_policy.compute_dtype
@@ -542,12 +569,20 @@ class MetaTrainer(F.TrainableSelection, PipelineDataMixin, keras.Model):
         """
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
             return loss
-        return tf.debugging.check_numerics(
-            loss,
+        message = (
             f"{type(self).__name__}: {where} is not finite (NaN or inf). Lower the "
             "learning rate, check the data for NaN/inf, or use keras.callbacks."
-            "TerminateOnNaN to stop without an error",
+            "TerminateOnNaN to stop without an error"
         )
+        if backend.is_jax():
+            # On JAX a step cannot raise: the step keeps its old state when the loss is
+            # not finite, and fit raises this error after it (backend.jax).
+            from tf_metaalign.backend import jax as jax_backend
+
+            return jax_backend.check_finite_loss(self, loss, message)
+        import tensorflow as tf
+
+        return tf.debugging.check_numerics(loss, message)
 
     def finish_step(
         self,
@@ -590,13 +625,13 @@ class MetaTrainer(F.TrainableSelection, PipelineDataMixin, keras.Model):
         # Checked before anything is assigned, so a NaN never reaches the weights.
         loss = self.check_finite_loss(loss, where)
         diagnostics = dict(diagnostics or {})
-        with tf.control_dependencies([loss]):
+        with _after(loss):
             if new_state is not None:
                 F.assign_state(self.model, new_state)
                 for i, copy in zip(self._seed_indices(), self._seed_states or []):
                     copy.assign(new_state[i])
             if gradients is not None:
-                self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
+                apply_gradients(self.optimizer, gradients, self.model.trainable_variables)
             elif new_params is not None:
                 commit_weights(self.model.trainable_variables, new_params)
             elif update is not None:
@@ -632,11 +667,20 @@ class MetaTrainer(F.TrainableSelection, PipelineDataMixin, keras.Model):
         bound.arguments["callbacks"] = [_EpochStepsCallback(self)] + callbacks
         self._building_from_training_batch = True  # until the first step (example_batch)
         try:
-            return super().fit(*bound.args[1:], **bound.kwargs)
+            history = super().fit(*bound.args[1:], **bound.kwargs)
         finally:
             self._building_from_training_batch = False
+        if backend.is_jax():
+            from tf_metaalign.backend import jax as jax_backend
+
+            jax_backend.raise_if_nonfinite(self)
+        return history
 
     def make_train_function(self, force=False):
+        if backend.is_jax():
+            from tf_metaalign.backend import jax as jax_backend
+
+            return jax_backend.make_train_function(self, force)
         train_function = super().make_train_function(force) or self.train_function
         if getattr(train_function, "_skips_restored_batches", False):
             return train_function
@@ -831,7 +875,7 @@ def first_task_query_set(x, y=None, sample_weight=None):
         return x, y, sample_weight
 
     def first(nest):
-        return None if nest is None else tf.nest.map_structure(lambda a: a[0], nest)
+        return None if nest is None else keras.tree.map_structure(lambda a: a[0], nest)
 
     return first(x[2]), first(y), first(sample_weight)
 
@@ -862,18 +906,20 @@ def commit_weights(variables, values):
     Example:
       >>> from tf_metaalign.trainers import commit_weights
       >>> v = keras.Variable([0.0, 0.0])
-      >>> commit_weights([v], [tf.constant([1.0, 2.0])])
+      >>> commit_weights([v], [np.array([1.0, 2.0], "float32")])
       >>> v.numpy()
       array([1., 2.], dtype=float32)
     """
     variables, values = list(variables), list(values)
     if len(variables) != len(values):
         raise ValueError(f"commit_weights: {len(values)} values for {len(variables)} variables.")
-    ctx = tf.distribute.get_replica_context()
-    if ctx is None or F.num_replicas() == 1:
+    if F.num_replicas() == 1:
         for v, x in zip(variables, values):
-            v.assign(tf.cast(x, v.dtype))
+            v.assign(ops.cast(x, v.dtype))
         return
+    import tensorflow as tf
+
+    ctx = tf.distribute.get_replica_context()
 
     def merge_fn(strategy, values):
         for v, x in zip(variables, values):
@@ -891,6 +937,41 @@ def _value_initializer(variable):
     """A Keras initializer that returns `variable`'s current value."""
 
     def initializer(shape, dtype=None):
-        return tf.cast(tf.convert_to_tensor(variable.value), dtype or variable.dtype)
+        return ops.cast(ops.convert_to_tensor(variable.value), dtype or variable.dtype)
 
     return initializer
+
+
+def apply_gradients(optimizer, gradients, variables):
+    """`optimizer.apply_gradients(zip(gradients, variables))`, also inside a JAX trainer's
+    stateless step (`tf_metaalign.backend.jax.apply_gradients`)."""
+    if backend.is_jax():
+        from tf_metaalign.backend import jax as jax_backend
+
+        return jax_backend.apply_gradients(optimizer, gradients, variables)
+    return optimizer.apply_gradients(zip(gradients, variables))
+
+
+def _after(tensor):
+    """Run the block after `tensor` is computed (TF: control dependencies; JAX: data flow
+    orders the step)."""
+    if backend.is_tensorflow():
+        import tensorflow as tf
+
+        return tf.control_dependencies([tensor])
+    return contextlib.nullcontext()
+
+
+def _check_no_tf_strategy_on_jax(what):
+    """On JAX, a trainer built inside a `tf.distribute` strategy's scope gets a clear error."""
+    if not backend.is_jax():
+        return
+    tf = backend.tensorflow_if_loaded()
+    if tf is not None and tf.distribute.has_strategy():
+        raise ValueError(
+            f"{what} was created inside a tf.distribute strategy "
+            f"({type(tf.distribute.get_strategy()).__name__}), but Keras runs on JAX here: "
+            "tf.distribute does not drive JAX. Use keras.distribution instead, e.g. "
+            "keras.distribution.set_distribution(keras.distribution.DataParallel()) "
+            "before building the model (see docs/tpu.md)."
+        )

@@ -42,7 +42,8 @@ import inspect
 
 import keras
 import numpy as np
-import tensorflow as tf
+
+from tf_metaalign import backend
 
 UNBATCHED_INPUT_ERROR = (
     "`x`, `y`, and `sample_weight` must have a batch dimension when calling `fit()`, "
@@ -69,8 +70,19 @@ def preprocess_samples_fn(model):
     return fn
 
 
+def _tf():
+    # keras-hub's preprocessors run on tf.data (keras-hub needs TensorFlow for them on any
+    # backend): imported only when a model with a preprocessor is given data.
+    return backend.require_tensorflow(
+        "Applying a keras-hub task's preprocessor to fit/evaluate/predict data",
+        "preprocess the data yourself (model.preprocessor), or build the task with "
+        "preprocessor=None and pass token ids.",
+    )
+
+
 def _is_tf_dataset(x):
-    return isinstance(x, tf.data.Dataset)
+    tf = backend.tensorflow_if_loaded()
+    return tf is not None and isinstance(x, tf.data.Dataset)
 
 
 def _model_input_names(model):
@@ -102,11 +114,17 @@ def already_preprocessed(model, x):
     names = _model_input_names(model)
     if not isinstance(features, dict) or names is None or set(features) != names:
         return False
-    for leaf in tf.nest.flatten(features):
+    for leaf in keras.tree.flatten(features):
         dtype = getattr(leaf, "dtype", None)
-        if dtype is None or tf.as_dtype(dtype) == tf.string:
+        if dtype is None or _is_string_dtype(dtype):
             return False
     return True
+
+
+def _is_string_dtype(dtype):
+    if isinstance(dtype, np.dtype) or isinstance(dtype, type):
+        return np.dtype(dtype).kind in "SUO"
+    return getattr(dtype, "name", str(dtype)) == "string"
 
 
 def _check_supported(x, where):
@@ -145,7 +163,10 @@ def _flatten_leaves(inputs):
 
 def _to_slicable(leaf):
     """numpy arrays, tensors, lists and scalars as they are; other array-likes as numpy."""
-    if leaf is None or isinstance(leaf, (np.ndarray, tf.Tensor, tf.RaggedTensor, list, str, bytes)):
+    if leaf is None or isinstance(leaf, (np.ndarray, list, str, bytes)):
+        return leaf
+    tf = backend.tensorflow_if_loaded()
+    if tf is not None and isinstance(leaf, (tf.Tensor, tf.RaggedTensor)):
         return leaf
     if hasattr(leaf, "__array__"):
         return np.asarray(leaf)
@@ -193,7 +214,9 @@ def make_dataset(
                     "it in the dataset's elements."
                 )
         ds = x
+        tf = _tf()
     else:
+        tf = _tf()
         inputs = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
         inputs = keras.tree.map_structure(_to_slicable, inputs)
         try:
