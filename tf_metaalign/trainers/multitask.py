@@ -14,7 +14,6 @@ import warnings
 import keras
 from keras import ops
 
-from tf_metaalign.data import multitask as multitask_data
 from tf_metaalign import _compat
 from tf_metaalign import model_graph
 from tf_metaalign import functional as F
@@ -272,6 +271,8 @@ class MultiTaskTrainer(MetaTrainer):
       https://github.com/median-research-group/LibMTL
     """
 
+    backends = ("tensorflow", "jax")
+
     def __init__(
         self,
         model: keras.Model,
@@ -434,7 +435,7 @@ class MultiTaskTrainer(MetaTrainer):
         if self.tasks != "rows":
             return
         for layer in _compat.flatten_layers(self.model):
-            if isinstance(layer, multitask_data.PerTaskHead) and (
+            if isinstance(layer, paths.per_task_head_class()) and (
                 layer.num_tasks != self.num_tasks
             ):
                 raise ValueError(
@@ -448,7 +449,7 @@ class MultiTaskTrainer(MetaTrainer):
     def model_inputs(self, x):
         if self.tasks == "outputs":
             return x
-        return multitask_data.model_inputs_of(x, self.model_takes_task_id)
+        return paths.model_inputs_of(x, self.model_takes_task_id)
 
     def call(self, inputs, training=None):
         return super().call(self.model_inputs(inputs), training=training)
@@ -462,7 +463,7 @@ class MultiTaskTrainer(MetaTrainer):
             if not self.model.built:
                 self.model(x, training=False)
             return x, y, sample_weight
-        if not multitask_data.is_task_batch_x(x):
+        if not paths.is_task_batch_x(x):
             raise ValueError(
                 "MultiTaskTrainer: a training batch's x must be a dict {'inputs': <model "
                 "inputs>, 'task_id': int [B]}; got "
@@ -505,7 +506,7 @@ class MultiTaskTrainer(MetaTrainer):
         specific = set()
         if request != "none":
             for layer in _compat.flatten_layers(self.model):
-                if isinstance(layer, multitask_data.PerTaskHead):
+                if isinstance(layer, paths.per_task_head_class()):
                     specific |= {id(v) for v in layer.trainable_variables}
             if self.tasks == "outputs" and model_graph.has_graph(self.model):
                 # The layers only one output depends on are that output's head.

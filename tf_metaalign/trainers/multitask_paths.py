@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import keras
 from keras import ops
@@ -41,7 +41,36 @@ from tf_metaalign import functional as F
 from tf_metaalign import model_graph
 from tf_metaalign.algorithms import gradient_surgery as GS
 from tf_metaalign.algorithms import multitask as methods
-from tf_metaalign.data import multitask as multitask_data
+
+
+def per_task_head_class():
+    """`tf_metaalign.data.PerTaskHead`, or a class no layer is an instance of where that
+    module cannot be imported (it needs TensorFlow until the data helpers are ported:
+    no model then holds a PerTaskHead)."""
+    try:
+        from tf_metaalign.data import multitask as multitask_data
+    except ImportError:
+        return _NoPerTaskHead
+    return multitask_data.PerTaskHead
+
+
+class _NoPerTaskHead:
+    pass
+
+
+def is_task_batch_x(x) -> bool:
+    """Whether a batch's `x` is in the multi-task format `{"inputs", "task_id"}`
+    (`tf_metaalign.data.multitask.is_task_batch_x`)."""
+    return isinstance(x, Mapping) and "inputs" in x and "task_id" in x
+
+
+def model_inputs_of(x, model_takes_task_id: bool = False):
+    """What the model is called on: `x["inputs"]`, or the whole dict with
+    `model_takes_task_id`; any other `x` (plain inputs given to `evaluate` /
+    `predict`) as it is (`tf_metaalign.data.multitask.model_inputs_of`)."""
+    if not is_task_batch_x(x):
+        return x
+    return x if model_takes_task_id else x["inputs"]
 
 
 def backend_name() -> str:
@@ -828,7 +857,7 @@ def rep_plan(trainer) -> RepPlan:
     if trainer.representation is not None:
         rep = model_graph.layer_output(model, trainer.representation)
     elif trainer.tasks == "rows":
-        rep = model_graph.layer_input(model, multitask_data.PerTaskHead)
+        rep = model_graph.layer_input(model, per_task_head_class())
         if rep is None:
             raise ValueError(
                 "`rep_grad=True` with tasks='rows': the model has no (single) PerTaskHead "
