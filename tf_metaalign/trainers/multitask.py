@@ -749,7 +749,7 @@ class MultiTaskTrainer(MetaTrainer):
             where="the multi-task loss",
         )
 
-    def _output_task_losses(self, model_x, y, y_pred, sample_weight, compiled, acc):
+    def _output_task_losses(self, model_x, y, y_pred, sample_weight, compiled, acc, model_losses):
         """The T output losses of a multi-output model (tasks='outputs'): ONE call of the
         compiled loss, as fit makes it (its per-output loss trackers count once), with
         each output's term recorded: L_t = loss_weight_t * loss_t(y_t, y_pred_t), the
@@ -762,7 +762,14 @@ class MultiTaskTrainer(MetaTrainer):
             )
         with _compat.recorded_loss_terms(compile_loss) as terms:
             F.compute_loss(
-                self.model, model_x, y, y_pred, sample_weight, [], training=True, loss=compiled
+                self.model,
+                model_x,
+                y,
+                y_pred,
+                sample_weight,
+                paths.held_model_losses(model_losses),
+                training=True,
+                loss=compiled,
             )
         if len(terms) != self.num_tasks:
             names = _compat.compile_loss_names(compile_loss)

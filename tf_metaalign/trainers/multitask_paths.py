@@ -259,7 +259,7 @@ class RowTasks:
         factors = ops.divide_no_nan(local_batch * replicas, counts)
         present = ops.cast(counts > 0, acc)
 
-        def task_losses_of(y_pred):
+        def task_losses_of(y_pred, model_losses=()):
             return [
                 masked_task_loss(
                     trainer.model,
@@ -271,6 +271,7 @@ class RowTasks:
                     factors[t],
                     compiled,
                     acc,
+                    model_losses,
                 )
                 for t in range(T)
             ]
@@ -291,8 +292,10 @@ class OutputTasks:
     def batch(self, trainer, x, y, sample_weight, compiled, acc) -> TaskBatch:
         present = ops.ones([trainer.num_tasks], acc)
 
-        def task_losses_of(y_pred):
-            return trainer._output_task_losses(x, y, y_pred, sample_weight, compiled, acc)
+        def task_losses_of(y_pred, model_losses=()):
+            return trainer._output_task_losses(
+                x, y, y_pred, sample_weight, compiled, acc, model_losses
+            )
 
         return TaskBatch(x, y, sample_weight, present, task_losses_of, compiled, acc)
 
@@ -313,7 +316,9 @@ def checked_task_ids(task_id, T):
     return task_id
 
 
-def masked_task_loss(model, model_x, y, y_pred, sample_weight, mask, factor, compiled, acc):
+def masked_task_loss(
+    model, model_x, y, y_pred, sample_weight, mask, factor, compiled, acc, model_losses=()
+):
     """Task loss from the whole batch's outputs: the compiled loss with the task's rows
     as sample weights, rescaled to the task's mean (see `MultiTaskTrainer`)."""
     weight = (
@@ -325,11 +330,20 @@ def masked_task_loss(model, model_x, y, y_pred, sample_weight, mask, factor, com
         y,
         y_pred,
         ops.cast(weight, loss_weight_dtype(y)),
-        [],
+        held_model_losses(model_losses),
         training=True,
         loss=compiled,
     )
     return ops.cast(value, acc) * factor
+
+
+def held_model_losses(model_losses):
+    """The model's own losses as a task loss's value has always counted them, with no
+    gradient: Keras's `compute_loss` given no losses reads `model.losses` (the values at
+    the step's weights, not differentiated: their gradient is added once, after the
+    combination). Given explicitly, held constant, so that no backend's autodiff reaches
+    the weights through them."""
+    return [ops.stop_gradient(loss) for loss in model_losses]
 
 
 def loss_weight_dtype(y) -> str:
@@ -464,7 +478,7 @@ class LossWeighted(GradientPath):
             y_pred, new_state, model_losses = F.stateless_forward(
                 model, params, inputs.state, batch.model_x, training=True
             )
-            local = ops.stack(batch.task_losses_of(y_pred))
+            local = ops.stack(batch.task_losses_of(y_pred, model_losses))
             losses = F.all_reduce_sum(ops.stop_gradient(local))
             combination = trainer.method_object.combine(
                 inputs.task_inputs(losses), inputs.method_state
@@ -529,7 +543,7 @@ class MaskedPasses(StackedTaskGradients):
             y_pred, new_state, model_losses = F.stateless_forward(
                 model, params, inputs.state, batch.model_x, training=True
             )
-            task_losses = batch.task_losses_of(y_pred)
+            task_losses = batch.task_losses_of(y_pred, model_losses)
             outputs = {"scaled": [v * ops.cast(scale, acc) for v in task_losses]}
             regularizer = regularizer_of(model, batch.model_x, batch.y, y_pred, model_losses)
             if regularizer is not None:
@@ -576,7 +590,7 @@ class RepGrad(GradientPath):
                 )
             z = offsets.tap("z", outputs[-1]) if backend_name() == "tensorflow" else outputs[-1]
             y_pred = keras.tree.pack_sequence_as(model.output, outputs[:-1])
-            task_losses = batch.task_losses_of(y_pred)
+            task_losses = batch.task_losses_of(y_pred, model_losses)
             result = {"scaled": [v * scale for v in task_losses], "z": z}
             regularizer = regularizer_of(model, batch.model_x, batch.y, y_pred, model_losses)
             if regularizer is not None:
@@ -723,7 +737,7 @@ class FactoredPasses(GradientPath):
                 y_pred, new_state, model_losses = F.stateless_forward(
                     model, params, inputs.state, batch.model_x, training=True
                 )
-            stacked_losses = ops.stack(batch.task_losses_of(y_pred))
+            stacked_losses = ops.stack(batch.task_losses_of(y_pred, model_losses))
             outputs = {
                 "total": ops.sum(stacked_losses) * scale,
                 "losses": stacked_losses,
