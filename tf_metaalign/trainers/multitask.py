@@ -628,13 +628,13 @@ class MultiTaskTrainer(MetaTrainer):
         T, acc = self.num_tasks, batch.acc
         shared_index, specific_index = self._variable_split()
         variables = self.model.trainable_variables
-        step = ops.convert_to_tensor(self.steps.count.value)
+        step = F.read_value(self.steps.count)
         epoch = (
-            ops.convert_to_tensor(self.epochs_done.value)
+            F.read_value(self.epochs_done)
             if self.epochs_done is not None
             else ops.convert_to_tensor(0, dtype=paths.counter_dtype())
         )
-        method_state = {k: ops.convert_to_tensor(v.value) for k, v in self.method_state.items()}
+        method_state = {k: F.read_value(v) for k, v in self.method_state.items()}
 
         def task_inputs(
             losses, task_grads=None, gram=None, shared_variables=None, variable_gram=None
