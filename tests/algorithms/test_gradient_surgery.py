@@ -11,6 +11,13 @@ from conftest import two_cpu_strategy
 from tf_metaalign.algorithms import gradient_surgery as GS
 from tf_metaalign.trainers import MultiTaskTrainer
 
+from mtl_oracles import (  # NumPy re-derivations of the references, shared with
+    # the backend-neutral tests (test_multitask_methods_backends.py)
+    np_pcgrad,
+    np_gradvac,
+    np_gradnorm,
+)
+
 
 def _as_lists(vectors, shapes=((2,),)):
     """Flat task vectors -> per-task gradient lists split into `shapes`."""
@@ -30,58 +37,6 @@ def _flat(grads):
 
 
 # ------------------------------------------------------------------ NumPy references
-
-
-def np_pcgrad(gs, order):
-    """Yu et al. Algorithm 1: each g_i projected against the ORIGINAL g_j, j in order."""
-    out = []
-    for i in range(len(gs)):
-        g = gs[i].copy()
-        for j in order:
-            if j == i:
-                continue
-            d = g @ gs[j]
-            if d < 0 and gs[j] @ gs[j] > 0:
-                g = g - d / (gs[j] @ gs[j]) * gs[j]
-        out.append(g)
-    return np.sum(out, axis=0)
-
-
-def np_gradvac(gs, targets, order, beta):
-    """LibMTL GradVac (global): the EMA target of (i, j) updated after its use."""
-    targets = targets.copy()
-    out = []
-    for i in range(len(gs)):
-        g = gs[i].copy()
-        for j in order:
-            ni, nj = np.linalg.norm(g), np.linalg.norm(gs[j])
-            if j == i or ni == 0 or nj == 0:
-                continue
-            rho = g @ gs[j] / (ni * nj)
-            t = targets[i, j]
-            if rho < t:
-                w = (
-                    ni
-                    * (t * np.sqrt(1 - rho**2) - rho * np.sqrt(1 - t**2))
-                    / (nj * np.sqrt(1 - t**2))
-                )
-                g = g + w * gs[j]
-            targets[i, j] = (1 - beta) * t + beta * rho
-        out.append(g)
-    return np.sum(out, axis=0), targets
-
-
-def np_gradnorm(weights, layer_norms, losses, initial, present, alpha, lr):
-    """Chen et al. 2018, Algorithm 1, one step on the weights (target a constant)."""
-    p = present.astype(bool)
-    G = weights * layer_norms
-    G_bar = G[p].mean()
-    ratio = losses / np.where(initial == 0, 1, initial)
-    r = ratio / ratio[p].mean()
-    target = G_bar * r**alpha
-    grad = np.where(p, np.sign(G - target) * layer_norms, 0.0)
-    new = weights - lr * grad
-    return new * len(weights) / new.sum()
 
 
 # --------------------------------------------------------------------- pure functions

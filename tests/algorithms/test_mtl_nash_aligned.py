@@ -16,7 +16,13 @@ from tf_metaalign.algorithms.multitask import nash as NM
 
 from test_mtl_weighting import _trainer_data  # the weighting tests' conflicting tasks
 
-F32_EPS = float(np.finfo(np.float32).eps)
+from mtl_oracles import (  # NumPy re-derivations of the references, shared with
+    # the backend-neutral tests (test_multitask_methods_backends.py)
+    coordinate_descent_nash,
+    libmtl_nash_numpy,
+    libmtl_aligned_numpy,
+    official_procrustes_numpy,
+)
 
 
 def inputs_from(G, present=None, step=0, losses=None):
@@ -82,54 +88,6 @@ def present_of(T, absent):
 
 
 # ------------------------------------------------------------------ Nash-MTL oracles
-
-
-def numpy_nash(M, iters=200):
-    """Nash bargaining point by plain Newton with a backtracking line search on
-    f = 1/2 a^T M a - sum log a (unscaled variables, its own start at ones)."""
-    T = len(M)
-    a = np.ones(T)
-
-    def f(x):
-        return 0.5 * x @ M @ x - np.sum(np.log(x))
-
-    for _ in range(iters):
-        g = M @ a - 1.0 / a
-        H = M + np.diag(1.0 / a**2)
-        d = -np.linalg.solve(H, g)
-        t = 1.0
-        while np.any(a + t * d <= 0) or f(a + t * d) > f(a) + 0.25 * t * (g @ d):
-            t *= 0.5
-            if t < 1e-30:
-                break
-        a = a + t * d
-    return a
-
-
-def coordinate_descent_nash(M, sweeps=3000):
-    """Brute force: exact coordinate minimisation of f (each a root of a quadratic:
-    M_ii a_i^2 + (sum_{j!=i} M_ij a_j) a_i - 1 = 0), swept to convergence."""
-    a = 1.0 / np.sqrt(np.diag(M))
-    for _ in range(sweeps):
-        for i in range(len(M)):
-            b = M[i] @ a - M[i, i] * a[i]
-            a[i] = (-b + np.sqrt(b * b + 4.0 * M[i, i])) / (2.0 * M[i, i])
-    return a
-
-
-def libmtl_nash_numpy(G, present, max_norm=1.0):
-    """LibMTL Nash_MTL.backward, torch-free, with the bargaining point as the solver's
-    answer: weights alpha; the shared gradient sum alpha_t g_t clipped by torch's
-    clip_grad_norm_ (factor min(1, max_norm / (norm + 1e-6))), heads get alpha_t g_t."""
-    idx = np.flatnonzero(present)
-    alpha = np.zeros(len(G))
-    Gp = G[idx]
-    alpha[idx] = numpy_nash(Gp @ Gp.T)
-    shared = G.T @ alpha
-    if max_norm > 0:
-        norm = np.linalg.norm(shared)
-        shared = shared * min(1.0, max_norm / (norm + 1e-6))
-    return alpha, shared
 
 
 def combined(G, coefficients):
@@ -342,41 +300,6 @@ def test_nash_bad_arguments():
 
 
 # ------------------------------------------------------------------ Aligned-MTL oracles
-
-
-def libmtl_aligned_numpy(G):
-    """LibMTL Aligned_MTL.backward, torch-free (torch.finfo() = float32's eps)."""
-    M = G @ G.T
-    lmbda, V = np.linalg.eigh(M)
-    tol = np.max(lmbda) * max(M.shape) * F32_EPS
-    rank = int(np.sum(lmbda > tol))
-    order = np.argsort(-lmbda)
-    lmbda, V = lmbda[order][:rank], V[:, order][:, :rank]
-    sigma = np.diag(1 / np.sqrt(lmbda))
-    B = np.sqrt(lmbda[-1]) * ((V @ sigma) @ V.T)
-    return B.sum(0)
-
-
-def official_procrustes_numpy(G, scale_mode="min"):
-    """SamsungLabs/MTL ProcrustesSolver.apply + AlignedMTLBalancer.step: the summed
-    aligned gradient and the weights W.sum(-1)."""
-    grads = G.T[None]  # [1, D, T]
-    cov = (np.transpose(grads, (0, 2, 1)) @ grads).mean(0)
-    singulars, basis = np.linalg.eigh(cov)
-    tol = np.max(singulars) * max(cov.shape) * F32_EPS
-    rank = int(np.sum(singulars > tol))
-    order = np.argsort(-singulars)
-    singulars, basis = singulars[order][:rank], basis[:, order][:, :rank]
-    if scale_mode == "min":
-        weights = basis * np.sqrt(singulars[-1])
-    elif scale_mode == "median":
-        weights = basis * np.sqrt(np.sort(singulars)[(len(singulars) - 1) // 2])  # torch
-    else:
-        weights = basis * np.sqrt(singulars.mean())
-    weights = weights / np.sqrt(singulars)[None]
-    weights = weights @ basis.T
-    aligned = grads @ weights[None]
-    return aligned[0].sum(-1), weights.sum(-1)
 
 
 def aligned_reference(G, present, fn=libmtl_aligned_numpy):

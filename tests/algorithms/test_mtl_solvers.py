@@ -5,8 +5,6 @@ solutions (face enumeration of the simplex, dense grids, scipy's SLSQP as LibMTL
 it), in float64, T = 2, 3, 5, with and without an absent task; each combine under
 XLA giving the eager numbers."""
 
-import itertools
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -15,6 +13,15 @@ from tf_metaalign.algorithms.multitask import base, solvers
 from tf_metaalign.algorithms.multitask.cagrad import CAGrad
 from tf_metaalign.algorithms.multitask.imtl import IMTL, imtl_g_weights
 from tf_metaalign.algorithms.multitask.mgda import MGDA
+
+from mtl_oracles import (  # NumPy re-derivations of the references, shared with
+    # the backend-neutral tests (test_multitask_methods_backends.py)
+    np_libmtl_mgda,
+    np_enumerate_dual,
+    np_libmtl_cagrad,
+    np_cagrad_exact_w,
+    np_libmtl_imtl,
+)
 
 TASKS = (2, 3, 5)
 SEEDS = (0, 1, 2)
@@ -100,129 +107,7 @@ def on_present(fn, g, present, *args):
 # ---------------------------------------------------------------- LibMTL MGDA (NumPy)
 
 
-def np_min_norm_element_from2(v1v1, v1v2, v2v2, ends=(1.0, 0.0)):
-    """LibMTL `_min_norm_element_from2`; LibMTL's ends are (0.999, 0.001)."""
-    if v1v2 >= v1v1:
-        return ends[0], v1v1
-    if v1v2 >= v2v2:
-        return ends[1], v2v2
-    gamma = -1.0 * ((v1v2 - v2v2) / (v1v1 + v2v2 - 2 * v1v2))
-    return gamma, v2v2 + gamma * (v1v2 - v2v2)
-
-
-def np_projection2simplex(y):
-    m = len(y)
-    sorted_y = np.sort(y)[::-1]
-    tmpsum = 0.0
-    tmax_f = (np.sum(y) - 1.0) / m
-    for i in range(m - 1):
-        tmpsum += sorted_y[i]
-        tmax = (tmpsum - 1) / (i + 1.0)
-        if tmax > sorted_y[i + 1]:
-            tmax_f = tmax
-            break
-    return np.maximum(y - tmax_f, 0.0)
-
-
-def np_next_point(cur_val, grad, n):
-    proj_grad = grad - (np.sum(grad) / n)
-    tm1 = -1.0 * cur_val[proj_grad < 0] / proj_grad[proj_grad < 0]
-    tm2 = (1.0 - cur_val[proj_grad > 0]) / (proj_grad[proj_grad > 0])
-    t = 1.0
-    if (tm1 > 1e-7).sum() > 0:
-        t = np.min(tm1[tm1 > 1e-7])
-    if (tm2 > 1e-7).sum() > 0:
-        t = min(t, np.min(tm2[tm2 > 1e-7]))
-    return np_projection2simplex(proj_grad * t + cur_val)
-
-
-def np_find_min_norm_element(grad_mat, ends=(1.0, 0.0), max_iter=250, stop_crit=1e-5):
-    """LibMTL `MGDA._find_min_norm_element` on the Gram matrix (it only uses grads @ grads.T)."""
-    n = grad_mat.shape[0]
-    if n == 1:
-        return np.ones(1)
-    dmin = 1e8
-    for i in range(n):
-        for j in range(i + 1, n):
-            c, d = np_min_norm_element_from2(grad_mat[i, i], grad_mat[i, j], grad_mat[j, j], ends)
-            if d < dmin:
-                dmin = d
-                sol = [(i, j), c, d]
-    sol_vec = np.zeros(n)
-    sol_vec[sol[0][0]] = sol[1]
-    sol_vec[sol[0][1]] = 1 - sol[1]
-    if n < 3:
-        return sol_vec
-    for _ in range(max_iter):
-        grad_dir = -1.0 * grad_mat @ sol_vec
-        new_point = np_next_point(sol_vec, grad_dir, n)
-        v1v1 = sol_vec @ grad_mat @ sol_vec
-        v1v2 = sol_vec @ grad_mat @ new_point
-        v2v2 = new_point @ grad_mat @ new_point
-        nc, _ = np_min_norm_element_from2(v1v1, v1v2, v2v2, ends)
-        new_sol_vec = nc * sol_vec + (1 - nc) * new_point
-        if np.sum(np.abs(new_sol_vec - sol_vec)) < stop_crit:
-            return sol_vec
-        sol_vec = new_sol_vec
-    return sol_vec
-
-
-def np_libmtl_mgda(grads, losses, mgda_gn, ends=(1.0, 0.0), **solver):
-    """LibMTL `MGDA.backward` (rep_grad=False): the new shared gradient."""
-    if mgda_gn == "l2":
-        gn = np.sqrt((grads**2).sum(-1))
-    elif mgda_gn == "loss":
-        gn = losses
-    elif mgda_gn == "loss+":
-        gn = losses * np.sqrt((grads**2).sum(-1))
-    else:
-        gn = np.ones_like(losses)
-    grads = grads / gn[:, None]
-    sol = np_find_min_norm_element(grads @ grads.T, ends, **solver)
-    return (sol[:, None] * grads).sum(0), sol
-
-
 # ---------------------------------------------------------------- brute force
-
-
-def np_enumerate_dual(gram, gb, c):
-    """min over the simplex of  w.gb + c sqrt(w^T G w)  by enumerating every face in
-    NumPy (np.linalg.pinv): each face's stationary point in its affine hull in closed
-    form, kept if its weights are >= -1e-10; the best objective wins. gb = 0, c = 1 is
-    the min-norm point."""
-    T = gram.shape[0]
-    best, best_w = np.inf, None
-    for k in range(1, T + 1):
-        for face in itertools.combinations(range(T), k):
-            i0, rest = face[0], list(face[1:])
-            w = np.zeros(T)
-            if not rest:
-                w[i0] = 1.0
-            else:
-                m = (
-                    gram[np.ix_(rest, rest)]
-                    - gram[rest][:, [i0]]
-                    - gram[[i0]][:, rest]
-                    + gram[i0, i0]
-                )
-                r = gram[rest, i0] - gram[i0, i0]
-                q = gb[rest] - gb[i0]
-                mp = np.linalg.pinv(m, rcond=1e-13)
-                s2 = q @ mp @ q / c**2
-                if s2 >= 1:
-                    continue
-                p2 = max(gram[i0, i0] - r @ mp @ r, 0.0)
-                z = -mp @ r - np.sqrt(p2 / (1 - s2)) / c * (mp @ q)
-                w[rest] = z
-                w[i0] = 1 - z.sum()
-                if w.min() < -1e-10:
-                    continue
-                w = np.maximum(w, 0)
-                w /= w.sum()
-            value = w @ gb + c * np.sqrt(max(w @ gram @ w, 0.0))
-            if value < best:
-                best, best_w = value, w
-    return best_w
 
 
 def simplex_grid(steps):
@@ -379,45 +264,6 @@ def test_mgda_arguments_are_checked():
 # ================================================================ CAGrad
 
 
-def np_libmtl_cagrad(grads, calpha=0.5, rescale=1, w=None):
-    """LibMTL `CAGrad.backward` (NumPy): its SLSQP call (scipy, as LibMTL) unless the dual
-    weights `w` are given. Returns (new shared gradient, w)."""
-    from scipy.optimize import minimize
-
-    T = grads.shape[0]
-    GG = grads @ grads.T
-    g0_norm = np.sqrt(GG.mean() + 1e-8)
-    x_start = np.ones(T) / T
-    A, b = GG, x_start.copy()
-    c = calpha * g0_norm + 1e-8
-    if w is None:
-
-        def objfn(x):
-            return (
-                x.reshape(1, -1).dot(A).dot(b.reshape(-1, 1))
-                + c * np.sqrt(x.reshape(1, -1).dot(A).dot(x.reshape(-1, 1)) + 1e-8)
-            ).sum()
-
-        res = minimize(
-            objfn,
-            x_start,
-            bounds=tuple((0, 1) for _ in x_start),
-            constraints=({"type": "eq", "fun": lambda x: 1 - sum(x)},),
-        )
-        w = res.x
-    gw = (grads * w[:, None]).sum(0)
-    lmbda = c / (np.linalg.norm(gw) + 1e-8)
-    g = grads.mean(0) + lmbda * gw
-    return g / {0: 1.0, 1: 1 + calpha**2, 2: 1 + calpha}[rescale], w
-
-
-def np_cagrad_exact_w(grads, calpha=0.5):
-    T = grads.shape[0]
-    gram = grads @ grads.T
-    c = calpha * np.sqrt(gram.mean() + 1e-8) + 1e-8
-    return np_enumerate_dual(gram, gram @ np.full(T, 1.0 / T), c)
-
-
 @pytest.mark.parametrize("rescale", [0, 1, 2])
 @pytest.mark.parametrize("absent", ABSENT)
 @pytest.mark.parametrize("num_tasks", TASKS)
@@ -540,21 +386,6 @@ def test_cagrad_arguments_are_checked():
 
 
 # ================================================================ IMTL
-
-
-def np_libmtl_imtl(grads, losses, loss_scale):
-    """LibMTL `IMTL.backward` (NumPy; rep_grad=False): the per-task losses are
-    exp(s) L - s, so their gradients are exp(s) g on the model and exp(s) L - 1 on s.
-    Returns (new shared gradient, alpha, task-specific factors, gradient of s)."""
-    scale = np.exp(loss_scale)
-    grads = grads * scale[:, None]
-    T = grads.shape[0]
-    grads_unit = grads / np.linalg.norm(grads, axis=-1, keepdims=True)
-    D = np.repeat(grads[0:1], T - 1, 0) - grads[1:]
-    U = np.repeat(grads_unit[0:1], T - 1, 0) - grads_unit[1:]
-    alpha = grads[0] @ U.T @ np.linalg.inv(D @ U.T)
-    alpha = np.concatenate([[1 - alpha.sum()], alpha])
-    return (alpha[:, None] * grads).sum(0), alpha, scale, scale * losses - 1.0
 
 
 @pytest.mark.parametrize("absent", ABSENT)

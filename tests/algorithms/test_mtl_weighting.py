@@ -13,6 +13,14 @@ from tf_metaalign.algorithms.multitask.famo import FAMO
 from tf_metaalign.algorithms.multitask.rlw import RandomLossWeighting
 from tf_metaalign.algorithms.multitask.uw import UncertaintyWeighting
 
+from mtl_oracles import (  # NumPy re-derivations of the references, shared with
+    # the backend-neutral tests (test_multitask_methods_backends.py)
+    LibMTLUW,
+    libmtl_dwa,
+    TorchAdam,
+    ReferenceFAMO,
+)
+
 TIGHT = dict(rtol=1e-12, atol=1e-13)
 TASKS = (2, 3, 5)
 
@@ -86,34 +94,6 @@ def check_common(shared, specific, present):
 # ---------------------------------------------------------------- UW
 
 
-class LibMTLUW:
-    """LibMTL `UW` (NumPy): loss = sum(L / (2 exp(s)) + s / 2), s a model parameter
-    trained by the model's optimizer (plain SGD here), returned weights 1/(2 exp(s))."""
-
-    def __init__(self, num_tasks):
-        self.loss_scale = np.full(num_tasks, -0.5)
-
-    def backward(self, losses, present):
-        s = self.loss_scale
-        loss = np.sum(present * (losses / (2 * np.exp(s)) + s / 2))
-        # the reference's autograd: d loss / d s_t = present_t (1/2 - L_t / (2 exp(s_t))),
-        # checked against central differences
-        grad = present * (0.5 - losses / (2 * np.exp(s)))
-        h = 1e-6
-        numeric = np.array(
-            [
-                (
-                    np.sum(present * (losses / (2 * np.exp(s + h * e)) + (s + h * e) / 2))
-                    - np.sum(present * (losses / (2 * np.exp(s - h * e)) + (s - h * e) / 2))
-                )
-                / (2 * h)
-                for e in np.eye(len(s))
-            ]
-        )
-        np.testing.assert_allclose(grad, numeric, rtol=1e-7, atol=1e-9)
-        return present / (2 * np.exp(s)), loss, grad
-
-
 @pytest.mark.parametrize("num_tasks", TASKS)
 @pytest.mark.parametrize("absent", [None, 1])
 def test_uw_matches_libmtl_over_steps(num_tasks, absent):
@@ -184,24 +164,6 @@ def test_uw_zero_loss_and_xla():
 
 
 # ---------------------------------------------------------------- DWA
-
-
-def libmtl_dwa(epoch_losses, num_tasks, temperature=2.0):
-    """LibMTL `DWA` driven by LibMTL's trainer (NumPy): epoch_losses[e] is the list of
-    per-batch loss vectors of epoch e; train_loss_buffer[:, e] is written at the end of
-    epoch e (the meter's average: equal batch sizes); returns each batch's weights."""
-    buffer = np.zeros([num_tasks, len(epoch_losses)])
-    out = []
-    for epoch, batches in enumerate(epoch_losses):
-        for _ in batches:
-            if epoch > 1:
-                w_i = buffer[:, epoch - 1] / buffer[:, epoch - 2]
-                e = np.exp(w_i / temperature - np.max(w_i / temperature))
-                out.append(num_tasks * e / e.sum())
-            else:
-                out.append(np.ones(num_tasks))
-        buffer[:, epoch] = np.mean(batches, axis=0)
-    return out
 
 
 def run_dwa(method, epoch_losses, presents=None, jit=False, epochs=None):
@@ -384,54 +346,6 @@ def test_rlw_distribution():
 
 
 # ---------------------------------------------------------------- FAMO
-
-
-class TorchAdam:
-    """torch.optim.Adam (L2 weight_decay added to the gradient, bias-corrected)."""
-
-    def __init__(self, lr, weight_decay, betas=(0.9, 0.999), eps=1e-8):
-        self.lr, self.wd, self.betas, self.eps = lr, weight_decay, betas, eps
-        self.m = self.v = None
-        self.t = 0
-
-    def step(self, param, grad):
-        b1, b2 = self.betas
-        if self.m is None:
-            self.m, self.v = np.zeros_like(param), np.zeros_like(param)
-        self.t += 1
-        grad = grad + self.wd * param
-        self.m = b1 * self.m + (1 - b1) * grad
-        self.v = b2 * self.v + (1 - b2) * grad * grad
-        denom = np.sqrt(self.v) / np.sqrt(1 - b2**self.t) + self.eps
-        return param - (self.lr / (1 - b1**self.t)) * self.m / denom
-
-
-class ReferenceFAMO:
-    """Cranial-XIX/FAMO `FAMO` / LibMTL `FAMO` (NumPy). `backward` returns the gradient
-    of the reference's loss sum(log(D) z / c) with respect to the losses (c, z
-    detached), i.e. the weights the model's gradient gets; `update_w` is the reference's
-    logits step (J_softmax(w)^T delta, one Adam step)."""
-
-    def __init__(self, num_tasks, w_lr=0.025, gamma=1e-3, min_losses=0.0):
-        self.w = np.zeros(num_tasks)
-        self.opt = TorchAdam(w_lr, gamma)
-        self.min_losses = np.broadcast_to(np.asarray(min_losses, float), (num_tasks,))
-
-    def backward(self, losses):
-        self.prev_losses = losses
-        z = np.exp(self.w) / np.exp(self.w).sum()
-        D = losses - self.min_losses + 1e-8
-        c = np.sum(z / D)
-        # d/dL_t sum_s log(D_s) z_s / c = z_t / (c D_t)
-        return z / (c * D)
-
-    def update_w(self, curr_losses):
-        delta = np.log(self.prev_losses - self.min_losses + 1e-8) - np.log(
-            curr_losses - self.min_losses + 1e-8
-        )
-        z = np.exp(self.w) / np.exp(self.w).sum()
-        jacobian = np.diag(z) - np.outer(z, z)  # d softmax_i / d w_j
-        self.w = self.opt.step(self.w, jacobian.T @ delta)
 
 
 @pytest.mark.parametrize("num_tasks", TASKS)

@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import two_cpu_strategy
-from test_mtl_solvers import np_min_norm_element_from2
+from mtl_oracles import np_min_norm_element_from2
 from test_multitask_outputs import LOSS_WEIGHTS, _softmax, compiled, data, two_head_model
 from tf_metaalign.algorithms import multitask as methods
 from tf_metaalign.data.multitask import PerTaskHead, one_head_per_task_model

@@ -25,12 +25,47 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-import tensorflow as tf
+from keras import ops
+from keras.backend import standardize_dtype
 
 from tf_metaalign import functional as F
 
+# Every function here is written once in `keras.ops`: it runs on TensorFlow (eager,
+# tf.function, XLA) and on JAX (eager, jit), in float32 with JAX's x64 off (no
+# float64 or int64 is created unless the inputs are float64 / int64).
+
 
 # ------------------------------------------------------------------------ helpers
+
+
+def _dtype(x) -> str:
+    """The dtype of a tensor as a name ("float32", "float64", ...)."""
+    return standardize_dtype(x.dtype)
+
+
+def _acc(tensors) -> str:
+    """`functional.accumulation_dtype` as a name."""
+    return standardize_dtype(F.accumulation_dtype(tensors))
+
+
+def matvec(a, x, transpose_a=False):
+    """`a @ x` for a matrix (or a batch of matrices) `a` [..., m, n] and a vector (batch)
+    `x` [..., n] (`a^T x` with `transpose_a`): a matmul with x as one column, the product
+    `tf.linalg.matvec` computes."""
+    if transpose_a:
+        a = ops.swapaxes(a, -1, -2)
+    return ops.matmul(a, ops.expand_dims(x, -1))[..., 0]
+
+
+def _vector(values, dtype):
+    """A list of python numbers as an exact `dtype` vector (converted from float64
+    directly, not through float32); a tensor or array is converted as it is."""
+    if isinstance(values, (list, tuple)) and all(
+        isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+        for v in values
+    ):
+        return ops.convert_to_tensor(np.asarray(values, dtype=dtype))
+    return ops.convert_to_tensor(values)
 
 
 def _check_task_grads(task_grads, where):
@@ -53,7 +88,7 @@ def _check_task_grads(task_grads, where):
     return len(task_grads)
 
 
-def gram_matrix(task_grads) -> tf.Tensor:
+def gram_matrix(task_grads):
     """`G[i, j] = <g_i, g_j>` over all variables, [T, T], in the accumulation dtype
     (float64 if any gradient is float64, else float32).
 
@@ -62,20 +97,28 @@ def gram_matrix(task_grads) -> tf.Tensor:
     than T(T+1)/2 separate dot products, each of which reads two gradients and writes
     their product), then symmetrised (exactly symmetric whatever the product's rounding).
     Transient memory: one stacked copy of ONE variable's T gradients at a time.
+
+    Example:
+      >>> from tf_metaalign.algorithms import gradient_surgery as GS
+      >>> g1 = [np.array([1.0, 0.0]), np.array(2.0)]
+      >>> g2 = [np.array([-1.0, 1.0]), np.array(0.5)]
+      >>> np.asarray(GS.gram_matrix([g1, g2])).tolist()
+      [[5.0, 0.0], [0.0, 2.25]]
     """
     T = _check_task_grads(task_grads, "gram_matrix")
-    acc = F.accumulation_dtype([g for grads in task_grads for g in grads])
+    task_grads = [[ops.convert_to_tensor(g) for g in grads] for grads in task_grads]
+    acc = _acc([g for grads in task_grads for g in grads])
     if not task_grads[0]:
-        return tf.zeros([T, T], acc)
+        return ops.zeros((T, T), dtype=acc)
     return stacked_gram_matrix(
         [
-            tf.stack([tf.cast(grads[v], acc) for grads in task_grads])
+            ops.stack([ops.cast(grads[v], acc) for grads in task_grads])
             for v in range(len(task_grads[0]))
         ]
     )
 
 
-def stacked_gram_matrix(stacked) -> tf.Tensor:
+def stacked_gram_matrix(stacked):
     """`gram_matrix` of gradients given STACKED by variable: `stacked[v]` is [T, *shape
     of variable v]` (task t's gradient in row t), as a vectorized per-task pass returns
     them; no copy is made. [T, T] in the accumulation dtype, exactly symmetric."""
@@ -85,25 +128,24 @@ def stacked_gram_matrix(stacked) -> tf.Tensor:
     if T is None or any(g.shape[0] != T for g in stacked):
         raise ValueError(
             "stacked_gram_matrix: every `stacked[v]` must have the same static "
-            f"leading dimension T; got {[g.shape for g in stacked]}."
+            f"leading dimension T; got {[tuple(g.shape) for g in stacked]}."
         )
-    acc = F.accumulation_dtype(stacked)
-    total = tf.zeros([T, T], acc)
+    acc = _acc(stacked)
+    total = ops.zeros((T, T), dtype=acc)
     for g in stacked:
-        rows = tf.reshape(tf.cast(g, acc), [T, -1])
-        total += tf.matmul(rows, rows, transpose_b=True)
-    return 0.5 * (total + tf.transpose(total))
+        rows = ops.reshape(ops.cast(g, acc), (T, -1))
+        total = total + ops.matmul(rows, ops.transpose(rows))
+    return 0.5 * (total + ops.transpose(total))
 
 
-def stacked_combine(stacked, coefficients) -> list[tf.Tensor]:
+def stacked_combine(stacked, coefficients) -> list:
     """`combine` of gradients given stacked by variable ([T, ...] each): one
     contraction of the task dimension per variable (in each gradient's dtype)."""
-    acc = F.accumulation_dtype(stacked)
-    coefficients = tf.convert_to_tensor(coefficients, dtype_hint=acc)
-    return [tf.tensordot(tf.cast(coefficients, g.dtype), g, axes=1) for g in stacked]
+    coefficients = _vector(coefficients, _acc(stacked))
+    return [ops.tensordot(ops.cast(coefficients, _dtype(g)), g, axes=1) for g in stacked]
 
 
-def dense_task_gram(inputs, output_grads, task_onehot, has_bias=True) -> tf.Tensor:
+def dense_task_gram(inputs, output_grads, task_onehot, has_bias=True):
     """The [T, T] Gram matrix of the per-task gradients of ONE Dense layer (kernel, and
     bias when `has_bias`), from its inputs and output gradients, without forming them.
 
@@ -122,21 +164,22 @@ def dense_task_gram(inputs, output_grads, task_onehot, has_bias=True) -> tf.Tens
     BatchNorm in training mode): then the gradient of sum_t L_t at row r is that of
     its task's loss. In the accumulation dtype of the inputs, exactly symmetric.
     """
-    acc = F.accumulation_dtype([inputs, output_grads])
-    x = tf.cast(inputs, acc)
-    dz = tf.cast(output_grads, acc)
-    if x.shape.rank != 2 or dz.shape.rank != 2:
+    inputs, output_grads = ops.convert_to_tensor(inputs), ops.convert_to_tensor(output_grads)
+    acc = _acc([inputs, output_grads])
+    x = ops.cast(inputs, acc)
+    dz = ops.cast(output_grads, acc)
+    if len(x.shape) != 2 or len(dz.shape) != 2:
         raise ValueError(
             "dense_task_gram: `inputs` and `output_grads` must be [rows, features]; got "
-            f"{x.shape} and {dz.shape}."
+            f"{tuple(x.shape)} and {tuple(dz.shape)}."
         )
-    s = tf.cast(task_onehot, acc)
-    xx = tf.matmul(x, x, transpose_b=True)
+    s = ops.cast(task_onehot, acc)
+    xx = ops.matmul(x, ops.transpose(x))
     if has_bias:
         xx = xx + 1.0
-    k = xx * tf.matmul(dz, dz, transpose_b=True)
-    gram = tf.matmul(s, tf.matmul(k, s), transpose_a=True)
-    return 0.5 * (gram + tf.transpose(gram))
+    k = xx * ops.matmul(dz, ops.transpose(dz))
+    gram = ops.matmul(ops.transpose(s), ops.matmul(k, s))
+    return 0.5 * (gram + ops.transpose(gram))
 
 
 def dense_combined_gradient(inputs, output_grads, row_coefficients, has_bias=True):
@@ -145,99 +188,154 @@ def dense_combined_gradient(inputs, output_grads, row_coefficients, has_bias=Tru
     coefficient of row r's task (see `dense_task_gram` for X, dZ). Returns
     `[kernel_gradient]` or `[kernel_gradient, bias_gradient]`, in the accumulation
     dtype of the inputs."""
-    acc = F.accumulation_dtype([inputs, output_grads])
-    weighted = tf.cast(output_grads, acc) * tf.cast(row_coefficients, acc)[:, None]
-    kernel = tf.matmul(tf.cast(inputs, acc), weighted, transpose_a=True)
-    return [kernel, tf.reduce_sum(weighted, axis=0)] if has_bias else [kernel]
+    inputs, output_grads = ops.convert_to_tensor(inputs), ops.convert_to_tensor(output_grads)
+    acc = _acc([inputs, output_grads])
+    weighted = ops.cast(output_grads, acc) * ops.expand_dims(ops.cast(row_coefficients, acc), 1)
+    kernel = ops.matmul(ops.transpose(ops.cast(inputs, acc)), weighted)
+    return [kernel, ops.sum(weighted, axis=0)] if has_bias else [kernel]
 
 
-def combine(task_grads, coefficients) -> list[tf.Tensor]:
+def combine(task_grads, coefficients) -> list:
     """`sum_t coefficients[t] * task_grads[t]`, variable by variable (in each gradient's dtype)."""
     T = _check_task_grads(task_grads, "combine")
-    # A python / NumPy list is converted in the gradients' accumulation dtype (a list of
-    # python floats would otherwise become float32: 0.1 -> 0.10000000149011612).
-    acc = F.accumulation_dtype([g for grads in task_grads for g in grads])
-    coefficients = tf.convert_to_tensor(coefficients, dtype_hint=acc)
-    if coefficients.shape.rank != 1 or coefficients.shape[0] != T:
+    task_grads = [[ops.convert_to_tensor(g) for g in grads] for grads in task_grads]
+    # A python list is converted in the gradients' accumulation dtype (a list of python
+    # floats would otherwise become float32: 0.1 -> 0.10000000149011612).
+    coefficients = _vector(coefficients, _acc([g for grads in task_grads for g in grads]))
+    if len(coefficients.shape) != 1 or coefficients.shape[0] != T:
         raise ValueError(
             f"combine: `coefficients` must have shape [{T}] (one per task); got "
-            f"{coefficients.shape}."
+            f"{tuple(coefficients.shape)}."
         )
     out = []
     for v in range(len(task_grads[0])):
         total = None
         for t in range(T):
             g = task_grads[t][v]
-            term = tf.cast(coefficients[t], g.dtype) * g
+            term = ops.cast(coefficients[t], _dtype(g)) * g
             total = term if total is None else total + term
         out.append(total)
     return out
 
 
-def mean_pairwise_cosine(gram, present=None) -> tf.Tensor:
+def mean_pairwise_cosine(gram, present=None):
     """Mean of cos(g_i, g_j) over the pairs i < j of present tasks (0 if fewer than 2)."""
-    gram = tf.convert_to_tensor(gram)
+    gram = ops.convert_to_tensor(gram)
+    dtype = _dtype(gram)
     T = int(gram.shape[0])
-    if present is None:
-        present = tf.ones([T], gram.dtype)
-    present = tf.cast(present, gram.dtype)
-    norms = tf.sqrt(tf.maximum(tf.linalg.diag_part(gram), 0.0))
-    total = tf.constant(0.0, gram.dtype)
-    count = tf.constant(0.0, gram.dtype)
+    present = ops.ones((T,), dtype) if present is None else ops.cast(present, dtype)
+    norms = ops.sqrt(ops.maximum(ops.diagonal(gram), 0.0))
+    total = ops.zeros((), dtype)
+    count = ops.zeros((), dtype)
     for i in range(T):
         for j in range(i + 1, T):
             w = present[i] * present[j]
-            total += w * tf.math.divide_no_nan(gram[i, j], norms[i] * norms[j])
-            count += w
-    return tf.math.divide_no_nan(total, count)
+            total = total + w * ops.divide_no_nan(gram[i, j], norms[i] * norms[j])
+            count = count + w
+    return ops.divide_no_nan(total, count)
+
+
+# ------------------------------------------------------------ integer hashing (uint32)
+#
+# Random draws (task orders, RLW's weights) are integer hashes of (seed, step): eager,
+# graph, XLA, jit and a resumed run draw the same, on both backends. All arithmetic is
+# uint32 (a product wraps modulo 2^32 on TensorFlow and JAX alike), so it needs no int64:
+# the step's low 32 bits come from an int32 or int64 step alike, its high 32 bits are 0
+# for an int32 step (JAX without x64) and the same 0 for an int64 step below 2^31.
+
+_MUL1 = np.uint32(0x7FEB352D)
+_MUL2 = np.uint32(0x846CA68B)
 
 
 def _hash32(x):
     """The "lowbias32" integer hash (C. Wellons) on uint32 tensors."""
-    x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, 16))
-    x = x * tf.constant(0x7FEB352D, tf.uint32)
-    x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, 15))
-    x = x * tf.constant(0x846CA68B, tf.uint32)
-    return tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, 16))
+    x = ops.bitwise_xor(x, ops.right_shift(x, 16))
+    x = ops.multiply(x, ops.convert_to_tensor(_MUL1))
+    x = ops.bitwise_xor(x, ops.right_shift(x, 15))
+    x = ops.multiply(x, ops.convert_to_tensor(_MUL2))
+    return ops.bitwise_xor(x, ops.right_shift(x, 16))
 
 
 def _uint32(x):
-    x = tf.cast(x, tf.int64)
-    return tf.cast(tf.bitwise.bitwise_and(x, 0xFFFFFFFF), tf.uint32)
+    """The low 32 bits of an integer (a python int or an integer tensor) as uint32."""
+    if isinstance(x, (int, np.integer)):
+        return ops.convert_to_tensor(np.uint32(int(x) & 0xFFFFFFFF))
+    return ops.cast(x, "uint32")  # modulo 2^32, on both backends
 
 
-def random_order(num_tasks, seed, step) -> tf.Tensor:
+def _high_uint32(x):
+    """Bits 32..63 of an integer as uint32 (0 for a 32-bit tensor)."""
+    if isinstance(x, (int, np.integer)):
+        return ops.convert_to_tensor(np.uint32((int(x) >> 32) & 0xFFFFFFFF))
+    x = ops.convert_to_tensor(x)
+    if _dtype(x) in ("int64", "uint64"):
+        return ops.cast(ops.right_shift(x, 32), "uint32")
+    return ops.convert_to_tensor(np.uint32(0))
+
+
+def _step_key(seed_key, step):
+    """hash(hash(seed_key ^ step_low) ^ step_high) with seed_key = hash(...) of the seed."""
+    h = _hash32(ops.bitwise_xor(seed_key, _uint32(step)))
+    return ops.bitwise_xor(h, _high_uint32(step))
+
+
+def _hash_keys(key, n):
+    """n uint32 keys hash(key ^ k), k = 0..n-1."""
+    return _hash32(ops.bitwise_xor(key, ops.convert_to_tensor(np.arange(n, dtype=np.uint32))))
+
+
+def _stable_argsort(keys):
+    """The stable ascending argsort of a small 1-D tensor, as int32, by counting (uint32
+    keys compare as they are: no int64, no backend's sort with its own tie rule)."""
+    n = int(keys.shape[0])
+    idx = np.arange(n, dtype=np.int32)
+    ki, kj = ops.expand_dims(keys, 1), ops.expand_dims(keys, 0)
+    earlier = ops.convert_to_tensor(idx[None, :] < idx[:, None])
+    before = ops.logical_or(
+        ops.less(kj, ki), ops.logical_and(ops.equal(kj, ki), earlier)
+    )  # [i, j]: j sorts before i
+    rank = ops.sum(ops.cast(before, "int32"), axis=1)
+    places = ops.cast(ops.equal(ops.expand_dims(rank, 0), idx[:, None]), "int32")
+    return ops.sum(places * idx[None, :], axis=1)
+
+
+def random_order(num_tasks, seed, step):
     """A permutation of range(num_tasks) (int32), a pure function of (seed, step).
 
     Each task gets the key hash(hash(hash(seed) ^ step_low) ^ step_high ^ task) (a
-    32-bit integer hash) and the tasks are sorted by key. Integer arithmetic only, so
-    eager, graph, XLA and a resumed run draw the same order (TensorFlow's stateless RNG
-    ops do not: measured, `stateless_uniform` with a seed read from a variable gives other
-    numbers under XLA).
+    32-bit integer hash, in uint32 arithmetic) and the tasks are sorted by key (ties by
+    task index). Integer arithmetic only, so eager, graph, XLA, JAX's jit and a resumed
+    run draw the same order on both backends (TensorFlow's stateless RNG ops do not:
+    measured, `stateless_uniform` with a seed read from a variable gives other numbers
+    under XLA). `step` may be a python int or an int32 / int64 tensor (the same order for
+    the same step below 2^31).
+
+    Example:
+      >>> from tf_metaalign.algorithms import gradient_surgery as GS
+      >>> [np.asarray(GS.random_order(4, seed=0, step=s)).tolist() for s in range(3)]
+      [[0, 3, 1, 2], [0, 2, 1, 3], [1, 0, 3, 2]]
     """
-    step = tf.cast(step, tf.int64)
-    h = _hash32(_uint32(seed))
-    h = _hash32(tf.bitwise.bitwise_xor(h, _uint32(step)))
-    h = tf.bitwise.bitwise_xor(h, _uint32(tf.bitwise.right_shift(step, 32)))
-    keys = _hash32(tf.bitwise.bitwise_xor(h, tf.constant(list(range(num_tasks)), tf.uint32)))
-    return tf.cast(tf.argsort(tf.cast(keys, tf.int64), stable=True), tf.int32)
+    key = _step_key(_hash32(_uint32(seed)), step)
+    return _stable_argsort(_hash_keys(key, num_tasks))
 
 
 def _scalar(value, dtype):
-    """A python number as an exact `dtype` constant (`tf.cast` of a python float would
+    """A python number as an exact `dtype` constant (a cast of a python float would
     round it through float32 first); tensors are cast (`functional.scalar`)."""
     return F.scalar(value, dtype)
 
 
 def _one_hot(j, T, dtype):
-    return tf.one_hot(j, T, dtype=dtype)
+    return ops.one_hot(j, T, dtype=dtype)
 
 
 def _check_order(order, T, where):
-    order = tf.cast(tf.convert_to_tensor(order), tf.int32)
-    if order.shape.rank != 1 or order.shape[0] != T:
+    if isinstance(order, (list, tuple, np.ndarray)):
+        order = np.asarray(order).astype(np.int32)
+    order = ops.cast(ops.convert_to_tensor(order), "int32")
+    if len(order.shape) != 1 or order.shape[0] != T:
         raise ValueError(
-            f"{where}: `order` must be a permutation of range({T}); got shape {order.shape}."
+            f"{where}: `order` must be a permutation of range({T}); got shape {tuple(order.shape)}."
         )
     return order
 
@@ -245,7 +343,7 @@ def _check_order(order, T, where):
 # ------------------------------------------------------------------------- PCGrad
 
 
-def pcgrad_coefficients(gram, order) -> tf.Tensor:
+def pcgrad_coefficients(gram, order):
     """PCGrad (Yu et al., Algorithm 1) on the Gram matrix: the coefficients c with
     `sum_i g_i^PC = sum_j c_j g_j`.
 
@@ -261,26 +359,32 @@ def pcgrad_coefficients(gram, order) -> tf.Tensor:
     One order per step, drawn by the caller (`random_order(seed, step)` in the
     trainer), is reproducible and resumable; with `order = range(T)` this is the
     official code's computation.
+
+    Example:
+      >>> from tf_metaalign.algorithms import gradient_surgery as GS
+      >>> gram = np.array([[1.0, -0.5], [-0.5, 1.0]])  # two conflicting unit gradients
+      >>> np.asarray(GS.pcgrad_coefficients(gram, [0, 1])).tolist()
+      [1.5, 1.5]
     """
-    gram = tf.convert_to_tensor(gram)
+    gram = ops.convert_to_tensor(gram)
     T = int(gram.shape[0])
     order = _check_order(order, T, "pcgrad_coefficients")
-    dtype = gram.dtype
+    dtype = _dtype(gram)
     rows = []
     for i in range(T):
         a = _one_hot(i, T, dtype)
         for k in range(T):
             j = order[k]
-            g_j = tf.gather(gram, j, axis=1)  # <g_m, g_j> for every m
-            inner = tf.reduce_sum(a * g_j)
-            coef = tf.math.divide_no_nan(inner, tf.gather(g_j, j))
-            apply = tf.logical_and(tf.not_equal(j, i), inner < 0)
-            a = a - tf.where(apply, coef, tf.zeros_like(coef)) * _one_hot(j, T, dtype)
+            g_j = ops.take(gram, j, axis=1)  # <g_m, g_j> for every m
+            inner = ops.sum(a * g_j)
+            coef = ops.divide_no_nan(inner, ops.take(g_j, j))
+            apply = ops.logical_and(ops.not_equal(j, i), ops.less(inner, 0.0))
+            a = a - ops.where(apply, coef, ops.zeros_like(coef)) * _one_hot(j, T, dtype)
         rows.append(a)
-    return tf.reduce_sum(tf.stack(rows), axis=0)
+    return ops.sum(ops.stack(rows), axis=0)
 
 
-def pcgrad(task_grads, order) -> list[tf.Tensor]:
+def pcgrad(task_grads, order) -> list:
     """The PCGrad update direction `sum_i g_i^PC` (see `pcgrad_coefficients`)."""
     return combine(task_grads, pcgrad_coefficients(gram_matrix(task_grads), order))
 
@@ -289,8 +393,8 @@ def pcgrad(task_grads, order) -> list[tf.Tensor]:
 
 
 class GradVacResult(NamedTuple):
-    coefficients: tf.Tensor  # [T]: combined = sum_j c_j g_j
-    targets: tf.Tensor  # [T, T]: the updated EMA targets phi_hat_ij
+    coefficients: object  # [T]: combined = sum_j c_j g_j
+    targets: object  # [T, T]: the updated EMA targets phi_hat_ij
 
 
 def gradvac_coefficients(gram, targets, order, beta=1e-2) -> GradVacResult:
@@ -306,43 +410,47 @@ def gradvac_coefficients(gram, targets, order, beta=1e-2) -> GradVacResult:
     The targets are per ordered pair (i, j), over the whole model (one global cosine, not
     per layer), and EMA-updated with the cosine measured before that pair's adjustment,
     as LibMTL's GradVac does. A pair with an absent task (zero gradient) is skipped and
-    keeps its target.
+    keeps its target. The targets are computed in the Gram matrix's dtype.
     """
-    gram = tf.convert_to_tensor(gram)
+    gram = ops.convert_to_tensor(gram)
     T = int(gram.shape[0])
     order = _check_order(order, T, "gradvac_coefficients")
-    dtype = gram.dtype
-    targets = tf.cast(tf.convert_to_tensor(targets), dtype)
-    if targets.shape != (T, T):
+    dtype = _dtype(gram)
+    targets = ops.cast(ops.convert_to_tensor(targets), dtype)
+    if tuple(targets.shape) != (T, T):
         raise ValueError(
-            f"gradvac_coefficients: `targets` must have shape [{T}, {T}]; got {targets.shape}."
+            f"gradvac_coefficients: `targets` must have shape [{T}, {T}]; got "
+            f"{tuple(targets.shape)}."
         )
     beta = _scalar(beta, dtype)
-    norms = tf.sqrt(tf.maximum(tf.linalg.diag_part(gram), 0.0))
+    norms = ops.sqrt(ops.maximum(ops.diagonal(gram), 0.0))
     rows, new_targets = [], []
     for i in range(T):
         a = _one_hot(i, T, dtype)
         target_row = targets[i]
         for k in range(T):
             j = order[k]
-            g_j = tf.gather(gram, j, axis=1)
-            norm_j = tf.gather(norms, j)
-            norm_i = tf.sqrt(tf.maximum(tf.reduce_sum(a * tf.linalg.matvec(gram, a)), 0.0))
-            phi = tf.math.divide_no_nan(tf.reduce_sum(a * g_j), norm_i * norm_j)
-            phi_hat = tf.gather(target_row, j)
-            valid = tf.logical_and(tf.not_equal(j, i), tf.logical_and(norm_i > 0, norm_j > 0))
-            root_hat = tf.sqrt(tf.maximum(1.0 - phi_hat * phi_hat, 0.0))
-            root = tf.sqrt(tf.maximum(1.0 - phi * phi, 0.0))
-            w = tf.math.divide_no_nan(norm_i * (phi_hat * root - phi * root_hat), norm_j * root_hat)
-            adjust = tf.logical_and(valid, phi < phi_hat)
-            a = a + tf.where(adjust, w, tf.zeros_like(w)) * _one_hot(j, T, dtype)
+            g_j = ops.take(gram, j, axis=1)
+            norm_j = ops.take(norms, j)
+            norm_i = ops.sqrt(ops.maximum(ops.sum(a * matvec(gram, a)), 0.0))
+            phi = ops.divide_no_nan(ops.sum(a * g_j), norm_i * norm_j)
+            phi_hat = ops.take(target_row, j)
+            valid = ops.logical_and(
+                ops.not_equal(j, i),
+                ops.logical_and(ops.greater(norm_i, 0.0), ops.greater(norm_j, 0.0)),
+            )
+            root_hat = ops.sqrt(ops.maximum(1.0 - phi_hat * phi_hat, 0.0))
+            root = ops.sqrt(ops.maximum(1.0 - phi * phi, 0.0))
+            w = ops.divide_no_nan(norm_i * (phi_hat * root - phi * root_hat), norm_j * root_hat)
+            adjust = ops.logical_and(valid, ops.less(phi, phi_hat))
+            a = a + ops.where(adjust, w, ops.zeros_like(w)) * _one_hot(j, T, dtype)
             updated = (1.0 - beta) * phi_hat + beta * phi
-            target_row = target_row + tf.where(
-                valid, updated - phi_hat, tf.zeros_like(phi_hat)
+            target_row = target_row + ops.where(
+                valid, updated - phi_hat, ops.zeros_like(phi_hat)
             ) * _one_hot(j, T, dtype)
         rows.append(a)
         new_targets.append(target_row)
-    return GradVacResult(tf.reduce_sum(tf.stack(rows), axis=0), tf.stack(new_targets))
+    return GradVacResult(ops.sum(ops.stack(rows), axis=0), ops.stack(new_targets))
 
 
 # ------------------------------------------------------------------------- GradNorm
@@ -350,7 +458,7 @@ def gradvac_coefficients(gram, targets, order, beta=1e-2) -> GradVacResult:
 
 def gradnorm_update(
     weights, layer_norms, losses, initial_losses, present=None, alpha=1.5, learning_rate=0.025
-) -> tf.Tensor:
+):
     """One GradNorm step (Chen et al. 2018, Algorithm 1) on the task weights.
 
     Args:
@@ -364,30 +472,30 @@ def gradnorm_update(
     r_i = (L_i / L_i(0)) / mean_present(L / L(0)), the target G_bar r_i^alpha is a
     constant and L_grad = sum_i |G_i - G_bar r_i^alpha|, so dL_grad/dw_i =
     sign(G_i - target_i) ||grad_W L_i||. Returns w - learning_rate * dL_grad/dw,
-    renormalised so that the weights sum to T.
+    renormalised so that the weights sum to T (in the weights' dtype).
     """
-    weights = tf.convert_to_tensor(weights)
-    dtype = weights.dtype
+    weights = ops.convert_to_tensor(weights)
+    dtype = _dtype(weights)
     T = int(weights.shape[0])
 
     def cast(v):
         # Numbers and python lists converted in `dtype` directly (not via float32).
         if isinstance(v, (int, float, np.integer, np.floating)):
             return _scalar(v, dtype)
-        return tf.cast(tf.convert_to_tensor(v, dtype_hint=dtype), dtype)
+        return ops.cast(_vector(v, dtype), dtype)
 
     layer_norms, losses, initial_losses = cast(layer_norms), cast(losses), cast(initial_losses)
-    present = tf.ones([T], dtype) if present is None else cast(present)
-    n_present = tf.reduce_sum(present)
+    present = ops.ones((T,), dtype) if present is None else cast(present)
+    n_present = ops.sum(present)
     G = weights * layer_norms
-    G_bar = tf.math.divide_no_nan(tf.reduce_sum(present * G), n_present)
-    ratio = tf.math.divide_no_nan(losses, initial_losses)
-    mean_ratio = tf.math.divide_no_nan(tf.reduce_sum(present * ratio), n_present)
-    r = tf.math.divide_no_nan(ratio, mean_ratio)
-    target = tf.stop_gradient(G_bar * tf.pow(r, cast(alpha)))
-    grad = present * tf.sign(G - target) * layer_norms
+    G_bar = ops.divide_no_nan(ops.sum(present * G), n_present)
+    ratio = ops.divide_no_nan(losses, initial_losses)
+    mean_ratio = ops.divide_no_nan(ops.sum(present * ratio), n_present)
+    r = ops.divide_no_nan(ratio, mean_ratio)
+    target = ops.stop_gradient(G_bar * ops.power(r, cast(alpha)))
+    grad = present * ops.sign(G - target) * layer_norms
     new = weights - cast(learning_rate) * grad
-    return new * tf.math.divide_no_nan(tf.cast(T, dtype), tf.reduce_sum(new))
+    return new * ops.divide_no_nan(_scalar(T, dtype), ops.sum(new))
 
 
 __all__ = [

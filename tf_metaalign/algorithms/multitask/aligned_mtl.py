@@ -3,8 +3,11 @@ components (condition number 1) by an eigen-decomposition of the T x T Gram matr
 
 from __future__ import annotations
 
-import tensorflow as tf
+import numpy as np
+from keras import ops
+from keras.backend import standardize_dtype
 
+from tf_metaalign.algorithms.gradient_surgery import matvec
 from tf_metaalign.algorithms.multitask.base import Combination, MultiTaskMethod, register, scalar
 
 #: torch.finfo().eps of the reference (torch's default dtype, float32), whatever the
@@ -15,36 +18,43 @@ SCALE_MODES = ("min", "median", "rmse")
 
 
 def refined_eigh(m, sweeps: int = 2):
-    """tf.linalg.eigh(m) polished by `sweeps` cyclic Jacobi sweeps on V^T m V, sorted
+    """`keras.ops.linalg.eigh(m)` polished by `sweeps` cyclic Jacobi sweeps on V^T m V, sorted
     ascending. XLA's eigh (Jacobi with a loose stopping rule) leaves eigenvector
     residuals |m V - V diag(lambda)| up to ~1e-8 max(lambda) in float64 at T = 8 (LAPACK:
     ~1e-15); started that close to diagonal, Jacobi converges quadratically, so two sweeps
     bring XLA to LAPACK's accuracy (eager and XLA then agree to ~1e-14). Cost (XLA CPU,
     float32, whole `aligned_mtl_weights`): 0.35 ms at T = 10, 27 ms at T = 40."""
-    dtype = m.dtype
+    m = ops.convert_to_tensor(m)
+    dtype = standardize_dtype(m.dtype)
     T = int(m.shape[0])
-    lam, vec = tf.linalg.eigh(m)
+    lam, vec = ops.linalg.eigh(m)
     if T < 2 or sweeps == 0:
         return lam, vec
     pairs = [(i, j) for i in range(T) for j in range(i + 1, T)]
-    table = tf.constant(pairs, tf.int32)
-    one, zero = tf.ones([], dtype), tf.zeros([], dtype)
+    table_i = ops.convert_to_tensor(np.array([p[0] for p in pairs], np.int32))
+    table_j = ops.convert_to_tensor(np.array([p[1] for p in pairs], np.int32))
+    one, zero = ops.ones((), dtype), ops.zeros((), dtype)
+
+    def entry(a, i, j):
+        return ops.take(ops.take(a, i, axis=0), j, axis=0)
 
     def body(k, a, v):
-        i, j = table[k % len(pairs), 0], table[k % len(pairs), 1]
-        aii, ajj, aij = a[i, i], a[j, j], a[i, j]
-        nonzero = tf.not_equal(aij, zero)
-        tau = (ajj - aii) / (2.0 * tf.where(nonzero, aij, one))
-        t = tf.where(tau >= 0, one, -one) / (tf.abs(tau) + tf.sqrt(one + tau * tau))
-        t = tf.where(nonzero, t, zero)
-        c = tf.math.rsqrt(one + t * t)
+        i, j = ops.take(table_i, k % len(pairs)), ops.take(table_j, k % len(pairs))
+        aii, ajj, aij = entry(a, i, i), entry(a, j, j), entry(a, i, j)
+        nonzero = ops.not_equal(aij, zero)
+        tau = (ajj - aii) / (2.0 * ops.where(nonzero, aij, one))
+        t = ops.where(ops.greater_equal(tau, 0), one, -one) / (
+            ops.abs(tau) + ops.sqrt(one + tau * tau)
+        )
+        t = ops.where(nonzero, t, zero)
+        c = ops.rsqrt(one + t * t)
         s = t * c
         # The rotation J (J_ii = J_jj = c, J_ij = s, J_ji = -s) touches two columns of
         # A J and V J and two rows of J^T (A J): rank-2 updates, O(T^2) each.
-        ei, ej = tf.one_hot(i, T, dtype=dtype), tf.one_hot(j, T, dtype=dtype)
+        ei, ej = ops.one_hot(i, T, dtype=dtype), ops.one_hot(j, T, dtype=dtype)
 
         def columns(x):
-            xi, xj = tf.gather(x, i, axis=1), tf.gather(x, j, axis=1)
+            xi, xj = ops.take(x, i, axis=1), ops.take(x, j, axis=1)
             return (
                 x
                 + ((c - one) * xi - s * xj)[:, None] * ei[None, :]
@@ -52,30 +62,30 @@ def refined_eigh(m, sweeps: int = 2):
             )
 
         b = columns(a)
-        bi, bj = tf.gather(b, i, axis=0), tf.gather(b, j, axis=0)
+        bi, bj = ops.take(b, i, axis=0), ops.take(b, j, axis=0)
         a = (
             b
             + ei[:, None] * ((c - one) * bi - s * bj)[None, :]
             + ej[:, None] * (s * bi + (c - one) * bj)[None, :]
         )
-        return k + 1, 0.5 * (a + tf.transpose(a)), columns(v)
+        return k + 1, 0.5 * (a + ops.transpose(a)), columns(v)
 
-    a = tf.matmul(vec, tf.matmul(m, vec), transpose_a=True)
-    _, a, vec = tf.while_loop(
-        lambda k, a, v: k < sweeps * len(pairs),
+    a = ops.matmul(ops.transpose(vec), ops.matmul(m, vec))
+    _, a, vec = ops.while_loop(
+        lambda k, a, v: ops.less(k, sweeps * len(pairs)),
         body,
-        (tf.constant(0), 0.5 * (a + tf.transpose(a)), vec),
+        (ops.convert_to_tensor(0, "int32"), 0.5 * (a + ops.transpose(a)), vec),
         maximum_iterations=sweeps * len(pairs),
     )
-    lam = tf.linalg.diag_part(a)
-    order = tf.argsort(lam)
-    return tf.gather(lam, order), tf.gather(vec, order, axis=1)
+    lam = ops.diagonal(a)
+    order = ops.argsort(lam)
+    return ops.take(lam, order), ops.take(vec, order, axis=1)
 
 
 def aligned_mtl_weights(gram, present, scale_mode: str = "min"):
     """alpha [T] with sum_t alpha_t g_t = Aligned-MTL's combined gradient.
 
-    M = V diag(lambda) V^T (tf.linalg.eigh, `refined_eigh`), kept: the eigenvalues
+    M = V diag(lambda) V^T (`refined_eigh`), kept: the eigenvalues
     lambda_k > tol = max(lambda) * n * eps (n the number of present tasks, eps float32's, as the
     reference's torch.finfo()), r of them; B = c V_r diag(lambda_r^-1/2) V_r^T with c =
     sqrt(min kept lambda) (`scale_mode="min"`), sqrt(the lower median of the kept
@@ -89,30 +99,32 @@ def aligned_mtl_weights(gram, present, scale_mode: str = "min"):
     """
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"`scale_mode` must be one of {SCALE_MODES}; got {scale_mode!r}.")
-    dtype = gram.dtype
+    gram = ops.convert_to_tensor(gram)
+    dtype = standardize_dtype(gram.dtype)
     T = int(gram.shape[0])
-    zero = tf.zeros([], dtype)
+    zero = ops.zeros((), dtype)
+    present = ops.cast(present, dtype)
     pair = present[:, None] * present[None, :]
-    m = 0.5 * (gram + tf.transpose(gram)) * pair
+    m = 0.5 * (gram + ops.transpose(gram)) * pair
     lam, vec = refined_eigh(m)  # ascending
-    n = tf.reduce_sum(present)
-    tol = tf.reduce_max(lam) * tf.maximum(n, scalar(1.0, dtype)) * scalar(RANK_EPS, dtype)
-    keep = lam > tol
-    keep_f = tf.cast(keep, dtype)
-    rank = tf.reduce_sum(tf.cast(keep, tf.int32))
-    safe_lam = tf.where(keep, lam, tf.ones_like(lam))
+    n = ops.sum(present)
+    tol = ops.max(lam) * ops.maximum(n, scalar(1.0, dtype)) * scalar(RANK_EPS, dtype)
+    keep = ops.greater(lam, tol)
+    keep_f = ops.cast(keep, dtype)
+    rank = ops.sum(ops.cast(keep, "int32"))
+    safe_lam = ops.where(keep, lam, ops.ones_like(lam))
     if scale_mode == "min":
         # Kept eigenvalues are the top `rank` of the ascending list.
-        level = tf.gather(lam, tf.minimum(T - rank, T - 1))
+        level = ops.take(lam, ops.minimum(T - rank, T - 1))
     elif scale_mode == "median":
-        level = tf.gather(lam, tf.minimum(T - rank + tf.math.floordiv(rank - 1, 2), T - 1))
+        level = ops.take(lam, ops.minimum(T - rank + ops.floor_divide(rank - 1, 2), T - 1))
     else:
-        level = tf.math.divide_no_nan(tf.reduce_sum(lam * keep_f), tf.cast(rank, dtype))
-    level = tf.where(rank > 0, tf.maximum(level, zero), zero)
-    inv_sqrt = keep_f * tf.math.rsqrt(safe_lam)
-    ones = tf.ones([T], dtype)
-    projected = tf.linalg.matvec(vec, ones, transpose_a=True)  # V^T 1
-    alpha = tf.sqrt(level) * tf.linalg.matvec(vec, inv_sqrt * projected)
+        level = ops.divide_no_nan(ops.sum(lam * keep_f), ops.cast(rank, dtype))
+    level = ops.where(ops.greater(rank, 0), ops.maximum(level, zero), zero)
+    inv_sqrt = keep_f * ops.rsqrt(safe_lam)
+    ones = ops.ones((T,), dtype)
+    projected = matvec(vec, ones, transpose_a=True)  # V^T 1
+    alpha = ops.sqrt(level) * matvec(vec, inv_sqrt * projected)
     return alpha * present
 
 
@@ -166,9 +178,9 @@ class AlignedMTL(MultiTaskMethod):
     def combine(self, inputs, state):
         acc = inputs.dtype
         alpha = aligned_mtl_weights(
-            tf.cast(inputs.gram, acc), tf.cast(inputs.present, acc), self.scale_mode
+            ops.cast(inputs.gram, acc), ops.cast(inputs.present, acc), self.scale_mode
         )
-        return Combination(shared=alpha, specific=tf.ones_like(inputs.losses))
+        return Combination(shared=alpha, specific=ops.ones_like(inputs.losses))
 
     def get_config(self):
         return {"scale_mode": self.scale_mode}

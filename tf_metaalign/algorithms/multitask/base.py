@@ -42,6 +42,13 @@ the optimizer gets the dense combination (a repeated token adds the square of it
 summed gradient; an unreached variable gets zeros). The same holds for a loss-weighting
 method run with `MultiTaskTrainer(measure_task_cosine=True)`, whose update is then
 combined from the dense task gradients.
+
+Backends. Every method is pure algebra written once in `keras.ops`: it runs on
+TensorFlow and on JAX, eager and compiled, and computes in the dtype of
+`inputs.losses` (float64 only when the model computes in float64: with JAX's x64 off
+nothing here creates a float64 or int64 tensor). Its non-trainable state is created in
+the trainer's variable dtype (`StateSpec.dtype=None`): float32 unless the model computes
+in float64, where it is float64.
 """
 
 from __future__ import annotations
@@ -49,7 +56,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, ClassVar, Mapping, Optional
 
-import tensorflow as tf
+import numpy as np
+from keras import ops
+from keras.backend import standardize_dtype
 
 from tf_metaalign import functional as F
 
@@ -64,9 +73,16 @@ class StateSpec:
     optimizer with the gradient the method returns in `Combination.state_gradients`
     (UW's log-variances, as LibMTL trains them with the model's optimizer).
 
+    A method computes its state in the dtype of `inputs.losses` and reads it cast to
+    that dtype, so the state's dtype follows the computation: `dtype=None` (the default)
+    is the trainer's variable dtype (`keras.backend.floatx()` when it was built: float64
+    only where the model computes in float64; float32 under mixed precision), which
+    holds every value a float32 computation produces exactly (earlier versions stored
+    float64 state: the same numbers, and such a checkpoint loads into float32 state).
+
     Attributes:
       shape: the variable's shape.
-      dtype: its dtype.
+      dtype: its dtype (None: the trainer's variable dtype, above).
       initializer: a Keras initializer (name or object).
       trainable: trained by the compiled optimizer (above).
       name: the variable's name (None: `<method name>_<key>`).
@@ -78,7 +94,7 @@ class StateSpec:
     """
 
     shape: tuple = ()
-    dtype: str = "float64"
+    dtype: Optional[str] = None
     initializer: Any = "zeros"
     trainable: bool = False
     name: Optional[str] = None
@@ -93,9 +109,10 @@ class TaskInputs:
         accumulation dtype (float64 when the model computes in float64).
       present: [T] 1.0 where the task has examples in the global batch, else 0.0 (an
         absent task has L_t = 0 and g_t = 0; methods must leave it out).
-      step: int64 scalar, the trainer's step counter (checkpointed): random draws are a
-        pure function of (seed, step) (`random_order`, `random_normal`).
-      epoch: int64 scalar, the number of epochs completed (DWA's loss history).
+      step: integer scalar (int64 on TensorFlow, `functional.counter_dtype()`), the
+        trainer's step counter (checkpointed): random draws are a pure function of
+        (seed, step) (`random_order`, `random_normal`).
+      epoch: integer scalar, the number of epochs completed (DWA's loss history).
       seed: the trainer's integer seed.
       gram: [T, T] <g_i, g_j> over the shared variables (None if not `uses_gradients`).
       task_grads: `task_grads[t][v]`, task t's gradient of the v-th SHARED variable (None
@@ -109,33 +126,34 @@ class TaskInputs:
 
     Example:
       >>> from tf_metaalign.algorithms.multitask import PCGrad, TaskInputs
-      >>> gram = tf.constant([[1.0, -0.5], [-0.5, 1.0]], tf.float64)  # conflicting tasks
+      >>> gram = keras.ops.convert_to_tensor([[1.0, -0.5], [-0.5, 1.0]])  # conflicting tasks
       >>> inputs = TaskInputs(
-      ...     losses=tf.constant([1.0, 1.0], tf.float64), present=tf.ones([2], tf.float64),
-      ...     step=tf.constant(0, tf.int64), epoch=tf.constant(0, tf.int64), seed=0, gram=gram,
+      ...     losses=keras.ops.ones([2]), present=keras.ops.ones([2]), step=0, epoch=0,
+      ...     seed=0, gram=gram,
       ... )
       >>> # each g_t projected off the other: g_1 + 0.5 g_2 and g_2 + 0.5 g_1
-      >>> inputs.num_tasks, PCGrad().combine(inputs, {}).shared.numpy().round(3).tolist()
-      (2, [1.5, 1.5])
+      >>> inputs.num_tasks, inputs.dtype, np.asarray(PCGrad().combine(inputs, {}).shared).tolist()
+      (2, 'float32', [1.5, 1.5])
     """
 
-    losses: tf.Tensor
-    present: tf.Tensor
-    step: tf.Tensor
-    epoch: tf.Tensor
+    losses: Any
+    present: Any
+    step: Any
+    epoch: Any
     seed: int
-    gram: Optional[tf.Tensor] = None
+    gram: Optional[Any] = None
     task_grads: Optional[list] = None
     shared_variables: Optional[list] = None
-    variable_gram: Optional[Callable[[int], tf.Tensor]] = None
+    variable_gram: Optional[Callable[[int], Any]] = None
 
     @property
     def num_tasks(self) -> int:
         return int(self.losses.shape[0])
 
     @property
-    def dtype(self) -> tf.DType:
-        return self.losses.dtype
+    def dtype(self) -> str:
+        """The losses' dtype, as a name ("float32", "float64")."""
+        return standardize_dtype(self.losses.dtype)
 
 
 @dataclasses.dataclass
@@ -155,16 +173,16 @@ class Combination:
 
     Example:
       >>> from tf_metaalign.algorithms.multitask import Combination
-      >>> c = Combination(shared=tf.constant([0.5, 0.5], tf.float64))
+      >>> c = Combination(shared=keras.ops.convert_to_tensor([0.5, 0.5]))
       >>> c.specific is None, dict(c.state)
       (True, {})
     """
 
-    shared: tf.Tensor
-    specific: Optional[tf.Tensor] = None
-    loss_weights: Optional[tf.Tensor] = None
-    state: Mapping[str, tf.Tensor] = dataclasses.field(default_factory=dict)
-    state_gradients: Mapping[str, tf.Tensor] = dataclasses.field(default_factory=dict)
+    shared: Any
+    specific: Optional[Any] = None
+    loss_weights: Optional[Any] = None
+    state: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    state_gradients: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class MultiTaskMethod:
@@ -180,14 +198,15 @@ class MultiTaskMethod:
       ...     name = "largest_loss_only"
       ...     uses_gradients = False
       ...     def combine(self, inputs, state):
-      ...         pick = tf.one_hot(tf.argmax(inputs.losses), 3, dtype=inputs.losses.dtype)
+      ...         ops = keras.ops
+      ...         pick = ops.one_hot(ops.argmax(inputs.losses), 3, dtype=inputs.dtype)
       ...         return Combination(shared=pick)
       >>> inputs = TaskInputs(
-      ...     losses=tf.constant([0.5, 2.0, 1.0], tf.float64), present=tf.ones([3], tf.float64),
-      ...     step=tf.constant(0, tf.int64), epoch=tf.constant(0, tf.int64), seed=0,
+      ...     losses=keras.ops.convert_to_tensor([0.5, 2.0, 1.0]), present=keras.ops.ones([3]),
+      ...     step=0, epoch=0, seed=0,
       ... )
-      >>> LargestLossOnly().combine(inputs, {}).shared.numpy()
-      array([0., 1., 0.])
+      >>> np.asarray(LargestLossOnly().combine(inputs, {}).shared)
+      array([0., 1., 0.], dtype=float32)
     """
 
     name: ClassVar[str] = ""
@@ -214,7 +233,7 @@ class MultiTaskMethod:
     def state_spec(self, num_tasks: int) -> dict[str, StateSpec]:
         return {}
 
-    def combine(self, inputs: TaskInputs, state: Mapping[str, tf.Tensor]) -> Combination:
+    def combine(self, inputs: TaskInputs, state: Mapping[str, Any]) -> Combination:
         raise NotImplementedError
 
     def get_config(self) -> dict:
@@ -335,12 +354,12 @@ def serialize_method(method: MultiTaskMethod) -> dict:
 # ------------------------------------------------------------------ shared helpers
 
 
-def scalar(value, dtype) -> tf.Tensor:
-    """A python number as an exact `dtype` constant (`tf.cast` of a python float rounds
+def scalar(value, dtype):
+    """A python number as an exact `dtype` constant (a cast of a python float rounds
     it through float32 first), a list of numbers an exact vector; tensors are cast.
     (`functional.scalar`.)"""
     if isinstance(value, (list, tuple)):
-        return tf.constant([float(v) for v in value], dtype)
+        return ops.convert_to_tensor(np.asarray([float(v) for v in value], dtype=dtype))
     return F.scalar(value, dtype)
 
 
@@ -363,43 +382,42 @@ def check_number(name, value, low=None, high=None, low_open=False, integer=False
 
 def masked_softmax(logits, present):
     """softmax over the present tasks (absent ones get 0)."""
-    logits = tf.where(
-        present > 0, logits, tf.fill(tf.shape(logits), tf.constant(-1e30, logits.dtype))
-    )
-    return tf.nn.softmax(logits) * present
+    logits = ops.where(ops.greater(present, 0), logits, ops.full_like(logits, -1e30))
+    return ops.softmax(logits, axis=-1) * present
 
 
-def random_uniform(seed, step, n, stream=0, dtype=tf.float64) -> tf.Tensor:
-    """n numbers in (0, 1), a pure function of (seed, step, stream): integer hashing, so
-    eager, graph, XLA and a resumed run draw the same (see `gradient_surgery.random_order`
-    for why not TensorFlow's stateless RNG).
+def random_uniform(seed, step, n, stream=0, dtype="float64"):
+    """n numbers in (0, 1), a pure function of (seed, step, stream): integer hashing
+    (uint32 arithmetic), so eager, graph, XLA, JAX's jit and a resumed run draw the same
+    on both backends (see `gradient_surgery.random_order` for why not TensorFlow's
+    stateless RNG). In float32 a key within 128 of 2^32 rounds to 1.0 (a draw of 1 in
+    2^25).
 
     Args:
       seed: the trainer's integer seed.
-      step: the step (an int or an int64 tensor).
+      step: the step (an int or an integer tensor: int32 or int64).
       n: how many numbers.
       stream: an independent stream per value.
-      dtype: the numbers' dtype.
+      dtype: the numbers' dtype (float64 needs JAX's x64 on JAX: pass the computation's
+        dtype).
 
     Example:
       >>> from tf_metaalign.algorithms.multitask import random_uniform
-      >>> u = random_uniform(seed=0, step=5, n=3)
-      >>> u.shape, bool(tf.reduce_all((u > 0) & (u < 1)))
-      (TensorShape([3]), True)
-      >>> bool(tf.reduce_all(u == random_uniform(0, tf.constant(5, tf.int64), 3)))
+      >>> u = np.asarray(random_uniform(seed=0, step=5, n=3, dtype="float32"))
+      >>> u.shape, bool(np.all((u > 0) & (u < 1)))
+      ((3,), True)
+      >>> same = random_uniform(0, keras.ops.convert_to_tensor(5, "int32"), 3, dtype="float32")
+      >>> bool(np.all(u == np.asarray(same)))
       True
     """
-    from tf_metaalign.algorithms.gradient_surgery import _hash32, _uint32
+    from tf_metaalign.algorithms.gradient_surgery import _hash32, _hash_keys, _step_key, _uint32
 
-    step = tf.cast(step, tf.int64)
-    h = _hash32(tf.bitwise.bitwise_xor(_uint32(seed), _uint32(0x9E3779B9 * (stream + 1))))
-    h = _hash32(tf.bitwise.bitwise_xor(h, _uint32(step)))
-    h = tf.bitwise.bitwise_xor(h, _uint32(tf.bitwise.right_shift(step, 32)))
-    keys = _hash32(tf.bitwise.bitwise_xor(h, tf.constant(list(range(n)), tf.uint32)))
-    return (tf.cast(keys, dtype) + 0.5) / tf.constant(2.0**32, dtype)
+    seed_key = _hash32(ops.bitwise_xor(_uint32(seed), _uint32(0x9E3779B9 * (stream + 1))))
+    keys = _hash_keys(_step_key(seed_key, step), n)
+    return (ops.cast(keys, dtype) + scalar(0.5, dtype)) / scalar(2.0**32, dtype)
 
 
-def random_normal(seed, step, n, stream=0, dtype=tf.float64) -> tf.Tensor:
+def random_normal(seed, step, n, stream=0, dtype="float64"):
     """n standard normal numbers, a pure function of (seed, step, stream) (Box-Muller on
     two `random_uniform` streams).
 
@@ -412,11 +430,11 @@ def random_normal(seed, step, n, stream=0, dtype=tf.float64) -> tf.Tensor:
 
     Example:
       >>> from tf_metaalign.algorithms.multitask import random_normal
-      >>> z = random_normal(seed=0, step=0, n=10_000)
-      >>> round(float(tf.reduce_mean(z)), 1), round(float(tf.math.reduce_std(z)), 1)
+      >>> z = np.asarray(random_normal(seed=0, step=0, n=10_000, dtype="float32"))
+      >>> round(float(z.mean()), 1), round(float(z.std()), 1)
       (0.0, 1.0)
     """
     u1 = random_uniform(seed, step, n, 2 * stream + 1, dtype)
     u2 = random_uniform(seed, step, n, 2 * stream + 2, dtype)
-    two_pi = tf.constant(6.283185307179586, dtype)
-    return tf.sqrt(tf.constant(-2.0, dtype) * tf.math.log(u1)) * tf.cos(two_pi * u2)
+    two_pi = scalar(6.283185307179586, dtype)
+    return ops.sqrt(scalar(-2.0, dtype) * ops.log(u1)) * ops.cos(two_pi * u2)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import tensorflow as tf
+from keras import ops
 
+from tf_metaalign.algorithms.gradient_surgery import matvec
 from tf_metaalign.algorithms.multitask import solvers
 from tf_metaalign.algorithms.multitask.base import (
     Combination,
@@ -78,19 +79,19 @@ class CAGrad(MultiTaskMethod):
         self.solver = solver
         self.iterations = check_number("iterations", iterations, 1, integer=True)
 
-    def dual_weights(self, gram, present) -> tuple[tf.Tensor, tf.Tensor]:
+    def dual_weights(self, gram, present) -> tuple:
         """(w, c): the dual's solution on the simplex of the present tasks, and c."""
-        gram = tf.convert_to_tensor(gram)
+        gram = ops.convert_to_tensor(gram)
         dtype = gram.dtype
         T = int(gram.shape[0])
-        mask = tf.cast(tf.cast(present, dtype) > 0, dtype)
-        num = tf.maximum(tf.reduce_sum(mask), scalar(1.0, dtype))
+        mask = ops.cast(ops.greater(ops.cast(present, dtype), 0), dtype)
+        num = ops.maximum(ops.sum(mask), scalar(1.0, dtype))
         b = mask / num
-        g0_norm = tf.sqrt(
-            tf.reduce_sum(gram * mask[:, None] * mask[None, :]) / (num * num) + scalar(1e-8, dtype)
+        g0_norm = ops.sqrt(
+            ops.sum(gram * mask[:, None] * mask[None, :]) / (num * num) + scalar(1e-8, dtype)
         )
         c = scalar(self.calpha, dtype) * g0_norm + scalar(1e-8, dtype)
-        gb = tf.linalg.matvec(gram, b)
+        gb = matvec(gram, b)
         exact = self.solver == "exact" or (self.solver == "auto" and T <= 8)
         if exact:
             w = solvers.cagrad_weights(gram, gb, c, mask)
@@ -98,24 +99,22 @@ class CAGrad(MultiTaskMethod):
             w = solvers.cagrad_weights_pgd(gram, gb, c, mask, self.iterations)
         return w, c
 
-    def coefficients(self, gram, present) -> tf.Tensor:
+    def coefficients(self, gram, present):
         """shared[t] = (b_t + lambda w_t) / r, on any Gram matrix."""
-        gram = tf.convert_to_tensor(gram)
+        gram = ops.convert_to_tensor(gram)
         dtype = gram.dtype
-        mask = tf.cast(tf.cast(present, dtype) > 0, dtype)
-        num = tf.maximum(tf.reduce_sum(mask), scalar(1.0, dtype))
+        mask = ops.cast(ops.greater(ops.cast(present, dtype), 0), dtype)
+        num = ops.maximum(ops.sum(mask), scalar(1.0, dtype))
         w, c = self.dual_weights(gram, mask)
-        gw_norm = tf.sqrt(
-            tf.maximum(tf.reduce_sum(w * tf.linalg.matvec(gram, w)), scalar(0.0, dtype))
-        )
+        gw_norm = ops.sqrt(ops.maximum(ops.sum(w * matvec(gram, w)), scalar(0.0, dtype)))
         lmbda = c / (gw_norm + scalar(1e-8, dtype))
         r = {0: 1.0, 1: 1.0 + self.calpha**2, 2: 1.0 + self.calpha}[self.rescale]
         return (mask / num + lmbda * w) / scalar(r, dtype)
 
     def combine(self, inputs, state):
-        gram = tf.cast(inputs.gram, inputs.dtype)
+        gram = ops.cast(inputs.gram, inputs.dtype)
         return Combination(
-            shared=self.coefficients(gram, inputs.present), specific=tf.ones_like(inputs.losses)
+            shared=self.coefficients(gram, inputs.present), specific=ops.ones_like(inputs.losses)
         )
 
     def get_config(self):

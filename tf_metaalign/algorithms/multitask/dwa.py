@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import tensorflow as tf
+from keras import ops
 
 from tf_metaalign.algorithms.multitask.base import (
     Combination,
@@ -82,14 +82,14 @@ class DynamicWeightAverage(MultiTaskMethod):
     def combine(self, inputs, state):
         acc = inputs.dtype
         present, losses = inputs.present, inputs.losses
-        get = {k: tf.cast(v, acc) for k, v in state.items()}
-        epoch = tf.cast(inputs.epoch, acc)
+        get = {k: ops.cast(v, acc) for k, v in state.items()}
+        epoch = ops.cast(inputs.epoch, acc)
         # Roll over when the epoch changed and the accumulated epoch had any step.
         counts = get["counts"]
-        changed = tf.cast(tf.not_equal(epoch, get["epoch"]), acc)
-        roll = changed * tf.cast(tf.reduce_any(counts > 0), acc)
-        had = tf.cast(counts > 0, acc)
-        average = tf.math.divide_no_nan(get["sums"], counts)
+        changed = ops.cast(ops.not_equal(epoch, get["epoch"]), acc)
+        roll = changed * ops.cast(ops.any(ops.greater(counts, 0)), acc)
+        had = ops.cast(ops.greater(counts, 0), acc)
+        average = ops.divide_no_nan(get["sums"], counts)
         last = get["last"] + roll * (average - get["last"])
         last_valid = get["last_valid"] + roll * (had - get["last_valid"])
         before = get["before"] + roll * (get["last"] - get["before"])
@@ -97,9 +97,12 @@ class DynamicWeightAverage(MultiTaskMethod):
         sums = (1.0 - changed) * get["sums"]
         counts = (1.0 - changed) * counts
         # Weights from the history.
-        valid = (last_valid > 0) & (before_valid > 0) & (before > 0)
-        ratio = tf.where(valid, tf.math.divide_no_nan(last, before), tf.ones_like(losses))
-        present_count = tf.reduce_sum(present)
+        valid = ops.logical_and(
+            ops.logical_and(ops.greater(last_valid, 0), ops.greater(before_valid, 0)),
+            ops.greater(before, 0),
+        )
+        ratio = ops.where(valid, ops.divide_no_nan(last, before), ops.ones_like(losses))
+        present_count = ops.sum(present)
         weights = present_count * masked_softmax(ratio / scalar(self.temperature, acc), present)
         new_state = {
             "epoch": epoch,

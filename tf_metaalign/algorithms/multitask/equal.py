@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import tensorflow as tf
+from keras import ops
 
 from tf_metaalign.algorithms.multitask.base import Combination, MultiTaskMethod, register
 
@@ -26,4 +26,4 @@ class EqualWeighting(MultiTaskMethod):
     reference = "LibMTL EW"
 
     def combine(self, inputs, state):
-        return Combination(shared=tf.ones_like(inputs.losses))
+        return Combination(shared=ops.ones_like(inputs.losses))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import tensorflow as tf
+import numpy as np
+from keras import ops
 
 from tf_metaalign.algorithms.multitask.base import (
     Combination,
@@ -107,11 +108,11 @@ class FAMO(MultiTaskMethod):
                     f"FAMO `min_losses` has {len(self.min_losses)} entries; expected one per "
                     f"task ({num_tasks})."
                 )
-            return tf.constant(self.min_losses, dtype)
-        return tf.fill([num_tasks], scalar(self.min_losses, dtype))
+            return ops.convert_to_tensor(np.asarray(self.min_losses, dtype=dtype))
+        return ops.full((num_tasks,), scalar(self.min_losses, dtype), dtype=dtype)
 
     def state_spec(self, num_tasks):
-        self._min_losses(num_tasks, tf.float64)  # a wrong length fails when built
+        self._min_losses(num_tasks, "float32")  # a wrong length fails when built
         vector = (num_tasks,)
         return {
             "logits": StateSpec(vector),
@@ -123,42 +124,41 @@ class FAMO(MultiTaskMethod):
         }
 
     def _d(self, losses, min_losses):
-        gap = tf.maximum(losses - min_losses, tf.zeros_like(losses))
-        return gap + scalar(_LOSS_EPSILON, losses.dtype)
+        gap = ops.maximum(losses - min_losses, ops.zeros_like(losses))
+        return gap + scalar(_LOSS_EPSILON, gap.dtype)
 
     def combine(self, inputs, state):
         acc = inputs.dtype
         present, losses = inputs.present, inputs.losses
-        get = {k: tf.cast(v, acc) for k, v in state.items()}
+        get = {k: ops.cast(v, acc) for k, v in state.items()}
         min_losses = self._min_losses(inputs.num_tasks, acc)
         one = scalar(1.0, acc)
 
         # The logits' update from the previous step's losses to this step's.
         both = present * get["prev_present"]
         delta = both * (
-            tf.math.log(self._d(get["prev_losses"], min_losses))
-            - tf.math.log(self._d(losses, min_losses))
+            ops.log(self._d(get["prev_losses"], min_losses)) - ops.log(self._d(losses, min_losses))
         )
         logits = get["logits"]
         z_both = masked_softmax(logits, both)
-        d = z_both * (delta - tf.reduce_sum(z_both * delta))  # J_softmax^T delta
+        d = z_both * (delta - ops.sum(z_both * delta))  # J_softmax^T delta
         grad = d + scalar(self.gamma, acc) * logits
-        update = tf.reduce_any(both > 0)
+        update = ops.any(ops.greater(both, 0))
         beta1, beta2 = scalar(_BETA1, acc), scalar(_BETA2, acc)
         step = get["adam_step"] + one
         m = beta1 * get["adam_m"] + (one - beta1) * grad
         v = beta2 * get["adam_v"] + (one - beta2) * grad * grad
-        bias1 = one - tf.pow(beta1, step)
-        bias2 = one - tf.pow(beta2, step)
+        bias1 = one - ops.power(beta1, step)
+        bias2 = one - ops.power(beta2, step)
         moved = logits - (scalar(self.w_lr, acc) / bias1) * m / (
-            tf.sqrt(v) / tf.sqrt(bias2) + scalar(_ADAM_EPSILON, acc)
+            ops.sqrt(v) / ops.sqrt(bias2) + scalar(_ADAM_EPSILON, acc)
         )
-        logits = tf.where(update, moved, logits)
+        logits = ops.where(update, moved, logits)
         new_state = {
             "logits": logits,
-            "adam_m": tf.where(update, m, get["adam_m"]),
-            "adam_v": tf.where(update, v, get["adam_v"]),
-            "adam_step": tf.where(update, step, get["adam_step"]),
+            "adam_m": ops.where(update, m, get["adam_m"]),
+            "adam_v": ops.where(update, v, get["adam_v"]),
+            "adam_step": ops.where(update, step, get["adam_step"]),
             "prev_losses": losses,
             "prev_present": present,
         }
@@ -167,7 +167,7 @@ class FAMO(MultiTaskMethod):
         z = masked_softmax(logits, present)
         d_now = self._d(losses, min_losses)
         ratio = present * z / d_now
-        weights = tf.math.divide_no_nan(ratio, tf.reduce_sum(ratio))
+        weights = ops.divide_no_nan(ratio, ops.sum(ratio))
         return Combination(shared=weights, specific=weights, loss_weights=present, state=new_state)
 
     def get_config(self):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import tensorflow as tf
+from keras import ops
 
 from tf_metaalign import functional as F
 from tf_metaalign.algorithms import gradient_surgery as GS
@@ -99,20 +99,20 @@ class GradNorm(MultiTaskMethod):
     def combine(self, inputs, state):
         acc = inputs.dtype
         present, losses = inputs.present, inputs.losses
-        weights = tf.cast(state["weights"], acc)
-        seen = tf.cast(state["seen"], acc)
+        weights = ops.cast(state["weights"], acc)
+        seen = ops.cast(state["seen"], acc)
         first = present * (1.0 - seen)
-        initial = tf.cast(state["initial_losses"], acc)
+        initial = ops.cast(state["initial_losses"], acc)
         initial = initial + first * (losses - initial)
         index = self.variable_index(inputs.shared_variables)
         if inputs.task_grads is not None:
-            layer_norms = tf.stack([F.global_norm([g[index]]) for g in inputs.task_grads])
+            layer_norms = ops.stack([F.global_norm([g[index]]) for g in inputs.task_grads])
         else:  # no per-task gradient formed (task_passes="factored"): ||g_t||^2 = G_tt
-            diagonal = tf.linalg.diag_part(inputs.variable_gram(index))
-            layer_norms = tf.sqrt(tf.maximum(diagonal, 0.0))
+            diagonal = ops.diagonal(inputs.variable_gram(index))
+            layer_norms = ops.sqrt(ops.maximum(diagonal, 0.0))
         new_weights = GS.gradnorm_update(
             weights,
-            tf.cast(layer_norms, acc),
+            ops.cast(layer_norms, acc),
             losses,
             initial,
             present,
@@ -125,7 +125,7 @@ class GradNorm(MultiTaskMethod):
             state={
                 "weights": new_weights,
                 "initial_losses": initial,
-                "seen": tf.maximum(seen, present),
+                "seen": ops.maximum(seen, present),
             },
         )
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import tensorflow as tf
+from keras import ops
 
 from tf_metaalign.algorithms import gradient_surgery as GS
 from tf_metaalign.algorithms.multitask.base import (
@@ -45,7 +45,7 @@ class GradVac(MultiTaskMethod):
         result = GS.gradvac_coefficients(inputs.gram, state["targets"], order, beta=self.beta)
         return Combination(
             shared=result.coefficients,
-            specific=tf.ones_like(inputs.losses),
+            specific=ops.ones_like(inputs.losses),
             state={"targets": result.targets},
         )
 

@@ -3,7 +3,8 @@ Gram matrix with IMTL-L's learned loss scales."""
 
 from __future__ import annotations
 
-import tensorflow as tf
+from keras import ops
+from keras.backend import standardize_dtype
 
 from tf_metaalign.algorithms.multitask import solvers
 from tf_metaalign.algorithms.multitask.base import (
@@ -15,7 +16,7 @@ from tf_metaalign.algorithms.multitask.base import (
 )
 
 
-def imtl_g_weights(gram, present=None) -> tf.Tensor:
+def imtl_g_weights(gram, present=None):
     """IMTL-G: the weights alpha (sum 1 over the present tasks) for which g = sum_t
     alpha_t g_t has equal projections on every unit gradient u_t = g_t / ||g_t||:
     <g, u_1 - u_t> = 0 for t != 1 (LibMTL `IMTL`: alpha_{2..T} = g_1 U^T (D U^T)^-1 with
@@ -27,33 +28,33 @@ def imtl_g_weights(gram, present=None) -> tf.Tensor:
     dimensions need not be singular: there the only g with equal projections on every
     u_t is often g = 0, and IMTL-G then returns weights whose combination is zero (no
     update; measured on the 2-D synthetic problem with 3 tasks, ||g|| ~ 1e-15)."""
-    gram = tf.convert_to_tensor(gram)
-    dtype = gram.dtype
+    gram = ops.convert_to_tensor(gram)
+    dtype = standardize_dtype(gram.dtype)
     T = int(gram.shape[0])
-    diag = tf.linalg.diag_part(gram)
-    on = diag > 0
+    diag = ops.diagonal(gram)
+    on = ops.greater(diag, 0)
     if present is not None:
-        on = tf.logical_and(on, tf.cast(present, dtype) > 0)
-    mask = tf.cast(on, dtype)
-    num = tf.reduce_sum(mask)
-    norms = tf.sqrt(tf.where(on, diag, tf.ones_like(diag)))
-    idx = tf.range(T, dtype=tf.int32)
-    ref = tf.reduce_min(tf.where(on, idx, tf.fill([T], tf.constant(T, tf.int32))))
-    ref = tf.minimum(ref, T - 1)
+        on = ops.logical_and(on, ops.greater(ops.cast(present, dtype), 0))
+    mask = ops.cast(on, dtype)
+    num = ops.sum(mask)
+    norms = ops.sqrt(ops.where(on, diag, ops.ones_like(diag)))
+    idx = ops.arange(T, dtype="int32")
+    ref = ops.min(ops.where(on, idx, ops.full((T,), T, dtype="int32")))
+    ref = ops.minimum(ref, T - 1)
     # row t (present, != ref): sum_k alpha_k (G_k,ref / n_ref - G_k,t / n_t) = 0
     cond_rows = (
-        tf.gather(gram, ref, axis=1)[None, :] / tf.gather(norms, ref)
-        - tf.transpose(gram) / norms[:, None]
+        ops.take(gram, ref, axis=1)[None, :] / ops.take(norms, ref)
+        - ops.transpose(gram) / norms[:, None]
     )
-    eye = tf.eye(T, dtype=dtype)
-    is_ref = tf.equal(idx, ref)
-    rows = tf.where(is_ref[:, None], mask[None, :], tf.where(on[:, None], cond_rows, eye))
-    rhs = tf.cast(is_ref, dtype)
+    eye = ops.eye(T, dtype=dtype)
+    is_ref = ops.equal(idx, ref)
+    rows = ops.where(is_ref[:, None], mask[None, :], ops.where(on[:, None], cond_rows, eye))
+    rhs = ops.cast(is_ref, dtype)
     alpha, ok = solvers.solve_linear(rows, rhs)
     alpha = alpha * mask
-    equal = mask / tf.maximum(num, scalar(1.0, dtype))
-    ok = tf.logical_and(ok, tf.reduce_all(tf.math.is_finite(alpha)))
-    return tf.where(ok, alpha, equal)
+    equal = mask / ops.maximum(num, scalar(1.0, dtype))
+    ok = ops.logical_and(ok, ops.all(ops.isfinite(alpha)))
+    return ops.where(ok, alpha, equal)
 
 
 @register
@@ -107,20 +108,21 @@ class IMTL(MultiTaskMethod):
 
     def combine(self, inputs, state):
         dtype = inputs.dtype
-        present = tf.cast(inputs.present, dtype)
-        gram = tf.cast(inputs.gram, dtype)
+        present = ops.cast(inputs.present, dtype)
+        gram = ops.cast(inputs.gram, dtype)
         if self.learn_scales:
-            s = tf.cast(state["loss_scale"], dtype)
-            scale = tf.exp(s)
+            s = ops.cast(state["loss_scale"], dtype)
+            scale = ops.exp(s)
         else:
-            scale = tf.ones_like(inputs.losses)
+            scale = ops.ones_like(inputs.losses)
         scaled = gram * scale[:, None] * scale[None, :]
         alpha = imtl_g_weights(scaled, present)
         result = Combination(shared=alpha * scale, specific=scale, loss_weights=scale)
         if self.learn_scales:
             result.state_gradients = {
-                "loss_scale": tf.cast(
-                    present * (scale * inputs.losses - 1.0), state["loss_scale"].dtype
+                "loss_scale": ops.cast(
+                    present * (scale * inputs.losses - 1.0),
+                    standardize_dtype(state["loss_scale"].dtype),
                 )
             }
         return result

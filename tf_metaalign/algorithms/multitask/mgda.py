@@ -3,7 +3,7 @@ task gradients, on the Gram matrix."""
 
 from __future__ import annotations
 
-import tensorflow as tf
+from keras import ops
 
 from tf_metaalign.algorithms.multitask import solvers
 from tf_metaalign.algorithms.multitask.base import (
@@ -78,37 +78,38 @@ class MGDA(MultiTaskMethod):
         self.max_iter = check_number("max_iter", max_iter, 0, integer=True)
         self.stop_crit = check_number("stop_crit", stop_crit, 0.0)
 
-    def normalizers(self, gram, losses, present) -> tf.Tensor:
+    def normalizers(self, gram, losses, present):
         """n_t (1 for absent tasks and where it would be 0)."""
+        gram = ops.convert_to_tensor(gram)
         dtype = gram.dtype
-        losses = tf.cast(losses, dtype)
-        norms = tf.sqrt(tf.maximum(tf.linalg.diag_part(gram), tf.zeros_like(losses)))
+        losses = ops.cast(losses, dtype)
+        norms = ops.sqrt(ops.maximum(ops.diagonal(gram), ops.zeros_like(losses)))
         if self.normalization == "none":
-            n = tf.ones_like(losses)
+            n = ops.ones_like(losses)
         elif self.normalization == "l2":
             n = norms
         elif self.normalization == "loss":
             n = losses
         else:
             n = losses * norms
-        ok = tf.logical_and(tf.cast(present, dtype) > 0, tf.not_equal(n, 0.0))
-        return tf.where(ok, n, tf.ones_like(n))
+        ok = ops.logical_and(ops.greater(ops.cast(present, dtype), 0), ops.not_equal(n, 0.0))
+        return ops.where(ok, n, ops.ones_like(n))
 
-    def min_norm_weights(self, gram, losses, present) -> tf.Tensor:
+    def min_norm_weights(self, gram, losses, present):
         """w: the min-norm weights of the normalised gradients (sum 1 over the present
         tasks). Works on any Gram matrix (e.g. the representation's, for MGDA-UB)."""
-        gram = tf.convert_to_tensor(gram)
+        gram = ops.convert_to_tensor(gram)
         n = self.normalizers(gram, losses, present)
         normed = gram / (n[:, None] * n[None, :])
         return solvers.min_norm_weights(normed, present, self.max_iter, self.stop_crit)
 
     def combine(self, inputs, state):
-        gram = tf.cast(inputs.gram, inputs.dtype)
+        gram = ops.cast(inputs.gram, inputs.dtype)
         n = self.normalizers(gram, inputs.losses, inputs.present)
         w = solvers.min_norm_weights(
             gram / (n[:, None] * n[None, :]), inputs.present, self.max_iter, self.stop_crit
         )
-        return Combination(shared=w / n, specific=tf.ones_like(inputs.losses))
+        return Combination(shared=w / n, specific=ops.ones_like(inputs.losses))
 
     def get_config(self):
         return {

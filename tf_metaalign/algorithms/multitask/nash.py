@@ -4,8 +4,10 @@ in-graph with damped Newton steps on the T x T Gram matrix."""
 from __future__ import annotations
 
 import numpy as np
-import tensorflow as tf
+from keras import ops
+from keras.backend import standardize_dtype
 
+from tf_metaalign.algorithms.gradient_surgery import matvec
 from tf_metaalign.algorithms.multitask.base import (
     Combination,
     MultiTaskMethod,
@@ -46,43 +48,45 @@ def nash_bargaining_weights(gram, present, iterations: int = 20):
       (alpha [T], residual): residual = max_i |alpha_i (M alpha)_i - 1| over the solved
       tasks (0 at the exact solution; the relative form of M alpha - 1/alpha).
     """
-    dtype = gram.dtype
+    gram = ops.convert_to_tensor(gram)
+    dtype = standardize_dtype(gram.dtype)
     T = int(gram.shape[0])
-    one = tf.constant(1.0, dtype)
-    gram = 0.5 * (gram + tf.transpose(gram))
-    diag = tf.linalg.diag_part(gram)
-    active = tf.cast((present > 0) & (diag > 0), dtype)
+    one = scalar(1.0, dtype)
+    present = ops.cast(present, dtype)
+    gram = 0.5 * (gram + ops.transpose(gram))
+    diag = ops.diagonal(gram)
+    active = ops.cast(ops.logical_and(ops.greater(present, 0), ops.greater(diag, 0)), dtype)
     pair = active[:, None] * active[None, :]
     masked = gram * pair
-    scale = tf.sqrt(tf.reduce_sum(tf.square(masked)))
-    safe_scale = tf.where(scale > 0, scale, one)
+    scale = ops.sqrt(ops.sum(ops.square(masked)))
+    safe_scale = ops.where(ops.greater(scale, 0), scale, one)
     # Left-out tasks become decoupled dummies with M_ii = 1 (their alpha converges to 1
     # and is zeroed at the end); the solved block is exactly the present tasks' problem.
-    m = masked / safe_scale + tf.linalg.diag(one - active)
-    start = tf.math.rsqrt(tf.linalg.diag_part(m))
-    quad = tf.tensordot(start, tf.linalg.matvec(m, start), 1)
+    m = masked / safe_scale + ops.diag(one - active)
+    start = ops.rsqrt(ops.diagonal(m))
+    quad = ops.tensordot(start, matvec(m, start), 1)
     # quad ~ 0: no bargaining solution (opposed gradients); start at a finite point.
-    eps = tf.constant(float(np.finfo(dtype.as_numpy_dtype).eps), dtype)
-    alpha = start * tf.sqrt(tf.constant(float(T), dtype) / tf.maximum(quad, eps))
-    quarter = tf.constant(0.25, dtype)
-    eye = tf.eye(T, dtype=dtype)
+    eps = scalar(float(np.finfo(dtype).eps), dtype)
+    alpha = start * ops.sqrt(scalar(float(T), dtype) / ops.maximum(quad, eps))
+    quarter = scalar(0.25, dtype)
+    eye = ops.eye(T, dtype=dtype)
 
     def newton_step(k, alpha):
-        u = alpha * tf.linalg.matvec(m, alpha) - one  # D (M alpha - 1/alpha)
+        u = alpha * matvec(m, alpha) - one  # D (M alpha - 1/alpha)
         system = alpha[:, None] * m * alpha[None, :] + eye
-        v = tf.linalg.solve(system, u[:, None])[:, 0]
-        decrement = tf.sqrt(tf.maximum(tf.tensordot(u, v, 1), tf.zeros([], dtype)))
-        step = tf.where(decrement < quarter, one, one / (one + decrement))
+        v = ops.linalg.solve(system, u[:, None])[:, 0]
+        decrement = ops.sqrt(ops.maximum(ops.tensordot(u, v, 1), ops.zeros((), dtype)))
+        step = ops.where(ops.less(decrement, quarter), one, one / (one + decrement))
         return k + 1, alpha * (one - step * v)
 
-    _, alpha = tf.while_loop(
-        lambda k, a: k < iterations,
+    _, alpha = ops.while_loop(
+        lambda k, a: ops.less(k, iterations),
         newton_step,
-        (tf.constant(0), alpha),
+        (ops.convert_to_tensor(0, "int32"), alpha),
         maximum_iterations=iterations,
     )
-    residual = tf.reduce_max(tf.abs(alpha * tf.linalg.matvec(m, alpha) - one) * active)
-    alpha = alpha * active / tf.sqrt(safe_scale)
+    residual = ops.max(ops.abs(alpha * matvec(m, alpha) - one) * active)
+    alpha = alpha * active / ops.sqrt(safe_scale)
     return alpha, residual
 
 
@@ -173,23 +177,23 @@ class NashMTL(MultiTaskMethod):
 
     def combine(self, inputs, state):
         acc = inputs.dtype
-        present = tf.cast(inputs.present, acc)
-        gram = tf.cast(inputs.gram, acc)
-        prev = tf.cast(state["prev_alpha"], acc)
+        present = ops.cast(inputs.present, acc)
+        gram = ops.cast(inputs.gram, acc)
+        prev = ops.cast(state["prev_alpha"], acc)
         solved, _ = nash_bargaining_weights(gram, present, self.optim_niter)
         if self.update_weights_every == 1:
             alpha = solved
-            new_prev = tf.where(present > 0, solved, prev)
+            new_prev = ops.where(ops.greater(present, 0), solved, prev)
         else:
-            every = tf.constant(self.update_weights_every, tf.int64)
-            update = tf.equal(tf.math.floormod(tf.cast(inputs.step, tf.int64), every), 0)
-            alpha = tf.where(update, solved, prev) * present
-            new_prev = tf.where(update & (present > 0), solved, prev)
+            step = ops.convert_to_tensor(inputs.step)  # int32 or int64: its own dtype
+            update = ops.equal(ops.mod(step, self.update_weights_every), 0)
+            alpha = ops.where(update, solved, prev) * present
+            new_prev = ops.where(ops.logical_and(update, ops.greater(present, 0)), solved, prev)
         if self.max_norm > 0:
-            norm = tf.sqrt(
-                tf.maximum(tf.tensordot(alpha, tf.linalg.matvec(gram, alpha), 1), tf.zeros([], acc))
+            norm = ops.sqrt(
+                ops.maximum(ops.tensordot(alpha, matvec(gram, alpha), 1), ops.zeros((), acc))
             )
-            clip = tf.minimum(
+            clip = ops.minimum(
                 scalar(1.0, acc), scalar(self.max_norm, acc) / (norm + scalar(1e-6, acc))
             )
             shared = alpha * clip
@@ -199,7 +203,7 @@ class NashMTL(MultiTaskMethod):
             shared=shared,
             specific=alpha,
             loss_weights=alpha,
-            state={"prev_alpha": tf.cast(new_prev, state["prev_alpha"].dtype)},
+            state={"prev_alpha": ops.cast(new_prev, standardize_dtype(state["prev_alpha"].dtype))},
         )
 
     def get_config(self):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import tensorflow as tf
+from keras import ops
 
 from tf_metaalign.algorithms import gradient_surgery as GS
 from tf_metaalign.algorithms.multitask.base import Combination, MultiTaskMethod, register
@@ -41,5 +41,5 @@ class PCGrad(MultiTaskMethod):
     def combine(self, inputs, state):
         order = GS.random_order(inputs.num_tasks, inputs.seed, inputs.step)
         return Combination(
-            shared=GS.pcgrad_coefficients(inputs.gram, order), specific=tf.ones_like(inputs.losses)
+            shared=GS.pcgrad_coefficients(inputs.gram, order), specific=ops.ones_like(inputs.losses)
         )

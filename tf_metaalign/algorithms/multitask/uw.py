@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import tensorflow as tf
+from keras import ops
 
 from tf_metaalign.algorithms.multitask.base import (
     Combination,
@@ -74,13 +74,15 @@ class UncertaintyWeighting(MultiTaskMethod):
     def combine(self, inputs, state):
         acc = inputs.dtype
         present, losses = inputs.present, inputs.losses
-        s = tf.cast(state["log_variances"], acc)
+        s = ops.cast(state["log_variances"], acc)
         half = scalar(0.5, acc)
-        weights = present * half * tf.exp(-s)
+        weights = present * half * ops.exp(-s)
         grad_s = present * (half - weights * losses)
-        nonzero = tf.not_equal(losses, tf.zeros_like(losses))
-        safe = tf.where(nonzero, losses, tf.ones_like(losses))
-        carried = tf.where(nonzero & (present > 0), half * s / safe, tf.zeros_like(s))
+        nonzero = ops.not_equal(losses, ops.zeros_like(losses))
+        safe = ops.where(nonzero, losses, ops.ones_like(losses))
+        carried = ops.where(
+            ops.logical_and(nonzero, ops.greater(present, 0)), half * s / safe, ops.zeros_like(s)
+        )
         return Combination(
             shared=weights,
             specific=weights,
