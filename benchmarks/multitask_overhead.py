@@ -116,7 +116,14 @@ Reading (the JSON's "summary" lists what met and missed, with the ratios):
   Sequential Reptile (`--configs=...,sequential_reptile`; see
   results/multitask_overhead_sequential_reptile.json), a GPU (none lent to this issue).
 
-Writes `benchmarks/results/multitask_overhead[_minilm][_xla].json`.
+Either Keras backend: on JAX (`KERAS_BACKEND=jax`, no TensorFlow needed) the batches
+come from the stream's NumPy route (`as_numpy=True`, the same batches), every step is
+jitted (Keras's JAX trainer; `jit_compile` is recorded as True), and the TensorFlow-only
+configurations are skipped with a note in the JSON (the `ref_*` reference steps, which
+use `tf.vectorized_map`, and the "gathered" / "vectorized" passes, which have dynamic
+shapes): "auto" is "factored" for the MLP and "masked" otherwise.
+
+Writes `benchmarks/results/multitask_overhead[_minilm][_xla][_jax].json` (`_jax` on JAX).
 """
 
 from __future__ import annotations
@@ -215,6 +222,26 @@ TARGETS_TO_MTL = {"sequential_reptile": 1.05}
 REFERENCE = ("ref_per_task_sum", "ref_per_task_pcgrad", "ref_vmap_sum", "ref_vmap_pcgrad")
 
 
+def backend() -> str:
+    import keras
+
+    return keras.backend.backend()
+
+
+def jit_compile() -> bool:
+    """XLA for every configuration: `--jit_compile`, always on JAX (Keras jits its step)."""
+    return FLAGS.jit_compile or backend() == "jax"
+
+
+def runs_on_this_backend(config) -> bool:
+    """False for the TensorFlow-only configurations on JAX (see the module doc)."""
+    if backend() == "tensorflow":
+        return True
+    if config in REFERENCE or config.startswith("sequential_reptile"):
+        return False
+    return not any(f"+{p}" in config for p in ("gathered", "vectorized"))
+
+
 def registry():
     """name -> uses_gradients, for every registered method."""
     from tf_metaalign.algorithms import multitask as methods
@@ -265,7 +292,13 @@ def expand_configs(configs):
                 raise ValueError(f"`--configs`: {c!r}: rep_grad needs a gradient method.")
             out.append("sum" + c[3:] if c.startswith("mtl") else c)
     seen = set()
-    return [c for c in out if not (c in seen or seen.add(c))]
+    out = [c for c in out if not (c in seen or seen.add(c))]
+    if backend() != "tensorflow" and FLAGS.task_passes in ("gathered", "vectorized"):
+        raise ValueError(
+            f"--task_passes={FLAGS.task_passes} is TensorFlow's (dynamic shapes); on "
+            f"{backend()} use auto, factored or masked."
+        )
+    return out
 
 
 def kind_of(config):
@@ -413,9 +446,12 @@ def make_dataset(config, stream, start):
     """Batches `start`, `start + 1`, ... of the configuration's stream: the SAME mixed
     batches for plain fit and every multi-task configuration ({"inputs", "task_id"}: the
     model takes the task id for its heads)."""
+    as_numpy = backend() != "tensorflow"
     if config.startswith("sequential_reptile"):
-        return stream.single_task_batches(start=start)
-    return stream.mixed_batches(per_task_batch_size=FLAGS.per_task_batch, start=start)
+        return stream.single_task_batches(start=start, as_numpy=as_numpy)
+    return stream.mixed_batches(
+        per_task_batch_size=FLAGS.per_task_batch, start=start, as_numpy=as_numpy
+    )
 
 
 def per_task_passes_class():
@@ -441,7 +477,7 @@ def path_of(config, runner):
             "uses_gradients": True,
             "task_passes_used": "vmap" if vectorized else "loop",
             "rep_grad": False,
-            "jit_compile": FLAGS.jit_compile,
+            "jit_compile": jit_compile(),
         }
     name, rep_grad, _ = parse_method_config(config)
     uses = registry()[name]
@@ -475,7 +511,7 @@ def path_of(config, runner):
         "rep_grad": rep_grad,
         "measure_task_cosine": runner.measure_task_cosine,
         "method_options": method_options(name, rep_grad),
-        "jit_compile": FLAGS.jit_compile,
+        "jit_compile": jit_compile(),
     }
 
 
@@ -489,7 +525,7 @@ def method_options(name, rep_grad):
 def make_runner(config):
     import keras
 
-    from tf_metaalign.trainers import MultiTaskTrainer, SequentialReptileTrainer
+    from tf_metaalign.trainers import MultiTaskTrainer
 
     model = build_model()
     if config == "plain":
@@ -502,6 +538,8 @@ def make_runner(config):
             vectorized=config.startswith("ref_vmap"),
         )
     elif config.startswith("sequential_reptile_k="):
+        from tf_metaalign.trainers import SequentialReptileTrainer  # TensorFlow only (issue 30)
+
         runner = SequentialReptileTrainer(
             model,
             inner_steps=int(config.split("=")[1]),
@@ -522,7 +560,7 @@ def make_runner(config):
     runner.compile(
         keras.optimizers.Adam(FLAGS.learning_rate),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile=FLAGS.jit_compile,
+        jit_compile=jit_compile(),
     )
     return runner, model
 
@@ -532,6 +570,7 @@ def default_output():
         "multitask_overhead"
         + ("_minilm" if FLAGS.arch == "minilm" else "")
         + ("_xla" if FLAGS.jit_compile else "")
+        + ("" if backend() == "tensorflow" else f"_{backend()}")
     )
     return str(RESULTS / f"{name}.json")
 
@@ -548,6 +587,8 @@ def main(argv):
     started = time.time()
     load_start = os.getloadavg()
     configs = expand_configs(FLAGS.configs)
+    skipped = [c for c in configs if not runs_on_this_backend(c)]
+    configs = [c for c in configs if runs_on_this_backend(c)]
     stream = make_stream()
     runners, first_step, paths, params = {}, {}, {}, None
     # Every fit continues its configuration's stream where the last one stopped (plain
@@ -717,7 +758,9 @@ def main(argv):
         "rounds": FLAGS.rounds,
         "steps_per_round": FLAGS.steps_per_round,
         "warmup": FLAGS.warmup,
-        "jit_compile": FLAGS.jit_compile,
+        "jit_compile": jit_compile(),
+        "backend": backend(),
+        "skipped_on_this_backend": skipped,
         "task_passes": FLAGS.task_passes,
         "learning_rate": FLAGS.learning_rate,
         "load_average": {

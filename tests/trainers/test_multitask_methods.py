@@ -338,7 +338,7 @@ def test_compiled_combination_is_shared_by_trainers(float64):
     (and its XLA executable: TF's XLA cache keeps every compiled function for the
     process, so a function per trainer kept 8-15 MB per run); another configuration gets
     its own."""
-    from tf_metaalign.trainers import multitask as trainer_module
+    from tf_metaalign.trainers import multitask_tf as trainer_module
 
     def shared_functions(method_type):
         return [
@@ -382,7 +382,7 @@ def test_compiled_combination_of_a_method_reading_task_gradients(float64):
     for a, b in zip(*runs):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
     assert not np.allclose(runs[0][0], _model().trainable_variables[0].numpy())
-    from tf_metaalign.trainers import multitask as trainer_module
+    from tf_metaalign.trainers import multitask_tf as trainer_module
 
     shared = [f for k, f in trainer_module._COMPILED_COMBINATIONS.items() if k[0] is type(method)]
     assert shared == [None]  # tried once, then compiled per trace
