@@ -1,9 +1,11 @@
-"""SAM, ASAM, GSAM as pure functions: float64 NumPy re-derivations and closed forms."""
+"""SAM, ASAM, GSAM as pure functions: float64 NumPy re-derivations and closed forms.
+
+Backend-neutral (no TensorFlow import): the same oracles run on TensorFlow and on JAX."""
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from keras import ops
 
 from tf_metaalign import functional as F
 from tf_metaalign.algorithms import sam
@@ -14,6 +16,8 @@ from tf_metaalign.algorithms.sam import (
     sam_gradient,
     sam_perturbation,
 )
+
+BACKENDS = ("tensorflow", "jax")
 
 MSE64 = keras.losses.MeanSquaredError(dtype="float64")
 
@@ -70,10 +74,14 @@ def _lib(model, x, y, **kwargs):
     return sam_gradient(loss_fn, F.current_params(model), F.current_state(model), (x, y), **kwargs)
 
 
+def _np(x):
+    return ops.convert_to_numpy(x)
+
+
 def _assert_lists_close(a, b, rtol=1e-10, atol=1e-13):
     assert len(a) == len(b)
     for u, v in zip(a, b):
-        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol)
+        np.testing.assert_allclose(_np(u), _np(v), rtol=rtol, atol=atol)
 
 
 # ------------------------------------------------------------- against NumPy, float64
@@ -92,7 +100,7 @@ def _assert_lists_close(a, b, rtol=1e-10, atol=1e-13):
 def test_direction_equals_numpy_rederivation(float64, options):
     model = mlp64(seed=1)
     x, y = data64(8)
-    w = [v.numpy() for v in model.trainable_variables]
+    w = [_np(v) for v in model.trainable_variables]
     expected = np_sam_direction(
         w,
         x,
@@ -119,13 +127,13 @@ def test_direction_equals_numpy_rederivation(float64, options):
     assert np_norm([a - b for a, b in zip(expected, g)]) > 1e-3 * np_norm(g)
     # The diagnostics: the clean loss, the perturbed loss - the clean one, ||g||.
     loss, _ = np_loss_and_grad(w, x, y)
-    np.testing.assert_allclose(r.loss.numpy(), loss, rtol=1e-12)
+    np.testing.assert_allclose(_np(r.loss), loss, rtol=1e-12)
     e = r.perturbation
-    loss_p, _ = np_loss_and_grad([p + ei.numpy() for p, ei in zip(w, e)], x, y)
-    np.testing.assert_allclose(r.surrogate_gap.numpy(), loss_p - loss, rtol=1e-9)
+    loss_p, _ = np_loss_and_grad([p + _np(ei) for p, ei in zip(w, e)], x, y)
+    np.testing.assert_allclose(_np(r.surrogate_gap), loss_p - loss, rtol=1e-9)
 
 
-def test_quadratic_sam_step_in_closed_form():
+def test_quadratic_sam_step_in_closed_form(float64):
     """L = 1/2 w'Aw - c'w: g = Aw - c, and SAM's gradient is g + rho A g / ||g||."""
     rng = np.random.default_rng(0)
     m = rng.normal(size=(6, 6))
@@ -133,33 +141,33 @@ def test_quadratic_sam_step_in_closed_form():
     c = rng.normal(size=6)
     w0 = rng.normal(size=6)
 
+    a_t, c_t = ops.convert_to_tensor(a), ops.convert_to_tensor(c)
+    w_t = [ops.convert_to_tensor(w0)]
+
     def loss_fn(params, state, batch):
         (w,) = params
-        return 0.5 * tf.tensordot(w, tf.linalg.matvec(a, w), 1) - tf.tensordot(c, w, 1), (
-            state,
-            None,
-        )
+        return 0.5 * ops.sum(w * ops.matmul(a_t, w)) - ops.sum(c_t * w), (state, None)
 
     g = a @ w0 - c
     rho = 0.2
-    r = sam_gradient(loss_fn, [tf.constant(w0)], None, None, rho=rho)
-    np.testing.assert_allclose(r.gradient[0].numpy(), g + rho * a @ g / np.linalg.norm(g), 1e-12)
-    np.testing.assert_allclose(r.perturbation[0].numpy(), rho * g / np.linalg.norm(g), 1e-12)
+    r = sam_gradient(loss_fn, w_t, None, None, rho=rho)
+    np.testing.assert_allclose(_np(r.gradient[0]), g + rho * a @ g / np.linalg.norm(g), 1e-12)
+    np.testing.assert_allclose(_np(r.perturbation[0]), rho * g / np.linalg.norm(g), 1e-12)
     # The surrogate gap of a quadratic: rho g'g/|g| + rho^2/2 u'Au = rho |g| + rho^2 u'Au/2.
     u = g / np.linalg.norm(g)
     np.testing.assert_allclose(
-        r.surrogate_gap.numpy(), rho * np.linalg.norm(g) + 0.5 * rho**2 * u @ a @ u, rtol=1e-12
+        _np(r.surrogate_gap), rho * np.linalg.norm(g) + 0.5 * rho**2 * u @ a @ u, rtol=1e-12
     )
     # ASAM, T = |w| + eta: g + A e, e = rho T^2 g / ||T g||.
     t = np.abs(w0) + 0.1
     e = rho * t * t * g / np.linalg.norm(t * g)
-    r = sam_gradient(loss_fn, [tf.constant(w0)], None, None, rho=rho, adaptive=True, eta=0.1)
-    np.testing.assert_allclose(r.gradient[0].numpy(), g + a @ e, rtol=1e-12)
+    r = sam_gradient(loss_fn, w_t, None, None, rho=rho, adaptive=True, eta=0.1)
+    np.testing.assert_allclose(_np(r.gradient[0]), g + a @ e, rtol=1e-12)
     # GSAM: g_p - alpha (g - proj_{g_p} g); orthogonal to ... the residual is orthogonal to g_p.
     gp = g + rho * a @ g / np.linalg.norm(g)
     perp = g - (g @ gp) / (gp @ gp) * gp
-    r = sam_gradient(loss_fn, [tf.constant(w0)], None, None, rho=rho, gsam_alpha=0.3)
-    np.testing.assert_allclose(r.gradient[0].numpy(), gp - 0.3 * perp, rtol=1e-12)
+    r = sam_gradient(loss_fn, w_t, None, None, rho=rho, gsam_alpha=0.3)
+    np.testing.assert_allclose(_np(r.gradient[0]), gp - 0.3 * perp, rtol=1e-12)
     assert abs(perp @ gp) < 1e-10 * np.linalg.norm(gp) ** 2
 
 
@@ -170,11 +178,11 @@ def test_rho_zero_and_gsam_alpha_zero_are_sam_exactly(float64):
     loss_fn = F.make_loss_fn(model, MSE64)
     _, g, _ = F.value_and_grad(loss_fn, F.current_params(model), F.current_state(model), (x, y))
     for a, b in zip(clean.gradient, g):
-        np.testing.assert_array_equal(a.numpy(), b.numpy())
+        np.testing.assert_array_equal(_np(a), _np(b))
     sam_r = _lib(model, x, y, rho=0.1)
     gsam_r = _lib(model, x, y, rho=0.1, gsam_alpha=0.0)
     for a, b in zip(sam_r.gradient, gsam_r.gradient):
-        np.testing.assert_array_equal(a.numpy(), b.numpy())
+        np.testing.assert_array_equal(_np(a), _np(b))
 
 
 def test_perturbation_is_built_from_the_unscaled_gradient(float64):
@@ -192,18 +200,18 @@ def test_perturbation_is_built_from_the_unscaled_gradient(float64):
         gradient_scale=1024.0,
     )
     _assert_lists_close(scaled.perturbation, plain.perturbation, rtol=1e-12)
-    np.testing.assert_allclose(scaled.grad_norm.numpy(), plain.grad_norm.numpy(), rtol=1e-12)
-    np.testing.assert_allclose(scaled.surrogate_gap.numpy(), plain.surrogate_gap.numpy(), 1e-9)
+    np.testing.assert_allclose(_np(scaled.grad_norm), _np(plain.grad_norm), rtol=1e-12)
+    np.testing.assert_allclose(_np(scaled.surrogate_gap), _np(plain.surrogate_gap), 1e-9)
     _assert_lists_close(scaled.gradient, [1024.0 * g for g in plain.gradient], rtol=1e-12)
 
 
 def test_zero_gradient_gives_no_perturbation_and_nonfinite_gives_nan():
-    e, norm = sam_perturbation([tf.ones(3)], [tf.zeros(3)], 0.05)
-    assert float(norm) == 0.0 and np.all(e[0].numpy() == 0.0)
-    e, _ = sam_perturbation([tf.ones(3)], [tf.constant([1.0, np.inf, 0.0])], 0.05)
-    assert not np.isfinite(e[0].numpy()).all()
-    e, _ = sam_perturbation([tf.ones(3)], [tf.constant([1.0, np.nan, 0.0])], 0.05)
-    assert np.isnan(e[0].numpy()).all()
+    e, norm = sam_perturbation([ops.ones(3)], [ops.zeros(3)], 0.05)
+    assert float(norm) == 0.0 and np.all(_np(e[0]) == 0.0)
+    e, _ = sam_perturbation([ops.ones(3)], [ops.convert_to_tensor([1.0, np.inf, 0.0])], 0.05)
+    assert not np.isfinite(_np(e[0])).all()
+    e, _ = sam_perturbation([ops.ones(3)], [ops.convert_to_tensor([1.0, np.nan, 0.0])], 0.05)
+    assert np.isnan(_np(e[0])).all()
 
 
 def test_same_dropout_masks_in_both_passes(float64):
@@ -211,8 +219,8 @@ def test_same_dropout_masks_in_both_passes(float64):
     model = mlp64(seed=4, dropout=0.5)
     x, y = data64(16)
     r = _lib(model, x, y, rho=1e-7)
-    diff = F.global_norm(F.sub(r.grad_perturbed, r.grad_clean)).numpy()
-    assert diff < 1e-5 * F.global_norm(r.grad_clean).numpy(), diff
+    diff = float(F.global_norm(F.sub(r.grad_perturbed, r.grad_clean)))
+    assert diff < 1e-5 * float(F.global_norm(r.grad_clean)), diff
 
 
 def test_gsam_rho_follows_the_learning_rate():
@@ -221,36 +229,66 @@ def test_gsam_rho_follows_the_learning_rate():
     mid = 0.001 + 0.25 * 0.099
     assert float(gsam_rho(mid, 0.2, 0.02, lr_max=0.1, lr_min=0.001)) == pytest.approx(0.065)
     assert float(gsam_rho(0.3, 0.2)) == pytest.approx(0.2)  # constant
-    d = gsam_direction([tf.constant([1.0, 0.0])], [tf.zeros(2)], 0.5)
-    assert np.all(d[0].numpy() == [-0.5, 0.0])  # g_p = 0: g_perp = g
+    d = gsam_direction([ops.convert_to_tensor([1.0, 0.0])], [ops.zeros(2)], 0.5)
+    assert np.all(_np(d[0]) == [-0.5, 0.0])  # g_p = 0: g_perp = g
+
+
+def np_hessian(w, x, y, h=1e-5):
+    """The loss Hessian of `np_loss_and_grad` by central differences of its (exact)
+    gradient, symmetrised: an oracle independent of any autodiff (error ~h^2)."""
+    shapes = [p.shape for p in w]
+    flat = np.concatenate([p.ravel() for p in w])
+
+    def grad(v):
+        parts = np.split(v, np.cumsum([int(np.prod(s)) for s in shapes])[:-1])
+        _, g = np_loss_and_grad([p.reshape(s) for p, s in zip(parts, shapes)], x, y)
+        return np.concatenate([a.ravel() for a in g])
+
+    columns = []
+    for i in range(flat.size):
+        step = np.zeros_like(flat)
+        step[i] = h
+        columns.append((grad(flat + step) - grad(flat - step)) / (2 * h))
+    hessian = np.stack(columns, axis=1)
+    return 0.5 * (hessian + hessian.T)
 
 
 def test_largest_hessian_eigenvalue_matches_numpy_eigvalsh(float64):
+    """The MLP's Hessian (NumPy, finite differences of the hand-written gradient) and a
+    quadratic's (its matrix): power iteration == the top of numpy.linalg.eigvalsh."""
     model = mlp64(seed=5)
     x, y = data64(16)
     loss_fn = F.make_loss_fn(model, MSE64)
     params, state = F.current_params(model), F.current_state(model)
-    flat = tf.concat([tf.reshape(p, [-1]) for p in params], 0)
-    shapes = [p.shape for p in params]
-    sizes = [int(np.prod(s)) for s in shapes]
-
-    def unflatten(v):
-        return [tf.reshape(t, s) for t, s in zip(tf.split(v, sizes), shapes)]
-
-    with tf.GradientTape() as outer:
-        outer.watch(flat)
-        with tf.GradientTape() as inner:
-            inner.watch(flat)
-            loss, _ = loss_fn(unflatten(flat), state, (x, y))
-        grad = inner.gradient(loss, flat)
-    hessian = outer.jacobian(grad, flat).numpy()
-    eig = np.linalg.eigvalsh(0.5 * (hessian + hessian.T))
+    eig = np.linalg.eigvalsh(np_hessian([_np(p) for p in params], x, y))
     top = eig[np.argmax(np.abs(eig))]
     lam, v, steps = largest_hessian_eigenvalue(
         loss_fn, params, state, (x, y), iterations=200, tolerance=1e-10
     )
     np.testing.assert_allclose(lam, top, rtol=1e-6)
     assert steps < 200
+
+    # A quadratic 1/2 w'Aw with a negative eigenvalue of the largest magnitude: its sign kept.
+    rng = np.random.default_rng(1)
+    q, _ = np.linalg.qr(rng.normal(size=(5, 5)))
+    a = q @ np.diag([-4.0, 2.5, 1.0, 0.5, -0.2]) @ q.T
+    a_t = ops.convert_to_tensor(a)
+
+    def quadratic(params, state, batch):
+        (w,) = params
+        return 0.5 * ops.sum(w * ops.matmul(a_t, w)), (state, None)
+
+    lam, v, _ = largest_hessian_eigenvalue(
+        quadratic,
+        [ops.convert_to_tensor(rng.normal(size=5))],
+        None,
+        None,
+        iterations=500,
+        tolerance=1e-12,
+    )
+    eig = np.linalg.eigvalsh(a)
+    np.testing.assert_allclose(lam, eig[np.argmax(np.abs(eig))], rtol=1e-8)
+    np.testing.assert_allclose(np.abs(_np(v[0]) @ q[:, 0]), 1.0, rtol=1e-6)
 
 
 @pytest.mark.parametrize(

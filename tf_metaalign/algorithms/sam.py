@@ -64,9 +64,11 @@ import dataclasses
 import math
 from typing import Any
 
+import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
+from tf_metaalign import backend
 from tf_metaalign import functional as F
 
 
@@ -93,10 +95,10 @@ class SAMResult:
         perturbed).
 
     Example:
-      >>> import tensorflow as tf
+      >>> from keras import ops
       >>> def loss_fn(params, state, batch):
-      ...     return tf.reduce_sum(params[0] ** 2), (state, None)
-      >>> r = sam_gradient(loss_fn, [tf.constant([0.0, 2.0])], None, None, rho=1.0)
+      ...     return ops.sum(params[0] ** 2), (state, None)
+      >>> r = sam_gradient(loss_fn, [ops.convert_to_tensor([0.0, 2.0])], None, None, rho=1.0)
       >>> float(r.loss), float(r.perturbed_loss), float(r.surrogate_gap), float(r.grad_norm)
       (4.0, 9.0, 5.0, 4.0)
     """
@@ -105,12 +107,12 @@ class SAMResult:
     grad_clean: list
     grad_perturbed: list
     perturbation: list
-    loss: tf.Tensor
-    perturbed_loss: tf.Tensor
+    loss: Any
+    perturbed_loss: Any
     aux: Any
-    grad_norm: tf.Tensor
-    rho: tf.Tensor
-    surrogate_gap: tf.Tensor
+    grad_norm: Any
+    rho: Any
+    surrogate_gap: Any
 
 
 def _is_number(x):
@@ -149,8 +151,9 @@ def sam_perturbation(params, grads, rho, *, adaptive=False, eta=0.01, adaptive_m
       accumulation dtype. e = 0 where norm = 0; e is NaN where norm is not finite.
 
     Example:
-      >>> import tensorflow as tf
-      >>> e, norm = sam_perturbation([tf.constant([1.0, 2.0])], [tf.constant([3.0, 4.0])], 0.5)
+      >>> from keras import ops
+      >>> w, g = ops.convert_to_tensor([1.0, 2.0]), ops.convert_to_tensor([3.0, 4.0])
+      >>> e, norm = sam_perturbation([w], [g], 0.5)
       >>> [round(float(v), 3) for v in e[0]], float(norm)
       ([0.3, 0.4], 5.0)
 
@@ -167,29 +170,33 @@ def sam_perturbation(params, grads, rho, *, adaptive=False, eta=0.01, adaptive_m
             f"sam_perturbation: {len(params)} params, {len(grads)} grads and "
             f"{len(mask)} adaptive_mask entries; expected one of each per parameter."
         )
-    g = [tf.cast(x, acc) for x in grads]
+    g = [ops.cast(x, acc) for x in grads]
     if adaptive:
         eta_t = F.scalar(eta, acc)
-        t = [tf.abs(tf.cast(p, acc)) + eta_t if m else None for p, m in zip(params, mask)]
+        t = [ops.abs(ops.cast(p, acc)) + eta_t if m else None for p, m in zip(params, mask)]
     else:
         t = [None] * len(params)
     tg = [x if s is None else s * x for x, s in zip(g, t)]
     norm = F.global_norm(tg)
-    safe = tf.where(norm > 0, norm, tf.ones_like(norm))
-    scale = tf.where(norm > 0, F.scalar(rho, acc) / safe, tf.zeros_like(norm))
+    safe = ops.where(norm > 0, norm, ops.ones_like(norm))
+    scale = ops.where(norm > 0, F.scalar(rho, acc) / safe, ops.zeros_like(norm))
     # A non-finite gradient must give a non-finite step (a LossScaleOptimizer skips it).
-    scale = tf.where(tf.math.is_finite(norm), scale, tf.constant(np.nan, acc))
-    e = [tf.cast(scale * (x if s is None else s * x), p.dtype) for x, s, p in zip(tg, t, params)]
+    scale = ops.where(ops.isfinite(norm), scale, F.scalar(float("nan"), acc))
+    e = [ops.cast(scale * (x if s is None else s * x), p.dtype) for x, s, p in zip(tg, t, params)]
     return e, norm
 
 
-def gsam_rho(learning_rate, rho_max, rho_min=None, lr_max=None, lr_min=None):
+def gsam_rho(learning_rate, rho_max, rho_min=None, lr_max=None, lr_min=None, dtype=None):
     """GSAM's rho_t, linear in the learning rate (big_vision `gsam_gradient`)::
 
         rho_t = rho_min + (rho_max - rho_min) * (lr - lr_min) / (lr_max - lr_min)
 
     rho_max when `rho_min` is None or equal to `rho_max`, or when lr_max == lr_min.
-    Returns a float32 (float64 if `learning_rate` is) scalar tensor.
+    `learning_rate`: a number, a tensor or a variable (`optimizer.learning_rate`).
+    Returns a scalar tensor of `dtype`, computed in it (default: float64 if
+    `learning_rate` is, else float32; `GSAMTrainer` passes the weights' accumulation
+    dtype, so float64 weights get a float64 rho from a float32 learning rate on every
+    backend).
 
     Example:
       >>> round(float(gsam_rho(0.05, rho_max=0.1, rho_min=0.02, lr_max=0.1, lr_min=0.0)), 6)
@@ -199,9 +206,10 @@ def gsam_rho(learning_rate, rho_max, rho_min=None, lr_max=None, lr_min=None):
       Zhuang et al., "Surrogate Gap Minimization Improves Sharpness-Aware Training",
       ICLR 2022, Algorithm 1 (rho_t).
     """
-    lr = tf.convert_to_tensor(learning_rate)
-    dtype = tf.float64 if lr.dtype == tf.float64 else tf.float32
-    lr = tf.cast(lr, dtype)
+    lr = ops.convert_to_tensor(learning_rate)
+    if dtype is None:
+        dtype = "float64" if keras.backend.standardize_dtype(lr.dtype) == "float64" else "float32"
+    lr = ops.cast(lr, dtype)
     if rho_min is None or float(rho_min) == float(rho_max) or lr_max is None:
         return F.scalar(rho_max, dtype)
     if lr_min is None or float(lr_max) == float(lr_min):
@@ -220,8 +228,9 @@ def gsam_direction(grad_clean, grad_perturbed, alpha, global_clean=None, global_
     coefficient is fixed). Where g_p = 0 the coefficient is 0.
 
     Example:
-      >>> import tensorflow as tf
-      >>> d = gsam_direction([tf.constant([1.0, 1.0])], [tf.constant([2.0, 0.0])], 0.5)
+      >>> from keras import ops
+      >>> g, gp = ops.convert_to_tensor([1.0, 1.0]), ops.convert_to_tensor([2.0, 0.0])
+      >>> d = gsam_direction([g], [gp], 0.5)
       >>> [float(v) for v in d[0]]
       [2.0, -0.5]
 
@@ -232,12 +241,14 @@ def gsam_direction(grad_clean, grad_perturbed, alpha, global_clean=None, global_
     global_clean = grad_clean if global_clean is None else global_clean
     global_perturbed = grad_perturbed if global_perturbed is None else global_perturbed
     acc = F.accumulation_dtype(list(grad_clean))
-    coef = tf.math.divide_no_nan(
+    coef = ops.divide_no_nan(
         F.dot(global_clean, global_perturbed), F.dot(global_perturbed, global_perturbed)
     )
     alpha_t = F.scalar(alpha, acc)
     return [
-        tf.cast(tf.cast(gp, acc) - alpha_t * (tf.cast(g, acc) - coef * tf.cast(gp, acc)), gp.dtype)
+        ops.cast(
+            ops.cast(gp, acc) - alpha_t * (ops.cast(g, acc) - coef * ops.cast(gp, acc)), gp.dtype
+        )
         for g, gp in zip(grad_clean, grad_perturbed)
     ]
 
@@ -271,8 +282,9 @@ def sam_gradient(
       gsam_alpha: None: SAM / ASAM (apply g_p). A number: GSAM's alpha (apply
         g_p - alpha * g_perp).
       perturb: python bool or bool tensor; False: the clean gradient g is returned and
-        the perturbed pass is skipped (`tf.cond`; the all-reduces still run, outside it,
-        as MirroredStrategy requires).
+        the perturbed pass is skipped (`functional.replica_safe_cond`: `tf.cond` /
+        `jax.lax.cond`; the all-reduces still run, outside it, as MirroredStrategy
+        requires).
       gradient_scale: the factor the loss function multiplied the loss by (a mixed
         precision loss scale): the perturbation is built from g / gradient_scale.
       all_reduce: True: the perturbation (and GSAM's decomposition) uses the global
@@ -283,11 +295,11 @@ def sam_gradient(
       A `SAMResult`; apply `result.gradient` at w (e.g. `optimizer.apply_gradients`).
 
     Example:
-      >>> import tensorflow as tf
+      >>> from keras import ops
       >>> def loss_fn(params, state, batch):  # L(w) = w^2 (w.w)
       ...     (w,) = params
-      ...     return tf.reduce_sum(w**2), (state, None)
-      >>> r = sam_gradient(loss_fn, [tf.constant([3.0, 4.0])], None, None, rho=0.5)
+      ...     return ops.sum(w**2), (state, None)
+      >>> r = sam_gradient(loss_fn, [ops.convert_to_tensor([3.0, 4.0])], None, None, rho=0.5)
       >>> [round(float(v), 3) for v in r.gradient[0]]  # 2 (w + 0.5 w/|w|) = 2.2 w
       [6.6, 8.8]
 
@@ -304,6 +316,15 @@ def sam_gradient(
                 optimizer.apply_gradients(zip(r.gradient, model.trainable_variables))
                 return r.loss
             return strategy.run(step, args=(batch,))
+
+    On JAX, the same step as a pure jitted function of values (Keras's stateless API;
+    several devices: shard the batch, e.g. with `keras.distribution.DataParallel`)::
+
+        @jax.jit
+        def train_step(params, state, optimizer_vars, batch):
+            r = sam_gradient(loss_fn, params, state, batch, rho=0.05)
+            params, optimizer_vars = optimizer.stateless_apply(optimizer_vars, r.gradient, params)
+            return params, r.aux[0], optimizer_vars, r.loss
 
     References:
       Foret et al., ICLR 2021 (SAM); Kwon et al., ICML 2021 (ASAM); Zhuang et al.,
@@ -342,7 +363,7 @@ def sam_gradient(
     if isinstance(perturb, bool):
         loss_p, g_p = perturbed_pass() if perturb else clean()
     else:
-        loss_p, g_p = tf.cond(perturb, perturbed_pass, clean)
+        loss_p, g_p = F.replica_safe_cond(perturb, perturbed_pass, clean)
 
     if gsam_alpha is None:
         gradient = g_p
@@ -353,15 +374,15 @@ def sam_gradient(
         if isinstance(perturb, bool):
             gradient = gsam if perturb else list(g)
         else:
-            gradient = [tf.where(perturb, a, b) for a, b in zip(gsam, g)]
+            gradient = [ops.where(perturb, a, b) for a, b in zip(gsam, g)]
 
-    on = tf.cast(perturb, acc) if not isinstance(perturb, bool) else float(perturb)
+    on = ops.cast(perturb, acc) if not isinstance(perturb, bool) else float(perturb)
     unscale = 1.0 / F.scalar(gradient_scale, acc)
-    gap = (tf.cast(loss_p, acc) - tf.cast(loss, acc)) * unscale * on
+    gap = (ops.cast(loss_p, acc) - ops.cast(loss, acc)) * unscale * on
     if isinstance(perturb, bool) and not perturb:
         e = F.zeros_like(e)
     elif not isinstance(perturb, bool):
-        e = [tf.where(perturb, x, tf.zeros_like(x)) for x in e]
+        e = [ops.where(perturb, x, ops.zeros_like(x)) for x in e]
     return SAMResult(
         gradient=gradient,
         grad_clean=list(g),
@@ -384,9 +405,10 @@ def largest_hessian_eigenvalue(
     usual sharpness measure (lambda_max; Keskar et al. 2017, Foret et al. 2021 fig. 3).
 
     Starts from a seeded Gaussian vector and stops after `iterations` products or when
-    the Rayleigh quotient changes by less than `tolerance` (relative). Call it eagerly:
-    the loop is python (it stops early), each product one traced `tf.function`. Nothing
-    is assigned (every product starts from `state`). At a point that is not a minimum
+    the Rayleigh quotient changes by less than `tolerance` (relative). Call it eagerly
+    (outside `tf.function` / `jax.jit`): the loop is python (it stops early), each
+    product one compiled function (`tf.function` on TensorFlow, `jax.jit` on JAX).
+    Nothing is assigned (every product starts from `state`). At a point that is not a minimum
     the largest-magnitude eigenvalue may be negative; it is returned with its sign.
 
     Returns:
@@ -394,12 +416,12 @@ def largest_hessian_eigenvalue(
       vector v (a python float), v (tensors), and the number of products taken.
 
     Example:
-      >>> import tensorflow as tf
-      >>> a = tf.constant([[3.0, 1.0], [1.0, 2.0]])  # eigenvalues 3.618, 1.382
+      >>> from keras import ops
+      >>> a = ops.convert_to_tensor([[3.0, 1.0], [1.0, 2.0]])  # eigenvalues 3.618, 1.382
       >>> def loss_fn(params, state, batch):
       ...     (w,) = params
-      ...     return 0.5 * tf.tensordot(w, tf.linalg.matvec(a, w), 1), (state, None)
-      >>> lam, _, _ = largest_hessian_eigenvalue(loss_fn, [tf.zeros(2)], None, None)
+      ...     return 0.5 * ops.sum(w * ops.matmul(a, w)), (state, None)
+      >>> lam, _, _ = largest_hessian_eigenvalue(loss_fn, [ops.zeros(2)], None, None)
       >>> round(lam, 2)
       3.62
 
@@ -409,14 +431,14 @@ def largest_hessian_eigenvalue(
     """
     params = list(params)
     rng = np.random.default_rng(seed)
-    v = [tf.constant(rng.normal(size=p.shape).astype(p.dtype.as_numpy_dtype)) for p in params]
+    v = [ops.cast(rng.normal(size=tuple(p.shape)), p.dtype) for p in params]
     norm = F.global_norm(v)
-    v = [x / tf.cast(norm, x.dtype) for x in v]
+    v = [x / ops.cast(norm, x.dtype) for x in v]
 
     def product(vector):
         return F.value_grad_and_hvp(loss_fn, params, state, batch, vector)[3]
 
-    product = tf.function(product, autograph=False) if tf.executing_eagerly() else product
+    product = _compiled(product)
     eigenvalue, previous, done = 0.0, None, 0
     for done in range(1, iterations + 1):
         hv = product(v)
@@ -424,8 +446,21 @@ def largest_hessian_eigenvalue(
         norm = F.global_norm(hv)
         if float(norm) == 0.0:
             break
-        v = [tf.cast(h, x.dtype) / tf.cast(norm, x.dtype) for h, x in zip(hv, v)]
+        v = [ops.cast(h, x.dtype) / ops.cast(norm, x.dtype) for h, x in zip(hv, v)]
         if previous is not None and abs(eigenvalue - previous) <= tolerance * abs(eigenvalue):
             break
         previous = eigenvalue
     return eigenvalue, v, done
+
+
+def _compiled(fn):
+    """`fn` compiled once for the eager loop of `largest_hessian_eigenvalue` (`jax.jit` on
+    JAX, `tf.function` on TensorFlow); `fn` itself while a step is being traced."""
+    if not F.executing_eagerly():
+        return fn
+    if backend.is_jax():
+        import jax
+
+        return jax.jit(fn)
+    tf = backend.require_tensorflow("largest_hessian_eigenvalue")
+    return tf.function(fn, autograph=False)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from tf_metaalign import functional as F
 from tf_metaalign.algorithms import sam
@@ -36,6 +36,18 @@ class SAMTrainer(MetaTrainer):
       `m_sharpness=True` perturbs each replica along its own shard's gradient (the SAM
       paper's m-sharpness with m = the per-replica batch; no extra communication) and the
       optimizer averages the replicas' g_p.
+    * On JAX the step sees the global batch (`keras.distribution.DataParallel` shards it;
+      one jitted SPMD step), so the default perturbation is the global one on any number
+      of devices, as on one TensorFlow replica. `m_sharpness=True` splits the batch into
+      one group of consecutive rows per device along the distribution's batch axis (the
+      rows that device holds, as a TensorFlow replica holds its shard), takes each
+      group's SAM (GSAM) step with `keras.ops.vectorized_map` and averages the groups'
+      directions, losses and diagnostics: TensorFlow's per-replica m-sharpness, on the
+      same rows. Where it differs: the model state (BatchNorm statistics) kept is the
+      mean over the groups of each group's statistics (a seed state: the first group's;
+      the groups draw the same dropout masks, of their own shape); the batch must be a
+      multiple of the devices (else a ValueError naming `m_sharpness`); on one device, or
+      without a distribution, it is the global perturbation (as on one TF replica).
     * Cost: two forward+backward passes per step. `every=k` perturbs on steps 0, k, 2k,
       ... only (counted from the start of training, checkpointed); the other steps are
       plain steps (one pass; under several replicas with the global perturbation, the
@@ -52,8 +64,9 @@ class SAMTrainer(MetaTrainer):
       adaptive: False: SAM. True: ASAM (scale-invariant perturbation).
       eta: ASAM's T = |w| + eta offset (default 0.01, SamsungLabs/ASAM's).
       every: perturb on every `every`-th step only (1 = always).
-      m_sharpness: perturb per replica along the replica's own gradient instead of the
-        global one (no effect with one replica).
+      m_sharpness: perturb per replica (TensorFlow strategy) or per device's rows (JAX
+        `keras.distribution`) along that shard's own gradient instead of the global one
+        (no effect on one replica / device).
       **kwargs: passed to `keras.Model`.
 
     Returns:
@@ -76,6 +89,8 @@ class SAMTrainer(MetaTrainer):
       Generalization", ICLR 2021. Kwon et al., "ASAM: Adaptive Sharpness-Aware
       Minimization for Scale-Invariant Learning of Deep Neural Networks", ICML 2021.
     """
+
+    backends = ("tensorflow", "jax")
 
     def __init__(
         self,
@@ -128,6 +143,21 @@ class SAMTrainer(MetaTrainer):
 
     # ------------------------------------------------------------------ the step
 
+    def m_sharpness_groups(self):
+        """Into how many groups the step splits its batch for m-sharpness: 1 without
+        `m_sharpness`, and under a TensorFlow strategy (each replica's step already sees
+        only its shard); on JAX under a `keras.distribution` (the step sees the global
+        batch) the number of devices along the batch axis, one group per device's rows."""
+        if not self.m_sharpness or F.num_replicas() > 1:
+            return 1
+        distribution = keras.distribution.distribution()
+        axis = getattr(distribution, "batch_dim_name", None)
+        if distribution is None or axis is None:
+            return 1
+        mesh = distribution.device_mesh
+        names = list(mesh.axis_names)
+        return int(mesh.shape[names.index(axis)]) if axis in names else 1
+
     def train_step(self, data):
         x, y, sample_weight = self.unpack(data)
         batch = (x, y, sample_weight)
@@ -139,7 +169,7 @@ class SAMTrainer(MetaTrainer):
         rho = self.current_rho()
         mask = self.adaptive_mask() if self.adaptive else None
 
-        def step(perturb):
+        def step(batch, perturb):
             r = sam.sam_gradient(
                 loss_fn,
                 params,
@@ -154,7 +184,7 @@ class SAMTrainer(MetaTrainer):
                 gradient_scale=loss_scale,
                 all_reduce=not self.m_sharpness,
             )
-            on = tf.cast(perturb, acc) if not isinstance(perturb, bool) else float(perturb)
+            on = ops.cast(perturb, acc) if not isinstance(perturb, bool) else float(perturb)
             return (
                 r.gradient,
                 r.loss,
@@ -164,33 +194,38 @@ class SAMTrainer(MetaTrainer):
                 r.surrogate_gap,
                 # ||g|| is measured on every step that runs this (a skipped step of
                 # `every` measures nothing, on one replica as on several).
-                tf.constant(1.0, acc) if isinstance(perturb, bool) else on,
-                tf.convert_to_tensor(on, acc),
+                F.scalar(1.0, acc) if isinstance(perturb, bool) else on,
+                F.scalar(on, acc),
             )
 
-        def plain():
+        def plain(batch):
             # A step of `every > 1` that is not perturbed: one pass, no communication.
             loss, grads, (new_state, y_pred) = F.value_and_grad(loss_fn, params, state, batch)
-            zero = tf.constant(0.0, acc)
+            zero = F.scalar(0.0, acc)
             return grads, loss, y_pred, new_state, zero, zero, zero, zero
 
+        groups = self.m_sharpness_groups()
+
+        def run(fn):
+            return fn(batch) if groups == 1 else _per_group(fn, batch, groups)
+
         if not self.perturbs():
-            outputs = step(False)
+            outputs = run(lambda b: step(b, False))
         elif self.every == 1:
-            outputs = step(True)
+            outputs = run(lambda b: step(b, True))
         else:
             outputs = self.schedule.cond(
                 self.schedule.is_first(),
-                lambda: step(True),
-                plain,
+                lambda: run(lambda b: step(b, True)),
+                lambda: run(plain),
                 # The global perturbation all-reduces g: on several replicas every step
                 # runs the clean pass and the all-reduce, and only the second pass is
                 # conditional (inside sam_gradient). m-sharpness never communicates.
                 communicates=not self.m_sharpness,
-                merged=step,
+                merged=lambda perturb: step(batch, perturb),
             )
         gradient, loss, y_pred, new_state, grad_norm, gap, norm_weight, gap_weight = outputs
-        loss = loss / tf.cast(loss_scale, loss.dtype)
+        loss = loss / ops.cast(loss_scale, loss.dtype)
         return self.finish_step(
             data,
             y_pred,
@@ -338,11 +373,16 @@ class GSAMTrainer(SAMTrainer):
         inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
         lr_min, lr_max = self.learning_rate_range
         return sam.gsam_rho(
-            inner.learning_rate, self.rho, self.rho_min, lr_max=lr_max, lr_min=lr_min
+            inner.learning_rate,
+            self.rho,
+            self.rho_min,
+            lr_max=lr_max,
+            lr_min=lr_min,
+            dtype=F.accumulation_dtype(self.model.trainable_variables),
         )
 
     def step_diagnostics(self, rho):
-        return {"rho": tf.cast(tf.convert_to_tensor(rho), tf.float32)}
+        return {"rho": ops.cast(ops.convert_to_tensor(rho), "float32")}
 
     def get_config(self):
         config = super().get_config()
@@ -354,3 +394,43 @@ class GSAMTrainer(SAMTrainer):
             ),
         )
         return config
+
+
+def _per_group(fn, batch, groups):
+    """`fn` (a step on a batch -> `(gradient, loss, y_pred, new_state, *scalars)`) on each
+    of `groups` consecutive equal slices of the batch, vectorized (`keras.ops.vectorized_map`:
+    under a data-parallel sharding each device computes its own rows' step), combined as
+    TensorFlow's optimizer and metrics combine its replicas': the mean gradient, loss and
+    scalars, the outputs in row order, the mean of floating state (BatchNorm statistics)
+    and the first group's other state (a seed: the same in every group)."""
+    first = next(t for t in keras.tree.flatten(batch) if t is not None)
+    rows = ops.shape(first)[0]
+    if rows is None or rows % groups:
+        raise ValueError(
+            f"`m_sharpness=True` splits the batch into one group per device ({groups}): "
+            f"the batch of {rows} rows is not a multiple of it. Batch the data with "
+            "drop_remainder=True (or a batch size divisible by the devices)."
+        )
+
+    def split(t):
+        return None if t is None else ops.reshape(t, (groups, rows // groups, *t.shape[1:]))
+
+    def join(t):
+        return ops.reshape(t, (rows, *t.shape[2:]))
+
+    def mean(t):
+        return ops.mean(t, axis=0)
+
+    def combine_state(t):
+        dtype = keras.backend.standardize_dtype(t.dtype)
+        return ops.mean(t, axis=0) if "float" in dtype else t[0]
+
+    out = ops.vectorized_map(fn, keras.tree.map_structure(split, batch))
+    gradient, loss, y_pred, new_state, *scalars = out
+    return (
+        [mean(g) for g in gradient],
+        mean(loss),
+        keras.tree.map_structure(join, y_pred),
+        [combine_state(t) for t in new_state],
+        *[mean(v) for v in scalars],
+    )
