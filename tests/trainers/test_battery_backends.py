@@ -64,6 +64,7 @@ from backend_battery import (
     data,
     dtype_policy,
     fit,
+    jax_seed_state_aliasing,
     jax_step_problems,
     snapshot,
     take_rows,
@@ -118,7 +119,18 @@ def check_jit_equals_eager(entry):
     assert_logs_same(jit_logs, eager_logs, _names(entry), rtol, atol)
 
 
+def _dropout_trains():
+    """A model with Dropout trains on this backend, or the check is an xfail (reported)."""
+    if on_jax() and jax_seed_state_aliasing():
+        pytest.xfail(
+            "JAX: MetaTrainer's copy of the Dropout seed state is the model's own buffer "
+            "(trainers.base._value_initializer / _restore_seed_states need ops.copy): fit "
+            "fails with 'Attempt to donate the same buffer twice'"
+        )
+
+
 def check_steps_per_execution(entry):
+    _dropout_trains()
     x, y = data(entry)
     runs = []
     for steps in (3, 1):
@@ -269,6 +281,7 @@ class SnapshotAt(keras.callbacks.Callback):
 
 
 def check_resume(entry, tmp_path):
+    _dropout_trains()
     x, y = data(entry)
     reference = build(entry, dropout=DROPOUT)
     initial = snapshot(reference)
