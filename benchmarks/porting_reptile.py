@@ -3,6 +3,15 @@ r"""keras-io's hand-written Reptile loop against its port onto `ReptileTrainer`
 
     python -m benchmarks.porting_reptile                  # ~2-4 min on 2 shared CPU cores
     python -m benchmarks.porting_reptile --meta_iters=300 --out=/tmp/porting.json
+    KERAS_BACKEND=jax python -m benchmarks.porting_reptile \
+        --out=benchmarks/results/porting_reptile_jax.json  # the same on JAX
+
+Either backend (the JSON records which): on TensorFlow the hand-written loop is keras-io's,
+line for line (a `tf.GradientTape` of the per-example loss vector); on JAX it is that loop as
+a JAX user writes it: `jax.grad` (jitted) of the summed per-example loss through
+`model.stateless_call`, the same gradient, and the same eager `SGD.apply_gradients`. The
+port is fed a `tf.data.Dataset` on TensorFlow (as published) and a `keras.utils.PyDataset`
+of the same elements on JAX.
 
 The loop is keras-io's `examples/vision/reptile.py` at a smaller scale: per meta-iteration
 one N-way task (`--train_shots` examples of each of N classes drawn from the training
@@ -34,10 +43,12 @@ import time
 
 import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
-from tf_metaalign.data import stacked_batches
+from tf_metaalign.data import stack_task
 from tf_metaalign.trainers import ReptileTrainer
+
+BACKEND = keras.backend.backend()
 
 
 def parse():
@@ -96,9 +107,40 @@ def task_sampler(classes, labels, ways, shots, seed, query=False):
     return task
 
 
+_JAX_GRADS = {}
+
+
+def _jax_gradient(model):
+    """JAX: the gradient keras-io's tape takes of the per-example loss vector (that of its
+    sum) at the model's variables, through `model.stateless_call` (`model(images)`: no
+    `training` argument, as keras-io calls it), jitted once per model."""
+    if id(model) not in _JAX_GRADS:
+        import jax
+
+        def loss(trainable, non_trainable, images, labels):
+            preds, _ = model.stateless_call(trainable, non_trainable, images)
+            return ops.sum(keras.losses.sparse_categorical_crossentropy(labels, preds))
+
+        _JAX_GRADS[id(model)] = jax.jit(jax.grad(loss))
+    return _JAX_GRADS[id(model)]
+
+
 def inner_sgd(model, batches, lr):
     """keras-io's inner loop: model(images), the per-example loss vector, SGD."""
     optimizer = keras.optimizers.SGD(lr)
+    if BACKEND == "jax":
+        gradient = _jax_gradient(model)
+        for images, labels in batches:
+            grads = gradient(
+                [v.value for v in model.trainable_variables],
+                [v.value for v in model.non_trainable_variables],
+                images,
+                labels,
+            )
+            optimizer.apply_gradients(zip(grads, model.trainable_weights))
+        return
+    import tensorflow as tf
+
     for images, labels in batches:
         with tf.GradientTape() as tape:
             preds = model(images)
@@ -154,7 +196,12 @@ def train_trainer(args, data, k, inner_training, inner_lr):
     )
     timer = _Times()
     history = trainer.fit(
-        data, steps_per_epoch=args.meta_iters, epochs=1, verbose=0, callbacks=[timer]
+        data,
+        steps_per_epoch=args.meta_iters,
+        epochs=1,
+        verbose=0,
+        callbacks=[timer],
+        shuffle=False,  # a PyDataset (JAX) would be read in a shuffled order
     )
     return model, timer.times, float(history.history["loss"][-1])
 
@@ -173,18 +220,39 @@ def evaluate(args, model, test_task):
     return {k: float(np.mean(v)) for k, v in scores.items()}
 
 
+class _Elements(keras.utils.PyDataset):
+    """The stacked elements, one per step (JAX: no tf.data)."""
+
+    def __init__(self, xs, ys):
+        super().__init__()
+        self.xs, self.ys = xs, ys
+
+    def __len__(self):
+        return len(self.xs)
+
+    def __getitem__(self, i):
+        return self.xs[i], self.ys[i]
+
+
 def main():
     args = parse()
     classes = digits()
     pool = args.ways * args.train_shots
     k = -(-pool // args.inner_batch_size) * args.repetitions  # batches per pass x passes
     train = task_sampler(classes, np.arange(7), args.ways, args.train_shots, args.seed)
-    data = stacked_batches(train, num_batches=k, batch_size=args.inner_batch_size, seed=args.seed)
-    elements = list(data.take(args.meta_iters).as_numpy_iterator())
+    # stacked_batches(train, k, B, seed=seed)'s elements, without tf.data (JAX).
+    elements = [
+        stack_task(*train(i), k, args.inner_batch_size, np.random.default_rng([args.seed, i]))
+        for i in range(args.meta_iters)
+    ]
     test = task_sampler(classes, np.arange(7, 10), args.ways, args.shots, args.seed + 1, query=True)
-    element_data = tf.data.Dataset.from_tensor_slices(
-        (np.stack([e[0] for e in elements]), np.stack([e[1] for e in elements]))
-    )
+    xs, ys = np.stack([e[0] for e in elements]), np.stack([e[1] for e in elements])
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        element_data = tf.data.Dataset.from_tensor_slices((xs, ys))
+    else:
+        element_data = _Elements(xs, ys)
     hand, hand_times = train_hand(args, elements)
     port, port_times, _ = train_trainer(
         args, element_data, k, False, args.inner_batch_size * args.learning_rate
@@ -196,6 +264,7 @@ def main():
         float(np.abs(a - b).max()) for a, b in zip(hand.get_weights(), initial.get_weights())
     )
     result = {
+        "backend": BACKEND,
         "config": vars(args),
         "inner_steps": k,
         "max_abs_weight_difference_port_vs_hand": diff,
@@ -204,6 +273,7 @@ def main():
             "hand_median": float(np.median(hand_times[1:])),
             "port_median": float(np.median(port_times[1:])),
         },
+        "port_over_hand": float(np.median(port_times[1:]) / np.median(hand_times[1:])),
         "accuracy": {
             "initial": evaluate(args, initial, test),
             "hand": evaluate(args, hand, test),

@@ -18,15 +18,23 @@ Units under a distribution strategy: `inner_loop` all-reduces (sums) each step's
 per-replica gradients with `reduce` (default `functional.all_reduce_sum`), so the inner
 optimizer sees the global-batch gradient (Keras's per-replica loss units sum to the
 global mean) and theta_k is identical on every replica.
+
+Backends: written in `keras.ops`, with the gradients from `functional.value_and_grad`
+(a tape on TensorFlow, `jax.value_and_grad` on JAX). First order on both: every inner
+gradient and every inner iterate passes `ops.stop_gradient`, so an outer `jax.grad` (or
+tape) sees theta_k as a constant. On JAX `all_reduce_sum` is the identity (the step sees
+the global batch under `keras.distribution`).
 """
 
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
 
-import tensorflow as tf
+from keras import ops
 
 from tf_metaalign import functional as F
+
+Tensor = object  # a backend tensor (tf.Tensor, jax.Array)
 
 
 class InnerLoopResult(NamedTuple):
@@ -56,8 +64,8 @@ class InnerLoopResult(NamedTuple):
 
 def inner_loop(
     loss_fn: Callable,
-    params: Sequence[tf.Tensor],
-    state: Sequence[tf.Tensor],
+    params: Sequence[Tensor],
+    state: Sequence[Tensor],
     batches: Sequence,
     optimizer,
     variables,
@@ -90,9 +98,9 @@ def inner_loop(
       >>> def loss_fn(params, state, batch):  # mean squared error of y = x w
       ...     x, y = batch
       ...     y_pred = x @ params[0]
-      ...     return tf.reduce_mean((y_pred - y) ** 2), (state, y_pred)
-      >>> w = keras.Variable(tf.zeros([1, 1]))
-      >>> batch = (tf.constant([[1.0], [2.0]]), tf.constant([[2.0], [4.0]]))  # y = 2 x
+      ...     return ops.mean((y_pred - y) ** 2), (state, y_pred)
+      >>> w = keras.Variable(np.zeros([1, 1], "float32"))
+      >>> batch = (np.array([[1.0], [2.0]], "float32"), np.array([[2.0], [4.0]], "float32"))
       >>> result = inner_loop(loss_fn, [w.value], [], [batch] * 3, SGD(0.1), [w])
       >>> [round(float(loss), 3) for loss in result.losses]  # each step halves w's error
       [10.0, 2.5, 0.625]
@@ -101,7 +109,7 @@ def inner_loop(
     """
     if not batches:
         raise ValueError("inner_loop: `batches` is empty (at least one inner step is needed).")
-    theta = [tf.convert_to_tensor(p) for p in params]
+    theta = [ops.convert_to_tensor(p) for p in params]
     state = list(state)
     if optimizer_state is None:
         optimizer_state = optimizer.initial_state(variables)
@@ -110,18 +118,18 @@ def inner_loop(
         loss, grads, (state, y_pred) = F.value_and_grad(loss_fn, theta, state, batch)
         grads = reduce(grads)
         if loss_scale is not None:
-            grads = [g / tf.cast(loss_scale, g.dtype) for g in grads]
-        # First order: the trajectory is a constant for any outer tape.
-        grads = [tf.stop_gradient(g) for g in grads]
+            grads = [g / ops.cast(loss_scale, g.dtype) for g in grads]
+        # First order: the trajectory is a constant for any outer tape / jax.grad.
+        grads = [ops.stop_gradient(g) for g in grads]
         theta, optimizer_state = optimizer.apply_on_tensors(
             grads, theta, optimizer_state, variables
         )
-        theta = [tf.stop_gradient(t) for t in theta]
+        theta = [ops.stop_gradient(t) for t in theta]
         losses.append(loss)
     return InnerLoopResult(theta, state, optimizer_state, losses, y_pred)
 
 
-def reptile_gradient(phi: Sequence[tf.Tensor], theta: Sequence[tf.Tensor]) -> list:
+def reptile_gradient(phi: Sequence[Tensor], theta: Sequence[Tensor]) -> list:
     """phi - theta_k: an outer SGD(eps) step on it is phi + eps (theta_k - phi).
 
     Args:
@@ -134,17 +142,22 @@ def reptile_gradient(phi: Sequence[tf.Tensor], theta: Sequence[tf.Tensor]) -> li
 
     Example:
       >>> from tf_metaalign.algorithms import reptile_gradient
-      >>> reptile_gradient([tf.constant([1.0, 1.0])], [tf.constant([0.5, 2.0])])[0].numpy()
+      >>> delta = reptile_gradient([np.array([1.0, 1.0], "float32")], [np.array([0.5, 2.0])])
+      >>> ops.convert_to_numpy(delta[0])
       array([ 0.5, -1. ], dtype=float32)
 
     References:
       Nichol et al., "On First-Order Meta-Learning Algorithms", 2018.
       https://arxiv.org/abs/1803.02999
     """
-    return [tf.convert_to_tensor(p) - tf.cast(t, p.dtype) for p, t in zip(phi, theta)]
+    out = []
+    for p, t in zip(phi, theta):
+        p = ops.convert_to_tensor(p)
+        out.append(p - ops.cast(t, p.dtype))
+    return out
 
 
-def mean_reptile_gradient(phi: Sequence[tf.Tensor], thetas: Sequence[Sequence[tf.Tensor]]) -> list:
+def mean_reptile_gradient(phi: Sequence[Tensor], thetas: Sequence[Sequence[Tensor]]) -> list:
     """Multi-task Reptile: phi - mean_t theta_t (the mean of the T per-task pseudo-gradients).
 
     Args:
@@ -156,8 +169,8 @@ def mean_reptile_gradient(phi: Sequence[tf.Tensor], thetas: Sequence[Sequence[tf
 
     Example:
       >>> from tf_metaalign.algorithms import mean_reptile_gradient
-      >>> phi = [tf.constant(1.0)]
-      >>> float(mean_reptile_gradient(phi, [[tf.constant(0.0)], [tf.constant(3.0)]])[0])
+      >>> phi = [ops.convert_to_tensor(1.0)]
+      >>> float(mean_reptile_gradient(phi, [[np.float32(0.0)], [np.float32(3.0)]])[0])
       -0.5
 
     References:
@@ -167,13 +180,17 @@ def mean_reptile_gradient(phi: Sequence[tf.Tensor], thetas: Sequence[Sequence[tf
     if not thetas:
         raise ValueError("mean_reptile_gradient: no task end points given.")
     n = len(thetas)
-    return [
-        tf.add_n([reptile_gradient([p], [th[i]])[0] for th in thetas]) / tf.cast(n, p.dtype)
-        for i, p in enumerate(phi)
-    ]
+    out = []
+    for i, p in enumerate(phi):
+        deltas = [reptile_gradient([p], [th[i]])[0] for th in thetas]
+        total = deltas[0]
+        for d in deltas[1:]:  # summed in order, as tf.add_n
+            total = total + d
+        out.append(total / ops.cast(n, total.dtype))
+    return out
 
 
-def fomaml_gradient(loss_fn: Callable, theta: Sequence[tf.Tensor], state, query_batch):
+def fomaml_gradient(loss_fn: Callable, theta: Sequence[Tensor], state, query_batch):
     """First-order MAML: `(loss, grads, (new_state, y_pred))` of the query loss at theta_k.
 
     Per-replica gradients in `loss_fn`'s units (not all-reduced): what
@@ -190,8 +207,8 @@ def fomaml_gradient(loss_fn: Callable, theta: Sequence[tf.Tensor], state, query_
       >>> def loss_fn(params, state, batch):
       ...     x, y = batch
       ...     y_pred = x * params[0]
-      ...     return tf.reduce_mean((y_pred - y) ** 2), (state, y_pred)
-      >>> loss, grads, _ = fomaml_gradient(loss_fn, [tf.constant(1.0)], [], (2.0, 6.0))
+      ...     return ops.mean((y_pred - y) ** 2), (state, y_pred)
+      >>> loss, grads, _ = fomaml_gradient(loss_fn, [ops.convert_to_tensor(1.0)], [], (2.0, 6.0))
       >>> float(loss), float(grads[0])  # (2 - 6)^2, 2 (2 - 6) 2
       (16.0, -16.0)
 
@@ -202,7 +219,7 @@ def fomaml_gradient(loss_fn: Callable, theta: Sequence[tf.Tensor], state, query_
     return F.value_and_grad(loss_fn, theta, state, query_batch)
 
 
-def outer_update(phi: Sequence[tf.Tensor], theta: Sequence[tf.Tensor], eta) -> list:
+def outer_update(phi: Sequence[Tensor], theta: Sequence[Tensor], eta) -> list:
     """Sequential Reptile's outer step phi + eta (theta - phi) (eta = 1: phi <- theta).
 
     Args:
@@ -215,7 +232,8 @@ def outer_update(phi: Sequence[tf.Tensor], theta: Sequence[tf.Tensor], eta) -> l
 
     Example:
       >>> from tf_metaalign.algorithms import outer_update
-      >>> outer_update([tf.constant([0.0, 2.0])], [tf.constant([1.0, 0.0])], eta=0.25)[0].numpy()
+      >>> phi, theta = [np.array([0.0, 2.0], "float32")], [np.array([1.0, 0.0], "float32")]
+      >>> ops.convert_to_numpy(outer_update(phi, theta, eta=0.25)[0])
       array([0.25, 1.5 ], dtype=float32)
 
     References:
@@ -224,9 +242,9 @@ def outer_update(phi: Sequence[tf.Tensor], theta: Sequence[tf.Tensor], eta) -> l
     """
     out = []
     for p, t in zip(phi, theta):
-        p = tf.convert_to_tensor(p)
-        # F.scalar: a python eta exact in p's dtype (tf.cast would round it via float32).
-        out.append(p + F.scalar(eta, p.dtype) * (tf.cast(t, p.dtype) - p))
+        p = ops.convert_to_tensor(p)
+        # F.scalar: a python eta exact in p's dtype (a cast would round it via float32).
+        out.append(p + F.scalar(eta, p.dtype) * (ops.cast(t, p.dtype) - p))
     return out
 
 

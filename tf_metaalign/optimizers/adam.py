@@ -1,8 +1,9 @@
 """Adam, Keras semantics, as a pure rule plus a Keras optimizer."""
 
 import keras
-import tensorflow as tf
 
+
+from tf_metaalign.optimizers import _math as M
 from tf_metaalign.optimizers import base
 
 
@@ -43,10 +44,10 @@ class AdamRule(base.UpdateRule):
     def update(self, grad, var, slots, hparams, step, options=None):
         g, w, slots, hp, t, options, dtype = self._prepare(grad, var, slots, hparams, step, options)
         b1, b2 = hp["beta_1"], hp["beta_2"]
-        m = slots["m"] + tf.cast(1.0 - b1, dtype) * (g - slots["m"])
-        v = slots["v"] + tf.cast(1.0 - b2, dtype) * (tf.square(g) - slots["v"])
-        alpha = hp["learning_rate"] * tf.sqrt(1.0 - tf.pow(b2, t)) / (1.0 - tf.pow(b1, t))
-        new_w = w - tf.cast(alpha, dtype) * m / (tf.sqrt(v) + tf.cast(hp["epsilon"], dtype))
+        m = slots["m"] + M.cast(1.0 - b1, dtype) * (g - slots["m"])
+        v = slots["v"] + M.cast(1.0 - b2, dtype) * (M.square(g) - slots["v"])
+        alpha = hp["learning_rate"] * M.sqrt(1.0 - M.pow(b2, t)) / (1.0 - M.pow(b1, t))
+        new_w = w - M.cast(alpha, dtype) * m / (M.sqrt(v) + M.cast(hp["epsilon"], dtype))
         return self._finish(new_w, var, {"m": m, "v": v}, dtype)
 
 
@@ -153,10 +154,10 @@ class AdamWRule(AdamRule):
         wd = hparams.get("weight_decay", self.defaults.get("weight_decay"))
         if options.get("weight_decay", True) and wd is not None:
             dtype = base.compute_dtype_for(var)
-            c = lambda x: tf.cast(base._to_float64(x), dtype)  # noqa: E731
-            w = tf.cast(var, dtype)
+            c = lambda x: M.cast(base._to_float64(x), dtype)  # noqa: E731
+            w = M.cast(var, dtype)
             # Keras: variable.assign_sub(variable * wd * lr), in the variable's dtype.
-            var = tf.cast(w - w * c(wd) * c(hparams["learning_rate"]), var.dtype)
+            var = M.cast(w - w * c(wd) * c(hparams["learning_rate"]), var.dtype)
         return AdamRule.update(self, grad, var, slots, hparams, step, options)
 
 

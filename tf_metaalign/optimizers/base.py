@@ -51,10 +51,10 @@ from typing import NamedTuple
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from tf_metaalign import _compat
 from tf_metaalign import functional
+from tf_metaalign.optimizers import _math as M
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,14 +154,15 @@ def variable_path(variable):
 
 def compute_dtype_for(var):
     """float64 for float64 variables (exact finite-difference checks), float32 otherwise."""
-    return tf.float64 if tf.as_dtype(var.dtype) == tf.float64 else tf.float32
+    return "float64" if M.dtype_of(var) == "float64" else "float32"
 
 
 def _to_float64(value):
-    # tf.cast(python_float, float64) would round through float32 first.
+    # tf.cast(python_float, float64) would round through float32 first. On JAX without
+    # jax_enable_x64: float32 (`M.wide_float`).
     if isinstance(value, numbers.Number):
-        return tf.constant(float(value), tf.float64)
-    return tf.cast(value, tf.float64)
+        return M.constant(float(value), M.wide_float())
+    return M.cast(value, M.wide_float())
 
 
 def learning_rate_tensor(value):
@@ -173,13 +174,15 @@ def learning_rate_tensor(value):
     value, a float32 rate). Never rounds a float64 rate through float32.
     """
     if isinstance(value, numbers.Number) and not isinstance(value, bool):
-        dtype = tf.float64 if keras.backend.floatx() == "float64" else tf.float32
-        return tf.constant(float(value), dtype)
-    value = tf.convert_to_tensor(value)
-    return value if value.dtype == tf.float64 else tf.cast(value, tf.float32)
+        dtype = M.wide_float() if keras.backend.floatx() == "float64" else "float32"
+        return M.constant(float(value), dtype)
+    value = M.convert_to_tensor(value)
+    return value if M.dtype_of(value) == "float64" else M.cast(value, "float32")
 
 
 def rms(x):
+    import tensorflow as tf  # the rules that use it (Adafactor, Lamb) are TensorFlow's
+
     return tf.sqrt(tf.reduce_mean(tf.square(x)))
 
 
@@ -192,8 +195,8 @@ def moment_estimates(g, m, v, beta_1, beta_2, dtype):
     `beta_1`, `beta_2` are the float64 scalars of `UpdateRule._prepare` (1 - beta computed
     in float64, then cast to `dtype`). `AdamRule` keeps Keras's form m + (1 - beta_1)(g - m)
     instead, which rounds differently. Returns `(m, v)`."""
-    m = tf.cast(beta_1, dtype) * m + tf.cast(1.0 - beta_1, dtype) * g
-    v = tf.cast(beta_2, dtype) * v + tf.cast(1.0 - beta_2, dtype) * tf.square(g)
+    m = M.cast(beta_1, dtype) * m + M.cast(1.0 - beta_1, dtype) * g
+    v = M.cast(beta_2, dtype) * v + M.cast(1.0 - beta_2, dtype) * M.square(g)
     return m, v
 
 
@@ -247,7 +250,7 @@ class UpdateRule:
         options = self.default_options(shape) if options is None else options
         dtype = compute_dtype_for(var)
         return {
-            name: tf.zeros(slot_shape, dtype)
+            name: M.zeros(slot_shape, dtype)
             for name, slot_shape in self.slot_shapes(shape, options).items()
         }
 
@@ -274,15 +277,15 @@ class UpdateRule:
         for name in ("learning_rate",) + tuple(self.hyperparameter_names):
             value = hparams.get(name, self.defaults.get(name))
             hp[name] = None if value is None else _to_float64(value)
-        g = tf.cast(functional.densify([grad])[0], dtype)
-        w = tf.cast(var, dtype)
-        slots = {k: tf.cast(v, dtype) for k, v in slots.items()}
+        g = M.cast(functional.densify([grad])[0], dtype)
+        w = M.cast(var, dtype)
+        slots = {k: M.cast(v, dtype) for k, v in slots.items()}
         step = _to_float64(step)
         return g, w, slots, hp, step, options, dtype
 
     @staticmethod
     def _finish(new_w, var, new_slots, dtype):
-        return tf.cast(new_w, var.dtype), {k: tf.cast(v, dtype) for k, v in new_slots.items()}
+        return M.cast(new_w, var.dtype), {k: M.cast(v, dtype) for k, v in new_slots.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -361,14 +364,16 @@ class OptimizerState(NamedTuple):
     """
 
     slots: tuple
-    iterations: tf.Tensor
+    iterations: object
 
 
 def _as_list(values, name, where):
     """`values` as a list with one entry per variable. A single tensor is refused, since
     `list(tensor)` would silently split it along its first axis."""
     if (
-        isinstance(values, (tf.Tensor, tf.Variable, keras.Variable, np.ndarray, dict))
+        isinstance(values, (keras.Variable, np.ndarray, dict))
+        or keras.ops.is_tensor(values)
+        or _is_tf_variable(values)
         or values is None
     ):
         raise ValueError(
@@ -378,9 +383,27 @@ def _as_list(values, name, where):
     return list(values)
 
 
+def _is_tf_variable(value):
+    if M.BACKEND != "tensorflow":
+        return False
+    import tensorflow as tf
+
+    return isinstance(value, tf.Variable)
+
+
 def _tf_variable(variable):
     """The `tf.Variable` of a Keras variable (what tf.distribute's APIs take)."""
     return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _slot_placement(optimizer):
+    """`colocate(variable)`: the context in which a slot of `variable` is created. On
+    TensorFlow next to the variable (as Keras's add_variable_from_reference places slots);
+    on JAX Keras's distribution lays out the optimizer's variables itself."""
+    if M.BACKEND != "tensorflow":
+        return lambda variable: contextlib.nullcontext()
+    strategy = _compat.optimizer_strategy(optimizer)
+    return lambda variable: strategy.extended.colocate_vars_with(_tf_variable(variable))
 
 
 @contextlib.contextmanager
@@ -485,7 +508,7 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         # the python rate exactly: Keras creates it in float64 here (the only variable
         # its constructor sizes by floatx), as `variable_hyperparameters` are. A float32
         # variable's update is unchanged but for coefficients computed from the rate.
-        with _floatx("float64"):
+        with _floatx(M.wide_float()):
             super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.aggregated_clipnorm = aggregated_clipnorm
         # Kept to evaluate the schedule at any iteration (`learning_rate_at`): Keras's public
@@ -601,7 +624,7 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         present = [i for i, g in enumerate(grads) if g is not None]
         dense = functional.densify([grads[i] for i in present])
         if self.aggregated_clipnorm is not None and dense:
-            dense, _ = tf.clip_by_global_norm(dense, self.aggregated_clipnorm)
+            dense = M.clip_by_global_norm(dense, self.aggregated_clipnorm)
         out = list(grads)
         for i, g in zip(present, dense):
             out[i] = g
@@ -623,7 +646,7 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         for variable in _as_list(variables, "variables", "initial_state"):
             options, overwrite, _ = self._variable_record(variable)
             slots.append({} if overwrite else self.rule.init_slots(variable, options))
-        return OptimizerState(tuple(slots), tf.constant(0, tf.int64))
+        return OptimizerState(tuple(slots), M.constant(0, M.counter_dtype()))
 
     def current_state(self, variables=None):
         """A built optimizer's state as tensors: its slot variables' and `iterations`' values.
@@ -641,9 +664,10 @@ class BaseOptimizer(keras.optimizers.Optimizer):
                 for v in _as_list(variables, "variables", "current_state")
             ]
         slots = tuple(
-            {k: tf.convert_to_tensor(v.value) for k, v in s.items()} for s in slot_variables
+            {k: M.convert_to_tensor(v.value) for k, v in s.items()} for s in slot_variables
         )
-        return OptimizerState(slots, tf.cast(tf.convert_to_tensor(self.iterations), tf.int64))
+        iterations = M.convert_to_tensor(self.iterations)
+        return OptimizerState(slots, M.cast(iterations, M.counter_dtype()))
 
     def apply_on_tensors(self, grads, params, state, variables=None, hyperparameters=None):
         """One update on tensors: `(new_params, new_state)`, assigning nothing.
@@ -688,7 +712,7 @@ class BaseOptimizer(keras.optimizers.Optimizer):
                 f"`current_state` or a previous `apply_on_tensors`); got {type(state).__name__}."
             )
         grads = _as_list(grads, "grads", "apply_on_tensors")
-        params = [tf.convert_to_tensor(p) for p in _as_list(params, "params", "apply_on_tensors")]
+        params = [M.convert_to_tensor(p) for p in _as_list(params, "params", "apply_on_tensors")]
         if not len(grads) == len(params) == len(state.slots):
             raise ValueError(
                 "apply_on_tensors: `grads`, `params` and `state.slots` must have one entry per "
@@ -707,16 +731,16 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         if all(g is None for g in grads):
             raise ValueError("apply_on_tensors: every entry of `grads` is None.")
 
-        iterations = tf.cast(state.iterations, tf.int64)
+        iterations = M.cast(state.iterations, M.counter_dtype())
         hparams = self._hyperparameters_for_update(iterations, hyperparameters)
-        step = tf.cast(iterations + 1, tf.float32)
+        step = M.cast(iterations + 1, "float32")
         new_params, new_slots = list(params), list(state.slots)
         updated = []
         for i, (g, (_, overwrite, _)) in enumerate(zip(grads, records)):
             if g is None:
                 continue
             if overwrite:
-                new_params[i] = tf.cast(functional.densify([g])[0], params[i].dtype)
+                new_params[i] = M.cast(functional.densify([g])[0], params[i].dtype)
             else:
                 updated.append(i)
         update_grads = [grads[i] for i in updated]
@@ -758,8 +782,8 @@ class BaseOptimizer(keras.optimizers.Optimizer):
             # initializer would round it through float32).
             self._hyperparameter_variables[hp_name] = self.add_variable(
                 shape=(),
-                initializer=np.asarray(float(value), "float64"),
-                dtype="float64",
+                initializer=np.asarray(float(value), M.wide_float()),
+                dtype=M.wide_float(),
                 aggregation="only_first_replica",
                 name=hp_name,
             )
@@ -767,7 +791,7 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         self._variable_options = []
         self._overwrite_with_gradient = []
         self._constraints = []
-        strategy = _compat.optimizer_strategy(self)
+        colocate = _slot_placement(self)
         for variable in variables:
             options, overwrite, constraint = self._variable_record(variable)
             slots = {}
@@ -778,7 +802,7 @@ class BaseOptimizer(keras.optimizers.Optimizer):
                 for slot_name, slot_shape in shapes.items():
                     # Next to the variable, as Keras's add_variable_from_reference places
                     # slots (which cannot be used: its slot takes the variable's dtype).
-                    with strategy.extended.colocate_vars_with(_tf_variable(variable)):
+                    with colocate(variable):
                         slots[slot_name] = self.add_variable(
                             shape=slot_shape,
                             initializer="zeros",
@@ -795,10 +819,10 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         slot_vars = self._slot_variables[index]
         options = self._variable_options[index]
         hparams = self._hyperparameters(learning_rate)
-        step = tf.cast(self.iterations + 1, tf.float32)
-        slots = {k: tf.convert_to_tensor(v.value) for k, v in slot_vars.items()}
+        step = M.cast(self.iterations + 1, "float32")
+        slots = {k: M.convert_to_tensor(v.value) for k, v in slot_vars.items()}
         new_var, new_slots = self.rule.update(
-            gradient, tf.convert_to_tensor(variable), slots, hparams, step, options
+            gradient, M.convert_to_tensor(variable), slots, hparams, step, options
         )
         self.assign(variable, new_var)
         for k, v in slot_vars.items():
@@ -839,7 +863,7 @@ class BaseOptimizer(keras.optimizers.Optimizer):
             # slot variables assigns the copy of the device being updated.
             for k, v in slot_vars.items():
                 self.assign(v, slots[k])
-            var.assign(tf.cast(value, var.dtype))
+            var.assign(M.cast(value, var.dtype))
             return var.read_value()
 
         def assign_all_copies(distribution, value, slots):
@@ -857,7 +881,10 @@ class BaseOptimizer(keras.optimizers.Optimizer):
         # Keras's private hook (see _compat.BACKEND_UPDATE_STEP_HOOK): Keras's own TF step
         # (all-reduce, then `update_step` per variable in a merge call) with
         # `clip_aggregated` between the all-reduce and the update.
-        if self.aggregated_clipnorm is None:
+        if self.aggregated_clipnorm is None or M.BACKEND != "tensorflow":
+            # JAX: Keras's step is the update on the global gradients, so clip them first.
+            if self.aggregated_clipnorm is not None:
+                grads = self.clip_aggregated(grads)
             return super()._backend_update_step(grads, trainable_variables, learning_rate)
         trainable_variables = [_tf_variable(v) for v in trainable_variables]
         grads_and_vars = _compat.all_reduce_sum_gradients(
@@ -879,10 +906,10 @@ class BaseOptimizer(keras.optimizers.Optimizer):
     # -- internals ------------------------------------------------------------------------------
     def _hyperparameters(self, learning_rate):
         lr = learning_rate_tensor(learning_rate)
-        lr = lr * tf.cast(tf.convert_to_tensor(self._learning_rate_scale.value), lr.dtype)
+        lr = lr * M.cast(M.convert_to_tensor(self._learning_rate_scale.value), lr.dtype)
         hparams = {"learning_rate": lr}
         for hp_name, v in self._hyperparameter_variables.items():
-            hparams[hp_name] = tf.convert_to_tensor(v.value)
+            hparams[hp_name] = M.convert_to_tensor(v.value)
         return hparams
 
     def _hyperparameters_for_update(self, iterations, overrides):

@@ -1,8 +1,9 @@
 """SGD with (Nesterov) momentum, Keras semantics, as a pure rule plus a Keras optimizer."""
 
 import keras
-import tensorflow as tf
 
+
+from tf_metaalign.optimizers import _math as M
 from tf_metaalign.optimizers import base
 
 
@@ -45,10 +46,10 @@ class SGDRule(base.UpdateRule):
         g, w, slots, hp, step, options, dtype = self._prepare(
             grad, var, slots, hparams, step, options
         )
-        lr = tf.cast(hp["learning_rate"], dtype)
+        lr = M.cast(hp["learning_rate"], dtype)
         if not self.has_momentum:
             return self._finish(w - lr * g, var, {}, dtype)
-        mu = tf.cast(hp["momentum"], dtype)
+        mu = M.cast(hp["momentum"], dtype)
         m = mu * slots["momentum"] - lr * g
         if self.nesterov:
             new_w = w + mu * m - lr * g

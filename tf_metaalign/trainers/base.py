@@ -937,7 +937,9 @@ def _value_initializer(variable):
     """A Keras initializer that returns `variable`'s current value."""
 
     def initializer(shape, dtype=None):
-        return ops.cast(F.read_value(variable), dtype or variable.dtype)
+        # A copy: on JAX two variables holding one buffer break the jitted step's
+        # donation of its state ("Attempt to donate the same buffer twice").
+        return ops.copy(ops.cast(F.read_value(variable), dtype or variable.dtype))
 
     return initializer
 

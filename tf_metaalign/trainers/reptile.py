@@ -2,6 +2,11 @@
 single-task first-order `ReptileTrainer` and `FOMAMLTrainer` (the Meta DotProd paper's
 baselines).
 
+On JAX (`KERAS_BACKEND=jax`) the same trainers run as pure steps (docs/trainers.md, "On
+JAX"): phi, the counters and the optimizer state are part of the step's state; with
+`keras.distribution.DataParallel` the step sees the global batch, so each inner gradient
+is the global-batch gradient TensorFlow all-reduces, and N devices compute what one does.
+
 Two shapes (docs/trainers.md, "Where the weights live"):
 
 * `SequentialReptileTrainer`: a trajectory spans `inner_steps` train steps. The model's
@@ -16,12 +21,12 @@ Two shapes (docs/trainers.md, "Where the weights live"):
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 import keras
-import tensorflow as tf
+from keras import ops
 
-from tf_metaalign.data import multitask as multitask_data
-from tf_metaalign import _compat
+from tf_metaalign import _compat, backend
 from tf_metaalign import functional as F
 from tf_metaalign import optimizers as O
 from tf_metaalign.algorithms import reptile as R
@@ -32,7 +37,33 @@ def _select(pred, a, b):
     """`a` where `pred` else `b`, element-wise over two lists (python bool: no op)."""
     if isinstance(pred, bool):
         return list(a) if pred else list(b)
-    return [tf.where(pred, x, y) for x, y in zip(a, b)]
+    return [ops.where(pred, x, y) for x, y in zip(a, b)]
+
+
+def _read(variable):
+    """A copy of a variable's current value (`F.read_value`, a snapshot that later
+    assignments leave alone), so that assigning it to another variable outside a step
+    (`end_trajectory`, `model_weights_to_save`) does not make two variables share one JAX
+    buffer, which the jitted step's state donation refuses."""
+    return ops.copy(F.read_value(variable))
+
+
+def _rank(t):
+    """The rank of `t` (a tensor or spec), or None when unknown (a TensorShape of
+    unknown rank)."""
+    try:
+        return len(t.shape)
+    except (TypeError, ValueError):
+        return None
+
+
+def _mean_loss(losses, loss_scale):
+    """The mean of the (loss-scaled) inner losses, unscaled: sum / (n * loss_scale),
+    summed in order (as tf.add_n)."""
+    total = losses[0]
+    for loss in losses[1:]:
+        total = total + loss
+    return total / (len(losses) * ops.cast(loss_scale, total.dtype))
 
 
 def _slot_variables(optimizer, variables):
@@ -54,13 +85,37 @@ def _slot_variables(optimizer, variables):
     return [v for v in optimizer.variables if id(v) not in skip]
 
 
+def _stateless_test_step(trainer, step, state, data):
+    """JAX: `(logs, state)` of a stateful-style `step(data)` (reads `variable.value`,
+    updates metrics) run on Keras's test state `(trainable, non_trainable, metrics)`
+    values, inside a `keras.StatelessScope` (as `backend.jax.stateless_train_step` runs a
+    train step)."""
+    groups = (
+        list(trainer.trainable_variables),
+        list(trainer.non_trainable_variables),
+        list(trainer.metrics_variables),
+    )
+    mapping = [(v, value) for vs, values in zip(groups, state) for v, value in zip(vs, values)]
+    with keras.StatelessScope(state_mapping=mapping) as scope:
+        logs = step(data)
+    new_state = []
+    for variables, values in zip(groups, state):
+        current = [scope.get_current_value(v) for v in variables]
+        new_state.append([old if new is None else new for new, old in zip(current, values)])
+    return logs, tuple(new_state)
+
+
 class _TaskIdInputs:
     """Multi-task batches: `x = {"inputs": model inputs, "task_id": int32 [B]}`. The model
     is given `x["inputs"]` unless `model_takes_task_id` (then the whole dict). Any other
     `x` goes to the model as it is."""
 
     def _model_inputs(self, x):
-        return multitask_data.model_inputs_of(x, self.model_takes_task_id)
+        # `tf_metaalign.data.multitask.model_inputs_of`, written here because that module
+        # (its MultiTaskStream) imports TensorFlow, which a JAX user may not have.
+        if isinstance(x, Mapping) and "inputs" in x and "task_id" in x:
+            return x if self.model_takes_task_id else x["inputs"]
+        return x
 
     def call(self, inputs, training=None):
         return super().call(self._model_inputs(inputs), training=training)
@@ -94,6 +149,12 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
     run stopped mid-trajectory resumes exactly.
 
     With K = 1 and eta = 1 it is plain training.
+
+    On JAX the outer update is a `jax.lax.cond` inside the pure step (its branches assign
+    phi, the model and, with `reset_inner_optimizer`, the slots); under
+    `keras.distribution.DataParallel` every step is one step on the global batch, as on
+    one TensorFlow replica (TensorFlow's multi-replica step gives the same numbers: its
+    inner step is the all-reduced `apply_gradients`).
 
     What the user gets is phi:
     * at the end of `fit`, if the last trajectory is incomplete (the step count is not a
@@ -143,6 +204,8 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
       Learning", ICLR 2022. https://arxiv.org/abs/2110.02600
     """
 
+    backends = ("tensorflow", "jax")
+
     def __init__(
         self,
         model,
@@ -185,7 +248,7 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
             F.current_state(self.model),
             (x, y, sample_weight),
         )
-        loss = scaled_loss / tf.cast(loss_scale, scaled_loss.dtype)
+        loss = scaled_loss / ops.cast(loss_scale, scaled_loss.dtype)
 
         def update():
             variables = self.model.trainable_variables
@@ -199,21 +262,21 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
                 # a commit communicates and may not sit inside tf.cond, so select, then
                 # commit unconditionally on every step).
                 theta = F.current_params(self.model)
-                phi = [tf.convert_to_tensor(v.value) for v in slow]
+                phi = [_read(v) for v in slow]
                 outer = R.outer_update(phi, theta, self.outer_learning_rate)
                 commit_weights(variables, _select(due, outer, theta))
                 for v, value in zip(slow, _select(due, outer, phi)):
                     v.assign(value)
                 if self.reset_inner_optimizer:
                     self._zero_slots(due)
-                return tf.convert_to_tensor(due)
+                return ops.convert_to_tensor(due)
 
             # One replica: the outer update runs only at the trajectory's end (tf.cond),
             # so a step costs an inner step, not an inner step plus two weight copies.
             self.schedule.cond(
                 due,
                 lambda: outer_step(True),
-                lambda: tf.constant(False),
+                lambda: ops.convert_to_tensor(False),
                 communicates=True,
                 merged=outer_step,
             )
@@ -224,16 +287,22 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
         slots = _slot_variables(self.optimizer, self.model.trainable_variables)
         if not slots:
             return
-        values = [tf.convert_to_tensor(s.value) for s in slots]
-        commit_weights(slots, _select(due, [tf.zeros_like(v) for v in values], values))
+        values = [_read(s) for s in slots]
+        commit_weights(slots, _select(due, [ops.zeros_like(v) for v in values], values))
 
-    def test_step(self, data):
+    def test_step(self, *args):
+        # TensorFlow calls test_step(data); JAX test_step(state, data) -> (logs, state).
         if not self._evaluate_at_slow:
-            return super().test_step(data)
+            return super().test_step(*args)
+        if backend.is_jax():
+            return _stateless_test_step(self, self._test_at_slow, *args)
+        return self._test_at_slow(*args)
+
+    def _test_at_slow(self, data):
         # During fit: evaluate the model at phi (the slow weights), assigning nothing.
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x = self._model_inputs(x)
-        phi = [tf.convert_to_tensor(v.value) for v in self.weights_copy("slow")]
+        phi = [_read(v) for v in self.weights_copy("slow")]
         loss, (_, y_pred) = self.loss_fn(training=False)(
             phi, F.current_state(self.model), (x, y, sample_weight)
         )
@@ -262,9 +331,9 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
             yield  # at a trajectory's start the model holds phi
             return
         variables = self.model.trainable_variables
-        theta = [tf.convert_to_tensor(v.value) for v in variables]
+        theta = [_read(v) for v in variables]
         for v, s in zip(variables, self.weights_copy("slow")):
-            v.assign(s.value)
+            v.assign(_read(s))
         try:
             yield
         finally:
@@ -279,11 +348,11 @@ class SequentialReptileTrainer(_TaskIdInputs, MetaTrainer):
         if count % self.inner_steps == 0:
             return
         for v, s in zip(self.model.trainable_variables, self.weights_copy("slow")):
-            v.assign(s.value)
+            v.assign(_read(s))
         self.schedule.count.assign(count + self.inner_steps - count % self.inner_steps)
         if self.reset_inner_optimizer:
             for s in _slot_variables(self.optimizer, self.model.trainable_variables):
-                s.assign(tf.zeros_like(s.value))
+                s.assign(ops.zeros_like(s.value))
 
     def get_config(self):
         return {
@@ -303,6 +372,7 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
     on tensors, the compiled optimizer as the outer optimizer."""
 
     _extra_batches = 0  # FOMAML: + 1 query batch
+    backends = ("tensorflow", "jax")
 
     def __init__(
         self,
@@ -358,7 +428,7 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
                 return None
             return t[index] if self.stack_axis == 0 else t[(slice(None),) + index]
 
-        return tf.nest.map_structure(one, nest)
+        return keras.tree.map_structure(one, nest)
 
     def example_batch(self, x, y=None, sample_weight=None):
         # Keras builds the model, loss and metrics from a training batch: its first
@@ -383,14 +453,14 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
         axes): a clear error naming the expected shape, not a Conv2D / Dense error deep
         in the model (an element that was not stacked, or stacked twice)."""
         try:
-            inputs = tf.nest.flatten(self.model.inputs)
+            inputs = keras.tree.flatten(self.model.inputs)
         except (AttributeError, ValueError):  # a subclassed model: no symbolic inputs
             return
-        given = tf.nest.flatten(x)
+        given = keras.tree.flatten(x)
         if len(given) != 1 or len(inputs) != 1:
             return  # several inputs: their order in `x` may not be the model's
         for t, i in zip(given, inputs):
-            rank, want = t.shape.rank, len(i.shape) + len(stacked)
+            rank, want = _rank(t), len(i.shape) + len(stacked)
             if rank is not None and rank != want:
                 expected = self._layout(stacked).replace(
                     "*input_shape", ", ".join(str(d) for d in i.shape[1:]) or ""
@@ -411,8 +481,8 @@ class _StackedInnerLoopTrainer(_TaskIdInputs, MetaTrainer):
 
     def _batches(self, x, y, sample_weight):
         self._check_rank(x, [f"k={self.num_stacked}"])
-        first = next(t for t in tf.nest.flatten(x) if t is not None)
-        n = first.shape[self.stack_axis] if first.shape.rank else None
+        first = next(t for t in keras.tree.flatten(x) if t is not None)
+        n = first.shape[self.stack_axis] if _rank(first) else None
         layout = self._layout([f"k={self.num_stacked}"])
         if n is None:
             raise ValueError(
@@ -499,6 +569,12 @@ class ReptileTrainer(_StackedInnerLoopTrainer):
         statistics, which the step then never updates, and Dropout is off. See
         docs/porting.md.
 
+    On JAX the inner loop's gradients are the global batch's (the step sees the global
+    batch under `keras.distribution.DataParallel`), which is what TensorFlow's all-reduce
+    gives per replica: the same numbers on any number of devices. NumPy elements are
+    batched along axis 0, so give them as `[B, k, ...]` with stack_axis=1 (or `[k, B, ...]`
+    elements from a generator / `keras.utils.PyDataset`).
+
     Elements: `tf_metaalign.data.stacked_batches` builds them from a task sampler. An
     element whose rank is not the model's input rank + 1 (a model batch that was not
     stacked) is refused with an error naming the expected shape `[k, B, *input_shape]`;
@@ -530,9 +606,9 @@ class ReptileTrainer(_StackedInnerLoopTrainer):
         loss_scale = self.loss_scale()
         phi, r = self._inner(batches, loss_scale)
         delta = R.reptile_gradient(phi, r.params)
-        scale = tf.cast(loss_scale, phi[0].dtype) if phi else 1.0
-        gradients = F.replica_share([d * tf.cast(scale, d.dtype) for d in delta])
-        loss = tf.add_n(r.losses) / (len(r.losses) * tf.cast(loss_scale, r.losses[0].dtype))
+        scale = ops.cast(loss_scale, phi[0].dtype) if phi else 1.0
+        gradients = F.replica_share([d * ops.cast(scale, d.dtype) for d in delta])
+        loss = _mean_loss(r.losses, loss_scale)
         return self.finish_step(batches[-1], r.y_pred, loss, new_state=r.state, gradients=gradients)
 
 
@@ -581,7 +657,7 @@ class FOMAMLTrainer(_StackedInnerLoopTrainer):
             r.state,
             batches[-1],
         )
-        loss = scaled / tf.cast(loss_scale, scaled.dtype)
+        loss = scaled / ops.cast(loss_scale, scaled.dtype)
         return self.finish_step(batches[-1], y_pred, loss, new_state=state, gradients=grads)
 
 
@@ -619,10 +695,10 @@ class MultiTaskReptileTrainer(_StackedInnerLoopTrainer):
 
     def _tasks(self, x, y, sample_weight):
         self._check_rank(x, ["T", f"k={self.inner_steps}"])
-        first = next(t for t in tf.nest.flatten(x) if t is not None)
+        first = next(t for t in keras.tree.flatten(x) if t is not None)
         layout = "[T, k, B, ...]" if self.stack_axis == 0 else "[B, T, k, ...]"
         rank_needed = 2 + self.stack_axis
-        if first.shape.rank is None or first.shape.rank < rank_needed + 1:
+        if _rank(first) is None or _rank(first) < rank_needed + 1:
             raise ValueError(
                 f"MultiTaskReptileTrainer needs training elements {layout} (stack_axis="
                 f"{self.stack_axis}); got x of shape {first.shape}."
@@ -669,6 +745,6 @@ class MultiTaskReptileTrainer(_StackedInnerLoopTrainer):
             losses += r.losses
             state, y_pred = r.state, r.y_pred
         delta = R.mean_reptile_gradient(phi, ends)
-        gradients = F.replica_share([d * tf.cast(loss_scale, d.dtype) for d in delta])
-        loss = tf.add_n(losses) / (len(losses) * tf.cast(loss_scale, losses[0].dtype))
+        gradients = F.replica_share([d * ops.cast(loss_scale, d.dtype) for d in delta])
+        loss = _mean_loss(losses, loss_scale)
         return self.finish_step(tasks[-1][-1], y_pred, loss, new_state=state, gradients=gradients)
