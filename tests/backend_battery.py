@@ -587,17 +587,25 @@ class InterruptAt(keras.callbacks.Callback):
 
 
 @functools.cache
-def jax_seed_state_aliasing() -> bool:
-    """Whether MetaTrainer's checkpointed copy of a Dropout seed state shares the model's
-    seed state's buffer on JAX (trainers.base._value_initializer: a cast to the same
-    dtype is the same array). Keras's jitted step donates its state, so `fit` of any
-    trainer with a Dropout layer then fails: "Attempt to donate the same buffer twice"."""
+def jax_seed_state_aliasing() -> frozenset:
+    """Where MetaTrainer's checkpointed copy of a Dropout seed state and the model's seed
+    state share one buffer on JAX: {"created"} after the copy is made
+    (`trainers.base._value_initializer`), {"restored"} after a restore
+    (`_restore_seed_states`: assigning an array assigns that buffer), or both. Keras's
+    jitted step donates its state, so `fit` of any trainer with a Dropout layer then
+    fails: "Attempt to donate the same buffer twice"."""
     trainer = BatteryTrainer(mlp("float32", dropout=0.5))
-    seeds = [trainer.model.non_trainable_variables[i] for i in trainer._seed_indices()]
-    return any(
-        a.value.unsafe_buffer_pointer() == b.value.unsafe_buffer_pointer()
-        for a, b in zip(seeds, trainer._seed_states or [])
-    )
+
+    def aliased():
+        seeds = [trainer.model.non_trainable_variables[i] for i in trainer._seed_indices()]
+        return any(
+            a.value.unsafe_buffer_pointer() == b.value.unsafe_buffer_pointer()
+            for a, b in zip(seeds, trainer._seed_states or [])
+        )
+
+    found = {"created"} if aliased() else set()
+    trainer._restore_seed_states()  # what load_weights (BackupAndRestore) runs
+    return frozenset(found | ({"restored"} if aliased() else set()))
 
 
 # --------------------------------------------------------- JAX: the step stays on device
