@@ -348,6 +348,10 @@ ENTRIES = [
         ),
         compile_kwargs=_gsam_compile,
         diagnostics=("grad_norm", "surrogate_gap", "rho"),
+        # rho comes from the schedule's float32 learning rate, which XLA and eager round
+        # differently on TensorFlow: the weights then differ by up to 8.7e-10 (measured;
+        # 1e-10 on JAX); one lost or repeated step changes them by ~1e-3.
+        tolerance=(1e-7, 1e-8),
         default={"jit_equals_eager"},
     ),
     BatteryEntry(

@@ -38,7 +38,13 @@ On TensorFlow the TensorFlow battery stays as it is: tests/trainers/test_trainer
 the step's graph and XLA lowering free of host round trips; checks 7 and 8 here are
 JAX's counterparts of those and skip on TensorFlow.
 
-Default run: ~X s on TensorFlow, ~Y s on JAX (2 cores); the rest under -m slow.
+A trainer with Dropout on JAX: while MetaTrainer's checkpointed copy of the seed state
+shares the model's buffer (`backend_battery.jax_seed_state_aliasing`, detected at run time),
+the Dropout checks (2, 6) are an xfail that says so; they run the day it is fixed.
+
+Default run (measured on 2 shared cores): TensorFlow 35 tests, 124 s (60 s of CPU);
+JAX 41 tests, 99 s (64 s of CPU) with DotProd, SAM/GSAM and the Reptile family ported.
+The rest under -m slow.
 """
 
 import dataclasses
