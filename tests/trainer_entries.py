@@ -375,14 +375,14 @@ ENTRIES += [
     ),
     TrainerEntry(
         name="multitask_gradvac",
-        make_trainer=_multitask_trainer("gradvac", gradvac_beta=0.2),
+        make_trainer=_multitask_trainer("gradvac", method_options={"beta": 0.2}),
         state_variables=("count", "gradvac_targets"),
         **_MULTITASK_FIELDS,
         slow=_SLOW_WHERE_COVERED,  # "multitask_pcgrad" runs MultiTaskTrainer's
     ),
     TrainerEntry(
         name="multitask_gradnorm",
-        make_trainer=_multitask_trainer("gradnorm", gradnorm_learning_rate=0.05),
+        make_trainer=_multitask_trainer("gradnorm", method_options={"learning_rate": 0.05}),
         state_variables=("count", "gradnorm_weights", "gradnorm_initial_losses", "gradnorm_seen"),
         **_MULTITASK_FIELDS,
         slow=_SLOW_WHERE_COVERED,  # "multitask_pcgrad" runs MultiTaskTrainer's
