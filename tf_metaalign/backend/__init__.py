@@ -101,6 +101,10 @@ def require_tensorflow(what: str, instead: str = ""):
       >>> # without TensorFlow: ImportError: load_tfds needs TensorFlow, which is not
       >>> # installed (Keras backend: 'jax'). Instead: NumPy arrays
     """
+    import sys
+
+    if "tensorflow" in sys.modules:  # no import machinery inside traced (autograph) code
+        return sys.modules["tensorflow"]
     try:
         return importlib.import_module("tensorflow")
     except ImportError as error:
