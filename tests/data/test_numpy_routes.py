@@ -6,6 +6,7 @@ NumPy route gives the tf.data route's batches is tests/data/test_numpy_routes_tf
 ~10 s per backend."""
 
 import importlib
+import sys
 import importlib.util
 import pathlib
 import zipfile
@@ -251,6 +252,9 @@ def no_tensorflow(monkeypatch):
         return real(name, *args)
 
     monkeypatch.setattr(backend.importlib, "import_module", import_module)
+    # require_tensorflow takes an already loaded TensorFlow from sys.modules (no import
+    # machinery inside traced code): hide it there too.
+    monkeypatch.delitem(sys.modules, "tensorflow", raising=False)
 
 
 def test_tf_data_routes_without_tensorflow_name_the_numpy_route(no_tensorflow):

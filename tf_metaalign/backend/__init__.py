@@ -103,8 +103,9 @@ def require_tensorflow(what: str, instead: str = ""):
     """
     import sys
 
-    if "tensorflow" in sys.modules:  # no import machinery inside traced (autograph) code
-        return sys.modules["tensorflow"]
+    loaded = sys.modules.get("tensorflow")
+    if loaded is not None:  # no import machinery inside traced (autograph) code
+        return loaded
     try:
         return importlib.import_module("tensorflow")
     except ImportError as error:
