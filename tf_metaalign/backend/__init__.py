@@ -24,7 +24,7 @@ The interface (the same names in both modules, re-exported here):
   scale_loss_for_distribution(x), unscale_loss_for_distribution(x)
   traced_once(fn)
   counter_dtype()            "int64" (TF; JAX with x64) or "int32" (JAX without x64)
-  densify(tensors), add_n(tensors)
+  densify(tensors), add_n(tensors), read_value(variable)  (a snapshot tensor)
 
 `require_tensorflow(what)` imports TensorFlow for a TensorFlow-only feature, or raises an
 ImportError that names the feature and what to use instead.
@@ -64,19 +64,43 @@ traced_once = _impl.traced_once
 counter_dtype = _impl.counter_dtype
 densify = _impl.densify
 add_n = _impl.add_n
+read_value = _impl.read_value
 
 
 def is_tensorflow() -> bool:
+    """Whether Keras runs on TensorFlow in this process.
+
+    Example:
+      >>> import keras
+      >>> from tf_metaalign import backend
+      >>> backend.is_tensorflow() == (keras.backend.backend() == "tensorflow")
+      True
+    """
     return name == "tensorflow"
 
 
 def is_jax() -> bool:
+    """Whether Keras runs on JAX in this process.
+
+    Example:
+      >>> import keras
+      >>> from tf_metaalign import backend
+      >>> backend.is_jax() == (keras.backend.backend() == "jax")
+      True
+    """
     return name == "jax"
 
 
 def require_tensorflow(what: str, instead: str = ""):
     """The `tensorflow` module, for a feature that needs it (`what`), or an ImportError
-    that names the feature and, when given, what to use instead (`instead`)."""
+    that names the feature and, when given, what to use instead (`instead`).
+
+    Example:
+      >>> from tf_metaalign import backend
+      >>> tf = backend.require_tensorflow("load_tfds", "NumPy arrays")  # doctest: +SKIP
+      >>> # without TensorFlow: ImportError: load_tfds needs TensorFlow, which is not
+      >>> # installed (Keras backend: 'jax'). Instead: NumPy arrays
+    """
     try:
         return importlib.import_module("tensorflow")
     except ImportError as error:
@@ -95,7 +119,19 @@ def tensorflow_if_loaded():
 
 
 def check_backend(feature: str, backends=("tensorflow", "jax")) -> None:
-    """Raise a clear NotImplementedError when `feature` does not run on the current backend."""
+    """Raise a clear NotImplementedError when `feature` does not run on the current backend.
+
+    Example:
+      >>> import keras
+      >>> from tf_metaalign import backend
+      >>> backend.check_backend("SAMTrainer", ("tensorflow", "jax"))  # runs on both: no error
+      >>> other = "jax" if keras.backend.backend() == "tensorflow" else "tensorflow"
+      >>> try:
+      ...     backend.check_backend("SomeTrainer", (other,))
+      ... except NotImplementedError as error:
+      ...     print("runs on" in str(error))
+      True
+    """
     if name not in backends:
         raise NotImplementedError(
             f"{feature} runs on Keras's {' and '.join(backends)} backend"
@@ -109,27 +145,6 @@ def check_backend(feature: str, backends=("tensorflow", "jax")) -> None:
         )
 
 
-__all__ = [
-    "name",
-    "value_and_grad",
-    "value_grad_and_hvp",
-    "jvp",
-    "executing_eagerly",
-    "cond",
-    "num_replicas",
-    "all_reduce_sum",
-    "all_gather_rows",
-    "replica_share",
-    "replica_id",
-    "scale_loss_for_distribution",
-    "unscale_loss_for_distribution",
-    "traced_once",
-    "counter_dtype",
-    "densify",
-    "add_n",
-    "is_tensorflow",
-    "is_jax",
-    "require_tensorflow",
-    "tensorflow_if_loaded",
-    "check_backend",
-]
+# The public part: which backend runs, and the errors for what one lacks. The interface above
+# is the package's plumbing; code written against it uses `tf_metaalign.functional`.
+__all__ = ["name", "is_tensorflow", "is_jax", "require_tensorflow", "check_backend"]

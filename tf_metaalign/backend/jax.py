@@ -392,3 +392,8 @@ class enable_x64:
     def __exit__(self, *exc):
         jax.config.update("jax_enable_x64", self._previous[0])
         _compat.keras_jax_promotes_64_bit(self._previous[1])
+
+
+def read_value(variable):
+    """The variable's current value (through the step's stateless scope)."""
+    return ops.convert_to_tensor(getattr(variable, "value", variable))

@@ -197,3 +197,9 @@ def densify(tensors) -> list:
 def add_n(tensors):
     """The sum of same-shaped tensors (`tf.add_n`, TensorFlow's own summation order)."""
     return tf.add_n(list(tensors))
+
+
+def read_value(variable):
+    """The variable's current value as a tensor (a read, not the variable itself: Keras's
+    `ops.convert_to_tensor` returns a `tf.Variable` unchanged)."""
+    return tf.convert_to_tensor(getattr(variable, "value", variable))

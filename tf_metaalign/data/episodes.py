@@ -49,6 +49,16 @@ salt), so it can be used for validation/test episodes of a held-out class split.
 The data lives in memory and is captured by the input pipeline's graph (keep it under
 protobuf's 2 GB: Omniglot at 28x28 float32 with all 4 rotations is ~400 MB).
 
+On JAX (or anywhere without TensorFlow)
+---------------------------------------
+`batch(k, as_numpy=True)`, `dataset(..., as_numpy=True)` (an infinite generator, or a
+`keras.utils.PyDataset` of `num_batches`), `numpy_batches(...)` and
+`evaluation_dataset(..., as_numpy=True)` (a PyDataset) give the SAME batches as NumPy
+arrays, bit for bit: TensorFlow's stateless draws are reproduced in NumPy
+(`tf_metaalign.data._stateless_numpy`). Keras's `fit` takes them on every backend (give a
+finite PyDataset `shuffle=False` to keep its order). Without TensorFlow the tf.data
+methods raise an ImportError naming this route.
+
 Confidence intervals
 --------------------
 `mean_confidence_interval(values, confidence=0.95)` is the Student-t interval of a mean
@@ -61,9 +71,11 @@ import math
 from typing import Mapping
 
 import numpy as np
-import tensorflow as tf
 
-from tf_metaalign.data.multitask import _check_start
+from tf_metaalign import backend
+from tf_metaalign.data import _stateless_numpy as rnd
+from tf_metaalign.data._numpy_route import NumpyBatches, generate, tensorflow_for
+from tf_metaalign.data.multitask import _check_start, _is_tf_dataset
 from tf_metaalign.data.splits import check_positive_int
 
 __all__ = ["EpisodeSampler", "mean_confidence_interval", "student_t_ppf"]
@@ -75,8 +87,9 @@ __all__ = ["EpisodeSampler", "mean_confidence_interval", "student_t_ppf"]
 def student_t_ppf(p: float, df: float) -> float:
     """The quantile function of Student's t distribution with `df` degrees of freedom.
 
-    Computed from the regularised incomplete beta function (`tf.math.betainc`, float64)
-    by bisection to ~1e-13, so that no scipy is needed; equals `scipy.stats.t.ppf`.
+    Computed from the regularised incomplete beta function (`betainc`, float64) by
+    bisection to ~1e-13, so that neither scipy nor TensorFlow is needed; equals
+    `scipy.stats.t.ppf`.
     """
     p, df = float(p), float(df)
     if not (0.0 < p < 1.0):
@@ -89,13 +102,7 @@ def student_t_ppf(p: float, df: float) -> float:
 
     def cdf(t):  # for t >= 0
         x = df / (df + t * t)
-        return 1.0 - 0.5 * float(
-            tf.math.betainc(
-                tf.constant(df / 2, tf.float64),
-                tf.constant(0.5, tf.float64),
-                tf.constant(x, tf.float64),
-            )
-        )
+        return 1.0 - 0.5 * _betainc(df / 2, 0.5, x)
 
     lo, hi = 0.0, 1.0
     while cdf(hi) < upper:
@@ -112,6 +119,44 @@ def student_t_ppf(p: float, df: float) -> float:
             break
     t = 0.5 * (lo + hi)
     return t if p > 0.5 else -t
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function I_x(a, b) (a, b > 0, 0 <= x <= 1), in
+    float64: the continued fraction of Numerical Recipes (3rd ed., 6.4), evaluated by
+    Lentz's method to machine precision. Agrees with `tf.math.betainc` to ~1e-15."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    log_front = (
+        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    )
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(log_front) * _betacf(a, b, x) / a
+    return 1.0 - math.exp(log_front) * _betacf(b, a, 1.0 - x) / b
+
+
+def _betacf(a, b, x):
+    tiny = 1e-300
+    qab, qap, qam = a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 1000):
+        m2 = 2 * m
+        for aa in (
+            m * (b - m) * x / ((qam + m2) * (a + m2)),
+            -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2)),
+        ):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-16:
+            break
+    return h
 
 
 def mean_confidence_interval(values, confidence: float = 0.95) -> tuple[float, float]:
@@ -278,12 +323,33 @@ class EpisodeSampler:
             )
         self._example_shape = arrays[0].shape[1:]
         self._dtype = arrays[0].dtype
-        self._data = tf.constant(np.concatenate(arrays, axis=0))
-        self._sizes = tf.constant(self.class_sizes)
-        self._offsets = tf.constant(
-            np.concatenate([[0], np.cumsum(self.class_sizes)[:-1]]).astype(np.int64)
-        )
+        self._data_np = np.concatenate(arrays, axis=0)
+        self._offsets_np = np.concatenate([[0], np.cumsum(self.class_sizes)[:-1]]).astype(np.int64)
         self._max_size = int(self.class_sizes.max())
+        self._tf_tables = None  # the tf.data route's constants, made on its first use
+
+    def _tf(self, what, gives="a tf.data.Dataset"):
+        """TensorFlow and the sampler's data as its constants (made once), for `what`."""
+        tf = tensorflow_for(what, gives)
+        if self._tf_tables is None:
+            self._tf_tables = (
+                tf.constant(self._data_np),
+                tf.constant(self.class_sizes),
+                tf.constant(self._offsets_np),
+            )
+        return tf
+
+    @property
+    def _data(self):
+        return self._tf_tables[0]
+
+    @property
+    def _sizes(self):
+        return self._tf_tables[1]
+
+    @property
+    def _offsets(self):
+        return self._tf_tables[2]
 
     @classmethod
     def from_labelled(
@@ -312,7 +378,8 @@ class EpisodeSampler:
           seed: as for `EpisodeSampler`.
           shuffle: as for `EpisodeSampler`.
         """
-        if isinstance(x, tf.data.Dataset):
+        if _is_tf_dataset(x):
+            tf = backend.tensorflow_if_loaded()
             if y is not None:
                 raise ValueError(
                     "Give `y` only with array `x`: a tf.data.Dataset `x` holds (x, y) pairs."
@@ -376,6 +443,7 @@ class EpisodeSampler:
         return self._spec(self.tasks_per_batch)
 
     def _spec(self, t):
+        tf = tensorflow_for("EpisodeSampler.element_spec", "tf.TensorSpecs")
         n, k, q = self.ways, self.shots, self.queries
         dt = tf.as_dtype(self._dtype)
         return (
@@ -388,21 +456,31 @@ class EpisodeSampler:
         )
 
     def _step_seeds(self, seed, k, salt: int, num: int):
+        tf = self._tf("EpisodeSampler")
         base = tf.stack([tf.constant(seed, tf.int64) * 2 + salt, k])
         return tf.random.experimental.stateless_split(base, num=num)
 
     def episode_indices(
-        self, k, salt: int = 0, seed: int | None = None, tasks_per_batch: int | None = None
+        self,
+        k,
+        salt: int = 0,
+        seed: int | None = None,
+        tasks_per_batch: int | None = None,
+        as_numpy: bool = False,
     ):
         """Which examples batch `k` holds, as int64 tensors:
         `(classes [T, N], support_rows [T, N*K], query_rows [T, N*Q],
         support_y [T, N*K], query_y [T, N*Q])`, where `classes[t, j]` is the class (index
         into `class_names`) of episode label j of task t, and a row r is example
         `r - offset[c]` of class c (rows index all classes' examples concatenated in
-        `class_names` order). For tests and analyses; `batch(k)` gathers these rows."""
+        `class_names` order). For tests and analyses; `batch(k)` gathers these rows.
+        With `as_numpy`, the same indices as NumPy arrays (no TensorFlow)."""
         t = self.tasks_per_batch if tasks_per_batch is None else tasks_per_batch
         n, kk, q = self.ways, self.shots, self.queries
         seed = self.seed if seed is None else seed
+        if as_numpy:
+            return self._episode_indices_numpy(int(k), salt, seed, t)
+        tf = self._tf("EpisodeSampler.episode_indices", "tensors")
         k = tf.cast(k, tf.int64)
         s_cls, s_ex, s_sup, s_qry = tf.unstack(self._step_seeds(seed, k, salt, 4))
         # N distinct classes per task, in a uniformly random order (= the episode labels).
@@ -429,19 +507,65 @@ class EpisodeSampler:
             query_y = tf.gather(query_y, perm, batch_dims=1)
         return classes, support_rows, query_rows, support_y, query_y
 
+    def _episode_indices_numpy(self, k, salt, seed, t):
+        """`episode_indices` in NumPy: the same draws, op for op (see _stateless_numpy)."""
+        n, kk, q = self.ways, self.shots, self.queries
+        s_cls, s_ex, s_sup, s_qry = rnd.split(rnd.seed_pair(seed, salt, k), 4)
+        classes = rnd.top_k_indices(rnd.uniform([t, self.num_classes], s_cls), n)
+        sizes = self.class_sizes[classes]
+        u = rnd.uniform([t, n, self._max_size], s_ex)
+        u = np.where(np.arange(self._max_size) < sizes[..., None], u, np.float32(-1.0))
+        within = rnd.top_k_indices(u, kk + q).astype(np.int64)
+        rows = within + self._offsets_np[classes][..., None]
+        labels = np.broadcast_to(np.arange(n, dtype=np.int32)[:, None], (t, n, kk + q))
+        support_rows = rows[:, :, :kk].reshape(t, n * kk)
+        query_rows = rows[:, :, kk:].reshape(t, n * q)
+        support_y = labels[:, :, :kk].reshape(t, n * kk)
+        query_y = labels[:, :, kk:].reshape(t, n * q)
+        if self.shuffle:
+            perm = rnd.argsort(rnd.uniform([t, n * kk], s_sup))
+            support_rows = np.take_along_axis(support_rows, perm, 1)
+            support_y = np.take_along_axis(support_y, perm, 1)
+            perm = rnd.argsort(rnd.uniform([t, n * q], s_qry))
+            query_rows = np.take_along_axis(query_rows, perm, 1)
+            query_y = np.take_along_axis(query_y, perm, 1)
+        return classes, support_rows, query_rows, support_y, query_y
+
     def _make_batch(self, k, salt=0, seed=None, tasks_per_batch=None):
         _, s_rows, q_rows, s_y, q_y = self.episode_indices(k, salt, seed, tasks_per_batch)
+        tf = self._tf("EpisodeSampler.batch")
         return ((tf.gather(self._data, s_rows), s_y, tf.gather(self._data, q_rows)), q_y)
 
-    def batch(self, k):
+    def _make_batch_numpy(self, k, salt=0, seed=None, tasks_per_batch=None):
+        _, s_rows, q_rows, s_y, q_y = self.episode_indices(
+            k, salt, seed, tasks_per_batch, as_numpy=True
+        )
+        return ((self._data_np[s_rows], s_y, self._data_np[q_rows]), q_y)
+
+    def batch(self, k, as_numpy: bool = False):
         """Batch `k` of `dataset()` (a pure function of `(seed, k)`), as tensors
-        `((support_x, support_y, query_x), query_y)`."""
+        `((support_x, support_y, query_x), query_y)`; with `as_numpy`, the same batch as
+        NumPy arrays (no TensorFlow)."""
+        if as_numpy:
+            return self._make_batch_numpy(int(k))
+        self._tf("EpisodeSampler.batch", "tensors")
         return self._make_batch(k)
 
-    def dataset(self, start: int = 0, num_batches: int | None = None) -> tf.data.Dataset:
+    def dataset(self, start: int = 0, num_batches: int | None = None, as_numpy: bool = False):
         """Batches `start, start + 1, ...` (infinite, or `num_batches` of them) of
-        `((support_x, support_y, query_x), query_y)`; `start` = batches already consumed."""
+        `((support_x, support_y, query_x), query_y)`; `start` = batches already consumed.
+
+        Returns a `tf.data.Dataset`; with `as_numpy`, the same batches as NumPy arrays: an
+        infinite generator, or a `keras.utils.PyDataset` of `num_batches` (no TensorFlow;
+        see the module doc)."""
         start = _check_start(start)
+        if as_numpy:
+            if num_batches is None:
+                return generate(self._make_batch_numpy, start)
+            return NumpyBatches(
+                self._make_batch_numpy, check_positive_int(num_batches, "num_batches"), start
+            )
+        tf = self._tf("EpisodeSampler.dataset")
         ds = tf.data.Dataset.counter(start, dtype=tf.int64)
         if num_batches is not None:
             ds = ds.take(check_positive_int(num_batches, "num_batches"))
@@ -450,18 +574,25 @@ class EpisodeSampler:
         ).prefetch(tf.data.AUTOTUNE)
 
     def numpy_batches(self, start: int = 0, num_batches: int | None = None):
-        """`dataset(start, num_batches)` as an iterator of numpy nests."""
-        return self.dataset(start, num_batches).as_numpy_iterator()
+        """`dataset(start, num_batches)` as an iterator of numpy nests (no TensorFlow)."""
+        return iter(self.dataset(start, num_batches, as_numpy=True))
 
     def evaluation_dataset(
-        self, num_batches: int, seed: int | None = None, tasks_per_batch: int | None = None
-    ) -> tf.data.Dataset:
+        self,
+        num_batches: int,
+        seed: int | None = None,
+        tasks_per_batch: int | None = None,
+        as_numpy: bool = False,
+    ):
         """A fixed, finite dataset of `num_batches` batches of episodes, the same each time
         for a `seed` (default: the sampler's), and not the training stream's batches.
 
         `tasks_per_batch` (default the sampler's) sets T of these batches, e.g. 1 for an
         evaluation that adapts to one task at a time. Built from the sampler's classes:
         make a sampler over the held-out (validation / test) classes for evaluation.
+
+        Returns a `tf.data.Dataset`; with `as_numpy`, a `keras.utils.PyDataset` of the same
+        batches as NumPy arrays (no TensorFlow).
         """
         num_batches = check_positive_int(num_batches, "num_batches")
         t = (
@@ -474,6 +605,12 @@ class EpisodeSampler:
         elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise ValueError(f"`seed` must be an integer; got {seed!r}.")
         seed = int(seed)
+        if as_numpy:
+            return NumpyBatches(
+                lambda k: self._make_batch_numpy(k, salt=1, seed=seed, tasks_per_batch=t),
+                num_batches,
+            )
+        tf = self._tf("EpisodeSampler.evaluation_dataset")
 
         def fn(k):
             return self._make_batch(k, salt=1, seed=seed, tasks_per_batch=t)

@@ -26,13 +26,19 @@ straddle two passes. FOMAML's query batch is the (k+1)-th batch of the same pool
 openai/supervised-reptile's FOMAML (the last mini-batch).
 
 `stack_task(x, y, num_batches, batch_size, rng)` is the one-task building block (NumPy).
+
+On JAX (or anywhere without TensorFlow), `stacked_batches(..., as_numpy=True)` gives the
+same elements as NumPy arrays: an infinite generator, or a `keras.utils.PyDataset` of
+`num_elements` (give `fit` `shuffle=False` to keep its order). Without TensorFlow the
+tf.data route raises an ImportError naming this one.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import tensorflow as tf
 
+from tf_metaalign.data._numpy_route import NumpyBatches, tensorflow_for
+from tf_metaalign.data._numpy_route import generate as generate_batches
 from tf_metaalign.data.splits import check_positive_int
 
 __all__ = ["stack_task", "stacked_batches"]
@@ -98,8 +104,8 @@ def _task_fn(task_sampler):
             k, t = divmod(int(i), tasks)
             if k not in cache:
                 cache.clear()
-                (sx, sy, _), _ = task_sampler.batch(k)
-                cache[k] = (sx.numpy(), sy.numpy())
+                (sx, sy, _), _ = task_sampler.batch(k, as_numpy=True)
+                cache[k] = (sx, sy)
             sx, sy = cache[k]
             return sx[t], sy[t]
 
@@ -120,7 +126,8 @@ def stacked_batches(
     stack_axis: int = 0,
     seed: int = 0,
     start: int = 0,
-) -> tf.data.Dataset:
+    as_numpy: bool = False,
+):
     """A `tf.data.Dataset` of stacked elements `(x [k, B, ...], y [k, B, ...])`, one task
     per element (see the module doc).
 
@@ -134,12 +141,14 @@ def stacked_batches(
         trainer's `stack_axis`.
       seed: the shuffling of task i's pool depends only on `(seed, i)`.
       start: the first task index (tasks already consumed, to resume).
+      as_numpy: the same elements as NumPy arrays, without TensorFlow: an infinite
+        generator, or a `keras.utils.PyDataset` of `num_elements` (see the module doc).
 
     Every element has the static shape `[k, B, *example_shape]` (or `[B, k, ...]`),
     which the trainers check against the model's input.
 
     Returns:
-      The `tf.data.Dataset`.
+      The `tf.data.Dataset` (with `as_numpy`, the generator or PyDataset).
 
     Example:
       >>> from tf_metaalign.data import stacked_batches
@@ -169,6 +178,22 @@ def stacked_batches(
         )
 
     first_x, first_y = element(start)
+
+    def checked_element(i):
+        x, y = element(i)
+        if x.shape != first_x.shape or y.shape != first_y.shape:
+            raise ValueError(
+                f"stacked_batches: task {i} gives elements of shapes {x.shape} and "
+                f"{y.shape}, task {start} gave {first_x.shape} and {first_y.shape}: "
+                "every task's examples need the same shape."
+            )
+        return x, y
+
+    if as_numpy:
+        if num_elements is None:
+            return generate_batches(checked_element, int(start))
+        return NumpyBatches(checked_element, num_elements, int(start))
+    tf = tensorflow_for("stacked_batches")
     spec = (
         tf.TensorSpec(first_x.shape, tf.as_dtype(first_x.dtype)),
         tf.TensorSpec(first_y.shape, tf.as_dtype(first_y.dtype)),
@@ -178,14 +203,7 @@ def stacked_batches(
         i = int(start)
         end = None if num_elements is None else start + num_elements
         while end is None or i < end:
-            x, y = element(i)
-            if x.shape != first_x.shape or y.shape != first_y.shape:
-                raise ValueError(
-                    f"stacked_batches: task {i} gives elements of shapes {x.shape} and "
-                    f"{y.shape}, task {start} gave {first_x.shape} and {first_y.shape}: "
-                    "every task's examples need the same shape."
-                )
-            yield x, y
+            yield checked_element(i)
             i += 1
 
     ds = tf.data.Dataset.from_generator(generate, output_signature=spec)

@@ -47,6 +47,20 @@ exactly `tasks_per_batch * per_task_batch_size`), so they work under `tf.functio
 and `MirroredStrategy` (the global batch is split along axis 0 across replicas: see
 `interleave` of `mixed_batches` to give every replica examples of every task).
 
+On JAX (or anywhere without TensorFlow)
+---------------------------------------
+`single_task_batches(as_numpy=True)` and `mixed_batches(..., as_numpy=True)` are infinite
+Python generators of the SAME batches as NumPy arrays (`single_task_batch(k,
+as_numpy=True)` is batch k): the stateless draws are TensorFlow's, reproduced in NumPy
+(Philox, `tf_metaalign.data._stateless_numpy`), so a run resumed on the other route, or
+on the other backend, sees the batches of an uninterrupted one. Keras's `fit` takes the
+generator on every backend (`steps_per_epoch=...`). One exception to "the same": mixed
+batches that draw `tasks_per_batch` < all of 8 or more tasks rank Gumbel scores computed
+with TensorFlow's vectorised float32 log, which differs from the correctly rounded one
+in the last bit; the drawn tasks then differ when two scores tie to that bit (not seen
+in 20,000 batches of 10 tasks; with fewer than 8 tasks the routes are bit-identical).
+Without TensorFlow, the tf.data methods raise an ImportError that names this route.
+
 The data is held in memory: `tasks` given as `tf.data.Dataset`s are materialised once
 (iterated to the end) when the stream is built. All tasks must have the same structure,
 dtypes and per-example shapes (pad text to one sequence length), since they share batches.
@@ -59,9 +73,12 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
+import keras
 import numpy as np
-import tensorflow as tf
 
+from tf_metaalign import backend
+from tf_metaalign.data import _stateless_numpy as rnd
+from tf_metaalign.data._numpy_route import generate, tensorflow_for
 from tf_metaalign.data.splits import check_positive_int
 
 #: Sequential Reptile's (and the multilingual-BERT) default temperature: p_t ∝ N_t^(1/5).
@@ -238,7 +255,13 @@ def _check_batch_x(x):
 # ----------------------------------------------------------------------------- the stream
 
 
-def _materialise(name, dataset: tf.data.Dataset):
+def _is_tf_dataset(value) -> bool:
+    tf = backend.tensorflow_if_loaded()
+    return tf is not None and isinstance(value, tf.data.Dataset)
+
+
+def _materialise(name, dataset):
+    tf = backend.tensorflow_if_loaded()
     card = int(dataset.cardinality())
     if card == tf.data.INFINITE_CARDINALITY:
         raise ValueError(
@@ -248,12 +271,12 @@ def _materialise(name, dataset: tf.data.Dataset):
     parts = [b for b in dataset.batch(4096).as_numpy_iterator()]
     if not parts:
         raise ValueError(f"`tasks`[{name!r}]: task {name!r} has 0 examples (its dataset is empty).")
-    return tf.nest.map_structure(lambda *a: np.concatenate(a, axis=0), *parts)
+    return keras.tree.map_structure(lambda *a: np.concatenate(a, axis=0), *parts)
 
 
 def _as_examples(name, value):
     """(x, y) or (x, y, sample_weight) as numpy nests with one leading example axis."""
-    if isinstance(value, tf.data.Dataset):
+    if _is_tf_dataset(value):
         value = _materialise(name, value)
     if not isinstance(value, (tuple, list)) or len(value) not in (2, 3):
         raise ValueError(
@@ -263,8 +286,8 @@ def _as_examples(name, value):
             + (f" of length {len(value)}" if isinstance(value, (tuple, list)) else "")
             + "."
         )
-    value = tuple(tf.nest.map_structure(np.asarray, tuple(value)))
-    leaves = tf.nest.flatten(value)
+    value = tuple(keras.tree.map_structure(np.asarray, tuple(value)))
+    leaves = keras.tree.flatten(value)
     lengths = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
     if None in lengths or len(lengths) != 1:
         raise ValueError(
@@ -355,14 +378,14 @@ class MultiTaskStream:
         first = self.task_names[0]
         for name, value in zip(self.task_names[1:], examples[1:]):
             try:
-                tf.nest.assert_same_structure(examples[0], value)
+                keras.tree.assert_same_structure(examples[0], value)
             except (ValueError, TypeError) as e:
                 raise ValueError(
                     f"`tasks`[{name!r}] has another structure than `tasks`[{first!r}] (both "
                     "must be (x, y) or both (x, y, sample_weight), with the same nest of x): "
                     f"{e}"
                 ) from None
-            for a, b in zip(tf.nest.flatten(examples[0]), tf.nest.flatten(value)):
+            for a, b in zip(keras.tree.flatten(examples[0]), keras.tree.flatten(value)):
                 if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
                     raise ValueError(
                         f"`tasks`[{name!r}] has an array of per-example shape {b.shape[1:]} "
@@ -371,15 +394,42 @@ class MultiTaskStream:
                         "sequences to one length)."
                     )
         # All tasks in one array per leaf; task t is rows offsets[t] : offsets[t] + N_t.
-        self._data = tf.nest.map_structure(
-            lambda *a: tf.constant(np.concatenate(a, axis=0)), *examples
-        )
+        self._data_np = keras.tree.map_structure(lambda *a: np.concatenate(a, axis=0), *examples)
         n = np.asarray([sizes[k] for k in self.task_names], np.int64)
-        self._sizes = tf.constant(n)
-        self._offsets = tf.constant(np.concatenate([[0], np.cumsum(n)[:-1]]).astype(np.int64))
+        self._sizes_np = n
+        self._offsets_np = np.concatenate([[0], np.cumsum(n)[:-1]]).astype(np.int64)
         self._max_size = int(n.max())
         p = np.asarray([self.probabilities[k] for k in self.task_names], np.float64)
-        self._logits = tf.constant(np.log(p), tf.float32)[tf.newaxis]
+        self._logits_np = np.log(p).astype(np.float32)
+        self._tf_tables = None  # the tf.data route's constants, made on its first use
+
+    def _tf(self, what, gives="a tf.data.Dataset"):
+        """TensorFlow and the stream's data as its constants (made once), for `what`."""
+        tf = tensorflow_for(what, gives)
+        if self._tf_tables is None:
+            self._tf_tables = (
+                keras.tree.map_structure(tf.constant, self._data_np),
+                tf.constant(self._sizes_np),
+                tf.constant(self._offsets_np),
+                tf.constant(self._logits_np)[tf.newaxis],
+            )
+        return tf
+
+    @property
+    def _data(self):
+        return self._tf_tables[0]
+
+    @property
+    def _sizes(self):
+        return self._tf_tables[1]
+
+    @property
+    def _offsets(self):
+        return self._tf_tables[2]
+
+    @property
+    def _logits(self):
+        return self._tf_tables[3]
 
     def __repr__(self):
         return (
@@ -398,12 +448,14 @@ class MultiTaskStream:
 
     def _step_seeds(self, k, salt: int, num: int):
         """`num` independent stateless seeds for step `k` (an int64 scalar tensor)."""
+        tf = self._tf("MultiTaskStream")
         base = tf.stack([tf.constant(self.seed, tf.int64) * 2 + salt, k])
         return tf.random.experimental.stateless_split(base, num=num)
 
     def _sample_examples(self, seed, tasks, per_task):
         """Row indices `[len(tasks), per_task]` of the concatenated data: for each task,
         `per_task` distinct examples uniformly at random (Gumbel top-k over its rows)."""
+        tf = self._tf("MultiTaskStream")
         num = tasks.shape[0]
         sizes = tf.gather(self._sizes, tasks)  # [num]
         u = tf.random.stateless_uniform([num, self._max_size], seed=seed)
@@ -413,14 +465,19 @@ class MultiTaskStream:
         return tf.cast(within, tf.int64) + tf.gather(self._offsets, tasks)[:, tf.newaxis]
 
     def _element(self, rows, tids):
+        tf = self._tf("MultiTaskStream")
         rows = tf.reshape(rows, [-1])
         batch = tf.nest.map_structure(lambda a: tf.gather(a, rows), self._data)
         x, y, *rest = batch
         x = {"inputs": x, "task_id": tf.cast(tf.reshape(tids, [-1]), tf.int32)}
         return (x, y, *rest)
 
-    def single_task_batch(self, k):
-        """Batch `k` of `single_task_batches()` (a pure function of `(seed, k)`)."""
+    def single_task_batch(self, k, as_numpy: bool = False):
+        """Batch `k` of `single_task_batches()` (a pure function of `(seed, k)`); with
+        `as_numpy`, the same batch as NumPy arrays (no TensorFlow)."""
+        if as_numpy:
+            return self._single_task_batch_numpy(int(k))
+        tf = self._tf("MultiTaskStream.single_task_batch", "tensors")
         k = tf.cast(k, tf.int64)
         task_seed, example_seed = tf.unstack(self._step_seeds(k, salt=0, num=2))
         task = tf.random.stateless_categorical(self._logits, 1, seed=task_seed, dtype=tf.int32)[
@@ -430,16 +487,57 @@ class MultiTaskStream:
         tids = tf.fill([self.batch_size], task[0])
         return self._element(rows, tids)
 
-    def single_task_batches(self, start: int = 0) -> tf.data.Dataset:
+    def single_task_batches(self, start: int = 0, as_numpy: bool = False):
         """Infinite dataset of batches of `batch_size` examples, each from ONE task drawn
         with probability p_t (Sequential Reptile's sampling); begins at batch `start` (to
-        resume: the trainer's checkpointed step count)."""
+        resume: the trainer's checkpointed step count).
+
+        Returns a `tf.data.Dataset`; with `as_numpy`, an infinite generator of the same
+        batches as NumPy arrays (no TensorFlow; see the module doc)."""
         start = _check_start(start)
+        if as_numpy:
+            return generate(self._single_task_batch_numpy, start)
+        tf = self._tf("MultiTaskStream.single_task_batches")
         return (
             tf.data.Dataset.counter(start, dtype=tf.int64)
             .map(self.single_task_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
             .prefetch(tf.data.AUTOTUNE)
         )
+
+    # ------------------------------------------------------------------ the NumPy route
+    # The same draws as the TensorFlow methods above, op for op (see _stateless_numpy).
+
+    def _sample_examples_numpy(self, seed, tasks, per_task):
+        u = rnd.uniform([len(tasks), self._max_size], seed)
+        valid = np.arange(self._max_size)[None] < self._sizes_np[tasks][:, None]
+        u = np.where(valid, u, np.float32(-1.0))
+        within = rnd.top_k_indices(u, per_task).astype(np.int64)
+        return within + self._offsets_np[tasks][:, None]
+
+    def _element_numpy(self, rows, tids):
+        rows = rows.reshape(-1)
+        x, y, *rest = keras.tree.map_structure(lambda a: a[rows], self._data_np)
+        return ({"inputs": x, "task_id": tids.reshape(-1).astype(np.int32)}, y, *rest)
+
+    def _single_task_batch_numpy(self, k):
+        task_seed, example_seed = rnd.split(rnd.seed_pair(self.seed, 0, k), 2)
+        task = rnd.categorical(self._logits_np, task_seed)
+        rows = self._sample_examples_numpy(example_seed, np.asarray([task]), self.batch_size)
+        return self._element_numpy(rows, np.full([self.batch_size], task, np.int32))
+
+    def _mixed_batch_numpy(self, k, tasks_per_batch, per_task_batch_size, interleave):
+        task_seed, example_seed = rnd.split(rnd.seed_pair(self.seed, 1, k), 2)
+        if tasks_per_batch == self.num_tasks:
+            tasks = np.arange(self.num_tasks, dtype=np.int32)
+        else:
+            u = rnd.uniform([self.num_tasks], task_seed)
+            u = u * (np.float32(1.0) - np.float32(1e-20)) + np.float32(1e-20)
+            tasks = np.sort(rnd.top_k_indices(self._logits_np + rnd.gumbel(u), tasks_per_batch))
+        rows = self._sample_examples_numpy(example_seed, tasks, per_task_batch_size)
+        tids = np.broadcast_to(tasks[:, None], (tasks_per_batch, per_task_batch_size))
+        if interleave:
+            rows, tids = rows.T, tids.T
+        return self._element_numpy(rows, tids)
 
     def _check_mixed(self, tasks_per_batch, per_task_batch_size):
         per_task_batch_size = check_positive_int(per_task_batch_size, "per_task_batch_size")
@@ -461,13 +559,18 @@ class MultiTaskStream:
         tasks_per_batch: int | None = None,
         per_task_batch_size: int | None = None,
         interleave: bool = False,
+        as_numpy: bool = False,
     ):
-        """Batch `k` of `mixed_batches(...)` (a pure function of `(seed, k)`)."""
+        """Batch `k` of `mixed_batches(...)` (a pure function of `(seed, k)`); with
+        `as_numpy`, the same batch as NumPy arrays (no TensorFlow)."""
         if per_task_batch_size is None:
             per_task_batch_size = self.batch_size
         tasks_per_batch, per_task_batch_size = self._check_mixed(
             tasks_per_batch, per_task_batch_size
         )
+        if as_numpy:
+            return self._mixed_batch_numpy(int(k), tasks_per_batch, per_task_batch_size, interleave)
+        tf = self._tf("MultiTaskStream.mixed_batch", "tensors")
         k = tf.cast(k, tf.int64)
         task_seed, example_seed = tf.unstack(self._step_seeds(k, salt=1, num=2))
         if tasks_per_batch == self.num_tasks:
@@ -492,7 +595,8 @@ class MultiTaskStream:
         per_task_batch_size: int | None = None,
         interleave: bool = False,
         start: int = 0,
-    ) -> tf.data.Dataset:
+        as_numpy: bool = False,
+    ):
         """Infinite dataset of mixed batches: `per_task_batch_size` (default `batch_size`)
         examples of each of `tasks_per_batch` tasks (default all; fewer are drawn with p_t
         without replacement), `tasks_per_batch * per_task_batch_size` examples in all.
@@ -502,6 +606,9 @@ class MultiTaskStream:
         that a split of the batch into R equal replica shards gives every replica
         `per_task_batch_size / R` examples of every task when R divides it. `task_id` is
         authoritative either way. Begins at batch `start` (the trainer's step count).
+
+        Returns a `tf.data.Dataset`; with `as_numpy`, an infinite generator of the same
+        batches as NumPy arrays (no TensorFlow; see the module doc).
         """
         if per_task_batch_size is None:
             per_task_batch_size = self.batch_size
@@ -509,6 +616,14 @@ class MultiTaskStream:
             tasks_per_batch, per_task_batch_size
         )
         start = _check_start(start)
+        if as_numpy:
+            return generate(
+                lambda k: self._mixed_batch_numpy(
+                    k, tasks_per_batch, per_task_batch_size, interleave
+                ),
+                start,
+            )
+        tf = self._tf("MultiTaskStream.mixed_batches")
 
         def fn(k):
             return self.mixed_batch(k, tasks_per_batch, per_task_batch_size, interleave)
@@ -530,8 +645,6 @@ def _check_start(start) -> int:
 
 
 # ----------------------------------------------------------------------------- per-task heads
-
-import keras  # noqa: E402
 
 
 @keras.saving.register_keras_serializable(package="tf_metaalign")

@@ -39,6 +39,16 @@ Decoded arrays are cached as `.npz` under `cache_dir` (default `$TF_METAALIGN_CA
 `$XDG_CACHE_HOME/tf_metaalign`, else `~/.cache/tf_metaalign`), keyed by the content
 hash of the source zips (path, size and mtime of the files of a source folder), the image
 size and the resize method; `cache_dir=False` turns caching off.
+
+Without TensorFlow (JAX)
+------------------------
+Decoding the PNGs and resizing them is TensorFlow's (`tf.io.decode_png`,
+`tf.image.resize`): without it, `load_omniglot` reads its `.npz` cache (made once where
+TensorFlow is installed, with the same arguments; copy `cache_dir` over) and raises an
+ImportError that says so when there is none; `load_official_runs` needs TensorFlow.
+`split_classes`, `augment_rotations`, `evaluate_official_runs` and
+`official_runs_dataset(..., as_numpy=True)` (a `keras.utils.PyDataset`) need no
+TensorFlow.
 """
 
 from __future__ import annotations
@@ -54,8 +64,9 @@ from pathlib import Path
 from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
-import tensorflow as tf
 
+from tf_metaalign import backend
+from tf_metaalign.data._numpy_route import NumpyBatches, tensorflow_for
 from tf_metaalign.data.episodes import mean_confidence_interval
 from tf_metaalign.data.splits import check_positive_int
 
@@ -110,10 +121,24 @@ def _check_image_size(image_size):
     return check_positive_int(image_size, "image_size")
 
 
+_CACHE_INSTEAD = (
+    "load_omniglot reads its .npz cache without TensorFlow: run it once where TensorFlow "
+    "is installed with the same root, sets, image_size, resize_method and cache_dir (and "
+    "copy cache_dir here)."
+)
+
+
 def _decode_images(
-    pngs: Sequence[bytes], image_size: int | None, resize_method: str, what: str = "images"
+    pngs: Sequence[bytes],
+    image_size: int | None,
+    resize_method: str,
+    what: str = "images",
+    instead: str = "",
 ) -> np.ndarray:
     """PNG bytes -> float32 [n, S, S, 1], strokes = 1 (see the module doc)."""
+    tf = backend.require_tensorflow(
+        f"Decoding and resizing {what} (tf.io.decode_png, tf.image.resize)", instead
+    )
     decoded = []
     for i, b in enumerate(pngs):
         try:
@@ -269,20 +294,8 @@ def load_omniglot(
         )
     sources = [_Source(root, s) for s in sets]
 
-    cache_path = None
-    if cache_dir is not False:
-        cache_root = Path(cache_dir) if cache_dir not in (None, True) else _default_cache_dir()
-        key = json.dumps(
-            {
-                "v": _CACHE_VERSION,
-                "sources": [s.fingerprint() for s in sources],
-                "image_size": image_size,
-                "resize_method": resize_method,
-            },
-            sort_keys=True,
-        )
-        digest = hashlib.sha256(key.encode()).hexdigest()[:24]
-        cache_path = cache_root / f"omniglot_{digest}.npz"
+    cache_path = _cache_path(sources, image_size, resize_method, cache_dir)
+    if cache_path is not None:
         if cache_path.is_file():
             try:
                 return _read_cache(cache_path)
@@ -299,10 +312,30 @@ def load_omniglot(
             names.append(f"{key_[0]}/{key_[1]}")
             counts.append(len(files))
             pngs.extend(files)
-    images = _decode_images(pngs, image_size, resize_method, what=f"Omniglot sets {sets}")
+    images = _decode_images(
+        pngs, image_size, resize_method, what=f"Omniglot sets {sets}", instead=_CACHE_INSTEAD
+    )
     if cache_path is not None:
         _write_cache(cache_path, names, counts, images)
     return _to_classes(names, counts, images)
+
+
+def _cache_path(sources, image_size, resize_method, cache_dir) -> Path | None:
+    """Where `load_omniglot` caches these arguments' arrays (None: no cache)."""
+    if cache_dir is False:
+        return None
+    cache_root = Path(cache_dir) if cache_dir not in (None, True) else _default_cache_dir()
+    key = json.dumps(
+        {
+            "v": _CACHE_VERSION,
+            "sources": [s.fingerprint() for s in sources],
+            "image_size": image_size,
+            "resize_method": resize_method,
+        },
+        sort_keys=True,
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+    return cache_root / f"omniglot_{digest}.npz"
 
 
 def _to_classes(names, counts, images) -> dict[str, np.ndarray]:
@@ -686,7 +719,13 @@ def load_official_runs(
             )
         pngs = [files[entry["training"][i]] for i in train_idx]
         pngs += [files[entry["test"][i]] for i in test_idx]
-        images = _decode_images(pngs, image_size, resize_method, what=f"{path}: {run}")
+        images = _decode_images(
+            pngs,
+            image_size,
+            resize_method,
+            what=f"{path}: {run}",
+            instead="install tensorflow-cpu beside JAX (the decoded runs are NumPy arrays).",
+        )
         n = len(train_idx)
         out.append(
             OfficialRun(
@@ -700,7 +739,9 @@ def load_official_runs(
     return out
 
 
-def official_runs_dataset(runs: Sequence[OfficialRun], tasks_per_batch: int = 1) -> tf.data.Dataset:
+def official_runs_dataset(
+    runs: Sequence[OfficialRun], tasks_per_batch: int = 1, as_numpy: bool = False
+):
     """The runs in the episode batch format `((support_x, support_y, query_x), query_y)`
     (see `tf_metaalign.data.episodes`), `tasks_per_batch` runs per batch (the last batch
     smaller when it does not divide the number of runs), e.g. for a meta-learning
@@ -709,9 +750,11 @@ def official_runs_dataset(runs: Sequence[OfficialRun], tasks_per_batch: int = 1)
     Args:
       runs: from `load_official_runs`.
       tasks_per_batch: runs per batch.
+      as_numpy: a `keras.utils.PyDataset` of the same batches as NumPy arrays instead
+        (no TensorFlow).
 
     Returns:
-      A finite `tf.data.Dataset`.
+      A finite `tf.data.Dataset` (with `as_numpy`, the PyDataset).
 
     Example:
       >>> from tf_metaalign.data import official_runs_dataset
@@ -732,6 +775,14 @@ def official_runs_dataset(runs: Sequence[OfficialRun], tasks_per_batch: int = 1)
     sy = np.stack([r.support_y for r in runs])
     qx = np.stack([r.query_x for r in runs])
     qy = np.stack([r.query_y for r in runs])
+    if as_numpy:
+
+        def batch(i):
+            part = slice(i * tasks_per_batch, (i + 1) * tasks_per_batch)
+            return (sx[part], sy[part], qx[part]), qy[part]
+
+        return NumpyBatches(batch, -(-len(runs) // tasks_per_batch))
+    tf = tensorflow_for("official_runs_dataset")
     return tf.data.Dataset.from_tensor_slices(((sx, sy, qx), qy)).batch(tasks_per_batch)
 
 

@@ -10,13 +10,18 @@ query set). Batches are in the episode format of `tf_metaalign.data.episodes` (w
 
 all float32. Batch i is a pure function of `(seed, i)` (numpy's `default_rng([seed, i])`),
 so a run is reproducible and the evaluation tasks (another seed) are fixed.
+
+`dataset(num_batches)` is a `tf.data.Dataset`; `dataset(num_batches, as_numpy=True)` the
+same batches as a `keras.utils.PyDataset` (no TensorFlow; for `fit` on JAX, with
+`shuffle=False` to keep the order).
 """
 
 from __future__ import annotations
 
+import keras
 import numpy as np
-import tensorflow as tf
 
+from tf_metaalign.data._numpy_route import NumpyBatches, tensorflow_for
 from tf_metaalign.data.splits import check_positive_int
 
 __all__ = ["AMPLITUDE_RANGE", "PHASE_RANGE", "INPUT_RANGE", "sinusoid", "SinusoidTasks"]
@@ -64,9 +69,14 @@ class SinusoidTasks:
         out = ((x[:, :k], y[:, :k], x[:, k:]), y[:, k:])
         return (out, (amplitude, phase)) if with_tasks else out
 
-    def dataset(self, num_batches: int) -> tf.data.Dataset:
-        """Batches 0 .. num_batches-1, in memory (small: T * (K + Q) points each)."""
+    def dataset(self, num_batches: int, as_numpy: bool = False):
+        """Batches 0 .. num_batches-1, in memory (small: T * (K + Q) points each): a
+        `tf.data.Dataset`, or with `as_numpy` a `keras.utils.PyDataset` of the same
+        batches (no TensorFlow)."""
         num_batches = check_positive_int(num_batches, "num_batches")
+        if as_numpy:
+            return NumpyBatches(self.batch, num_batches)
+        tf = tensorflow_for("SinusoidTasks.dataset")
         batches = [self.batch(i) for i in range(num_batches)]
-        stacked = tf.nest.map_structure(lambda *a: np.stack(a), *batches)
+        stacked = keras.tree.map_structure(lambda *a: np.stack(a), *batches)
         return tf.data.Dataset.from_tensor_slices(stacked)

@@ -1,12 +1,22 @@
-"""Train/test splits shared by the offline loaders: a fixed-seed, stratified split."""
+"""Train/test splits shared by the offline loaders: a fixed-seed, stratified split.
+
+`make_dataset` (and `Splits.train_dataset` / `test_dataset`) make a `tf.data.Dataset`;
+with `as_numpy=True` the batches come as NumPy arrays without TensorFlow (for Keras's
+`fit` on JAX): in order, the same batches as the tf.data route; shuffled, another order
+(tf.data's shuffle depends on TensorFlow's global seed and cannot be reproduced), drawn
+from `(seed, epoch)`. Or give `fit` the arrays themselves (`fit(x, y, batch_size=...)`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Sequence
 
+import itertools
+
 import numpy as np
-import tensorflow as tf
+
+from tf_metaalign.data._numpy_route import NumpyBatches, tensorflow_for
 
 
 @dataclasses.dataclass
@@ -45,8 +55,10 @@ class Splits:
         seed: int = 0,
         repeat: bool = False,
         drop_remainder: bool = False,
-    ) -> tf.data.Dataset:
-        """Batches of `(x, y)` from the train split, shuffled with `seed` (same order each time)."""
+        as_numpy: bool = False,
+    ):
+        """Batches of `(x, y)` from the train split, shuffled with `seed` (same order each
+        time); see `make_dataset` (and its `as_numpy`)."""
         return make_dataset(
             self.x_train,
             self.y_train,
@@ -55,11 +67,12 @@ class Splits:
             seed=seed,
             repeat=repeat,
             drop_remainder=drop_remainder,
+            as_numpy=as_numpy,
         )
 
-    def test_dataset(self, batch_size: int) -> tf.data.Dataset:
-        """Batches of `(x, y)` from the test split, in order."""
-        return make_dataset(self.x_test, self.y_test, batch_size, shuffle=False)
+    def test_dataset(self, batch_size: int, as_numpy: bool = False):
+        """Batches of `(x, y)` from the test split, in order (see `make_dataset`)."""
+        return make_dataset(self.x_test, self.y_test, batch_size, shuffle=False, as_numpy=as_numpy)
 
     def __repr__(self):
         return (
@@ -126,7 +139,8 @@ def make_dataset(
     seed: int = 0,
     repeat: bool = False,
     drop_remainder: bool = False,
-) -> tf.data.Dataset:
+    as_numpy: bool = False,
+):
     """A `tf.data.Dataset` of `(x, y)` batches; the shuffle order depends only on `seed`.
 
     Args:
@@ -137,6 +151,10 @@ def make_dataset(
       seed: the shuffle's seed.
       repeat: repeat forever.
       drop_remainder: drop the last, smaller batch.
+      as_numpy: NumPy batches, without TensorFlow: a `keras.utils.PyDataset` (with
+        `repeat`, an infinite generator). Unshuffled, the tf.data route's batches;
+        shuffled, epoch e's order is `np.random.default_rng([seed, e]).permutation(n)`
+        (a PyDataset's epoch advances at the end of each `fit` epoch).
 
     Example:
       >>> from tf_metaalign.data import make_dataset
@@ -148,9 +166,54 @@ def make_dataset(
     n = len(y)
     if n == 0:
         raise ValueError("`y` is empty: cannot make a dataset from an empty split.")
+    if as_numpy:
+        return _numpy_batches(x, y, n, batch_size, shuffle, seed, repeat, drop_remainder)
+    tf = tensorflow_for("make_dataset")
     ds = tf.data.Dataset.from_tensor_slices((x, y))
     if shuffle:
         ds = ds.shuffle(n, seed=seed, reshuffle_each_iteration=True)
     if repeat:
         ds = ds.repeat()
     return ds.batch(batch_size, drop_remainder=drop_remainder).prefetch(2)
+
+
+def _numpy_batches(x, y, n, batch_size, shuffle, seed, repeat, drop_remainder):
+    """`make_dataset(..., as_numpy=True)`."""
+    x, y = _as_arrays(x), np.asarray(y)
+
+    def order(epoch):
+        return np.random.default_rng([int(seed), epoch]).permutation(n) if shuffle else np.arange(n)
+
+    if repeat:  # batches run across epochs, as tf.data's `.repeat().batch()`
+
+        def forever():
+            pending = np.zeros([0], np.int64)
+            for epoch in itertools.count():
+                pending = np.concatenate([pending, order(epoch)])
+                while len(pending) >= batch_size:
+                    index, pending = pending[:batch_size], pending[batch_size:]
+                    yield take(x, index), y[index]
+
+        return forever()
+    epoch = [0]
+
+    def batch(i):
+        index = order(epoch[0])[i * batch_size : (i + 1) * batch_size]
+        return take(x, index), y[index]
+
+    def next_epoch():
+        epoch[0] += 1
+
+    length = n // batch_size if drop_remainder else -(-n // batch_size)
+    if length == 0:
+        raise ValueError(
+            f"`batch_size`={batch_size} with `drop_remainder=True` leaves no batch of the "
+            f"{n} examples."
+        )
+    return NumpyBatches(batch, length, on_epoch_end=next_epoch)
+
+
+def _as_arrays(x):
+    if isinstance(x, dict):
+        return {k: np.asarray(v) for k, v in x.items()}
+    return np.asarray(x)

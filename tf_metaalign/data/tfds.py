@@ -44,6 +44,13 @@ def load_tfds(
       ...     print(type(e).__name__)
       DatasetNotPreparedError
     """
+    from tf_metaalign import backend
+
+    backend.require_tensorflow(
+        "load_tfds (TensorFlow Datasets yields tf.data.Datasets)",
+        "install tensorflow-cpu beside JAX (Keras's JAX fit takes a tf.data.Dataset), or "
+        "load the data as NumPy arrays.",
+    )
     import tensorflow_datasets as tfds
 
     if not isinstance(name, str) or not name:

@@ -2,39 +2,137 @@
 both by the Keras optimizer and by code that differentiates through an update.
 See docs/optimizers.md."""
 
-from tf_metaalign._exports import export, missing_attribute
+from tf_metaalign._exports import missing_attribute, unavailable
 
-_PACKAGE = "tf_metaalign.optimizers"
-_MODULES = ["differentiable", "schedules"]
-_EXPORTS = {
-    "tf_metaalign.optimizers.adafactor": ["Adafactor", "AdafactorRule", "factored_dims"],
-    "tf_metaalign.optimizers.adam": ["Adam", "AdamRule", "AdamW", "AdamWRule"],
-    "tf_metaalign.optimizers.adam_weight_decay": ["AdamWeightDecay", "AdamWeightDecayRule"],
-    "tf_metaalign.optimizers.base": ["BaseOptimizer", "OptimizerState", "UpdateRule", "apply_rule"],
-    "tf_metaalign.optimizers.differentiable": [
-        "as_rule_optimizer",
-        "check_optimizer",
-        "describe_conversion",
-        "forward_mode_error",
-        "optimizer_classes",
-        "resolve_hyperparameters",
-        "supported_optimizers",
-        "supports_forward_mode",
-    ],
-    "tf_metaalign.optimizers.lamb": ["Lamb", "LambRule"],
-    "tf_metaalign.optimizers.recadam": ["RecAdam", "RecAdamRule", "anneal_lambda"],
-    "tf_metaalign.optimizers.schedules": [
-        "AdafactorRelativeStep",
-        "BertSchedule",
-        "PegasusSchedule",
-        "T5InverseSquareRootSchedule",
-    ],
-    "tf_metaalign.optimizers.sgd": ["SGD", "SGDRule"],
-}
-for _name in _MODULES:
-    export(globals(), f"{_PACKAGE}.{_name}", as_module=_name)
-for _module, _names in _EXPORTS.items():
-    export(globals(), _module, _names)
+try:
+    from tf_metaalign.optimizers import differentiable
+except ModuleNotFoundError as _error:
+    unavailable(globals(), _error, "tf_metaalign.optimizers.differentiable", ["differentiable"])
+try:
+    from tf_metaalign.optimizers import schedules
+except ModuleNotFoundError as _error:
+    unavailable(globals(), _error, "tf_metaalign.optimizers.schedules", ["schedules"])
+try:
+    from tf_metaalign.optimizers.adafactor import (
+        Adafactor,
+        AdafactorRule,
+        factored_dims,
+    )
+except ModuleNotFoundError as _error:
+    unavailable(
+        globals(),
+        _error,
+        "tf_metaalign.optimizers.adafactor",
+        ["Adafactor", "AdafactorRule", "factored_dims"],
+    )
+try:
+    from tf_metaalign.optimizers.adam import (
+        Adam,
+        AdamRule,
+        AdamW,
+        AdamWRule,
+    )
+except ModuleNotFoundError as _error:
+    unavailable(
+        globals(),
+        _error,
+        "tf_metaalign.optimizers.adam",
+        ["Adam", "AdamRule", "AdamW", "AdamWRule"],
+    )
+try:
+    from tf_metaalign.optimizers.adam_weight_decay import (
+        AdamWeightDecay,
+        AdamWeightDecayRule,
+    )
+except ModuleNotFoundError as _error:
+    unavailable(
+        globals(),
+        _error,
+        "tf_metaalign.optimizers.adam_weight_decay",
+        ["AdamWeightDecay", "AdamWeightDecayRule"],
+    )
+try:
+    from tf_metaalign.optimizers.base import (
+        BaseOptimizer,
+        OptimizerState,
+        UpdateRule,
+        apply_rule,
+    )
+except ModuleNotFoundError as _error:
+    unavailable(
+        globals(),
+        _error,
+        "tf_metaalign.optimizers.base",
+        ["BaseOptimizer", "OptimizerState", "UpdateRule", "apply_rule"],
+    )
+try:
+    from tf_metaalign.optimizers.differentiable import (
+        as_rule_optimizer,
+        check_optimizer,
+        describe_conversion,
+        forward_mode_error,
+        optimizer_classes,
+        resolve_hyperparameters,
+        supported_optimizers,
+        supports_forward_mode,
+    )
+except ModuleNotFoundError as _error:
+    unavailable(
+        globals(),
+        _error,
+        "tf_metaalign.optimizers.differentiable",
+        [
+            "as_rule_optimizer",
+            "check_optimizer",
+            "describe_conversion",
+            "forward_mode_error",
+            "optimizer_classes",
+            "resolve_hyperparameters",
+            "supported_optimizers",
+            "supports_forward_mode",
+        ],
+    )
+try:
+    from tf_metaalign.optimizers.lamb import (
+        Lamb,
+        LambRule,
+    )
+except ModuleNotFoundError as _error:
+    unavailable(globals(), _error, "tf_metaalign.optimizers.lamb", ["Lamb", "LambRule"])
+try:
+    from tf_metaalign.optimizers.recadam import (
+        RecAdam,
+        RecAdamRule,
+        anneal_lambda,
+    )
+except ModuleNotFoundError as _error:
+    unavailable(
+        globals(),
+        _error,
+        "tf_metaalign.optimizers.recadam",
+        ["RecAdam", "RecAdamRule", "anneal_lambda"],
+    )
+try:
+    from tf_metaalign.optimizers.schedules import (
+        AdafactorRelativeStep,
+        BertSchedule,
+        PegasusSchedule,
+        T5InverseSquareRootSchedule,
+    )
+except ModuleNotFoundError as _error:
+    unavailable(
+        globals(),
+        _error,
+        "tf_metaalign.optimizers.schedules",
+        ["AdafactorRelativeStep", "BertSchedule", "PegasusSchedule", "T5InverseSquareRootSchedule"],
+    )
+try:
+    from tf_metaalign.optimizers.sgd import (
+        SGD,
+        SGDRule,
+    )
+except ModuleNotFoundError as _error:
+    unavailable(globals(), _error, "tf_metaalign.optimizers.sgd", ["SGD", "SGDRule"])
 
 __all__ = [
     "Adafactor",
@@ -72,4 +170,4 @@ __all__ = [
     "supported_optimizers",
     "supports_forward_mode",
 ]
-__getattr__ = missing_attribute(globals(), _PACKAGE)
+__getattr__ = missing_attribute(globals(), "tf_metaalign.optimizers")

@@ -2,34 +2,89 @@
 
 On Keras's JAX backend without TensorFlow installed, a trainer not yet moved to JAX is a
 name that raises a clear ImportError (`tf_metaalign._exports`); `MetaTrainer.backends`
-says which backends a trainer runs on.
-"""
+says which backends a trainer runs on."""
 
-from tf_metaalign._exports import export, missing_attribute
+from tf_metaalign._exports import missing_attribute, unavailable
 
-_PACKAGE = "tf_metaalign.trainers"
-_EXPORTS = {
-    "tf_metaalign.trainers.base": ["Diagnostic", "EveryKSteps", "MetaTrainer", "commit_weights"],
-    "tf_metaalign.trainers.dotprod": ["DotProdTrainer"],
-    "tf_metaalign.trainers.multitask": ["MultiTaskTrainer"],
-    "tf_metaalign.trainers.guided": [
-        "GuidedHyperparameters",
-        "GuidedTrainer",
-        "guided_update",
-        "split_guidance_batch",
-    ],
-    "tf_metaalign.trainers.reptile": [
-        "FOMAMLTrainer",
-        "MultiTaskReptileTrainer",
-        "ReptileTrainer",
-        "SequentialReptileTrainer",
-    ],
-    "tf_metaalign.trainers.maml": ["MAMLTrainer"],
-    "tf_metaalign.trainers.prompt_meta": ["PromptFOMAMLTrainer", "PromptReptileTrainer"],
-    "tf_metaalign.trainers.sam": ["GSAMTrainer", "SAMTrainer"],
-}
-for _module, _names in _EXPORTS.items():
-    export(globals(), _module, _names)
+try:
+    from tf_metaalign.trainers.base import (
+        Diagnostic,
+        EveryKSteps,
+        MetaTrainer,
+        commit_weights,
+    )
+except ModuleNotFoundError as _error:
+    unavailable(
+        globals(),
+        _error,
+        "tf_metaalign.trainers.base",
+        ["Diagnostic", "EveryKSteps", "MetaTrainer", "commit_weights"],
+    )
+try:
+    from tf_metaalign.trainers.dotprod import (
+        DotProdTrainer,
+    )
+except ModuleNotFoundError as _error:
+    unavailable(globals(), _error, "tf_metaalign.trainers.dotprod", ["DotProdTrainer"])
+try:
+    from tf_metaalign.trainers.multitask import (
+        MultiTaskTrainer,
+    )
+except ModuleNotFoundError as _error:
+    unavailable(globals(), _error, "tf_metaalign.trainers.multitask", ["MultiTaskTrainer"])
+try:
+    from tf_metaalign.trainers.guided import (
+        GuidedHyperparameters,
+        GuidedTrainer,
+        guided_update,
+        split_guidance_batch,
+    )
+except ModuleNotFoundError as _error:
+    unavailable(
+        globals(),
+        _error,
+        "tf_metaalign.trainers.guided",
+        ["GuidedHyperparameters", "GuidedTrainer", "guided_update", "split_guidance_batch"],
+    )
+try:
+    from tf_metaalign.trainers.reptile import (
+        FOMAMLTrainer,
+        MultiTaskReptileTrainer,
+        ReptileTrainer,
+        SequentialReptileTrainer,
+    )
+except ModuleNotFoundError as _error:
+    unavailable(
+        globals(),
+        _error,
+        "tf_metaalign.trainers.reptile",
+        ["FOMAMLTrainer", "MultiTaskReptileTrainer", "ReptileTrainer", "SequentialReptileTrainer"],
+    )
+try:
+    from tf_metaalign.trainers.maml import (
+        MAMLTrainer,
+    )
+except ModuleNotFoundError as _error:
+    unavailable(globals(), _error, "tf_metaalign.trainers.maml", ["MAMLTrainer"])
+try:
+    from tf_metaalign.trainers.prompt_meta import (
+        PromptFOMAMLTrainer,
+        PromptReptileTrainer,
+    )
+except ModuleNotFoundError as _error:
+    unavailable(
+        globals(),
+        _error,
+        "tf_metaalign.trainers.prompt_meta",
+        ["PromptFOMAMLTrainer", "PromptReptileTrainer"],
+    )
+try:
+    from tf_metaalign.trainers.sam import (
+        GSAMTrainer,
+        SAMTrainer,
+    )
+except ModuleNotFoundError as _error:
+    unavailable(globals(), _error, "tf_metaalign.trainers.sam", ["GSAMTrainer", "SAMTrainer"])
 
 __all__ = [
     "MetaTrainer",
@@ -52,4 +107,4 @@ __all__ = [
     "SAMTrainer",
     "GSAMTrainer",
 ]
-__getattr__ = missing_attribute(globals(), _PACKAGE)
+__getattr__ = missing_attribute(globals(), "tf_metaalign.trainers")

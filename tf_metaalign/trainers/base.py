@@ -144,13 +144,13 @@ class Diagnostic(keras.metrics.Metric):
             self.total.assign_add(value * weight)
             self.count.assign_add(weight)
         else:
-            keep = ops.convert_to_tensor(self.last.value)
+            keep = F.read_value(self.last)
             self.last.assign(ops.where(weight > 0, value, keep))
 
     def result(self):
         if self.reduction == "mean":
             return ops.divide_no_nan(self.total.value, self.count.value)
-        return ops.convert_to_tensor(self.last.value)
+        return F.read_value(self.last)
 
     def reset_state(self):
         if self.reduction == "mean":
@@ -206,7 +206,7 @@ class EveryKSteps(keras.layers.Layer):
         self.built = True
 
     def phase(self):
-        return ops.mod(ops.convert_to_tensor(self.count.value), self.k)
+        return ops.mod(F.read_value(self.count), self.k)
 
     def is_first(self):
         return True if self.k == 1 else ops.equal(self.phase(), 0)
@@ -937,7 +937,7 @@ def _value_initializer(variable):
     """A Keras initializer that returns `variable`'s current value."""
 
     def initializer(shape, dtype=None):
-        return ops.cast(ops.convert_to_tensor(variable.value), dtype or variable.dtype)
+        return ops.cast(F.read_value(variable), dtype or variable.dtype)
 
     return initializer
 

@@ -6,7 +6,7 @@ import inspect
 import logging
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from tf_metaalign.callbacks import DivergenceGuard
 
@@ -86,6 +86,17 @@ class DotProdTrainer(MetaTrainer):
         optimizer's own `gradient_accumulation_steps` (set at compile time), which
         accumulates after the cross-replica sum.
 
+    On JAX (`KERAS_BACKEND=jax`; TensorFlow not needed) the same arguments, logs and
+    numbers (float64 trajectories equal TensorFlow's, tested against golden files). What
+    differs is multi-device training: under `keras.distribution.DataParallel` the step is
+    one SPMD program that sees the GLOBAL batch, so b1 and b2 are the global batch's first
+    and second halves on any number of devices (TensorFlow with one replica), whereas a
+    `tf.distribute` strategy splits each replica's shard, so there the global b1 is the
+    union of the shards' first halves. Both give replica-count-independent results; they
+    differ from each other only in which examples form b1 and b2 on several devices. On
+    JAX the batch size is always static, so a batch too small to split is decided at
+    trace time, and skipped pairs (`every > 1`) always cost one full-batch pass.
+
     Under mixed precision (`keras.mixed_precision.set_global_policy("mixed_float16")` and
     a `LossScaleOptimizer`), gradients are of the scaled loss, and the perturbation
     theta - alpha*G1 is applied to the float32 variables with the unscaled G1.
@@ -113,6 +124,8 @@ class DotProdTrainer(MetaTrainer):
       Kedia, Chinthakindi & Ryu, "Beyond Reptile: Meta-Learned Dot-Product Maximization
       between Gradients for Improved Single-Task Regularization", Findings of EMNLP 2021.
     """
+
+    backends = ("tensorflow", "jax")
 
     def __init__(
         self,
@@ -188,16 +201,17 @@ class DotProdTrainer(MetaTrainer):
         n = F.batch_size(x)
         replicas = F.num_replicas()
         if replicas == 1:
-            # A python bool when the size is static (a trace of its own: no tf.cond).
+            # A python bool when the size is static (a trace of its own: no cond). Always
+            # so on JAX, whose traces have static shapes.
             return n, n < 2, None
         # In the weights' accumulation dtype: n_r * R / N is not exact in float32 (e.g. 1.2).
         acc = F.accumulation_dtype(self.model.trainable_variables)
-        n_t = tf.cast(n, acc)
+        n_t = ops.cast(n, acc)
         # One scalar all-reduce: any replica too small, and the global example count.
-        too_small, total = tf.unstack(F.all_reduce_sum(tf.stack([tf.cast(n_t < 2.0, acc), n_t])))
+        too_small, total = ops.unstack(F.all_reduce_sum(ops.stack([ops.cast(n_t < 2.0, acc), n_t])))
         # Replica r's share of a plain step: its mean gradient weighted by n_r * R / N, so
         # the optimizer's sum is the gradient of the global mean (empty replicas: 0).
-        scale = tf.math.divide_no_nan(n_t * float(replicas), total)
+        scale = ops.divide_no_nan(n_t * float(replicas), total)
         return n, too_small > 0, scale
 
     def train_step(self, data):
@@ -206,12 +220,13 @@ class DotProdTrainer(MetaTrainer):
         if isinstance(small, bool):
             n_1, start_2 = (n, 0) if small else (n // 2, n // 2)
         else:
-            n_1 = tf.where(small, n, n // 2)
-            start_2 = tf.where(small, tf.zeros_like(n_1), n // 2)
-        batch_1 = tf.nest.map_structure(
+            # Only on TensorFlow (a dynamic batch size); JAX's sizes are static.
+            n_1 = ops.where(small, n, n // 2)
+            start_2 = ops.where(small, ops.zeros_like(n_1), n // 2)
+        batch_1 = keras.tree.map_structure(
             lambda t: None if t is None else t[:n_1], (x, y, sample_weight)
         )
-        batch_2 = tf.nest.map_structure(
+        batch_2 = keras.tree.map_structure(
             lambda t: None if t is None else t[start_2:], (x, y, sample_weight)
         )
 
@@ -219,7 +234,7 @@ class DotProdTrainer(MetaTrainer):
         params = F.current_params(self.model)
         state = F.current_state(self.model)
         acc = F.accumulation_dtype(params)
-        split = tf.logical_not(small) if not isinstance(small, bool) else not small
+        split = ops.logical_not(small) if not isinstance(small, bool) else not small
 
         def with_dotprod(apply_regularizer=self.weight > 0):
             # weight == 0: G1 + G2 from two half passes, G21 never computed; the
@@ -228,7 +243,7 @@ class DotProdTrainer(MetaTrainer):
             if isinstance(apply_regularizer, bool) and isinstance(split, bool):
                 apply = apply_regularizer and split
             else:
-                apply = tf.logical_and(apply_regularizer, split)
+                apply = ops.logical_and(apply_regularizer, split)
             r = dotprod.dotprod_gradient(
                 self.loss_fn(loss_scale=loss_scale),
                 params,
@@ -245,16 +260,16 @@ class DotProdTrainer(MetaTrainer):
                 compute_dtype=self.model_compute_dtype(),
             )
             # On (b, b) the outputs of b are those of b1: b2's are left out.
-            skip_2 = tf.where(small, n, 0) if not isinstance(small, bool) else (n if small else 0)
-            y_pred = tf.nest.map_structure(
-                lambda a, b: tf.concat([a, b[skip_2:]], axis=0), r.aux_1[1], r.aux_2[1]
+            skip_2 = ops.where(small, n, 0) if not isinstance(small, bool) else (n if small else 0)
+            y_pred = keras.tree.map_structure(
+                lambda a, b: ops.concatenate([a, b[skip_2:]], axis=0), r.aux_1[1], r.aux_2[1]
             )
-            measured = tf.cast(apply, acc) if self.weight > 0 else tf.cast(split, acc)
+            measured = ops.cast(apply, acc) if self.weight > 0 else ops.cast(split, acc)
             # The logged loss in the accumulation dtype (float64 for float64 weights).
-            size_1 = tf.cast(F.batch_size(batch_1[0]), acc)
-            size_2 = tf.cast(F.batch_size(batch_2[0]), acc)
-            loss = tf.math.divide_no_nan(
-                size_1 * tf.cast(r.loss_1, acc) + size_2 * tf.cast(r.loss_2, acc),
+            size_1 = ops.cast(F.batch_size(batch_1[0]), acc)
+            size_2 = ops.cast(F.batch_size(batch_2[0]), acc)
+            loss = ops.divide_no_nan(
+                size_1 * ops.cast(r.loss_1, acc) + size_2 * ops.cast(r.loss_2, acc),
                 size_1 + size_2,
             )
             return (
@@ -278,14 +293,14 @@ class DotProdTrainer(MetaTrainer):
                 state,
                 (x, y, sample_weight),
             )
-            n_f, n_1f = tf.cast(n, acc), tf.cast(n_1, acc)
-            loss = tf.math.divide_no_nan(
-                n_1f * tf.cast(loss_1, acc) + (n_f - n_1f) * tf.cast(loss_2, acc),
+            n_f, n_1f = ops.cast(n, acc), ops.cast(n_1, acc)
+            loss = ops.divide_no_nan(
+                n_1f * ops.cast(loss_1, acc) + (n_f - n_1f) * ops.cast(loss_2, acc),
                 n_f,
             )
             if not isinstance(small, bool):
-                grads = [g * tf.cast(tf.where(small, 2.0, 1.0), g.dtype) for g in grads]
-            zero = tf.constant(0.0, acc)
+                grads = [g * ops.cast(ops.where(small, 2.0, 1.0), g.dtype) for g in grads]
+            zero = F.scalar(0.0, acc)
             return grads, loss, y_pred, new_state, zero, zero, zero, zero
 
         if self.weight == 0 or small is True:
@@ -303,11 +318,11 @@ class DotProdTrainer(MetaTrainer):
         gradient, loss, y_pred, new_state, grad_dot, grad_cosine, reg_ratio, measured = outputs
         if replica_scale is not None:
             # Several replicas: a plain step's share is weighted by this replica's examples.
-            factor = tf.where(small, replica_scale, 1.0)
-            gradient = [g * tf.cast(factor, g.dtype) for g in gradient]
+            factor = ops.where(small, replica_scale, 1.0)
+            gradient = [g * ops.cast(factor, g.dtype) for g in gradient]
 
         # The loss of the whole batch: the size-weighted mean of the two halves.
-        loss = loss / tf.cast(loss_scale, loss.dtype)
+        loss = loss / ops.cast(loss_scale, loss.dtype)
         # Skipped pairs (every > 1) do not measure G1.G2: weight 0 keeps them out of the mean.
         return self.finish_step(
             data,
@@ -319,7 +334,7 @@ class DotProdTrainer(MetaTrainer):
                 "grad_dot": (grad_dot, measured),
                 "grad_cosine": (grad_cosine, measured),
                 "reg_ratio": (reg_ratio, measured),
-                "unsplit_fraction": tf.cast(small, tf.float32),
+                "unsplit_fraction": ops.cast(small, "float32"),
             },
             where="the loss of the pair (b1, b2)",
         )
