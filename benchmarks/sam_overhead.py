@@ -15,7 +15,9 @@ plain's in the same round, the median over rounds (the median step alone would h
 one perturbed step in k); `--steps_per_round` is a multiple of k for that.
 
 Configurations: plain (the model's own `fit`), sam (SAMTrainer rho 0.05), sam_every=N,
-asam (adaptive, rho 0.5), gsam (GSAMTrainer alpha 0.1). Targets (issues 21 and 29, on both
+asam (adaptive, rho 0.5), gsam (GSAMTrainer alpha 0.1), sam_rho0 (SAMTrainer rho 0: one
+pass through the trainer's step machinery, what the trainer costs besides the algorithm;
+`sam` / `sam_rho0` is the algorithm's own ratio). Targets (issues 21 and 29, on both
 backends): sam <= 2.05x (its floor is two full-batch forward + backward passes where plain
 does one), sam_every=10 <= 1.15x. Writes `benchmarks/results/sam_overhead_<backend>.json`.
 (`benchmarks/results/sam_overhead.json` is the TensorFlow run of record of 2026-11-25, made
@@ -48,7 +50,9 @@ flags.DEFINE_float("learning_rate", 1e-3, "Adam learning rate.")
 flags.DEFINE_bool(
     "jit_compile", None, "XLA-compile the step (default: Keras's, i.e. on JAX, off on TF)."
 )
-flags.DEFINE_list("configs", ["plain", "sam", "sam_every=10", "asam", "gsam"], "Configurations.")
+flags.DEFINE_list(
+    "configs", ["plain", "sam", "sam_every=10", "asam", "gsam", "sam_rho0"], "Configurations."
+)
 flags.DEFINE_string("output", None, "Where the JSON goes (default: by backend, see above).")
 FLAGS = flags.FLAGS
 
@@ -76,6 +80,8 @@ def make_runner(config, model):
         runner = SAMTrainer(model, rho=0.5, adaptive=True)
     elif config == "gsam":
         runner = GSAMTrainer(model, rho=0.05, alpha=0.1)
+    elif config == "sam_rho0":
+        runner = SAMTrainer(model, rho=0.0)
     else:
         raise ValueError(f"`--configs`: unknown configuration {config!r}.")
     kwargs = {} if FLAGS.jit_compile is None else {"jit_compile": FLAGS.jit_compile}
@@ -173,6 +179,10 @@ def main(argv):
         if r["target_ratio"] is not None and r["judged_by"] and r[r["judged_by"]] is not None:
             r["meets_target"] = bool(r[r["judged_by"]] <= r["target_ratio"])
         results[config] = r
+    derived = {}
+    if "sam" in times and "sam_rho0" in times:
+        # The algorithm's own cost: SAM's step over the same trainer's one-pass step.
+        derived["sam_over_sam_rho0"] = float(np.median(times["sam"]) / np.median(times["sam_rho0"]))
     table = format_table(
         list(results.values()),
         [
@@ -185,6 +195,8 @@ def main(argv):
         ],
     )
     print(table)
+    if derived:
+        print(", ".join(f"{k} {v:.3f}" for k, v in derived.items()))
     environment = {
         "backend": backend,
         "keras": keras.__version__,
@@ -224,6 +236,7 @@ def main(argv):
         "jit_compile": FLAGS.jit_compile,
         "environment": environment,
         "results": results,
+        "derived": derived,
         "table": table,
     }
     print(f"wrote {write_json(output, out)}")

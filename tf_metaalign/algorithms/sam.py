@@ -51,7 +51,10 @@ Reference semantics, and where this module differs
   m-sharpness (the SAM paper's per-accelerator perturbation, google-research/sam's
   default, big_vision's per-worker GSAM): each replica perturbs along its own shard's
   gradient and the optimizer averages the replicas' g_p. GSAM's decomposition uses the
-  same (global or per-replica) vectors.
+  same (global or per-replica) vectors. On JAX a step sees the global batch (one SPMD
+  program over the devices of a `keras.distribution`): there is one replica,
+  `all_reduce` changes nothing, and per-device perturbations are the caller's to make
+  (`SAMTrainer(m_sharpness=True)` vectorizes this function over the devices' rows).
 * Mixed precision. The loss function may multiply the loss by a loss scale
   (`gradient_scale`); the perturbation and the diagnostics use the unscaled gradient,
   and the returned gradient is in the loss function's (scaled) units, for the
