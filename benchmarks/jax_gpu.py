@@ -96,8 +96,19 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 GPU_SIZE = dict(vocab=8000, seq_len=256, width=512, heads=8, mlp=2048, layers=4, batch=64)
 SMALL_SIZE = dict(vocab=1000, seq_len=32, width=64, heads=2, mlp=128, layers=2, batch=16)
+#: a CPU run whose steps (~50-150 ms on 2 cores) dwarf Keras fit's per-step Python (~2-5 ms),
+#: so trainer / hand-written ratios measure the step, not the host loop.
+CPU_SIZE = dict(vocab=2000, seq_len=64, width=256, heads=4, mlp=1024, layers=2, batch=32)
+SIZES = {"gpu": GPU_SIZE, "small": SMALL_SIZE, "cpu": CPU_SIZE}
 
-flags.DEFINE_bool("small", False, "A CPU-sized model and batch (see SMALL_SIZE).")
+flags.DEFINE_bool("small", False, "A tiny model and batch (SMALL_SIZE; same as --size=small).")
+flags.DEFINE_enum(
+    "size",
+    "gpu",
+    list(SIZES),
+    "Model and batch: gpu (the issue's transformer), cpu (CPU_SIZE: steps long enough for "
+    "ratios on a CPU), small (a smoke test).",
+)
 flags.DEFINE_integer("steps", 10, "Timed steps per window (a multiple of 10 for every=10).")
 flags.DEFINE_integer("windows", 5, "Timed windows (rounds) per configuration.")
 flags.DEFINE_integer("tasks", 4, "Task heads of the multi-task model.")
@@ -140,7 +151,10 @@ TRAINERS = [
     "trainer_mt_pcgrad",
     "trainer_reptile",
 ]
-ALL_CONFIGS = ["fit", "fit_mt"] + HAND_WRITTEN + TRAINERS
+#: the same trainers with `nonfinite_guard = False` (no `lax.cond` around the step's
+#: assignments on the loss being finite): what the guard costs, judged as the trainer is.
+UNGUARDED = [f"{t}_noguard" for t in TRAINERS]
+ALL_CONFIGS = ["fit", "fit_mt"] + HAND_WRITTEN + TRAINERS + UNGUARDED
 #: What each configuration is compared with: (reference, target ratio or None).
 REFERENCES = {
     "jax_plain": [("fit", None)],
@@ -167,7 +181,7 @@ NOT_PORTED = (ImportError, NotImplementedError)
 
 
 def size():
-    return dict(SMALL_SIZE if FLAGS.small else GPU_SIZE)
+    return dict(SMALL_SIZE if FLAGS.small else SIZES[FLAGS.size])
 
 
 def transformer_classifier(num_heads_out=None, seed=0):
@@ -553,6 +567,10 @@ def window_clock(steps):
 
 def make_trainer(config, model):
     """The package trainer of `config` around `model` (raises what the package raises)."""
+    if config.endswith("_noguard"):
+        trainer = make_trainer(config.removesuffix("_noguard"), model)
+        trainer.nonfinite_guard = False
+        return trainer
     from tf_metaalign import trainers as T
 
     if config == "trainer_dotprod_every1":
@@ -581,14 +599,14 @@ class FitRunner:
 
     def __init__(self, config):
         s = size()
-        multi = config in ("fit_mt", "trainer_mt_sum", "trainer_mt_pcgrad")
+        multi = config.removesuffix("_noguard") in ("fit_mt", "trainer_mt_sum", "trainer_mt_pcgrad")
         model = transformer_classifier(FLAGS.tasks if multi else None)
         runner = model if config.startswith("fit") else make_trainer(config, model)
         loss = {n: loss_object() for n in task_names()} if multi else loss_object()
         runner.compile(optimizer=optimizer(), loss=loss)
         self.config, self.runner, self.param_count = config, runner, model.count_params()
         rows = (FLAGS.steps + 2) * s["batch"]
-        if config == "trainer_reptile":
+        if config.removesuffix("_noguard") == "trainer_reptile":
             # Elements [B, k, ...] (stack_axis=1): fit's batch of B rows holds k batches.
             x, y, _ = make_data(rows * FLAGS.reptile_k)
             self.x = x.reshape(rows, FLAGS.reptile_k, -1)
@@ -741,7 +759,7 @@ def main(argv):
             "first_window_s": first_window[config],
             "comparisons": [],
         }
-        for ref, target in REFERENCES.get(config, []):
+        for ref, target in REFERENCES.get(config.removesuffix("_noguard"), []):
             if ref not in windows:
                 r["comparisons"].append(
                     {"reference": ref, "ratio": None, "target": target, "note": "reference not run"}
@@ -806,6 +824,7 @@ def main(argv):
             "tasks": FLAGS.tasks,
             "params": params,
             "small": FLAGS.small,
+            "size": "small" if FLAGS.small else FLAGS.size,
         },
         "hyperparameters": {
             "optimizer": f"Adam({LEARNING_RATE})",

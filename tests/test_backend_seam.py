@@ -156,6 +156,58 @@ def test_trainer_step_equals_keras_fit(float64, jit_compile):
     np.testing.assert_allclose(trainer.evaluate(x, y, verbose=0), plain.evaluate(x, y, verbose=0))
 
 
+class EveryThreeTrainer(PlainTrainer):
+    """PlainTrainer whose conditional branch runs on the LAST step of every 3 (and counts
+    the steps the step itself saw as first-of-period, the flag it does not branch on)."""
+
+    def __init__(self, model, **kwargs):
+        MetaTrainer.__init__(self, model, **kwargs)
+        self.every = self.every_k_steps(3, "every_three")
+        self.firsts = self.add_state_variable("firsts")
+        self.lasts = self.add_state_variable("lasts")
+        self.add_diagnostic("grad_norm")
+
+    traces = 0  # train_step bodies run (once per JAX trace; every step when eager)
+
+    def train_step(self, data):
+        EveryThreeTrainer.traces += 1
+
+        def count():
+            self.lasts.assign_add(ops.convert_to_tensor(1.0, self.lasts.dtype))
+            return ops.convert_to_tensor(1.0, "float32")
+
+        F.cond(self.every.is_last(), count, lambda: ops.convert_to_tensor(0.0, "float32"))
+        return super().train_step(data)
+
+
+def test_every_k_schedules_pick_a_program_on_the_host(float64):
+    """On JAX a jitted step is compiled once per combination of the flags (`is_first`,
+    `is_last`) it asks of its "every k" schedules, the program picked on the host from the
+    counters read at the start of fit (no lax.cond); it equals the eager run, and a second
+    fit (resumed from the counters' state, mid-period) adds no program."""
+    x, y = _data(56)  # 7 steps of 8: the second fit starts at phase 1 of 3
+    runs = {}
+    for jit_compile in (True, False):
+        trainer = EveryThreeTrainer(_model())
+        trainer.compile(keras.optimizers.SGD(0.05), "mse", jit_compile=jit_compile)
+        EveryThreeTrainer.traces = 0
+        trainer.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        first_fit = EveryThreeTrainer.traces
+        trainer.fit(x[:24], y[:24], batch_size=8, epochs=1, shuffle=False, verbose=0)
+        runs[jit_compile] = trainer
+        if jit_compile and on_jax():
+            # is_first and is_last asked: programs for (first), (last), (neither); the
+            # second fit (steps 7, 8, 9: phases 1, 2, 0) needs none of its own.
+            assert (first_fit, EveryThreeTrainer.traces) == (3, 3), EveryThreeTrainer.traces
+    jit, eager = runs[True], runs[False]
+    assert float(_np(jit.firsts.value)) == 4.0 and float(_np(jit.lasts.value)) == 3.0
+    assert int(_np(jit.every.count.value)) == 10
+    for a, b in zip(jit.model.get_weights(), eager.model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    for name in ("firsts", "lasts"):
+        assert float(_np(getattr(eager, name).value)) == float(_np(getattr(jit, name).value))
+
+
 def test_steps_per_execution_equals_one_step_at_a_time(float64):
     x, y = _data()
     weights = []

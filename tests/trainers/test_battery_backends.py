@@ -337,18 +337,24 @@ def check_devices(entry):
 
 
 def check_host_round_trip(entry, second_rows=BATCH):
+    """The step has no host callback, and a batch of a shape the trainer has seen compiles
+    nothing. A trainer with an "every k" schedule (k <= 4 here) gets one program per
+    combination of the schedule's flags it asks (`backend.jax.static_schedule_flag`): the
+    first fit runs 4 steps, so every phase has been compiled before the second fit."""
+    warm = 4 * BATCH
     with dtype_policy("mixed_bfloat16"):
         x, y = data(entry, dtype="float32")
         trainer = build(entry, dtype=None)
         assert trainer.jit_compile is True
-        first = (take_rows(x, slice(None, BATCH)), take_rows(y, slice(None, BATCH)))
+        first = (take_rows(x, slice(None, warm)), take_rows(y, slice(None, warm)))
         second = (
-            take_rows(x, slice(BATCH, BATCH + second_rows)),
-            take_rows(y, slice(BATCH, BATCH + second_rows)),
+            take_rows(x, slice(warm, warm + second_rows)),
+            take_rows(y, slice(warm, warm + second_rows)),
         )
         with counting_train_step_calls(trainer) as traces, CompileCounter() as compiled:
             fit(trainer, *first, epochs=1)
-        assert traces[0] == 1 and compiled.count >= 1, (traces, compiled.count)
+        assert 1 <= traces[0] <= 3 and compiled.count >= 1, (traces, compiled.count)
+        first = (take_rows(x, slice(None, BATCH)), take_rows(y, slice(None, BATCH)))
         problems = jax_step_problems(trainer, first)
         assert not problems, f"{entry.name}: the step calls the host:\n  " + "\n  ".join(problems)
         with counting_train_step_calls(trainer) as traces, CompileCounter() as compiled:

@@ -25,6 +25,8 @@ The interface (the same names in both modules, re-exported here):
   traced_once(fn)
   counter_dtype()            "int64" (TF; JAX with x64) or "int32" (JAX without x64)
   densify(tensors), add_n(tensors), read_value(variable)  (a snapshot tensor)
+  static_schedule_flag(schedule, which)  is_first/is_last as a Python bool in a JAX step
+                             compiled for one phase (host-scheduled), else None
 
 `require_tensorflow(what)` imports TensorFlow for a TensorFlow-only feature, or raises an
 ImportError that names the feature and what to use instead.
@@ -65,6 +67,7 @@ counter_dtype = _impl.counter_dtype
 densify = _impl.densify
 add_n = _impl.add_n
 read_value = _impl.read_value
+static_schedule_flag = _impl.static_schedule_flag
 
 
 def is_tensorflow() -> bool:

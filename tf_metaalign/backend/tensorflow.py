@@ -203,3 +203,9 @@ def read_value(variable):
     """The variable's current value as a tensor (a read, not the variable itself: Keras's
     `ops.convert_to_tensor` returns a `tf.Variable` unchanged)."""
     return tf.convert_to_tensor(getattr(variable, "value", variable))
+
+
+def static_schedule_flag(schedule, which):
+    """None: TensorFlow's step reads every schedule's phase from its counter (`tf.cond`)."""
+    del schedule, which
+    return None

@@ -209,10 +209,17 @@ class EveryKSteps(keras.layers.Layer):
         return ops.mod(F.read_value(self.count), self.k)
 
     def is_first(self):
-        return True if self.k == 1 else ops.equal(self.phase(), 0)
+        if self.k == 1:
+            return True
+        # A JAX step compiled for one phase (backend.jax.static_schedule_flag): a Python bool.
+        static = backend.static_schedule_flag(self, "first")
+        return ops.equal(self.phase(), 0) if static is None else static
 
     def is_last(self):
-        return True if self.k == 1 else ops.equal(self.phase(), self.k - 1)
+        if self.k == 1:
+            return True
+        static = backend.static_schedule_flag(self, "last")
+        return ops.equal(self.phase(), self.k - 1) if static is None else static
 
     def cond(self, pred, true_fn, false_fn, communicates=False, merged=None):
         """`functional.replica_safe_cond` (see there)."""
