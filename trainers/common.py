@@ -209,6 +209,13 @@ def figure(**kwargs):
     return fig
 
 
+def writes_tensorboard() -> bool:
+    """Whether the programs write TensorBoard logs: on Keras's TensorFlow backend (Keras's
+    TensorBoard callback and `write_summary` write through `tf.summary`); on JAX they
+    write none (results.json holds the same numbers)."""
+    return keras.backend.backend() == "tensorflow"
+
+
 def tensorboard_callback(log_dir, update_freq="epoch") -> keras.callbacks.TensorBoard:
     """Keras's TensorBoard callback writing scalars only (no graph, no profiling)."""
     return keras.callbacks.TensorBoard(
@@ -220,8 +227,16 @@ def tensorboard_callback(log_dir, update_freq="epoch") -> keras.callbacks.Tensor
     )
 
 
+def tensorboard_callbacks(log_dir, update_freq="epoch") -> list:
+    """`[tensorboard_callback(log_dir)]` where `writes_tensorboard()`, else `[]`."""
+    return [tensorboard_callback(log_dir, update_freq)] if writes_tensorboard() else []
+
+
 def write_summary(log_dir, scalars: Mapping[str, float], step: int = 0) -> None:
-    """Write `scalars` as TensorBoard scalars at `step` (e.g. final test metrics)."""
+    """Write `scalars` as TensorBoard scalars at `step` (e.g. final test metrics); nothing
+    where not `writes_tensorboard()`."""
+    if not writes_tensorboard():
+        return
     import tensorflow as tf
 
     writer = tf.summary.create_file_writer(str(log_dir))
