@@ -100,14 +100,20 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     del argv
+    from trainers import startup
+
+    config = settings.program_config(Config, FULL_RUN)
+    # --backend (or KERAS_BACKEND), set before anything imports Keras; TensorFlow quietly.
+    backend, devices = startup.start(FLAGS.backend)
+
     from trainers import common
     from trainers import multitask_report as report
     from trainers.multitask_data import prepare_data
     from trainers.multitask_run import run_method
 
-    config = settings.program_config(Config, FULL_RUN)
     out = common.prepare_output_dir(FLAGS.output_dir)
     log = common.Progress()
+    log(f"multitask: backend {backend}, devices: {', '.join(devices)}; results to {out}")
     data = prepare_data(config, log)
     runs = []
     total = len(config.seeds) * len(config.methods)
@@ -128,6 +134,7 @@ def main(argv):
             "majority_accuracy": majority,
             "summary": rows,
             "runs": runs,
+            "backend": backend,
         },
     )
     log(f"results.json in {out}")
