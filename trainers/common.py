@@ -251,3 +251,29 @@ def write_summary(log_dir, scalars: Mapping[str, float], step: int = 0) -> None:
 def flag_values(flags_module, names: Iterable[str]) -> dict:
     """The values of the named absl flags, as a dict (for results.json)."""
     return {name: getattr(flags_module.FLAGS, name) for name in names}
+
+
+def unavailable(needs: Mapping[str, Sequence[tuple[str, str]]]) -> dict[str, str]:
+    """The runs that cannot run on this backend, each with the reason: `needs` maps a run
+    (a method's name) to the `(module, name)` pairs it uses (e.g. `{"recadam":
+    [("tf_metaalign.optimizers", "RecAdam")]}`); a name the package exports as a stand-in
+    (a TensorFlow-only piece on JAX, `tf_metaalign._exports`) raises ImportError when used,
+    and its message (what is missing, what to run instead) is the reason."""
+    import importlib
+
+    missing = {}
+    for run, pieces in needs.items():
+        for module, name in pieces:
+            try:
+                piece = getattr(importlib.import_module(module), name)
+            except ImportError as e:
+                missing[run] = str(e)
+                break
+            backends = getattr(piece, "backends", None)  # a trainer's (MetaTrainer.backends)
+            if backends is not None and keras.backend.backend() not in backends:
+                missing[run] = (
+                    f"{module}.{name} runs on {', '.join(backends)} only, not on "
+                    f"{keras.backend.backend()} (yet)."
+                )
+                break
+    return missing
