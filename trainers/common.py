@@ -267,7 +267,13 @@ def unavailable(needs: Mapping[str, Sequence[tuple[str, str]]]) -> dict[str, str
             try:
                 piece = getattr(importlib.import_module(module), name)
             except ImportError as e:
-                missing[run] = str(e)
+                if getattr(e, "name", None) == "tensorflow":  # the module imports it
+                    missing[run] = (
+                        f"{module}.{name} needs TensorFlow ({module} imports it), which is "
+                        "not installed here."
+                    )
+                else:
+                    missing[run] = str(e)
                 break
             backends = getattr(piece, "backends", None)  # a trainer's (MetaTrainer.backends)
             if backends is not None and keras.backend.backend() not in backends:
@@ -277,3 +283,27 @@ def unavailable(needs: Mapping[str, Sequence[tuple[str, str]]]) -> dict[str, str
                 )
                 break
     return missing
+
+
+def require_on_backend(program: str, needs: Sequence[tuple[str, str]], backend: str) -> None:
+    """Stop `program` with a clear message (SystemExit, status 1) when a piece it needs
+    (`(module, name)` pairs, as `unavailable` takes them) is not on `backend` yet."""
+    missing = unavailable({program: needs})
+    if missing:
+        raise SystemExit(
+            f"{program}: cannot run on the {backend} backend yet: {missing[program]} "
+            "(--backend=tensorflow runs it)."
+        )
+
+
+def compiled(fn, **tf_function_kwargs):
+    """`fn` compiled where that is safe: `tf.function(fn, **tf_function_kwargs)` on
+    TensorFlow (it reads the variables when called). On other backends `fn` as it is
+    (eager): `jax.jit` would bake the variables' values of its first call into the
+    function, and they change as the model trains (to jit on JAX, pass the variables'
+    values as arguments to `stateless_call`)."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.function(fn, **tf_function_kwargs)
+    return fn
