@@ -206,3 +206,62 @@ def test_unavailable_names_the_runs_a_backend_lacks():
         assert "needs TensorFlow" in missing["maml"]
     else:
         assert ("maml" in missing) == (BACKEND not in backends)
+
+
+@pytest.mark.parametrize("program", ["fewshot", "guided", "promptability", "promptability_decoder"])
+def test_a_program_whose_trainer_is_not_on_the_backend_stops_with_the_reason(program, tmp_path):
+    """Where a piece a program needs is not on this backend yet, the program stops at once
+    (status 1) naming it and what runs it; elsewhere the program's own tests run it."""
+    import importlib
+
+    from trainers import common
+
+    module = importlib.import_module(f"trainers.{program}")
+    needs = tuple(module.NEEDS)
+    if program == "guided":
+        needs += tuple(("tf_metaalign.optimizers", c) for c in module.OPTIMIZER_CLASSES.values())
+    missing = common.unavailable({program: needs})
+    if not missing:
+        pytest.skip(f"trainers.{program} runs on {BACKEND} (its own tests run it)")
+    proc = subprocess.run(
+        [sys.executable, "-m", f"trainers.{program}", f"--output_dir={tmp_path}"],
+        cwd=ROOT,
+        env=dict(os.environ, KERAS_BACKEND=BACKEND),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"trainers.{program}: cannot run on the {BACKEND} backend yet" in proc.stderr
+    assert missing[program] in proc.stderr and "--backend=tensorflow runs it" in proc.stderr
+
+
+def test_the_programs_numpy_batches():
+    """The NumPy route's batch helpers (what the programs feed on JAX) against the
+    batches written out by hand."""
+    from trainers.fewshot_data import episode_batch_for_dotprod, episode_batch_for_reptile
+    from trainers.finetune_data import stacked_pairs
+    from trainers.promptability_train import meta_batches
+
+    ways, shots, queries = 2, 1, 3
+    sx = np.arange(ways * shots * 784, dtype=np.float32).reshape(1, ways * shots, 28, 28, 1)
+    sy = np.array([[0, 1]])
+    qx = -np.arange(ways * queries * 784, dtype=np.float32).reshape(1, ways * queries, 28, 28, 1)
+    qy = np.array([[0, 0, 0, 1, 1, 1]])
+    ex, ey = episode_batch_for_reptile(3, as_numpy=True)((sx, sy, qx), qy)
+    assert ex.shape == (3, 8, 28, 28, 1) and ey.tolist() == [[0, 1, 0, 0, 0, 1, 1, 1]] * 3
+    np.testing.assert_array_equal(ex[2], np.concatenate([sx[0], qx[0]]))
+    dx, dy = episode_batch_for_dotprod(ways, shots, queries, as_numpy=True)((sx, sy, qx), qy)
+    assert dy.tolist() == [0, 1, 0, 1]  # the support, then the first query of each class
+    np.testing.assert_array_equal(dx[2], qx[0, 0])
+    np.testing.assert_array_equal(dx[3], qx[0, 3])
+    batches = [(np.arange(10.0).reshape(5, 2), np.arange(5))] * 2
+    (x, y), _ = list(stacked_pairs(iter(batches), 4))
+    assert x.shape == (2, 2, 2) and y.tolist() == [[0, 1], [2, 3]]
+    x = {"a": np.arange(7)}
+    if BACKEND == "tensorflow":
+        pytest.skip("meta_batches is a tf.data.Dataset on TensorFlow")
+    ds = meta_batches(x, np.arange(7) * 10, 3)
+    assert (
+        len(ds) == 2 and ds[1][0]["a"].tolist() == [3, 4, 5] and ds[1][1].tolist() == [30, 40, 50]
+    )
