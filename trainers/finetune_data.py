@@ -128,3 +128,22 @@ def portable_initial_weights(model, seed: int) -> None:
         layer.kernel.assign(kernel.astype(keras.backend.standardize_dtype(layer.kernel.dtype)))
         if layer.bias is not None:
             layer.bias.assign(np.zeros(layer.bias.shape, layer.bias.dtype))
+
+
+def static_tf_dataset(batches):
+    """On TensorFlow, an endless generator of NumPy batches (the NumPy route, `--portable`)
+    as a `tf.data.Dataset` whose elements have the first batch's static shapes: Keras's own
+    generator adapter leaves the batch axis unknown, which a trainer that unrolls stacked
+    batches (Reptile, FOMAML) refuses."""
+    import itertools
+
+    import keras
+    import tensorflow as tf
+
+    first = next(batches)
+    signature = keras.tree.map_structure(
+        lambda a: tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)), first
+    )
+    return tf.data.Dataset.from_generator(
+        lambda: itertools.chain([first], batches), output_signature=signature
+    )

@@ -112,7 +112,7 @@ def run_one(name, model, initial_weights, splits, options, settings, output_dir,
     import keras
 
     from trainers import common
-    from trainers.finetune_data import stacked_pairs
+    from trainers.finetune_data import stacked_pairs, static_tf_dataset
 
     s = settings
     model.set_weights(initial_weights)
@@ -132,6 +132,8 @@ def run_one(name, model, initial_weights, splits, options, settings, output_dir,
     )
     if run in STACKED:
         train_ds = stacked_pairs(train_ds, s["batch_size"])
+    if as_numpy and keras.backend.backend() == "tensorflow":  # --portable on TensorFlow
+        train_ds = static_tf_dataset(train_ds)
     timer = common.StepTimer(warmup=s["timing_warmup"])
     log_dir = output_dir / "tensorboard" / name
     steps = s["steps"]

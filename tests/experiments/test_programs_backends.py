@@ -265,3 +265,30 @@ def test_the_programs_numpy_batches():
     assert (
         len(ds) == 2 and ds[1][0]["a"].tolist() == [3, 4, 5] and ds[1][1].tolist() == [30, 40, 50]
     )
+
+
+def test_finetune_study_gives_the_same_measures_on_both_backends(tmp_path):
+    """The study (`--runs`, `--portable`): DotProd, SAM and Reptile from the same weights
+    on the same batches, and the final measures (lambda_max by power iteration on
+    Hessian-vector products, G1.G2), the same on TensorFlow and JAX."""
+    pytest.importorskip("sklearn", reason="--dataset=digits needs scikit-learn")
+    _run(
+        "finetune",
+        "--dataset=digits",
+        "--runs=baseline,dotprod,sam,reptile",
+        "--steps=4",
+        "--log_every=2",
+        "--sharpness_examples=64",
+        "--sharpness_iterations=4",
+        "--alignment_pairs=2",
+        "--portable",
+        f"--output_dir={tmp_path}",
+    )
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["backend"] == BACKEND
+    rows = list(results["rows"]["0"].values())
+    runs = ["baseline", "dotprod", "sam", "reptile"]
+    assert [r["run"] for r in rows] == [f"{run}@0" for run in runs]
+    keys = ("test_accuracy", "test_loss", "sharpness", "final_grad_dot")
+    arrays = {f"{run}_{k}": np.array(r[k], np.float64) for run, r in zip(runs, rows) for k in keys}
+    check_golden("programs_finetune_study_portable", arrays, rtol=1e-3, atol=1e-5)
