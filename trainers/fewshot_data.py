@@ -26,7 +26,12 @@ def prepare_data(config: Config, log=print) -> Data:
         classes, counts=(None, config.validation_classes, config.test_classes), seed=0
     )
     train = omniglot.augment_rotations(split.train) if config.rotations else split.train
-    runs = omniglot.load_official_runs() if config.official_runs else None
+    runs = None
+    if config.official_runs:
+        try:
+            runs = omniglot.load_official_runs()
+        except ImportError as e:  # decoding the runs' PNGs needs TensorFlow (not on JAX)
+            log(f"the official runs are skipped: {e}")
     log(
         f"Omniglot: {len(classes)} characters -> meta-train {len(split.train)}"
         + (f" (x4 rotations = {len(train)} classes)" if config.rotations else "")
