@@ -125,6 +125,7 @@ def main(argv):
         raise app.UsageError(str(e))
     log = common.Progress()
     results, _ = run(config, log)
+    results["backend"] = backend
     report.print_report(results, config.modes)
     common.write_json(out / "results.json", results)
     log(f"results.json in {out}")

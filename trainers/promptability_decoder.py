@@ -99,6 +99,7 @@ def main(argv):
     from trainers.promptability_decoder_run import run
 
     results = run(config, log)
+    results["backend"] = backend
     print(format_report(results["summary"]))
     common.write_json(out / "results.json", results)
     log(f"results.json in {out}")
