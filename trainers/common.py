@@ -209,6 +209,13 @@ def figure(**kwargs):
     return fig
 
 
+def writes_tensorboard() -> bool:
+    """Whether the programs write TensorBoard logs: on Keras's TensorFlow backend (Keras's
+    TensorBoard callback and `write_summary` write through `tf.summary`); on JAX they
+    write none (results.json holds the same numbers)."""
+    return keras.backend.backend() == "tensorflow"
+
+
 def tensorboard_callback(log_dir, update_freq="epoch") -> keras.callbacks.TensorBoard:
     """Keras's TensorBoard callback writing scalars only (no graph, no profiling)."""
     return keras.callbacks.TensorBoard(
@@ -220,8 +227,16 @@ def tensorboard_callback(log_dir, update_freq="epoch") -> keras.callbacks.Tensor
     )
 
 
+def tensorboard_callbacks(log_dir, update_freq="epoch") -> list:
+    """`[tensorboard_callback(log_dir)]` where `writes_tensorboard()`, else `[]`."""
+    return [tensorboard_callback(log_dir, update_freq)] if writes_tensorboard() else []
+
+
 def write_summary(log_dir, scalars: Mapping[str, float], step: int = 0) -> None:
-    """Write `scalars` as TensorBoard scalars at `step` (e.g. final test metrics)."""
+    """Write `scalars` as TensorBoard scalars at `step` (e.g. final test metrics); nothing
+    where not `writes_tensorboard()`."""
+    if not writes_tensorboard():
+        return
     import tensorflow as tf
 
     writer = tf.summary.create_file_writer(str(log_dir))
@@ -236,3 +251,59 @@ def write_summary(log_dir, scalars: Mapping[str, float], step: int = 0) -> None:
 def flag_values(flags_module, names: Iterable[str]) -> dict:
     """The values of the named absl flags, as a dict (for results.json)."""
     return {name: getattr(flags_module.FLAGS, name) for name in names}
+
+
+def unavailable(needs: Mapping[str, Sequence[tuple[str, str]]]) -> dict[str, str]:
+    """The runs that cannot run on this backend, each with the reason: `needs` maps a run
+    (a method's name) to the `(module, name)` pairs it uses (e.g. `{"recadam":
+    [("tf_metaalign.optimizers", "RecAdam")]}`); a name the package exports as a stand-in
+    (a TensorFlow-only piece on JAX, `tf_metaalign._exports`) raises ImportError when used,
+    and its message (what is missing, what to run instead) is the reason."""
+    import importlib
+
+    missing = {}
+    for run, pieces in needs.items():
+        for module, name in pieces:
+            try:
+                piece = getattr(importlib.import_module(module), name)
+            except ImportError as e:
+                if getattr(e, "name", None) == "tensorflow":  # the module imports it
+                    missing[run] = (
+                        f"{module}.{name} needs TensorFlow ({module} imports it), which is "
+                        "not installed here."
+                    )
+                else:
+                    missing[run] = str(e)
+                break
+            backends = getattr(piece, "backends", None)  # a trainer's (MetaTrainer.backends)
+            if backends is not None and keras.backend.backend() not in backends:
+                missing[run] = (
+                    f"{module}.{name} runs on {', '.join(backends)} only, not on "
+                    f"{keras.backend.backend()} (yet)."
+                )
+                break
+    return missing
+
+
+def require_on_backend(program: str, needs: Sequence[tuple[str, str]], backend: str) -> None:
+    """Stop `program` with a clear message (SystemExit, status 1) when a piece it needs
+    (`(module, name)` pairs, as `unavailable` takes them) is not on `backend` yet."""
+    missing = unavailable({program: needs})
+    if missing:
+        raise SystemExit(
+            f"{program}: cannot run on the {backend} backend yet: {missing[program]} "
+            "(--backend=tensorflow runs it)."
+        )
+
+
+def compiled(fn, **tf_function_kwargs):
+    """`fn` compiled where that is safe: `tf.function(fn, **tf_function_kwargs)` on
+    TensorFlow (it reads the variables when called). On other backends `fn` as it is
+    (eager): `jax.jit` would bake the variables' values of its first call into the
+    function, and they change as the model trains (to jit on JAX, pass the variables'
+    values as arguments to `stateless_call`)."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.function(fn, **tf_function_kwargs)
+    return fn

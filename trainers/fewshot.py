@@ -91,16 +91,32 @@ def define_flags():
 FLAGS = flags.FLAGS
 
 
+#: What every run of the program needs: MAML (the methods, and the evaluator of Reptile's
+#: and DotProd's runs), Reptile and DotProd.
+NEEDS = (
+    ("tf_metaalign.trainers", "MAMLTrainer"),
+    ("tf_metaalign.trainers", "ReptileTrainer"),
+    ("tf_metaalign.trainers", "DotProdTrainer"),
+)
+
+
 def main(argv):
     del argv
+    from trainers import startup
+
+    config = settings.program_config(Config, FULL_RUN)
+    # --backend (or KERAS_BACKEND), set before anything imports Keras; TensorFlow quietly.
+    backend, devices = startup.start(FLAGS.backend)
+
     from trainers import common
     from trainers import fewshot_report as report
     from trainers.fewshot_data import prepare_data
     from trainers.fewshot_run import run_method, run_sinusoid
 
-    config = settings.program_config(Config, FULL_RUN)
+    common.require_on_backend("trainers.fewshot", NEEDS, backend)
     out = common.prepare_output_dir(FLAGS.output_dir)
     log = common.Progress()
+    log(f"fewshot: backend {backend}, devices: {', '.join(devices)}; results to {out}")
     start = time.perf_counter()
     sine = []
     if config.sinusoid:
@@ -134,6 +150,7 @@ def main(argv):
             "sinusoid": sine,
             "plots": [p.name for p in paths],
             "seconds": total,
+            "backend": backend,
         },
     )
     log(f"results.json and {', '.join(p.name for p in paths)} in {out} ({total:.0f} s)")

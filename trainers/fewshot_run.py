@@ -65,6 +65,8 @@ def _widen(value, ways):
 
 def widened_trainer(trainer, ways: int, filters: int):
     """A MAMLTrainer on a `ways`-way copy of `trainer.model` (see the module doc)."""
+    import keras
+
     from tf_metaalign.trainers.maml import MAMLTrainer
 
     model = trainer.model
@@ -72,7 +74,8 @@ def widened_trainer(trainer, ways: int, filters: int):
     n_head = 2  # the Dense kernel and bias: the last two weights
     for i, (w, v) in enumerate(zip(wide.weights, model.weights)):
         head = i >= len(model.weights) - n_head
-        w.assign(_widen(v.numpy(), ways) if head else v.numpy())
+        value = keras.ops.convert_to_numpy(v)
+        w.assign(_widen(value, ways) if head else value)
     config = {
         k: v
         for k, v in trainer.get_config().items()
@@ -99,7 +102,8 @@ def widened_trainer(trainer, ways: int, filters: int):
     n = len(model.trainable_variables)
 
     def copy(dst, src, index):
-        dst.assign(_widen(src.numpy(), ways) if index >= n - n_head else src.numpy())
+        value = keras.ops.convert_to_numpy(src)
+        dst.assign(_widen(value, ways) if index >= n - n_head else value)
 
     if trainer.learn_inner_learning_rates == "per_parameter":
         for i, (d, s) in enumerate(
@@ -122,32 +126,37 @@ def widened_trainer(trainer, ways: int, filters: int):
 
 class EpisodeScorer:
     """Adapts to one episode at a time with `trainer`'s evaluation inner loop and returns
-    the query logits (one traced function per episode shape)."""
+    the query logits (one traced function per episode shape on TensorFlow)."""
 
     def __init__(self, trainer):
-        import tensorflow as tf
+        import keras
 
         self.trainer = trainer
         model = trainer.model
         training = trainer.transductive_evaluation
 
-        @tf.function(reduce_retracing=True)
         def logits(sx, sy, qx):
-            weights = trainer.adapt(sx[tf.newaxis], sy[tf.newaxis])[0]
+            weights = trainer.adapt(keras.ops.expand_dims(sx, 0), keras.ops.expand_dims(sy, 0))[0]
             state = [v.value for v in model.non_trainable_variables]
             return model.stateless_call(weights, state, qx, training=training)[0]
 
-        self._logits = logits
+        from trainers.common import compiled
+
+        self._logits = compiled(logits, reduce_retracing=True)
 
     def __call__(self, sx, sy, qx):
-        return self._logits(sx, sy, qx).numpy()
+        import keras
+
+        return keras.ops.convert_to_numpy(self._logits(sx, sy, qx))
 
     def accuracies(self, dataset):
-        """Per-episode query accuracy over a dataset of 1-task batches."""
+        """Per-episode query accuracy over a dataset of 1-task batches (a tf.data.Dataset
+        or the NumPy route's PyDataset)."""
         import numpy as np
 
+        batches = dataset.as_numpy_iterator() if hasattr(dataset, "as_numpy_iterator") else dataset
         out = []
-        for (sx, sy, qx), qy in dataset.as_numpy_iterator():
+        for (sx, sy, qx), qy in batches:
             for t in range(sx.shape[0]):
                 pred = self(sx[t], sy[t], qx[t]).argmax(-1)
                 out.append(float(np.mean(pred == qy[t])))
@@ -167,8 +176,15 @@ def run_method(
     from tf_metaalign.trainers.maml import MAMLTrainer
     from tf_metaalign.trainers.reptile import ReptileTrainer
     from trainers import common
-    from trainers.fewshot_data import episode_batch_for_dotprod, episode_batch_for_reptile
+    from trainers.fewshot_data import (
+        episode_batch_for_dotprod,
+        episode_batch_for_reptile,
+        map_batches,
+        on_numpy_route,
+    )
     from trainers.fewshot_report import first_epoch_of_best
+
+    as_numpy = on_numpy_route()  # JAX: the samplers' NumPy batches (the same batches)
 
     name = f"{method} tb{task_batch} lr{scale:g}x s{seed}"
     keras.utils.set_random_seed(seed)
@@ -181,11 +197,15 @@ def run_method(
     if method in ONE_EPISODE_METHODS:
         if method == "reptile":
             trainer = ReptileTrainer(model, inner_steps=config.inner_steps, inner_optimizer=alpha)
-            train = sampler.dataset().map(episode_batch_for_reptile(config.inner_steps))
+            train = map_batches(
+                sampler.dataset(as_numpy=as_numpy),
+                episode_batch_for_reptile(config.inner_steps, as_numpy),
+            )
         else:
             trainer = DotProdTrainer(model, weight=config.dotprod_weight)
-            train = sampler.dataset().map(
-                episode_batch_for_dotprod(config.ways, config.shots, config.queries)
+            train = map_batches(
+                sampler.dataset(as_numpy=as_numpy),
+                episode_batch_for_dotprod(config.ways, config.shots, config.queries, as_numpy),
             )
         trainer.compile(optimizer=optimizer, loss=_loss(), metrics=["accuracy"])
         evaluator = MAMLTrainer(
@@ -198,13 +218,15 @@ def run_method(
     else:
         trainer = MAMLTrainer(model, **maml_options(method, config, scale))
         trainer.compile(optimizer=optimizer, loss=_loss(), metrics=["accuracy"])
-        train = sampler.dataset()
+        train = sampler.dataset(as_numpy=as_numpy)
         evaluator = trainer
     scorer = EpisodeScorer(evaluator)
     val_sampler = EpisodeSampler(
         data.validation, config.ways, config.shots, config.queries, seed=1000
     )
-    val_data = val_sampler.evaluation_dataset(config.validation_episodes, tasks_per_batch=1)
+    val_data = val_sampler.evaluation_dataset(
+        config.validation_episodes, tasks_per_batch=1, as_numpy=as_numpy
+    )
     curve, sharing = [], {"sharing_m": [], "sharing_lambda": []}
 
     class Validate(keras.callbacks.Callback):
@@ -248,11 +270,15 @@ def run_method(
     if sharing["sharing_m"]:
         row.update(sharing)
     test5 = EpisodeSampler(data.test, config.ways, config.shots, config.queries, seed=2000)
-    acc5 = scorer.accuracies(test5.evaluation_dataset(config.test_episodes, tasks_per_batch=1))
+    acc5 = scorer.accuracies(
+        test5.evaluation_dataset(config.test_episodes, tasks_per_batch=1, as_numpy=as_numpy)
+    )
     row["test_5way"], row["test_5way_ci"] = mean_confidence_interval(acc5)
     wide = EpisodeScorer(widened_trainer(evaluator, 20, config.filters))
     test20 = EpisodeSampler(data.test, 20, config.shots, 1, seed=3000)
-    acc20 = wide.accuracies(test20.evaluation_dataset(config.test_episodes, tasks_per_batch=1))
+    acc20 = wide.accuracies(
+        test20.evaluation_dataset(config.test_episodes, tasks_per_batch=1, as_numpy=as_numpy)
+    )
     row["test_20way"], row["test_20way_ci"] = mean_confidence_interval(acc20)
     if data.runs:
         official = evaluate_official_runs(wide, data.runs)
@@ -281,10 +307,10 @@ def run_sinusoid(
     returns the held-out waves' query MSE (50 points each) before adaptation and after
     1 and 10 inner steps, each the mean over waves +- its 95% t-interval."""
     import keras
-    import tensorflow as tf
 
     from tf_metaalign.data.episodes import mean_confidence_interval
     from tf_metaalign.data.sinusoid import SinusoidTasks
+    from trainers.fewshot_data import on_numpy_route
     from tf_metaalign.trainers.maml import MAMLTrainer
 
     steps = steps or config.sinusoid_steps
@@ -300,25 +326,32 @@ def run_sinusoid(
     tasks = SinusoidTasks(
         shots=10, queries=10, tasks_per_batch=config.sinusoid_tasks_per_batch, seed=seed
     )
-    trainer.fit(tasks.dataset(steps), epochs=1, verbose=0)
+    as_numpy = on_numpy_route()
+    # The NumPy route's PyDataset: shuffle=False keeps its order (tf.data's never shuffles).
+    trainer.fit(tasks.dataset(steps, as_numpy=as_numpy), epochs=1, verbose=0, shuffle=False)
     test = SinusoidTasks(
         shots=10, queries=50, tasks_per_batch=config.sinusoid_test_tasks, seed=10_000 + seed
     ).batch(0)
     (sx, sy, qx), qy = test
     out = {"method": "maml_gs" if gradient_sharing else "maml", "seed": seed, "steps": steps}
-    pre = ((model(qx.reshape(-1, 1), training=False).numpy().reshape(qy.shape) - qy) ** 2).mean(
-        axis=(1, 2)
-    )
+    pre_logits = keras.ops.convert_to_numpy(model(qx.reshape(-1, 1), training=False))
+    pre = ((pre_logits.reshape(qy.shape) - qy) ** 2).mean(axis=(1, 2))
     out["mse_0"], out["mse_0_ci"] = mean_confidence_interval(pre)
 
-    @tf.function(reduce_retracing=True)
     def predict(sx, sy, qx, n):
-        weights = trainer.adapt(sx[tf.newaxis], sy[tf.newaxis], inner_steps=n)[0]
+        weights = trainer.adapt(
+            keras.ops.expand_dims(sx, 0), keras.ops.expand_dims(sy, 0), inner_steps=n
+        )[0]
         return model.stateless_call(weights, [], qx)[0]
 
+    from trainers.common import compiled
+
+    predict = compiled(predict, reduce_retracing=True)
     for n in (1, 10):
         mse = [
-            float(((predict(sx[t], sy[t], qx[t], n).numpy() - qy[t]) ** 2).mean())
+            float(
+                ((keras.ops.convert_to_numpy(predict(sx[t], sy[t], qx[t], n)) - qy[t]) ** 2).mean()
+            )
             for t in range(len(sx))
         ]
         out[f"mse_{n}"], out[f"mse_{n}_ci"] = mean_confidence_interval(mse)

@@ -144,6 +144,13 @@ class Config:
     )
     sharpness_iterations: int = setting(20, "The study: power-iteration steps (HVPs) at most.")
     alignment_pairs: int = setting(4, "The study: (b1, b2) pairs of the final G1.G2.")
+    portable: bool = setting(
+        False,
+        "Draw the data order and the new layers' initial weights with NumPy (the NumPy data "
+        "route on TensorFlow too): the same batches and weights on either --backend, to "
+        "compare the backends number for number. Default: the backend's own (tf.data's "
+        "shuffle and Keras's initializers on TensorFlow; on JAX the NumPy data route).",
+    )
     resume: bool = setting(
         False,
         "The study: keep the seeds a stopped study finished (its partial_rows.json in "
@@ -197,6 +204,7 @@ RECORDED_FLAGS = (
     "parts_of_speech",
     "hidden_units",
     "timing_warmup",
+    "portable",
 )
 STUDY_FLAGS = (
     "runs",
@@ -230,9 +238,14 @@ def parse_alpha(value: str):
 
 
 def settings_and_options(config: Config, seed: int):
-    """The run settings (optimizer, schedule of steps, timing) and the methods' options."""
+    """The run settings (optimizer, schedule of steps, timing, data route) and the methods'
+    options."""
+    import keras
+
     defaults = DATASET_DEFAULTS[config.dataset]
     settings = {
+        # The NumPy data route (no tf.data) on JAX, and on TensorFlow with --portable.
+        "numpy_data": config.portable or keras.backend.backend() != "tensorflow",
         "optimizer": config.optimizer or defaults["optimizer"],
         "learning_rate": (
             config.learning_rate if config.learning_rate is not None else defaults["learning_rate"]
@@ -280,7 +293,8 @@ def main(argv):
     from trainers import startup
 
     config = program_config(Config)
-    devices = startup.start_tensorflow()  # before anything imports TensorFlow
+    # --backend (or KERAS_BACKEND), set before anything imports Keras; TensorFlow quietly.
+    backend, devices = startup.start(FLAGS.backend)
 
     from trainers import common
 
@@ -305,7 +319,8 @@ def main(argv):
     t0 = time.perf_counter()
     progress(
         f"finetune: dataset={config.dataset}, runs={config.algorithm}, {config.steps} steps of "
-        f"batch {config.batch_size}; devices: {', '.join(devices)}; results to {output_dir}"
+        f"batch {config.batch_size}; backend {backend}, devices: {', '.join(devices)}; "
+        f"results to {output_dir}"
     )
     splits, model, initial_weights = prepare(config, config.seed, progress)
     load_seconds = time.perf_counter() - t0
@@ -343,6 +358,9 @@ def main(argv):
         f"dotprod: weight={weight:g} "
         f"alpha={config.alpha} every={config.every} alignment={config.alignment} "
         f"method={config.method}\n"
+        f"backend {backend}; data order and new layers' weights: "
+        + ("NumPy's (--portable)" if config.portable else f"{backend}'s")
+        + "\n"
         "baseline = DotProdTrainer(weight=0, regulariser pass off): plain training on G1+G2, "
         "G1.G2 logged on the same pairs.\n"
         "mean G1.G2 / cos: mean over all training steps; ms/step: median warm step time "
@@ -370,9 +388,14 @@ def main(argv):
         "load_seconds": load_seconds,
         "total_seconds": time.perf_counter() - t0,
         "table": table,
+        "backend": backend,
+        "devices": devices,
     }
     path = common.write_json(output_dir / "results.json", results)
-    print(f"results: {path}\ntensorboard --logdir {output_dir / 'tensorboard'}")
+    if common.writes_tensorboard():
+        print(f"results: {path}\ntensorboard --logdir {output_dir / 'tensorboard'}")
+    else:
+        print(f"results: {path} (no TensorBoard logs on {backend})")
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def run_one(name, model, initial_weights, splits, options, settings, output_dir,
     import keras
 
     from trainers import common
-    from trainers.finetune_data import stacked_pairs
+    from trainers.finetune_data import stacked_pairs, static_tf_dataset
 
     s = settings
     model.set_weights(initial_weights)
@@ -124,11 +124,16 @@ def run_one(name, model, initial_weights, splits, options, settings, output_dir,
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
     )
+    # The NumPy route on JAX (and with --portable): no tf.data; its shuffle order is drawn
+    # by NumPy from the seed (tf.data's, on TensorFlow, cannot be reproduced without it).
+    as_numpy = s.get("numpy_data", False)
     train_ds = splits.train_dataset(
-        s["batch_size"], seed=s["seed"], repeat=True, drop_remainder=True
+        s["batch_size"], seed=s["seed"], repeat=True, drop_remainder=True, as_numpy=as_numpy
     )
     if run in STACKED:
         train_ds = stacked_pairs(train_ds, s["batch_size"])
+    if as_numpy and keras.backend.backend() == "tensorflow":  # --portable on TensorFlow
+        train_ds = static_tf_dataset(train_ds)
     timer = common.StepTimer(warmup=s["timing_warmup"])
     log_dir = output_dir / "tensorboard" / name
     steps = s["steps"]
@@ -153,7 +158,7 @@ def run_one(name, model, initial_weights, splits, options, settings, output_dir,
         epochs=steps // interval,
         shuffle=False,
         verbose=0,
-        callbacks=[timer, reporter, common.tensorboard_callback(log_dir)],
+        callbacks=[timer, reporter, *common.tensorboard_callbacks(log_dir)],
     )
     history = {k: [float(v) for v in h.history[k]] for k in h.history}
     history["steps"] = [interval * (i + 1) for i in range(len(history["loss"]))]
@@ -163,7 +168,9 @@ def run_one(name, model, initial_weights, splits, options, settings, output_dir,
         "held-out examples"
     )
     ev = trainer.evaluate(
-        splits.test_dataset(max(s["batch_size"], 64)), verbose=0, return_dict=True
+        splits.test_dataset(max(s["batch_size"], 64), as_numpy=as_numpy),
+        verbose=0,
+        return_dict=True,
     )
     common.write_summary(
         log_dir / "test",
@@ -236,18 +243,25 @@ def final_measurements(model, splits, batch_size, examples, iterations, pairs, s
 
 
 def _rows(x, lo, hi):
-    import tensorflow as tf
+    import keras
 
-    return tf.nest.map_structure(lambda a: a[lo:hi], x)
+    return keras.tree.map_structure(lambda a: a[lo:hi], x)
 
 
 def _compiled_gradient(loss_fn, params, state):
-    import tensorflow as tf
+    """`(x, y) -> gradient` at `params`, compiled: `tf.function` on TensorFlow, `jax.jit`
+    on JAX."""
+    import keras
 
     from tf_metaalign import functional as F
 
-    @tf.function(autograph=False, reduce_retracing=True)
     def grad(x, y):
         return F.value_and_grad(loss_fn, params, state, (x, y))[1]
 
-    return grad
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.jit(grad)
+    import tensorflow as tf
+
+    return tf.function(grad, autograph=False, reduce_retracing=True)

@@ -58,6 +58,8 @@ def study(config, recorded_settings, settings_and_options, prepare, output_dir, 
     `settings_and_options(config, seed)` and `prepare(config, seed, progress)` are
     `trainers.finetune`'s (passed in: the program runs as __main__, and importing it from
     here would load a second copy of it)."""
+    import keras
+
     from trainers import common
     from trainers.finetune_report import MEASURES, study_tables, summarize
     from trainers.finetune_runs import final_measurements, run_one
@@ -66,7 +68,8 @@ def study(config, recorded_settings, settings_and_options, prepare, output_dir, 
     seeds = [config.seed + i for i in range(config.seeds)]
     progress(
         f"finetune study: dataset={config.dataset}, runs={','.join(config.runs)}, seeds "
-        f"{seeds}, {config.steps} steps of batch {config.batch_size}; devices: "
+        f"{seeds}, {config.steps} steps of batch {config.batch_size}; backend "
+        f"{keras.backend.backend()}, devices: "
         f"{', '.join(devices)}; results to {output_dir}"
     )
     rows_by_seed, histories = resumed_seeds(config, output_dir, seeds, progress)
@@ -144,6 +147,8 @@ def study(config, recorded_settings, settings_and_options, prepare, output_dir, 
         "total_seconds": time.perf_counter() - t0,
         "table": per_run,
         "differences_table": differences,
+        "backend": keras.backend.backend(),
+        "devices": devices,
     }
     path = common.write_json(output_dir / "results.json", results)
     print(f"results: {path}")

@@ -116,19 +116,35 @@ def dev_metrics(model, dev):
     }
 
 
+#: What the program needs on the backend, besides each `--optimizers` optimizer.
+NEEDS = (("tf_metaalign.trainers", "GuidedTrainer"), ("tf_metaalign.optimizers", "Adam"))
+#: The optimizer class of each `--optimizers` name.
+OPTIMIZER_CLASSES = {"lamb": "Lamb", "adafactor": "Adafactor"}
+
+
 def main(argv):
     del argv
+    from trainers import common, startup
+
+    config = settings.program_config(Config)
+    # --backend (or KERAS_BACKEND), set before anything imports Keras; TensorFlow quietly.
+    backend, devices = startup.start(FLAGS.backend)
+    needs = NEEDS + tuple(
+        ("tf_metaalign.optimizers", OPTIMIZER_CLASSES[name]) for name in config.optimizers
+    )
+    common.require_on_backend("trainers.guided", needs, backend)
     import keras
-    import tensorflow as tf
+    import numpy as np
 
     from tf_metaalign import optimizers as O
+    from tf_metaalign.data import make_dataset
     from trainers.experiments import translation
     from tf_metaalign.plotting import ScheduleRecorder, plot_schedules
     from tf_metaalign.trainers.guided import GuidedTrainer
     from trainers.common import StepTimer, format_table, prepare_output_dir, write_json
 
-    config = settings.program_config(Config)
     out_dir = prepare_output_dir(FLAGS.output_dir)
+    print(f"guided: backend {backend}, devices: {', '.join(devices)}", flush=True)
     pairs = translation.load_django_pairs(config.lang, max_chars=config.max_chars)
     train, guidance, dev = translation.split_pairs(
         pairs, config.dev_fraction, config.guidance_size, config.seed
@@ -146,12 +162,27 @@ def main(argv):
 
     def dataset():
         (enc, dec), lab, mask = tr
-        ds = tf.data.Dataset.from_tensor_slices(((enc, dec), lab, mask))
-        return (
-            ds.shuffle(len(lab), seed=config.seed)
-            .repeat()
-            .batch(config.batch_size, drop_remainder=True)
+        if backend == "tensorflow":
+            import tensorflow as tf
+
+            ds = tf.data.Dataset.from_tensor_slices(((enc, dec), lab, mask))
+            return (
+                ds.shuffle(len(lab), seed=config.seed)
+                .repeat()
+                .batch(config.batch_size, drop_remainder=True)
+            )
+        # The NumPy route (no tf.data): batches of shuffled example indices, drawn by NumPy
+        # from the seed (another order than tf.data's shuffle, which needs TensorFlow).
+        rows = make_dataset(
+            np.arange(len(lab)),
+            np.arange(len(lab)),
+            config.batch_size,
+            seed=config.seed,
+            repeat=True,
+            drop_remainder=True,
+            as_numpy=True,
         )
+        return (((enc[i], dec[i]), lab[i], mask[i]) for i, _ in rows)
 
     guidance_batch = (gd[0], gd[1], gd[2])
     keras.utils.set_random_seed(config.seed)
@@ -194,16 +225,14 @@ def main(argv):
             )
         )
         timer = StepTimer(warmup=3)
-        tb = keras.callbacks.TensorBoard(
-            str(out_dir / "tensorboard" / f"{opt}_{name}"), update_freq=10
-        )
+        tb = common.tensorboard_callbacks(out_dir / "tensorboard" / f"{opt}_{name}", 10)
         t0 = time.time()
         hist = runner.fit(
             dataset(),
             steps_per_epoch=config.steps,
             epochs=1,
             verbose=0,
-            callbacks=[recorder, timer, tb],
+            callbacks=[recorder, timer, *tb],
         )
         wall = time.time() - t0
         metrics = dev_metrics(model, dv)
@@ -293,6 +322,7 @@ def main(argv):
             },
             "rows": rows,
             "table": table,
+            "backend": backend,
         },
     )
     print(f"wrote {path} and plots to {out_dir}")

@@ -74,6 +74,11 @@ class Config:
     )
     split_seed: int = setting(0, "Seed of the held-out split.")
     log_every: int = setting(20, "Steps between progress lines.")
+    portable: bool = setting(
+        False,
+        "Draw the new head with NumPy: the same start on either --backend (the batches are "
+        "the same on both anyway; dropout's masks still differ between backends).",
+    )
 
     def __post_init__(self):
         if isinstance(self.methods, str):

@@ -15,9 +15,10 @@ from trainers import multitask_methods as MM
 from trainers.multitask_config import ALIASES, PROGRAM_METHODS
 
 
-def build_model(data: Data, seed: int):
+def build_model(data: Data, seed: int, portable: bool = False):
     """(model, encoder weights): the fine-tuned part of the encoder at its pretrained
-    values, masked mean pooling, dropout 0.1 and a new head initialised with `seed`."""
+    values, masked mean pooling, dropout 0.1 and a new head initialised with `seed` (with
+    `portable`, drawn by NumPy: the same head on either backend)."""
     import keras
     import keras_hub
 
@@ -31,6 +32,8 @@ def build_model(data: Data, seed: int):
         model = TE.build_text_classifier(
             num_classes, backbone=backbone, sequence_length=length, seed=seed
         )
+        if portable:
+            _portable_head(model.get_layer("head"), seed)
         return model, backbone.trainable_weights
     example = data.train[next(iter(data.train))][0]["hidden"]
     length, width = example.shape[1:]
@@ -52,7 +55,27 @@ def build_model(data: Data, seed: int):
         name="head",
         kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02, seed=seed),
     )(pooled)
-    return keras.Model({"hidden": hidden, "padding_mask": mask}, logits), encoder_weights
+    model = keras.Model({"hidden": hidden, "padding_mask": mask}, logits)
+    if portable:
+        _portable_head(model.get_layer("head"), seed)
+    return model, encoder_weights
+
+
+def _portable_head(head, seed: int) -> None:
+    """`--portable`: the head's kernel drawn by NumPy from `seed` (truncated normal, stddev
+    0.02, as its Keras initialiser, which draws other numbers on TensorFlow and JAX), its
+    bias zero."""
+    import keras
+    import numpy as np
+
+    rng = np.random.default_rng([int(seed), 20261128])
+    shape = tuple(head.kernel.shape)
+    kernel = rng.standard_normal(shape)
+    while np.any(np.abs(kernel) > 2):  # truncated at two standard deviations
+        redraw = np.abs(kernel) > 2
+        kernel[redraw] = rng.standard_normal(int(redraw.sum()))
+    head.kernel.assign((0.02 * kernel).astype(keras.backend.standardize_dtype(head.kernel.dtype)))
+    head.bias.assign(np.zeros(head.bias.shape, keras.backend.standardize_dtype(head.bias.dtype)))
 
 
 def _loss():
@@ -80,9 +103,10 @@ def accuracy(model, split) -> dict:
 
 def run_method(method: str, data: Data, seed: int, config: Config, log=print) -> dict:
     """Train `method` from the pretrained weights (seed `seed`); its measured values."""
+    import itertools
+
     import keras
     import numpy as np
-    import tensorflow as tf
 
     from tf_metaalign import optimizers as O
     from tf_metaalign.callbacks import MultiTaskDiagnostics
@@ -101,15 +125,31 @@ def run_method(method: str, data: Data, seed: int, config: Config, log=print) ->
     start = time.perf_counter()
     name = f"{method} seed {seed}"
 
+    # On JAX the batches are the NumPy route's: the same batches as tf.data's on
+    # TensorFlow (the stream's stateless draws, reproduced in NumPy), with no TensorFlow.
+    as_numpy = keras.backend.backend() != "tensorflow"
+
     def fresh():
         keras.utils.set_random_seed(seed)
-        model, encoder = build_model(data, seed)
-        return model, encoder, [w.numpy() for w in encoder]
+        model, encoder = build_model(data, seed, portable=config.portable)
+        return model, encoder, [keras.ops.convert_to_numpy(w) for w in encoder]
 
     def distance(encoder, pretrained):
         return float(
-            np.sqrt(sum(np.sum((w.numpy() - p) ** 2) for w, p in zip(encoder, pretrained)))
+            np.sqrt(
+                sum(
+                    np.sum((keras.ops.convert_to_numpy(w) - p) ** 2)
+                    for w, p in zip(encoder, pretrained)
+                )
+            )
         )
+
+    def take(batches, n, fn=None):
+        """The first `n` batches (mapped by `fn`) of a tf.data.Dataset or a generator."""
+        if as_numpy:
+            batches = (fn(x, y) for x, y in batches) if fn else batches
+            return (batch for batch in itertools.islice(batches, n))  # fit takes generators
+        return (batches.map(fn) if fn else batches).take(n)
 
     if method == "single_task":
         scores, distances = {}, []
@@ -119,10 +159,12 @@ def run_method(method: str, data: Data, seed: int, config: Config, log=print) ->
             stream = MultiTaskStream(
                 {lang: data.train[lang]}, batch_size=b, seed=seed * 1000 + index
             )
-            batches = (
-                stream.single_task_batches().map(lambda x, y: (x["inputs"], y)).take(config.steps)
+            batches = take(
+                stream.single_task_batches(as_numpy=as_numpy),
+                config.steps,
+                lambda x, y: (x["inputs"], y),
             )
-            model.fit(batches, verbose=0, shuffle=False)
+            model.fit(batches, verbose=0, shuffle=False, steps_per_epoch=config.steps)
             scores[lang] = accuracy(model, {lang: data.test[lang]})[lang]
             distances.append(distance(encoder, pretrained))
             log(f"{name}: {lang} ({index + 1}/{num_tasks}) held-out accuracy {scores[lang]:.3f}")
@@ -164,7 +206,7 @@ def run_method(method: str, data: Data, seed: int, config: Config, log=print) ->
             if method == "recadam"
             else O.Adam(config.learning_rate)
         )
-        batches = stream.mixed_batches(per_task_batch_size=b).take(config.steps)
+        batches = take(stream.mixed_batches(per_task_batch_size=b, as_numpy=as_numpy), config.steps)
         steps = config.steps
     elif method == "reptile":
         k, tasks = config.reptile_inner_steps, config.reptile_tasks
@@ -175,30 +217,36 @@ def run_method(method: str, data: Data, seed: int, config: Config, log=print) ->
 
         def stack(x, y):  # task-major [tasks * k * b] -> [tasks, k, b, ...]
             def fold(t):
-                return tf.reshape(t, [tasks, k, b] + t.shape[1:].as_list())
+                return keras.ops.reshape(t, [tasks, k, b] + list(t.shape[1:]))
 
-            return tf.nest.map_structure(fold, x), fold(y)
+            def fold_numpy(t):
+                return np.reshape(t, (tasks, k, b) + tuple(t.shape[1:]))
+
+            fold = fold_numpy if as_numpy else fold
+            return keras.tree.map_structure(fold, x), fold(y)
 
         # The inner loops are unrolled when traced (tasks x k steps): tracing time grows
         # with their product, hence a subset of tasks per outer step.
         steps = config.steps * num_tasks // (tasks * k)
-        batches = (
-            stream.mixed_batches(tasks_per_batch=tasks, per_task_batch_size=k * b)
-            .map(stack)
-            .take(steps)
+        batches = take(
+            stream.mixed_batches(
+                tasks_per_batch=tasks, per_task_batch_size=k * b, as_numpy=as_numpy
+            ),
+            steps,
+            stack,
         )
     else:  # sequential_reptile
         trainer = SequentialReptileTrainer(
             model, inner_steps=config.inner_steps, outer_learning_rate=config.outer_learning_rate
         )
         optimizer = O.Adam(config.learning_rate)
-        batches = stream.single_task_batches().take(config.steps)
+        batches = take(stream.single_task_batches(as_numpy=as_numpy), config.steps)
         steps = config.steps
     trainer.compile(optimizer=optimizer, loss=_loss())
     progress = common.ProgressCallback(
         log, name, steps, max(1, config.log_every * steps // config.steps)
     )
-    trainer.fit(batches, verbose=0, shuffle=False, callbacks=[progress])
+    trainer.fit(batches, verbose=0, shuffle=False, steps_per_epoch=steps, callbacks=[progress])
     diagnostics = MultiTaskDiagnostics(probe_batches(data, config))
     diagnostics.set_model(trainer)
     cosine = diagnostics.measure()["task_gradient_cosine"]

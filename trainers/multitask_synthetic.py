@@ -100,6 +100,14 @@ TABLE_COLUMNS = (
     ("seconds", "s", ".1f"),
 )
 
+#: What a method uses beyond `MultiTaskTrainer` (a run whose piece is not on the backend
+#: yet is skipped with the reason: `common.unavailable`).
+NEEDS = {
+    "recadam": [("tf_metaalign.optimizers", "RecAdam")],
+    "reptile": [("tf_metaalign.trainers", "MultiTaskReptileTrainer")],
+    "sequential_reptile": [("tf_metaalign.trainers", "SequentialReptileTrainer")],
+}
+
 #: the share of a trajectory the "last 20%" columns average over. SGD on these losses does
 #: not settle: each task's loss has a cusp at its optimum (|grad| = 40 there), so a fixed
 #: learning rate ends in a cycle around it and the final point is one phase of the cycle.
@@ -127,6 +135,11 @@ class _Trajectory:
                 outer.points.append(read())
 
             def on_train_batch_end(self, batch, logs=None):
+                # On JAX, fit holds the state outside the variables between steps: write
+                # it back first (a no-op when already written).
+                sync = getattr(self.model, "jax_state_sync", None)
+                if sync is not None:
+                    sync()
                 outer.points.append(read())
 
         self.callback = Record()
@@ -143,8 +156,10 @@ def run_method(
 ):
     """Train one method on the synthetic problem; returns (final phi, trajectory).
     `method_options`: {method: {argument: value}} for registry methods."""
+    import itertools
+
+    import keras
     import numpy as np
-    import tensorflow as tf
 
     from tf_metaalign import optimizers as O
     from trainers.experiments import synthetic as S
@@ -166,9 +181,16 @@ def run_method(
     model = S.point_model()
     stream = _stream(seed)
     tasks = len(S.OPTIMA)
+    # On JAX, NumPy batches (the stream's NumPy route: the same batches as tf.data's).
+    as_numpy = keras.backend.backend() != "tensorflow"
+
+    def take(batches, n):
+        if as_numpy:
+            return (batch for batch in itertools.islice(batches, n))  # fit takes generators
+        return batches.take(n)
 
     def phi_now():
-        return model.trainable_variables[0].numpy().copy()
+        return np.array(keras.ops.convert_to_numpy(model.trainable_variables[0]))
 
     if method == "recadam" or MM.registry_name(method, ALIASES):
         mtl_method = MM.build(
@@ -183,7 +205,8 @@ def run_method(
             if method == "recadam"
             else O.SGD(learning_rate)
         )
-        data = stream.mixed_batches(per_task_batch_size=1).take(steps // tasks)
+        n = steps // tasks
+        data = take(stream.mixed_batches(per_task_batch_size=1, as_numpy=as_numpy), n)
         read = phi_now
     elif method == "reptile":
         trainer = MultiTaskReptileTrainer(
@@ -191,26 +214,31 @@ def run_method(
         )
         optimizer = O.SGD(outer_learning_rate)
 
-        def stacked(k):  # [T, K, 1, ...]: every task's K single-example batches
-            x = tf.zeros((tasks, inner_steps, 1, 1))
-            y = tf.tile(tf.constant(S.OPTIMA, tf.float32)[:, None, None, :], (1, inner_steps, 1, 1))
-            return x, y
+        # [T, K, 1, ...]: every task's K single-example batches (the same every step)
+        x = np.zeros((tasks, inner_steps, 1, 1), np.float32)
+        y = np.tile(np.asarray(S.OPTIMA, np.float32)[:, None, None, :], (1, inner_steps, 1, 1))
+        n = steps // (tasks * inner_steps)
+        if as_numpy:
+            data = (batch for batch in [(x, y)] * n)
+        else:
+            import tensorflow as tf
 
-        data = tf.data.Dataset.range(steps // (tasks * inner_steps)).map(stacked)
+            data = tf.data.Dataset.from_tensors((x, y)).repeat(n)
         read = phi_now
     else:  # sequential_reptile
         trainer = SequentialReptileTrainer(
             model, inner_steps=inner_steps, outer_learning_rate=outer_learning_rate
         )
         optimizer = O.SGD(learning_rate)
-        data = stream.single_task_batches().take(steps)
+        n = steps
+        data = take(stream.single_task_batches(as_numpy=as_numpy), n)
 
         def read():
-            return np.asarray(trainer.weights_copy("slow")[0].numpy()).copy()
+            return np.array(keras.ops.convert_to_numpy(trainer.weights_copy("slow")[0]))
 
     trainer.compile(optimizer=optimizer, loss=S.SyntheticTaskLoss())
     trajectory = _Trajectory(read)
-    trainer.fit(data, verbose=0, shuffle=False, callbacks=[trajectory.callback])
+    trainer.fit(data, verbose=0, shuffle=False, steps_per_epoch=n, callbacks=[trajectory.callback])
     final = phi_now()
     return final, np.asarray(trajectory.points)
 
@@ -288,9 +316,14 @@ def plot(trajectories, path):
 
 def main(argv):
     del argv
-    from trainers import common
+    from trainers import startup
 
     config = settings.program_config(Config)
+    # --backend (or KERAS_BACKEND), set before anything imports Keras; TensorFlow quietly.
+    backend, devices = startup.start(FLAGS.backend)
+
+    from trainers import common
+
     zoo_skipped = [
         m for m in NEEDS_NONNEGATIVE_LOSSES if MM.ZOO in config.methods and m not in config.methods
     ]
@@ -306,6 +339,10 @@ def main(argv):
         MM.check_method_options(options, methods, ALIASES)
     except ValueError as e:
         raise app.UsageError(str(e))
+    missing = common.unavailable({m: NEEDS.get(m, ()) for m in methods})
+    for m, reason in missing.items():
+        print(f"{m}: skipped on {backend}: {reason}")
+    methods = tuple(m for m in methods if m not in missing)
     out = common.prepare_output_dir(FLAGS.output_dir)
     rows, trajectories = [], {}
     for method in methods:
@@ -329,6 +366,8 @@ def main(argv):
         out / "results.json",
         {
             "flags": dataclasses.asdict(config),
+            "backend": backend,
+            "skipped": missing,
             "runs": [{k: v for k, v in r.items() if k not in ("phi", "task_losses")} for r in rows],
         },
     )

@@ -86,6 +86,15 @@ def define_flags():
 
 FLAGS = flags.FLAGS
 
+#: What the program needs on the backend (a clear stop where one is not there yet).
+NEEDS = (
+    ("tf_metaalign.prompts", "prompt_t5"),
+    ("tf_metaalign.prompts", "prompt_bert"),
+    ("tf_metaalign.prompts.t5_lm", "PromptedT5LM"),
+    ("tf_metaalign.trainers.prompt_meta", "PromptFOMAMLTrainer"),
+    ("tf_metaalign.trainers.prompt_meta", "PromptReptileTrainer"),
+)
+
 
 def main(argv):
     del argv
@@ -93,8 +102,11 @@ def main(argv):
 
     from trainers import startup
 
-    startup.start_tensorflow()  # before anything imports TensorFlow: no start-up chatter
+    # --backend (or KERAS_BACKEND), set before anything imports Keras; TensorFlow quietly.
+    backend, devices = startup.start(FLAGS.backend)
     from trainers import common
+
+    common.require_on_backend("trainers.promptability", NEEDS, backend)
     from trainers import promptability_report as report
     from trainers.promptability_run import run
 
@@ -113,6 +125,7 @@ def main(argv):
         raise app.UsageError(str(e))
     log = common.Progress()
     results, _ = run(config, log)
+    results["backend"] = backend
     report.print_report(results, config.modes)
     common.write_json(out / "results.json", results)
     log(f"results.json in {out}")

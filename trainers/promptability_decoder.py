@@ -67,15 +67,23 @@ def define_flags():
 
 FLAGS = flags.FLAGS
 
+#: What the program needs on the backend (a clear stop where one is not there yet).
+NEEDS = (
+    ("tf_metaalign.prompts", "prompt_causal_lm"),
+    ("tf_metaalign.prompts", "causal_lm_score_fn"),
+)
+
 
 def main(argv):
     del argv
     from trainers import startup
 
-    startup.start_tensorflow()
-    import warnings
-
+    # --backend (or KERAS_BACKEND), set before anything imports Keras; TensorFlow quietly.
+    backend, devices = startup.start(FLAGS.backend)
     from trainers import common
+
+    common.require_on_backend("trainers.promptability_decoder", NEEDS, backend)
+    import warnings
 
     # keras-hub's CausalLM.fit makes a dataset of the arrays; Keras then warns that its
     # default shuffle=True is ignored (the order is drawn in `Method.train`).
@@ -91,6 +99,7 @@ def main(argv):
     from trainers.promptability_decoder_run import run
 
     results = run(config, log)
+    results["backend"] = backend
     print(format_report(results["summary"]))
     common.write_json(out / "results.json", results)
     log(f"results.json in {out}")

@@ -22,10 +22,22 @@ if TYPE_CHECKING:
 
 
 class TracedForward:
-    """`model(x)` as one traced function (any batch and length): what `causal_lm_score_fn`
-    calls, without re-tracing per call."""
+    """`model(x)` as one compiled function (any batch and length): what
+    `causal_lm_score_fn` calls, without re-tracing per call (`tf.function` on TensorFlow;
+    on JAX `jax.jit` of `stateless_call`, the variables' current values passed in)."""
 
     def __init__(self, model):
+        import keras
+
+        self.model = model
+        if keras.backend.backend() == "jax":
+            import jax
+
+            def forward(trainable, non_trainable, x):
+                return model.stateless_call(trainable, non_trainable, x, training=False)[0]
+
+            self.forward = jax.jit(forward)
+            return
         import tensorflow as tf
 
         spec = tf.TensorSpec([None, None], tf.int32)
@@ -37,9 +49,16 @@ class TracedForward:
         self.forward = forward
 
     def __call__(self, x, training=False):
-        import tensorflow as tf
+        import keras
 
-        return self.forward({k: tf.cast(v, tf.int32) for k, v in x.items()})
+        x = {k: keras.ops.cast(v, "int32") for k, v in x.items()}
+        if keras.backend.backend() == "jax":
+            return self.forward(
+                [v.value for v in self.model.trainable_variables],
+                [v.value for v in self.model.non_trainable_variables],
+                x,
+            )
+        return self.forward(x)
 
 
 def correctness(score_fn, examples, codec: Codec):

@@ -38,7 +38,7 @@ class Evaluator:
     few-shot prompt tuning for any (transformer weights, prompt) assigned to it."""
 
     def __init__(self, backbone, config: Config, tokenize: Tokenize, mode: str, length: int):
-        import tensorflow as tf
+        import keras
 
         from tf_metaalign import prompts
         from tf_metaalign.prompts.t5_lm import masked_token_loss
@@ -55,20 +55,30 @@ class Evaluator:
         )
         prompted = self.prompted
 
-        @tf.function(
-            input_signature=[tf.TensorSpec([None, None], tf.int32)] * 3, reduce_retracing=True
-        )
         def log_likelihoods(inputs, targets, mask):
             return prompts.t5_token_log_likelihoods(prompted, inputs, inputs != 0, targets, mask)
 
-        self._log_likelihoods = log_likelihoods
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            spec = tf.TensorSpec([None, None], tf.int32)
+            log_likelihoods = tf.function(
+                log_likelihoods, input_signature=[spec] * 3, reduce_retracing=True
+            )
+        self._log_likelihoods = log_likelihoods  # eager on JAX (see common.compiled)
 
     def score_fn(self, inputs, targets, mask):
         import numpy as np
 
-        return self._log_likelihoods(
-            np.asarray(inputs, np.int32), np.asarray(targets, np.int32), np.asarray(mask, np.int32)
-        ).numpy()
+        import keras
+
+        return keras.ops.convert_to_numpy(
+            self._log_likelihoods(
+                np.asarray(inputs, np.int32),
+                np.asarray(targets, np.int32),
+                np.asarray(mask, np.int32),
+            )
+        )
 
     def correctness(self, examples):
         """Per-example 0/1 correctness of rank classification (mean log-likelihood)."""

@@ -59,6 +59,7 @@ def continued_pretraining(
     run's record with the prompt values (None for mtl_t), `mean_loss` (Keras's loss of the
     run: the mean over ALL its steps, not the last one) and, when `data` has "fit" (an
     `encode_examples` pair), `end_loss`: the trained model's `token_loss` on it."""
+    import keras
     import numpy as np
 
     from tf_metaalign.prompts.t5_lm import masked_token_loss
@@ -80,16 +81,11 @@ def continued_pretraining(
             inner_steps=config.inner_steps,
             inner_optimizer=adafactor_optimizer(config.learning_rate, clip=False),
         )
-        import tensorflow as tf
-
-        batches = tf.data.Dataset.from_tensor_slices(((sx, sy, qx), qy)).batch(
-            config.meta_batch, drop_remainder=True
-        )
         steps, examples = (
             config.meta_steps,
             qy.shape[0] * (config.inner_steps + 1) * config.task_batch_size,
         )
-        fit_args = dict(x=batches, shuffle=False)
+        fit_args = dict(x=meta_batches((sx, sy, qx), qy, config.meta_batch), shuffle=False)
     else:
         model = lm
         x, y = data["mtl"]
@@ -106,7 +102,7 @@ def continued_pretraining(
     history = model.fit(**fit_args, epochs=1, verbose=0, callbacks=[progress])
     seconds = time.perf_counter() - start
     prompt = (
-        [np.array(v.numpy()) for v in prompted.prompt_variables]
+        [np.array(keras.ops.convert_to_numpy(v)) for v in prompted.prompt_variables]
         if configuration != "mtl_t"
         else None
     )
@@ -120,3 +116,22 @@ def continued_pretraining(
         "end_loss": token_loss(lm, *data["fit"]) if "fit" in data else None,
         "seconds": seconds,
     }
+
+
+def meta_batches(x, y, batch_size: int):
+    """The meta-training elements `(x, y)` (task-major arrays) in batches of `batch_size`
+    tasks, the last partial batch dropped: a `tf.data.Dataset` on TensorFlow; on other
+    backends the same batches as a `keras.utils.PyDataset` of NumPy arrays."""
+    import keras
+
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size, drop_remainder=True)
+    from tf_metaalign.data._numpy_route import NumpyBatches
+
+    def batch(k):
+        rows = slice(k * batch_size, (k + 1) * batch_size)
+        return keras.tree.map_structure(lambda a: a[rows], x), y[rows]
+
+    return NumpyBatches(batch, len(y) // batch_size)

@@ -25,6 +25,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 from absl import flags
 
+#: The Keras backends of `--backend` (`trainers.startup.BACKENDS`).
+BACKENDS = ("tensorflow", "jax")
+
 #: Element types a list setting (`tuple[T, ...]`) may hold.
 _LIST_ELEMENTS = (str, int, float)
 
@@ -215,10 +218,19 @@ def define_program_flags(
     config_cls, output_dir: str, full_run_help: str | None = None, flag_values=None
 ) -> None:
     """A program's flags: one per setting of `config_cls` (`define_flags_from`),
-    `--output_dir` (default `output_dir`) and, with `full_run_help`, `--full` (the
-    program's preset for the long run, `program_config(..., full_run)`)."""
+    `--output_dir` (default `output_dir`), `--backend` (Keras's backend: `backend_flag`)
+    and, with `full_run_help`, `--full` (the program's preset for the long run,
+    `program_config(..., full_run)`)."""
     flag_values = flags.FLAGS if flag_values is None else flag_values
     define_flags_from(config_cls, flag_values)
+    flags.DEFINE_enum(
+        "backend",
+        None,
+        BACKENDS,
+        "Keras's backend (default: KERAS_BACKEND, else tensorflow). On jax the program needs "
+        "no TensorFlow: its data come as NumPy batches and it writes no TensorBoard logs.",
+        flag_values=flag_values,
+    )
     if full_run_help is not None:
         flags.DEFINE_bool("full", False, full_run_help, flag_values=flag_values)
     flags.DEFINE_string("output_dir", output_dir, "Where results go.", flag_values=flag_values)

@@ -1,4 +1,8 @@
-"""Start TensorFlow in the programs of `trainers/` without its C++ start-up chatter.
+"""Start the Keras backend in the programs of `trainers/`: `start(backend)` picks it
+(`--backend`, else `KERAS_BACKEND`) before Keras is imported, then starts it.
+
+On JAX, `start` imports JAX and lists its devices (JAX starts quietly). On TensorFlow it
+starts TensorFlow without its C++ start-up chatter:
 
 `import tensorflow` writes, straight to file descriptor 2 from its C++ libraries, log
 lines that `TF_CPP_MIN_LOG_LEVEL` does not hide, because they are written while the
@@ -47,6 +51,74 @@ def filter_startup_log(text: str, min_log_level: int, have_gpu: bool) -> str:
                 continue
         kept.append(line)
     return "".join(kept)
+
+
+#: The Keras backends a program runs on (`--backend`).
+BACKENDS = ("tensorflow", "jax")
+
+
+def choose_backend(requested: str | None = None) -> str:
+    """The Keras backend of the program: `requested` (its `--backend` flag), else
+    `KERAS_BACKEND`, else Keras's own choice (`~/.keras/keras.json`, default tensorflow).
+
+    Sets `KERAS_BACKEND` when `requested` is given, so it must run before Keras is imported;
+    if Keras is already imported with another backend, a ValueError names both (a
+    program cannot switch backends once Keras has loaded).
+    """
+    if requested is not None and requested not in BACKENDS:
+        raise ValueError(f"`--backend` must be one of {', '.join(BACKENDS)}; got {requested!r}.")
+    if "keras" in sys.modules:
+        import keras
+
+        loaded = keras.backend.backend()
+        if requested is not None and requested != loaded:
+            raise ValueError(
+                f"`--backend={requested}`: Keras is already imported with the {loaded} "
+                f"backend in this process; set KERAS_BACKEND={requested} before Keras loads."
+            )
+        return loaded
+    if requested is not None:
+        os.environ["KERAS_BACKEND"] = requested
+    import keras
+
+    return keras.backend.backend()
+
+
+def start(requested: str | None = None) -> tuple[str, list[str]]:
+    """Pick the backend (`choose_backend`) and start it: `(backend, device types)`, e.g.
+    `("jax", ["CPU"])`. On TensorFlow, `start_tensorflow` (quietly)."""
+    if requested is not None and requested not in BACKENDS:
+        raise ValueError(f"`--backend` must be one of {', '.join(BACKENDS)}; got {requested!r}.")
+    if requested == "tensorflow" or (
+        requested is None
+        and "keras" not in sys.modules
+        and os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow"
+    ):
+        os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+        # TensorFlow first: its start-up lines are filtered before Keras imports it.
+        if "keras" not in sys.modules:
+            devices = start_tensorflow()
+            return choose_backend(requested), devices
+    backend = choose_backend(requested)
+    if backend == "tensorflow":
+        return backend, start_tensorflow()
+    if backend == "jax":
+        import logging
+
+        # absl's handler shows INFO lines; JAX's "Unable to initialize backend 'tpu'" on a
+        # machine without one is such a line (JAX then runs on what it found).
+        logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+        import jax
+
+        return backend, sorted({d.platform.upper() for d in jax.devices()})
+    return backend, []
+
+
+def on_tensorflow() -> bool:
+    """Whether the program runs on Keras's TensorFlow backend (after `start`)."""
+    import keras
+
+    return keras.backend.backend() == "tensorflow"
 
 
 def start_tensorflow() -> list[str]:

@@ -13,14 +13,15 @@ The model is a Keras model whose only weight is phi (`point_model`): it ignores 
 and outputs phi for every example; the target of an example of task i is x_i, and
 `SyntheticTaskLoss` is L_i averaged over the batch. So any trainer and any data stream of
 the package run on it unchanged (`synthetic_tasks` gives the per-task examples in the
-form `tf_metaalign.data.multitask.MultiTaskStream` takes).
+form `tf_metaalign.data.multitask.MultiTaskStream` takes). Written in `keras.ops`: it
+runs on either Keras backend.
 """
 
 from __future__ import annotations
 
 import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
 OPTIMA = ((0.0, 10.0), (0.0, 0.0), (10.0, 0.0))
 START = (20.0, 5.0)
@@ -60,8 +61,9 @@ class SyntheticTaskLoss(keras.losses.Loss):
         super().__init__(name=name, reduction=reduction, dtype=dtype)
 
     def call(self, y_true, y_pred):
-        d = tf.norm(y_pred - tf.cast(y_true, y_pred.dtype), axis=-1)
-        return -SCALE * tf.exp(-RATE * d)
+        diff = y_pred - ops.cast(y_true, y_pred.dtype)
+        d = ops.sqrt(ops.sum(ops.square(diff), axis=-1))  # as tf.norm computes it
+        return -SCALE * ops.exp(-RATE * d)
 
 
 @keras.saving.register_keras_serializable(package="tf_metaalign")
@@ -76,7 +78,7 @@ class PointLayer(keras.layers.Layer):
         )
 
     def call(self, x):
-        return tf.zeros_like(x[:, :1], dtype=self.phi.dtype) + self.phi
+        return ops.zeros_like(x[:, :1], dtype=self.phi.dtype) + self.phi
 
     def compute_output_shape(self, input_shape):
         return (input_shape[0], 2)
