@@ -437,6 +437,17 @@ ENTRIES = [
         make_eval_data=regression_data,
         default={"resume"},
     ),
+    BatteryEntry(
+        name="guided",  # hypergradients through the compiled Adam (converted from Keras's)
+        trainer_class=_library("GuidedTrainer"),
+        make_trainer=lambda model, data_dtype: _library("GuidedTrainer")()(
+            model,
+            guidance_data=regression_data(8, data_dtype, seed=11),
+            meta_optimizer=keras.optimizers.Adam(0.01),
+        ),
+        diagnostics=("hypergrad_learning_rate", "hypergrad_beta_1", "guidance_loss"),
+        default={"jit_equals_eager", "save_load", "resume"},
+    ),
 ]
 BY_NAME = {e.name: e for e in ENTRIES}
 
