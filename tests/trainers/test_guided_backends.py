@@ -11,6 +11,7 @@
   hypergradients`: forward-mode Duals on TensorFlow, `jax.jvp` on JAX) against a float64
   central difference of the guidance loss after that update; the reference preset against
   the NumPy re-derivation of the paper's code (tests/guided_oracles.py).
+* JAX: 1 device == 2 devices (`keras.distribution.DataParallel`).
 * The trainer declares both backends; an optimizer it cannot differentiate gives the same
   error on both.
 
@@ -20,6 +21,7 @@ About 20 s in either env on 2 loaded cores.
 import keras
 import numpy as np
 import pytest
+from backends import data_parallel, requires_jax
 from golden_io import check_golden, set_numpy_weights
 from guided_oracles import BASE_LR, META_LR, N_TRAIN, STEPS, problem, reference_trajectory
 from guided_oracles import flax_lamb as ref_flax_lamb
@@ -128,6 +130,28 @@ def test_guided_tensorflow_equals_jax(float64, case):
     assert np.abs(golden["logs"][:, 2]).max() > 1e-6  # nonzero hypergradients
 
 
+def _fit_state(case, epochs=1):
+    make_optimizer, kwargs = CASES[case]
+    x, y, xg, yg = _data()
+    trainer = GuidedTrainer(
+        _mlp(), guidance_data=(xg, yg), meta_optimizer=O.Adam(META_LR), **kwargs
+    )
+    trainer.compile(make_optimizer(), loss="mse")
+    trainer.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
+    return _state(trainer)
+
+
+@requires_jax
+@pytest.mark.parametrize("case", ["adam_lr_beta1", "reference_flaxlamb"])
+def test_one_device_equals_two_on_jax(float64, case):
+    one = _fit_state(case)
+    with data_parallel(2):
+        two = _fit_state(case)
+    assert set(one) == set(two)
+    for key in one:
+        np.testing.assert_allclose(two[key], one[key], rtol=1e-9, atol=1e-14, err_msg=key)
+
+
 # ------------------------------------------------------------ the hypergradient oracle
 
 
@@ -184,7 +208,9 @@ def test_hypergradient_equals_central_difference(float64, make_optimizer, names,
     )  # fmt: skip
     # theta_{t+1} is the rule's own update at these values
     hparams = alg.hyperparameters_from_raw(p["base"], raw, reference=reference)
-    for got, g, w, s, o in zip(result.new_params, p["grads"], p["params"], p["slots"], p["options"]):
+    for got, g, w, s, o in zip(
+        result.new_params, p["grads"], p["params"], p["slots"], p["options"]
+    ):
         np.testing.assert_allclose(_np(got), _np(p["rule"].update(g, w, s, hparams, 3.0, o)[0]))
     d = 1e-6
     for name in names:
