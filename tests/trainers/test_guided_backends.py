@@ -289,3 +289,25 @@ def test_unsupported_optimizer_is_the_same_clear_error_on_both():
         GuidedTrainer(_mlp(), guidance_data=(xg, yg), meta_optimizer=keras.optimizers.Adagrad())
     with pytest.raises(ValueError, match="`reference`"):
         GuidedTrainer(_mlp(), guidance_data=(xg, yg), reference="flax")
+
+
+class _PythonFloatRule(O.SGDRule):
+    """SGD reading its learning rate as a Python float: no derivative on either backend
+    (a Dual, or a JAX tracer, has no value to convert)."""
+
+    def update(self, grad, var, slots, hparams, step, options=None):
+        return super().update(
+            grad, var, slots, {"learning_rate": float(hparams["learning_rate"])}, step, options
+        )
+
+
+def test_a_rule_without_forward_mode_is_refused_on_both():
+    optimizer = O.SGD(0.1)
+    assert O.forward_mode_error(optimizer) is None
+    optimizer._rule = _PythonFloatRule()
+    reason = O.forward_mode_error(optimizer)
+    assert reason is not None and "SGD's rule has no forward-mode derivative" in reason
+    _, _, xg, yg = _data()
+    trainer = GuidedTrainer(_mlp(), guidance_data=(xg, yg))
+    with pytest.raises(ValueError, match=r"in forward mode .* does not support: SGD's rule"):
+        trainer.compile(optimizer, loss="mse")

@@ -130,7 +130,8 @@ def _probe_tangents(rule, grad, var, slots, hparams, names, values, options):
         ]
 
     values = tuple(M.convert_to_tensor(v) for v in values)
-    try:
+
+    def tangents():
         return [
             jax.jvp(
                 update,
@@ -139,6 +140,11 @@ def _probe_tangents(rule, grad, var, slots, hparams, names, values, options):
             )[1]
             for k in range(len(values))
         ]
+
+    try:
+        # Traced, not run: whether JAX can differentiate the rule is a property of its
+        # trace (and tracing is ~10x cheaper than running the ops one by one).
+        return jax.eval_shape(tangents)
     except (TypeError, ImportError, NotImplementedError, ValueError) as error:
         # e.g. a rule written in TensorFlow's ops, which JAX cannot trace
         raise TypeError(f"{type(error).__name__}: {error}") from None
