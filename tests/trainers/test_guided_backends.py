@@ -142,7 +142,9 @@ def _fit_state(case, epochs=1):
 
 
 @requires_jax
-@pytest.mark.parametrize("case", ["adam_lr_beta1", "reference_flaxlamb"])
+@pytest.mark.parametrize(
+    "case", ["adam_lr_beta1", pytest.param("reference_flaxlamb", marks=pytest.mark.slow)]
+)
 def test_one_device_equals_two_on_jax(float64, case):
     one = _fit_state(case)
     with data_parallel(2):
