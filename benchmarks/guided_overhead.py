@@ -2,6 +2,8 @@ r"""Time and memory per step of `GuidedTrainer` against plain `fit` with the sam
 
     python -m benchmarks.guided_overhead                      # ~2-3 min on 2 CPU cores
     python -m benchmarks.guided_overhead --optimizers=adam,lamb,adafactor --steps=30
+    KERAS_BACKEND=jax python -m benchmarks.guided_overhead --model=transformer \
+        --optimizers=adam,flax_lamb                           # on JAX (no TensorFlow needed)
 
 Same conventions as `benchmarks/dotprod_overhead.py`: one process, one model (weights
 reset before each configuration), warm per-step wall times (the first `--warmup` steps,
@@ -15,7 +17,12 @@ only). The default model (a 10M-parameter MLP, 38 MB per parameter copy, batch 6
 a parameter copy large against allocator noise, and a small batch is the worst case for
 the time ratio (the optimizer update is a larger share of a step). The
 target is peak(guided) <= peak(plain) + 2 parameter copies (theta_{t+1} and the guidance
-gradient), and step time <= 2.1x plain. Writes `benchmarks/results/guided_overhead.json`.
+gradient), and step time <= 2.1x plain. Writes `benchmarks/results/guided_overhead.json`
+(`guided_overhead_jax.json` on JAX).
+
+On JAX: the data is an endless NumPy generator (the same batches as the tf.data pipeline),
+`jit_compile` defaults to True (Keras's default there; on TensorFlow False), and memory is
+the process's RSS growth (`benchmarks.common.PeakMemory`'s fallback: coarse).
 """
 
 from __future__ import annotations
@@ -45,10 +52,20 @@ flags.DEFINE_integer("width", 2048, "Hidden units of each Dense layer.")
 flags.DEFINE_integer("depth", 3, "Hidden Dense layers.")
 flags.DEFINE_integer("num_classes", 10, "Output classes.")
 flags.DEFINE_integer("batch_size", 64, "Training batch (and guidance batch) size.")
+flags.DEFINE_integer(
+    "guidance_batch_size",
+    None,
+    "Guidance batch size (default: --batch_size; the guidance pass then costs a training "
+    "forward+backward, so the floor of the ratio is about 2x).",
+)
 flags.DEFINE_integer("steps", 20, "Timed steps per configuration and repeat.")
 flags.DEFINE_integer("warmup", 3, "Untimed steps first (tracing, compilation).")
 flags.DEFINE_integer("repeats", 2, "Interleaved repeats of all configurations.")
-flags.DEFINE_list("optimizers", ["adam", "lamb"], "adam, lamb, adafactor, sgd_momentum.")
+flags.DEFINE_list(
+    "optimizers",
+    ["adam", "lamb"],
+    "adam, lamb, adafactor, sgd_momentum, flax_adam, flax_lamb (flax's LAMB, the reference's).",
+)
 flags.DEFINE_list("guidance_every", ["1"], "GuidedTrainer guidance_every values to time.")
 flags.DEFINE_list(
     "hyperparameters",
@@ -60,11 +77,16 @@ flags.DEFINE_bool(
     True,
     "Also time GuidedTrainer(commit_forward_update=False) (config 'guided_recompute').",
 )
-flags.DEFINE_bool("jit_compile", False, "XLA-compile the train step (all configurations).")
+flags.DEFINE_bool(
+    "jit_compile",
+    None,
+    "XLA-compile the train step (all configurations); default: False on TensorFlow, True on "
+    "JAX (Keras's defaults).",
+)
 flags.DEFINE_string(
     "output",
-    str(Path(__file__).resolve().parent / "results" / "guided_overhead.json"),
-    "Where the JSON goes.",
+    None,
+    "Where the JSON goes (default: benchmarks/results/guided_overhead[_jax].json).",
 )
 FLAGS = flags.FLAGS
 
@@ -125,28 +147,58 @@ def make_optimizer(name):
         return O.Adafactor(1e-3, beta_1=0.0)
     if name == "sgd_momentum":
         return O.SGD(1e-2, momentum=0.9)
+    if name in ("flax_adam", "flax_lamb"):
+        from tf_metaalign.optimizers import flax_reference
+
+        return (flax_reference.FlaxAdam if name == "flax_adam" else flax_reference.FlaxLamb)(1e-3)
     raise ValueError(f"`--optimizers`: unknown optimizer {name!r}.")
+
+
+def make_dataset(x, y):
+    """Endless batches of (x, y): tf.data on TensorFlow, a NumPy generator elsewhere."""
+    import keras
+
+    n = len(y)
+    if keras.backend.backend() != "tensorflow":
+        import keras.tree
+
+        def batches():
+            while True:
+                for start in range(0, n - FLAGS.batch_size + 1, FLAGS.batch_size):
+                    cut = slice(start, start + FLAGS.batch_size)
+                    yield keras.tree.map_structure(lambda a: a[cut], (x, y))
+
+        return batches()
+    import tensorflow as tf
+
+    return (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .repeat()
+        .batch(FLAGS.batch_size, drop_remainder=True)
+        .prefetch(2)
+    )
 
 
 def main(argv):
     del argv
     import keras
     import numpy as np
-    import tensorflow as tf
 
     from benchmarks import common
     from tf_metaalign.trainers.guided import GuidedTrainer
     from trainers.common import format_table, write_json
 
+    backend = keras.backend.backend()
+    jit_compile = FLAGS.jit_compile if FLAGS.jit_compile is not None else backend == "jax"
+    output = FLAGS.output or str(
+        Path(__file__).resolve().parent
+        / "results"
+        / ("guided_overhead_jax.json" if backend == "jax" else "guided_overhead.json")
+    )
     rng = np.random.default_rng(0)
     x, y = synthetic_data(rng, FLAGS.batch_size * 8)
-    dataset = (
-        tf.data.Dataset.from_tensor_slices((x, y))
-        .repeat()
-        .batch(FLAGS.batch_size, drop_remainder=True)
-        .prefetch(2)
-    )
-    guidance = synthetic_data(rng, FLAGS.batch_size)
+    dataset = make_dataset(x, y)
+    guidance = synthetic_data(rng, FLAGS.guidance_batch_size or FLAGS.batch_size)
     model = build_model()
     initial = model.get_weights()
     param_bytes = int(sum(np.prod(v.shape) * 4 for v in model.trainable_variables))
@@ -182,7 +234,7 @@ def main(argv):
             runner.compile(
                 make_optimizer(opt),
                 keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                jit_compile=FLAGS.jit_compile,
+                jit_compile=jit_compile,
             )
             with common.PeakMemory() as mem:
                 timer = common.StepTimer(warmup=FLAGS.warmup)
@@ -281,16 +333,18 @@ def main(argv):
             ),
         ),
         "batch_size": FLAGS.batch_size,
+        "guidance_batch_size": FLAGS.guidance_batch_size or FLAGS.batch_size,
         "steps": FLAGS.steps,
         "warmup": FLAGS.warmup,
         "repeats": FLAGS.repeats,
-        "jit_compile": FLAGS.jit_compile,
+        "jit_compile": jit_compile,
+        "backend": backend,
         "memory_kind": memory_kind,
         "environment": common.environment(),
         "results": results,
         "table": table,
     }
-    path = write_json(FLAGS.output, out)
+    path = write_json(output, out)
     print(f"wrote {path}")
 
 

@@ -437,6 +437,18 @@ ENTRIES = [
         make_eval_data=regression_data,
         default={"resume"},
     ),
+    BatteryEntry(
+        name="guided",  # hypergradients through the compiled Adam (converted from Keras's)
+        trainer_class=_library("GuidedTrainer"),
+        make_trainer=lambda model, data_dtype: _library("GuidedTrainer")()(
+            model,
+            guidance_data=regression_data(8, data_dtype, seed=11),
+            meta_optimizer=keras.optimizers.Adam(0.01),
+        ),
+        diagnostics=("hypergrad_learning_rate", "hypergrad_beta_1", "guidance_loss"),
+        # jit == eager under -m slow: 17 s on JAX (the eager step runs op by op)
+        default={"save_load", "resume"},
+    ),
 ]
 BY_NAME = {e.name: e for e in ENTRIES}
 

@@ -43,18 +43,47 @@ per-replica units (mean over the shard divided by the replica count, times
 reference's ``jnp.nan_to_num(..., posinf=10.0, neginf=-10.0)``) and counts the
 non-finite entries. The raw values and their meta-optimizer are then updated
 identically on every replica.
+
+Backends
+--------
+On TensorFlow the tangents come from `tf_metaalign.forward_mode` (the rule runs once
+with `forward_mode.Dual` hyperparameters). On JAX they come from JAX's own forward mode:
+one `jax.jvp` of the whole update with respect to the raw values, the directions
+batched by `jax.vmap` (the update's values are computed once, unbatched). The values are
+the rule's own on both; under `jit` XLA fuses the update, its tangents and the commit,
+so `commit` needs no groups there. On JAX there is one replica (`keras.distribution`
+runs the step on the global batch), so the replica sums are the identity.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Callable, Mapping, Sequence
 
-import tensorflow as tf
+import keras
+from keras import ops
 
-from tf_metaalign import forward_mode as fm
+from tf_metaalign import backend
 from tf_metaalign import functional as F
+
+BACKEND = keras.backend.backend()
+
+if BACKEND == "tensorflow":
+    import tensorflow as tf
+
+    from tf_metaalign import forward_mode as fm
+
+    # TensorFlow's own ops: `forward_mode.Dual` raw values dispatch through them.
+    _exp, _sigmoid, _minimum, _cast = tf.exp, tf.sigmoid, tf.minimum, tf.cast
+    _is_dual = lambda x: isinstance(x, fm.Dual)  # noqa: E731
+else:
+    import jax
+
+    fm = None
+    _exp, _sigmoid, _minimum, _cast = ops.exp, ops.sigmoid, ops.minimum, ops.cast
+    _is_dual = lambda x: False  # noqa: E731
 
 #: value of a sigmoid-activated hyperparameter is capped at 1 - SIGMOID_CAP_MARGIN.
 SIGMOID_CAP_MARGIN = 1e-5
@@ -92,18 +121,18 @@ def activate(name: str, raw, reference: bool = False):
 
     Example:
       >>> from tf_metaalign.algorithms.guided import activate
-      >>> raw = tf.constant(2.0, tf.float64)
-      >>> float(activate("beta_1", raw) - activate("beta_1", raw, reference=True)) > 8e-6
+      >>> raw = keras.ops.convert_to_tensor(2.0, "float32")
+      >>> float(activate("beta_1", raw) - activate("beta_1", raw, reference=True)) > 5e-6
       True
     """
-    if not isinstance(raw, fm.Dual):
-        raw = tf.convert_to_tensor(raw)
+    if not _is_dual(raw):
+        raw = ops.convert_to_tensor(raw)
     if activation_name(name) == "exp":
-        return tf.exp(raw)
+        return _exp(raw)
     if reference:
-        return F.scalar(REFERENCE_SIGMOID_CEILING, raw.dtype) * tf.sigmoid(raw)
+        return F.scalar(REFERENCE_SIGMOID_CEILING, raw.dtype) * _sigmoid(raw)
     # F.scalar: 1 - 1e-5 exact in raw's dtype (tf.cast would round it through float32).
-    return tf.minimum(tf.sigmoid(raw), F.scalar(1.0 - SIGMOID_CAP_MARGIN, raw.dtype))
+    return _minimum(_sigmoid(raw), F.scalar(1.0 - SIGMOID_CAP_MARGIN, raw.dtype))
 
 
 def initial_raw(name: str, value: float | None, reference: bool = False) -> float:
@@ -147,7 +176,7 @@ def initial_raw(name: str, value: float | None, reference: bool = False) -> floa
 
 def hyperparameters_from_raw(
     base_hparams: Mapping[str, Any],
-    raw: Mapping[str, tf.Tensor],
+    raw: Mapping[str, Any],
     dtype=None,
     reference: bool = False,
 ):
@@ -170,12 +199,12 @@ def hyperparameters_from_raw(
         value = activate(name, r, reference)
         d = dtype.get(name) if isinstance(dtype, Mapping) else dtype
         if d is not None:
-            value = tf.cast(value, d)
+            value = _cast(value, d)
         if name == "learning_rate":
             schedule = base_hparams["learning_rate"]
-            if not isinstance(schedule, tf.Tensor):
+            if isinstance(schedule, numbers.Number):
                 schedule = F.scalar(schedule, value.dtype)
-            hparams["learning_rate"] = schedule * tf.cast(value, schedule.dtype)
+            hparams["learning_rate"] = schedule * _cast(value, schedule.dtype)
         else:
             hparams[name] = value
     return hparams
@@ -199,7 +228,7 @@ UPDATE_GROUPS = 8
 def _update_groups(params, max_groups=UPDATE_GROUPS):
     """Variable indices, largest first, cut into groups of at least 1/max_groups of the
     parameters each (a large variable is a group of its own)."""
-    sizes = [p.shape.num_elements() or 0 for p in params]
+    sizes = [math.prod(int(d or 0) for d in p.shape) for p in params]
     order = sorted(range(len(params)), key=lambda i: -sizes[i])
     target = sum(sizes) / max_groups
     groups, current, current_size = [], [], 0
@@ -265,6 +294,11 @@ def update_with_tangents(
             f"variable; got {len(grads)}, {len(params)}, {len(slots)}, {len(options)}."
         )
     n = len(raw)
+    if BACKEND != "tensorflow":
+        return _update_with_jvp(
+            rule, grads, params, slots, options, base_hparams, raw, step, hparam_dtype, commit,
+            reference,
+        )  # fmt: skip
     hparams = seeded_hyperparameters(base_hparams, raw, hparam_dtype, reference)
     n_vars = len(params)
     out = UpdateWithTangents([None] * n_vars, [None] * n_vars, [None] * n_vars)
@@ -289,14 +323,50 @@ def update_with_tangents(
     return out
 
 
+def _update_with_jvp(
+    rule, grads, params, slots, options, base_hparams, raw, step, hparam_dtype, commit, reference
+):
+    """`update_with_tangents` on JAX: the update of every variable under one `jax.jvp` with
+    respect to the raw values, its directions batched by `jax.vmap` (the values, which do
+    not depend on the tangents, are computed once: `out_axes=None`)."""
+    names = list(raw)
+    point = tuple(ops.convert_to_tensor(raw[n]) for n in names)
+
+    def update(*values):
+        hparams = hyperparameters_from_raw(
+            base_hparams, dict(zip(names, values)), dtype=hparam_dtype, reference=reference
+        )
+        new = [
+            rule.update(g, w, s, hparams, step, o)
+            for g, w, s, o in zip(grads, params, slots, options)
+        ]
+        return [w for w, _ in new], [s for _, s in new]
+
+    def along(direction):
+        (new_params, new_slots), (tangents, _) = jax.jvp(update, point, tuple(direction))
+        return (new_params, new_slots), tangents
+
+    n = len(names)
+    directions = [
+        ops.convert_to_tensor([[float(i == k) for k in range(n)] for i in range(n)], p.dtype)[:, j]
+        for j, p in enumerate(point)
+    ]
+    (new_params, new_slots), tangents = jax.vmap(along, out_axes=(None, 0))(directions)
+    # per variable, one tangent per raw value
+    tangents = [[t[k] for k in range(n)] for t in tangents]
+    if commit is not None:
+        new_params = [commit(i, w, s) for i, (w, s) in enumerate(zip(new_params, new_slots))]
+    return UpdateWithTangents(list(new_params), list(new_slots), tangents)
+
+
 def _inner(v, t):
     """<v, t> for a dense or IndexedSlices (embedding) gradient v, in v's dtype.
 
     `reduce_sum(v * t)`: on CPU 3x faster than `tensordot` of the flattened tensors (a
     matrix product of shapes (1, n) and (n, 1)), measured on 4M-element float32 tensors."""
-    if isinstance(v, tf.IndexedSlices):
+    if BACKEND == "tensorflow" and isinstance(v, tf.IndexedSlices):
         v, t = v.values, tf.gather(t, v.indices)
-    return tf.reduce_sum(v * tf.cast(t, v.dtype))
+    return ops.sum(v * ops.cast(t, v.dtype))
 
 
 @dataclasses.dataclass
@@ -318,7 +388,7 @@ class HypergradientResult:
     """
 
     hypergradients: dict
-    guidance_loss: tf.Tensor
+    guidance_loss: Any
     new_params: list
     new_slots: list
     guidance_aux: Any
@@ -327,14 +397,14 @@ class HypergradientResult:
 def hypergradients(
     guide_loss_fn: Callable,
     rule,
-    grads: Sequence[tf.Tensor],
-    params: Sequence[tf.Tensor],
-    slots: Sequence[Mapping[str, tf.Tensor]],
+    grads: Sequence[Any],
+    params: Sequence[Any],
+    slots: Sequence[Mapping[str, Any]],
     options: Sequence[Mapping | None],
     base_hparams: Mapping[str, Any],
-    raw: Mapping[str, tf.Tensor],
+    raw: Mapping[str, Any],
     step,
-    state: Sequence[tf.Tensor],
+    state: Sequence[Any],
     guidance_batch,
     guidance_weight=None,
     hparam_dtype=None,
@@ -377,11 +447,11 @@ def hypergradients(
       ...     x, y = batch
       ...     y_pred = x * params[0]
       ...     return (y_pred - y) ** 2, (state, y_pred)
-      >>> w = tf.constant(0.0)
-      >>> g = tf.constant(-4.0)  # the training gradient at w, of (w - 2)^2
+      >>> w = keras.ops.convert_to_tensor(0.0)
+      >>> g = keras.ops.convert_to_tensor(-4.0)  # the training gradient at w, of (w - 2)^2
       >>> result = hypergradients(
       ...     loss_fn, SGDRule(), [g], [w], [{}], [None], {"learning_rate": 0.25},
-      ...     raw={"learning_rate": tf.constant(0.0)}, step=1, state=[],
+      ...     raw={"learning_rate": keras.ops.convert_to_tensor(0.0)}, step=1, state=[],
       ...     guidance_batch=(1.0, 2.0),
       ... )
       >>> float(result.new_params[0]), float(result.guidance_loss)  # w_1 = 0.25 e^raw * 4
@@ -395,7 +465,7 @@ def hypergradients(
       `gradient_based_tuning`).
     """
     names = list(raw)
-    raw_t = {n: tf.convert_to_tensor(raw[n]) for n in names}
+    raw_t = {n: ops.convert_to_tensor(raw[n]) for n in names}
 
     # Pass 1: theta_{t+1} and its tangents d theta_{t+1} / d raw_k (forward mode),
     # committed group by group when `commit` is given.
@@ -416,10 +486,10 @@ def hypergradients(
 
     def weighted_loss_fn(p, s, b):
         value, aux = guide_loss_fn(p, s, b)
-        if value.shape.rank != 0:  # a replica's empty shard: Keras's loss of no example is []
-            value = tf.reduce_sum(value)
+        if len(value.shape) != 0:  # a replica's empty shard: Keras's loss of no example is []
+            value = ops.sum(value)
         if guidance_weight is not None:
-            value = value * tf.cast(guidance_weight, value.dtype)
+            value = value * ops.cast(guidance_weight, value.dtype)
         return value, aux
 
     # Pass 2: v = grad L_guide(theta_{t+1}).
@@ -430,8 +500,8 @@ def hypergradients(
     acc = F.accumulation_dtype(list(raw_t.values()))
     h = {}
     for k, name in enumerate(names):
-        terms = [tf.cast(_inner(v_i, t_i[k]), acc) for v_i, t_i in zip(v, look.tangents)]
-        h[name] = tf.cast(tf.add_n(terms), raw_t[name].dtype)
+        terms = [ops.cast(_inner(v_i, t_i[k]), acc) for v_i, t_i in zip(v, look.tangents)]
+        h[name] = ops.cast(backend.add_n(terms), raw_t[name].dtype)
     return HypergradientResult(
         hypergradients=h,
         guidance_loss=guide_loss,
@@ -441,16 +511,13 @@ def hypergradients(
     )
 
 
-def sanitize(h: tf.Tensor):
+def sanitize(h):
     """NaN -> 0, +inf -> +10, -inf -> -10 (the reference); returns (value, is_nonfinite)."""
-    h = tf.convert_to_tensor(h)
-    bad = tf.logical_not(tf.math.is_finite(h))
-    clean = tf.where(
-        tf.math.is_nan(h),
-        tf.zeros_like(h),
-        tf.clip_by_value(h, -NONFINITE_REPLACEMENT, NONFINITE_REPLACEMENT),
-    )
-    clean = tf.where(bad, clean, h)
+    h = ops.convert_to_tensor(h)
+    bad = ops.logical_not(ops.isfinite(h))
+    limit = F.scalar(NONFINITE_REPLACEMENT, h.dtype)
+    clean = ops.where(ops.isnan(h), ops.zeros_like(h), ops.clip(h, -limit, limit))
+    clean = ops.where(bad, clean, h)
     return clean, bad
 
 
@@ -461,17 +528,17 @@ def clip_meta_gradient(h, limit):
 
     Example:
       >>> from tf_metaalign.algorithms.guided import clip_meta_gradient
-      >>> float(clip_meta_gradient(tf.constant(-3.0), 1.0))
+      >>> float(clip_meta_gradient(keras.ops.convert_to_tensor(-3.0), 1.0))
       -1.0
     """
     if not limit:
         return h
-    h = tf.convert_to_tensor(h)
-    return tf.clip_by_value(h, -F.scalar(limit, h.dtype), F.scalar(limit, h.dtype))
+    h = ops.convert_to_tensor(h)
+    return ops.clip(h, -F.scalar(limit, h.dtype), F.scalar(limit, h.dtype))
 
 
 def reduce_and_sanitize(
-    hypergrads: Mapping[str, tf.Tensor], guidance_loss, reference: bool = False, clip=None
+    hypergrads: Mapping[str, Any], guidance_loss, reference: bool = False, clip=None
 ):
     """Sum local hypergradients and guidance losses over replicas, then sanitise.
 
@@ -490,35 +557,38 @@ def reduce_and_sanitize(
     float or None) then clips the result (`clip_meta_gradient`), in either order.
     """
     names = list(hypergrads)
-    values = [tf.convert_to_tensor(hypergrads[n]) for n in names]
-    loss = tf.convert_to_tensor(guidance_loss)
+    values = [ops.convert_to_tensor(hypergrads[n]) for n in names]
+    loss = ops.convert_to_tensor(guidance_loss)
     dtypes = [v.dtype for v in values] + [loss.dtype]
     replicas = F.num_replicas()
-    n_bad = tf.constant(0, tf.int64)
+    counter = F.counter_dtype()
+    # The widest float this backend holds (float32 on JAX without x64).
+    wide = "float64" if counter == "int64" else "float32"
+    n_bad = ops.convert_to_tensor(0, counter)
     if reference:
         local = []
         for x in values:
             clean, bad = sanitize(x * F.scalar(replicas, x.dtype))
             local.append(clean)
-            n_bad += tf.cast(bad, tf.int64)
+            n_bad += ops.cast(bad, counter)
         values = local
     # One all-reduce of a single dtype (a batched all-reduce concatenates its inputs).
-    packed = tf.stack([tf.cast(v, tf.float64) for v in values + [loss]])
+    packed = ops.stack([ops.cast(v, wide) for v in values + [loss]])
     if reference:
-        packed = tf.concat([packed, tf.cast(n_bad, tf.float64)[None]], 0)
+        packed = ops.concatenate([packed, ops.cast(n_bad, wide)[None]], 0)
     packed = F.all_reduce_sum(packed)
-    unpacked = [tf.cast(packed[i], d) for i, d in enumerate(dtypes)]
+    unpacked = [ops.cast(packed[i], d) for i, d in enumerate(dtypes)]
     values, loss = unpacked[:-1], unpacked[-1]
     out = {}
     if reference:
-        n_bad = tf.cast(packed[-1], tf.int64)
+        n_bad = ops.cast(packed[-1], counter)
         for n, x in zip(names, values):
             out[n] = clip_meta_gradient(x / F.scalar(replicas, x.dtype), clip)
         return out, loss, n_bad
     for n, x in zip(names, values):
         clean, bad = sanitize(x)
         out[n] = clip_meta_gradient(clean, clip)
-        n_bad += tf.cast(bad, tf.int64)
+        n_bad += ops.cast(bad, counter)
     return out, loss, n_bad
 
 
@@ -541,9 +611,10 @@ def greedy_hypergradients(*args, **kwargs):
       ...     x, y = batch
       ...     y_pred = x * params[0]
       ...     return (y_pred - y) ** 2, (state, y_pred)
+      >>> scalar = keras.ops.convert_to_tensor
       >>> h, loss, n_nonfinite, _ = greedy_hypergradients(
-      ...     loss_fn, SGDRule(), [tf.constant(-4.0)], [tf.constant(0.0)], [{}], [None],
-      ...     {"learning_rate": 0.25}, raw={"learning_rate": tf.constant(0.0)}, step=1,
+      ...     loss_fn, SGDRule(), [scalar(-4.0)], [scalar(0.0)], [{}], [None],
+      ...     {"learning_rate": 0.25}, raw={"learning_rate": scalar(0.0)}, step=1,
       ...     state=[], guidance_batch=(1.0, 2.0),
       ... )
       >>> float(h["learning_rate"]), float(loss), int(n_nonfinite)
@@ -582,8 +653,8 @@ class GuidedStepResult:
     """
 
     hypergradients: dict
-    guidance_loss: tf.Tensor
-    n_nonfinite: tf.Tensor
+    guidance_loss: Any
+    n_nonfinite: Any
     values: dict
     new_raw: dict
     new_meta_slots: dict
@@ -645,7 +716,7 @@ def guided_step(
         (the reference's `--use_grad_clip --grad_clip_limit=c`); None: no clipping.
     """
     names = list(raw)
-    raw = {n: tf.convert_to_tensor(raw[n]) for n in names}
+    raw = {n: ops.convert_to_tensor(raw[n]) for n in names}
     if commit is not None and apply is not True:
         raise ValueError("guided_step: `commit` needs apply=True (every step takes the update).")
     holder = {}
@@ -671,14 +742,14 @@ def guided_step(
             reference=reference,
         )
         holder["update"] = UpdateWithTangents(result.new_params, result.new_slots, [])
-        return [result.hypergradients[n] for n in names], tf.cast(result.guidance_loss, loss_dtype)
+        return [result.hypergradients[n] for n in names], ops.cast(result.guidance_loss, loss_dtype)
 
     # No cross-replica communication inside (reduce_and_sanitize comes after): a plain
     # conditional under any strategy.
     h_local, loss_local = F.replica_safe_cond(
         apply,
         compute,
-        lambda: ([tf.zeros((), raw[n].dtype) for n in names], tf.zeros((), loss_dtype)),
+        lambda: ([ops.zeros((), raw[n].dtype) for n in names], ops.zeros((), loss_dtype)),
         communicates=False,
     )
     if apply is not True:
@@ -690,12 +761,12 @@ def guided_step(
     keep = apply is True
 
     def select(new, old):
-        return new if keep else tf.where(apply, new, old)
+        return new if keep else ops.where(apply, new, old)
 
     return GuidedStepResult(
         hypergradients=h,
         guidance_loss=guidance_loss,
-        n_nonfinite=n_bad if keep else tf.where(apply, n_bad, tf.zeros_like(n_bad)),
+        n_nonfinite=n_bad if keep else ops.where(apply, n_bad, ops.zeros_like(n_bad)),
         values={n: activate(n, raw[n], reference) for n in names},
         new_raw={n: select(updated[n][0], raw[n]) for n in names},
         new_meta_slots={

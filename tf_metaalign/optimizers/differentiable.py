@@ -1,9 +1,9 @@
 """Which optimizers an algorithm can differentiate through (guided learning's hypergradient).
 
 Guided learning differentiates one update with respect to its hyperparameters in forward
-mode (`tf_metaalign.forward_mode`): the rule runs with the hyperparameters as
-`forward_mode.Dual`s. So an optimizer is supported when its rule runs that way, which
-`forward_mode_error` checks by running it, not by its class:
+mode: on TensorFlow the rule runs with the hyperparameters as `forward_mode.Dual`s
+(`tf_metaalign.forward_mode`), on JAX under `jax.jvp`. So an optimizer is supported when
+its rule runs that way, which `forward_mode_error` checks by running it, not by its class:
 
 * `forward_mode_error(optimizer)` / `supports_forward_mode(optimizer)`: the contract, probed;
 * `supported_optimizers()`: the exported optimizer classes whose default configuration
@@ -15,18 +15,26 @@ mode (`tf_metaalign.forward_mode`): the rule runs with the hyperparameters as
   with the identical rule (guided learning converts its optimizer and `meta_optimizer` so).
 """
 
+import contextlib
 import functools
 import warnings
 
 import keras
 import numpy as np
-import tensorflow as tf
 
-from tf_metaalign import forward_mode
-from tf_metaalign.optimizers.adafactor import Adafactor
+from tf_metaalign.optimizers import _math as M
 from tf_metaalign.optimizers.adam import Adam, AdamW
 from tf_metaalign.optimizers.base import BaseOptimizer
 from tf_metaalign.optimizers.sgd import SGD
+
+if M.BACKEND == "tensorflow":
+    import tensorflow as tf
+
+    from tf_metaalign import forward_mode
+
+    _eager_scope = tf.init_scope
+else:
+    _eager_scope = contextlib.nullcontext
 
 #: variable shapes the probe runs the rule on: a scalar, a vector, a small matrix, and one
 #: large enough for Adafactor's default `min_dim_size_to_factor=128` to factor.
@@ -47,12 +55,13 @@ def forward_mode_error(optimizer):
 
     Runs `optimizer.rule.update` once per shape of `PROBE_SHAPES` (float32 variable, the
     rule's default options, positive slots, step 2) with every name of
-    `optimizer.differentiable_hyperparameters` seeded as its own `forward_mode.Dual`
-    direction, at the values `optimizer.hyperparameters_at(0)` gives, and asks for the
-    tangents of the new variable. An op without a forward-mode rule raises a TypeError
-    there (`forward_mode`), whose message is returned. A branch of the rule that only other
-    shapes or options take is not probed. Runs eagerly (`tf.init_scope`), also when called
-    while tracing a `tf.function`.
+    `optimizer.differentiable_hyperparameters` seeded as its own forward-mode direction
+    (a `forward_mode.Dual` on TensorFlow, a `jax.jvp` tangent on JAX), at the values
+    `optimizer.hyperparameters_at(0)` gives, and asks for the tangents of the new
+    variable. An op without a forward-mode rule raises a TypeError there (`forward_mode`;
+    on JAX, any op JAX cannot trace), whose message is returned. A branch of the rule that
+    only other shapes or options take is not probed. Runs eagerly (`tf.init_scope` on
+    TensorFlow), also when called while tracing a `tf.function`.
 
     Args:
       optimizer: a `BaseOptimizer`.
@@ -72,36 +81,73 @@ def forward_mode_error(optimizer):
         )
     rule = optimizer.rule
     names = tuple(optimizer.differentiable_hyperparameters)
-    with tf.init_scope():
-        hparams = dict(optimizer.hyperparameters_at(tf.constant(0, tf.int64)))
-        for k, name in enumerate(names):
+    with _eager_scope():
+        hparams = dict(optimizer.hyperparameters_at(M.constant(0, M.counter_dtype())))
+        values = []
+        for name in names:
             value = hparams.get(name, rule.defaults.get(name))
             if value is None:
                 return (
                     f"{type(optimizer).__name__} lists {name!r} in "
                     "`differentiable_hyperparameters` but has no value for it"
                 )
-            if not isinstance(value, tf.Tensor):
-                value = tf.constant(float(value), tf.float64)
-            hparams[name] = forward_mode.seed(value, len(names), k)
+            if isinstance(value, (int, float)):
+                value = M.constant(float(value), M.wide_float())
+            values.append(value)
         rng = np.random.default_rng(0)
         for shape in PROBE_SHAPES:
             options = rule.default_options(shape)
-            var = tf.constant(rng.normal(size=shape), tf.float32)
-            grad = tf.constant(rng.normal(size=shape), tf.float32)
+            var = M.constant(rng.normal(size=shape), "float32")
+            grad = M.constant(rng.normal(size=shape), "float32")
             slots = {
-                slot: tf.constant(rng.uniform(0.1, 1.0, size=slot_shape), tf.float32)
+                slot: M.constant(rng.uniform(0.1, 1.0, size=slot_shape), "float32")
                 for slot, slot_shape in rule.slot_shapes(shape, options).items()
             }
             try:
-                new_var, _ = rule.update(grad, var, slots, hparams, 2.0, options)
-                forward_mode.tangents(new_var, len(names))
+                _probe_tangents(rule, grad, var, slots, hparams, names, values, options)
             except TypeError as error:
                 return (
                     f"{type(optimizer).__name__}'s rule has no forward-mode derivative with "
                     f"respect to {list(names)} (a variable of shape {shape}): {error}"
                 )
     return None
+
+
+def _probe_tangents(rule, grad, var, slots, hparams, names, values, options):
+    """The tangents of one update along each of `names` (a TypeError when the rule has
+    none): `forward_mode.Dual`s on TensorFlow, `jax.jvp` on JAX."""
+    if M.BACKEND == "tensorflow":
+        hparams = dict(hparams)
+        for k, (name, value) in enumerate(zip(names, values)):
+            hparams[name] = forward_mode.seed(value, len(names), k)
+        new_var, _ = rule.update(grad, var, slots, hparams, 2.0, options)
+        return forward_mode.tangents(new_var, len(names))
+    import jax
+
+    def update(*point):
+        return rule.update(grad, var, slots, {**hparams, **dict(zip(names, point))}, 2.0, options)[
+            0
+        ]
+
+    values = tuple(M.convert_to_tensor(v) for v in values)
+
+    def tangents():
+        return [
+            jax.jvp(
+                update,
+                values,
+                tuple(M.constant(float(i == k), M.dtype_of(v)) for i, v in enumerate(values)),
+            )[1]
+            for k in range(len(values))
+        ]
+
+    try:
+        # Traced, not run: whether JAX can differentiate the rule is a property of its
+        # trace (and tracing is ~10x cheaper than running the ops one by one).
+        return jax.eval_shape(tangents)
+    except (TypeError, ImportError, NotImplementedError, ValueError) as error:
+        # e.g. a rule written in TensorFlow's ops, which JAX cannot trace
+        raise TypeError(f"{type(error).__name__}: {error}") from None
 
 
 def supports_forward_mode(optimizer):
@@ -120,7 +166,7 @@ def supports_forward_mode(optimizer):
 
 def optimizer_classes():
     """The optimizer classes `tf_metaalign.optimizers` exports (each `BaseOptimizer`
-    subclass in its `__all__`), sorted by name.
+    subclass in its `__all__` that this backend can import), sorted by name.
 
     Example:
       >>> from tf_metaalign.optimizers import optimizer_classes
@@ -131,7 +177,10 @@ def optimizer_classes():
 
     classes = []
     for name in optimizers.__all__:
-        obj = getattr(optimizers, name)
+        try:
+            obj = getattr(optimizers, name)
+        except ImportError:  # not on this backend (a module that needs TensorFlow)
+            continue
         if isinstance(obj, type) and issubclass(obj, BaseOptimizer) and obj is not BaseOptimizer:
             classes.append(obj)
     return sorted(classes, key=lambda cls: cls.__name__)
@@ -150,7 +199,7 @@ def supported_optimizers():
     names = []
     for cls in optimizer_classes():
         # A probe, not the user's optimizer: no constructor warnings (RecAdam's defaults warn).
-        with tf.init_scope(), warnings.catch_warnings():
+        with _eager_scope(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             optimizer = cls(learning_rate=PROBE_LEARNING_RATE)
         if forward_mode_error(optimizer) is None:
@@ -265,7 +314,7 @@ def resolve_hyperparameters(optimizer, names, explicit=True):
                 f"can learn {list(available)}"
                 + (
                     " (Adafactor learns beta_1 only when constructed with beta_1 set, e.g. 0.0)"
-                    if isinstance(optimizer, Adafactor) and name == "beta_1"
+                    if type(optimizer).__name__ == "Adafactor" and name == "beta_1"
                     else ""
                 )
                 + "."
@@ -300,6 +349,8 @@ def _learning_rate_from_config(config, optimizer):
     """The learning rate in a Keras optimizer's config: a float, or the deserialized
     schedule (a `LearningRateSchedule`) or callable."""
     value = config["learning_rate"]
+    if isinstance(value, np.floating):  # Keras's JAX config holds a NumPy float32
+        value = float(value)
     if isinstance(value, float):
         held = getattr(optimizer, "_learning_rate", None)
         if isinstance(held, keras.Variable) and held.dtype == "float32":

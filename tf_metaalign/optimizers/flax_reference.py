@@ -24,23 +24,47 @@ flax's LAMB freezes a variable that is all zeros (||w|| = 0 gives r = 0), e.g. b
 initialised at zero; BERT's `Lamb` uses r = 1 there and excludes biases and LayerNorm
 from the trust ratio by name. One deviation: where ||u|| = 0 < ||w|| flax computes
 r = inf and 0 * inf = NaN; here r = 1 (the zero update leaves w unchanged).
+
+Both backends: the rules are written in `optimizers._math`'s ops plus `where` and
+`reduce_sum` below (TensorFlow's own ops on TensorFlow, so guided learning's
+`forward_mode.Dual`s dispatch through them; `keras.ops` on JAX, where `jax.jvp`
+differentiates them).
 """
 
 import keras
-import tensorflow as tf
+import numpy as np
 
+from tf_metaalign.optimizers import _math as M
 from tf_metaalign.optimizers import base
-from tf_metaalign.optimizers.lamb import safe_norm
+
+if M.BACKEND == "tensorflow":
+    import tensorflow as tf
+
+    _where, _reduce_sum = tf.where, tf.reduce_sum
+    _ones_like, _zeros_like = tf.ones_like, tf.zeros_like
+else:
+    from keras import ops
+
+    _where, _reduce_sum = ops.where, ops.sum
+    _ones_like, _zeros_like = ops.ones_like, ops.zeros_like
+
+
+def safe_norm(x):
+    """L2 norm whose derivative is 0 (not NaN) at x = 0 (`optimizers.lamb.safe_norm`'s
+    formula, repeated here so flax's LAMB does not need BERT's LAMB module)."""
+    sq = _reduce_sum(M.square(x))
+    positive = sq > 0
+    return _where(positive, M.sqrt(_where(positive, sq, _ones_like(sq))), _zeros_like(sq))
 
 
 def _moments_and_direction(g, slots, hp, t, dtype):
     """flax's moment updates and bias-corrected direction m_hat / (sqrt(v_hat) + eps)."""
-    c = lambda x: tf.cast(x, dtype)  # noqa: E731  (float64 scalar -> compute dtype)
+    c = lambda x: M.cast(x, dtype)  # noqa: E731  (float64 scalar -> compute dtype)
     b1, b2 = hp["beta_1"], hp["beta_2"]
     m, v = base.moment_estimates(g, slots["m"], slots["v"], b1, b2, dtype)
-    m_hat = m / c(1.0 - tf.pow(b1, t))
-    v_hat = v / c(1.0 - tf.pow(b2, t))
-    return m, v, m_hat / (tf.sqrt(v_hat) + c(hp["epsilon"]))
+    m_hat = m / c(1.0 - M.pow(b1, t))
+    v_hat = v / c(1.0 - M.pow(b2, t))
+    return m, v, m_hat / (M.sqrt(v_hat) + c(hp["epsilon"]))
 
 
 class FlaxAdamRule(base.UpdateRule):
@@ -78,10 +102,10 @@ class FlaxAdamRule(base.UpdateRule):
     def update(self, grad, var, slots, hparams, step, options=None):
         g, w, slots, hp, t, options, dtype = self._prepare(grad, var, slots, hparams, step, options)
         m, v, direction = _moments_and_direction(g, slots, hp, t, dtype)
-        lr = tf.cast(hp["learning_rate"], dtype)
+        lr = M.cast(hp["learning_rate"], dtype)
         new_w = w - lr * direction
         if hp["weight_decay"] is not None:
-            new_w = new_w - lr * tf.cast(hp["weight_decay"], dtype) * w
+            new_w = new_w - lr * M.cast(hp["weight_decay"], dtype) * w
         return self._finish(new_w, var, {"m": m, "v": v}, dtype)
 
 
@@ -122,11 +146,12 @@ class FlaxLambRule(FlaxAdamRule):
         g, w, slots, hp, t, options, dtype = self._prepare(grad, var, slots, hparams, step, options)
         m, v, direction = _moments_and_direction(g, slots, hp, t, dtype)
         if hp["weight_decay"] is not None:
-            direction = direction + tf.cast(hp["weight_decay"], dtype) * w
+            direction = direction + M.cast(hp["weight_decay"], dtype) * w
         w_norm, u_norm = safe_norm(w), safe_norm(direction)
         # flax: where(|w| + |u| > 0, |w| / |u|, 1); |u| = 0 < |w| gives 1 here, not inf.
-        ratio = tf.where(u_norm > 0, w_norm / tf.where(u_norm > 0, u_norm, 1.0), 1.0)
-        new_w = w - tf.cast(hp["learning_rate"], dtype) * ratio * direction
+        one = M.constant(1.0, dtype)
+        ratio = _where(u_norm > 0, w_norm / _where(u_norm > 0, u_norm, one), one)
+        new_w = w - M.cast(hp["learning_rate"], dtype) * ratio * direction
         return self._finish(new_w, var, {"m": m, "v": v}, dtype)
 
 
@@ -254,20 +279,28 @@ def as_flax_optimizer(optimizer):
       ('FlaxAdam', 0.01, 1e-06)
     """
     from tf_metaalign.optimizers.adam import Adam
-    from tf_metaalign.optimizers.lamb import Lamb
+
+    try:
+        from tf_metaalign.optimizers.lamb import Lamb
+    except ModuleNotFoundError:  # BERT's LAMB not yet on this backend: nothing to convert
+        Lamb = None
 
     if isinstance(optimizer, _FlaxOptimizer):
         return optimizer
     if type(optimizer) is Adam:
         target, decay = FlaxAdam, 0.0
-    elif type(optimizer) is Lamb:
+    elif Lamb is not None and type(optimizer) is Lamb:
         target, decay = FlaxLamb, optimizer.rule.defaults.get("weight_decay_rate") or 0.0
     else:
         return None
     schedule = optimizer._learning_rate_schedule
     if schedule is None:  # a fixed rate (read eagerly; also a mirrored variable's)
-        with tf.init_scope():
-            schedule = float(optimizer.learning_rate_at(tf.constant(0, tf.int64)).numpy())
+        if M.BACKEND == "tensorflow":
+            with tf.init_scope():
+                schedule = float(optimizer.learning_rate_at(tf.constant(0, tf.int64)).numpy())
+        else:
+            zero = M.constant(0, M.counter_dtype())
+            schedule = float(np.asarray(optimizer.learning_rate_at(zero)))
     learning_rate = schedule
     return target(
         learning_rate,

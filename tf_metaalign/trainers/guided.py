@@ -7,6 +7,11 @@ Two entry points share one implementation of the greedy step:
   itself (`GuidedHyperparameters.train_step`) for a custom training loop.
 
 See `tf_metaalign.algorithms.guided` for the maths and docs/guided.md for usage.
+
+Both backends (`GuidedTrainer.backends`): on JAX the hypergradient's tangents come from
+`jax.jvp` (`algorithms.guided`), the step runs purely (`trainers.base`), and guidance
+data is a batch of arrays (a `tf.data.Dataset`, `split_guidance_batch` and
+`example_fingerprints` need TensorFlow).
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ import re
 
 import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
+from tf_metaalign import backend
 from tf_metaalign import functional as F
 from tf_metaalign import optimizers as opt_lib
 from tf_metaalign.algorithms import guided as alg
+from tf_metaalign.optimizers import _math as M
 from tf_metaalign.optimizers import flax_reference
 from tf_metaalign.optimizers.differentiable import (
     as_rule_optimizer,
@@ -30,8 +37,10 @@ from tf_metaalign.optimizers.differentiable import (
     resolve_hyperparameters,
     supported_optimizers,
 )
-from tf_metaalign.trainers.base import EveryKSteps, MetaTrainer
+from tf_metaalign.trainers.base import EveryKSteps, MetaTrainer, apply_gradients
 from tf_metaalign.trainers.pipeline import Preprocessed, preprocess_data
+
+BACKEND = keras.backend.backend()
 
 DEFAULT_HYPERPARAMETERS = ("learning_rate", "beta_1")
 DEFAULT_META_LEARNING_RATE = 3e-5
@@ -46,6 +55,17 @@ def _check_reference(reference):
             f"arithmetic of the paper's JAX code); got {reference!r}."
         )
     return reference
+
+
+def _tf(what):
+    return backend.require_tensorflow(
+        what, "on JAX, give guidance_data as a batch (x, y) of NumPy arrays."
+    )
+
+
+def _is_tf_dataset(data):
+    tf = backend.tensorflow_if_loaded()
+    return tf is not None and isinstance(data, tf.data.Dataset)
 
 
 def _check_meta_gradient_clip(clip):
@@ -196,17 +216,19 @@ class GuidedHyperparameters(keras.layers.Layer):
                 aggregation="only_first_replica",
             )
 
-        self.raw = {n: state(f"raw_{n}", "float64") for n in self.names}
+        # float64 / int64 (float32 / int32 on JAX without jax_enable_x64).
+        wide, counter = M.wide_float(), F.counter_dtype()
+        self.raw = {n: state(f"raw_{n}", wide) for n in self.names}
         self.meta_slots = {}
         for n in self.names:
             shapes = self.meta_rule.slot_shapes((), self.meta_rule.default_options(()))
             self.meta_slots[n] = {
-                s: state(f"meta_{n}_{s}", "float64", shape) for s, shape in shapes.items()
+                s: state(f"meta_{n}_{s}", wide, shape) for s, shape in shapes.items()
             }
         self.schedule = EveryKSteps(self.guidance_every, name="guidance_schedule")
-        self.guided_steps = state("guided_steps", "int64")
-        self.nonfinite_hypergrads = state("nonfinite_hypergrads", "int64")
-        self.initialized = state("initialized", "int64")
+        self.guided_steps = state("guided_steps", counter)
+        self.nonfinite_hypergrads = state("nonfinite_hypergrads", counter)
+        self.initialized = state("initialized", counter)
         self.built = True
 
     @property
@@ -229,7 +251,7 @@ class GuidedHyperparameters(keras.layers.Layer):
         check_optimizer(inner, context)
         self.active = resolve_hyperparameters(inner, self.names, explicit=self.explicit_names)
         self._bound_optimizer = optimizer
-        if int(self.initialized.numpy()) == 0:
+        if int(np.asarray(ops.convert_to_numpy(self.initialized))) == 0:
             for name, key in self.active.items():
                 self.raw[name].assign(
                     alg.initial_raw(key, inner.rule.defaults.get(key), bool(self.reference))
@@ -248,7 +270,7 @@ class GuidedHyperparameters(keras.layers.Layer):
     def values(self):
         """name -> current learned value (learning_rate: the scale), float64 tensors."""
         return {
-            n: alg.activate(k, tf.convert_to_tensor(self.raw[n].value), bool(self.reference))
+            n: alg.activate(k, F.read_value(self.raw[n]), bool(self.reference))
             for n, k in self.active.items()
         }
 
@@ -378,33 +400,29 @@ def guided_update(
     variables = list(model.trainable_variables)
     apply = hyper.schedule.is_first()
     scaled = inner is not optimizer
-    loss_scale = optimizer.scale_loss(tf.constant(1.0, tf.float32)) if scaled else None
+    loss_scale = optimizer.scale_loss(ops.convert_to_tensor(1.0, "float32")) if scaled else None
 
     g_global = F.all_reduce_sum(grads)
     if scaled:
         # Gradients of the scaled loss: unscale for the rule; a non-finite gradient
         # (float16 overflow) skips the hypergradient step as the optimizer skips the update.
-        g_global = [g / tf.cast(loss_scale, g.dtype) for g in g_global]
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in g_global])
-        apply = tf.logical_and(apply, finite)
+        g_global = [g / ops.cast(loss_scale, g.dtype) for g in g_global]
+        finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in g_global]))
+        apply = ops.logical_and(apply, finite)
     g_global = inner.clip_aggregated(g_global)
 
     names = list(hyper.active)
     keys = [hyper.active[n] for n in names]
-    raw = {hyper.active[n]: tf.convert_to_tensor(hyper.raw[n].value) for n in names}
+    raw = {hyper.active[n]: F.read_value(hyper.raw[n]) for n in names}
     meta_slots = {
-        hyper.active[n]: {k: tf.convert_to_tensor(v.value) for k, v in hyper.meta_slots[n].items()}
-        for n in names
+        hyper.active[n]: {k: F.read_value(v) for k, v in hyper.meta_slots[n].items()} for n in names
     }
     base = inner.current_hyperparameters()
     schedule_lr = inner.schedule_learning_rate()
     base["learning_rate"] = schedule_lr
-    slots = [
-        {k: tf.convert_to_tensor(v.value) for k, v in inner.slots_for(var).items()}
-        for var in variables
-    ]
+    slots = [{k: F.read_value(v) for k, v in inner.slots_for(var).items()} for var in variables]
     opt_vars = {k: _optimizer_variable(inner, k) for k in keys}
-    meta_lr = hyper.meta_optimizer.learning_rate_at(tf.convert_to_tensor(hyper.guided_steps.value))
+    meta_lr = hyper.meta_optimizer.learning_rate_at(F.read_value(hyper.guided_steps))
 
     # With a hypergradient every step, the forward-mode update IS this step's update:
     # commit it (group by group) instead of recomputing it in apply_gradients.
@@ -418,6 +436,12 @@ def guided_update(
     if commit_now:
 
         def commit(i, new_value, new_slots):
+            if BACKEND != "tensorflow":
+                # In the pure step's scope: assignments are recorded, nothing to replicate.
+                for k, slot in inner.slots_for(variables[i]).items():
+                    slot.assign(new_slots[k])
+                variables[i].assign(ops.cast(new_value, variables[i].dtype))
+                return new_value
             return inner.assign_variable_update(variables[i], new_value, new_slots)
 
     guide = guide_loss_fn
@@ -425,7 +449,7 @@ def guided_update(
 
         def guide(p, s, b):  # scaled like the training loss, against float16 underflow
             value, aux = guide_loss_fn(p, s, b)
-            return value * tf.cast(loss_scale, value.dtype), aux
+            return value * ops.cast(loss_scale, value.dtype), aux
 
     r = alg.guided_step(
         guide,
@@ -436,13 +460,13 @@ def guided_update(
         [inner.options_for(v) for v in variables],
         base,
         raw,
-        tf.cast(inner.iterations + 1, tf.float32),
+        ops.cast(F.read_value(inner.iterations) + 1, "float32"),
         new_state,
         guidance_batch,
         meta_rule=hyper.meta_rule,
         meta_slots=meta_slots,
-        meta_hparams={"learning_rate": tf.cast(meta_lr, tf.float64)},
-        meta_step=tf.cast(hyper.guided_steps + 1, tf.float64),
+        meta_hparams={"learning_rate": ops.cast(meta_lr, M.wide_float())},
+        meta_step=ops.cast(F.read_value(hyper.guided_steps) + 1, M.wide_float()),
         apply=apply,
         guidance_weight=guidance_weight,
         hparam_dtype={k: opt_vars[k].dtype for k in keys},
@@ -452,39 +476,39 @@ def guided_update(
     )
     h, guidance_loss = r.hypergradients, r.guidance_loss
     if scaled:
-        h = {k: v / tf.cast(loss_scale, v.dtype) for k, v in h.items()}
-        guidance_loss = guidance_loss / tf.cast(loss_scale, guidance_loss.dtype)
+        h = {k: v / ops.cast(loss_scale, v.dtype) for k, v in h.items()}
+        guidance_loss = guidance_loss / ops.cast(loss_scale, guidance_loss.dtype)
 
     # The model update, with this step's hyperparameters (lambda_t).
     for k in keys:
-        opt_vars[k].assign(tf.cast(r.values[k], opt_vars[k].dtype))
+        opt_vars[k].assign(ops.cast(r.values[k], opt_vars[k].dtype))
     if commit_now:
         inner.iterations.assign_add(1)  # the variables were committed in guided_step
     else:
-        optimizer.apply_gradients(zip(grads, variables))
+        apply_gradients(optimizer, grads, variables)
 
     for n, k in zip(names, keys):
         hyper.raw[n].assign(r.new_raw[k])
         for slot, var in hyper.meta_slots[n].items():
             var.assign(r.new_meta_slots[k][slot])
-    hyper.guided_steps.assign_add(tf.cast(apply, tf.int64))
+    hyper.guided_steps.assign_add(ops.cast(apply, hyper.guided_steps.dtype))
     hyper.schedule.advance()
-    hyper.nonfinite_hypergrads.assign_add(r.n_nonfinite)
+    hyper.nonfinite_hypergrads.assign_add(ops.cast(r.n_nonfinite, hyper.nonfinite_hypergrads.dtype))
 
-    weight = tf.cast(apply, tf.float32)
-    scale = tf.convert_to_tensor(inner.learning_rate_scale.value)
+    weight = ops.cast(apply, "float32")
+    scale = F.read_value(inner.learning_rate_scale)
     if "learning_rate" in keys:
-        scale = tf.cast(r.values["learning_rate"], scale.dtype)
+        scale = ops.cast(r.values["learning_rate"], scale.dtype)
     logs = {
         "learning_rate_scale": scale,
         # As the optimizer multiplies them (`BaseOptimizer`): in the rate's dtype.
-        "effective_learning_rate": schedule_lr * tf.cast(scale, schedule_lr.dtype),
+        "effective_learning_rate": schedule_lr * ops.cast(scale, schedule_lr.dtype),
         "guidance_loss": (guidance_loss, weight),
-        "nonfinite_hypergrads": tf.convert_to_tensor(hyper.nonfinite_hypergrads.value),
+        "nonfinite_hypergrads": F.read_value(hyper.nonfinite_hypergrads),
     }
     for n, k in zip(names, keys):
         if n != "learning_rate":
-            logs[n] = tf.cast(r.values[k], scale.dtype)  # floatx, as the scale
+            logs[n] = ops.cast(r.values[k], scale.dtype)  # floatx, as the scale
         logs[f"hypergrad_{n}"] = (h[k], weight)
     return logs
 
@@ -501,6 +525,7 @@ _RANDOM_OPS = re.compile(r"Random|^Stateful|^Rng")
 
 def _dataset_graph(dataset):
     """The dataset's serialized GraphDef, or None when it cannot be serialized."""
+    tf = _tf("split_guidance_batch")
     try:
         graph = tf.compat.v1.GraphDef()
         graph.ParseFromString(dataset._as_serialized_graph().numpy())
@@ -552,14 +577,16 @@ def _identity_error(dataset, reason, why_not):
 
 def example_fingerprints(batch):
     """One int64 per example of a batch (nest of dense tensors with a leading batch axis):
-    a fingerprint (`tf.fingerprint`, farmhash) of the bytes of all its tensors."""
+    a fingerprint (`tf.fingerprint`, farmhash) of the bytes of all its tensors. Needs
+    TensorFlow."""
+    tf = _tf("example_fingerprints")
     leaves = [tf.convert_to_tensor(t) for t in tf.nest.flatten(batch)]
     prints = [tf.fingerprint(t) for t in leaves]
     combined = tf.fingerprint(tf.concat(prints, axis=1))
     return tf.bitcast(combined, tf.int64)
 
 
-def split_guidance_batch(dataset: tf.data.Dataset, num_batches: int = 1, holdout: str = "auto"):
+def split_guidance_batch(dataset, num_batches: int = 1, holdout: str = "auto"):
     """Split held-out guidance data off a batched training dataset, for good.
 
     Returns `(guidance, rest)`: with `num_batches=1` the first batch as a tuple of
@@ -596,7 +623,10 @@ def split_guidance_batch(dataset: tf.data.Dataset, num_batches: int = 1, holdout
       >>> guidance, training = split_guidance_batch(data)
       >>> guidance[1].numpy().tolist(), [y.numpy().tolist() for _, y in training]
       ([0, 1], [[2, 3], [4, 5], [6, 7], [8, 9]])
+
+    Needs TensorFlow (`tf.data`).
     """
+    tf = _tf("split_guidance_batch")
     if not isinstance(dataset, tf.data.Dataset):
         raise TypeError(f"`dataset` must be a tf.data.Dataset; got {type(dataset).__name__}.")
     if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1:
@@ -668,7 +698,7 @@ def _decode_array(d):
 
 
 def _stack(batches):
-    return tf.nest.map_structure(lambda *t: tf.stack(t), *batches)
+    return keras.tree.map_structure(lambda *t: ops.stack(t), *batches)
 
 
 def _as_batch(element, arg="guidance_data"):
@@ -683,7 +713,11 @@ def _as_batch(element, arg="guidance_data"):
             + (f" of length {len(element)}" if isinstance(element, (tuple, list)) else "")
             + "."
         )
-    return tuple(tf.nest.map_structure(tf.convert_to_tensor, tuple(element)))
+    return tuple(keras.tree.map_structure(ops.convert_to_tensor, tuple(element)))
+
+
+class _Batches(list):
+    """Guidance batches restored from a config (a list, not one batch (x, y))."""
 
 
 class GuidanceData:
@@ -698,7 +732,9 @@ class GuidanceData:
     """
 
     def __init__(self, data, max_batches=64):
-        if isinstance(data, tf.data.Dataset):
+        if isinstance(data, _Batches):  # from_config's batches (no tf.data on JAX)
+            batches = [_as_batch(b) for b in data]
+        elif _is_tf_dataset(data):
             batches = [_as_batch(b) for b in data.take(max_batches + 1)]
             if len(batches) > max_batches:
                 logging.warning(
@@ -711,7 +747,7 @@ class GuidanceData:
                 raise ValueError("`guidance_data` is an empty dataset: give at least one batch.")
         else:
             batches = [_as_batch(data)]
-        shapes = [tuple(t.shape for t in tf.nest.flatten(b)) for b in batches]
+        shapes = [tuple(tuple(t.shape) for t in keras.tree.flatten(b)) for b in batches]
         if len(batches) > 1 and shapes[-1] != shapes[0]:
             batches, shapes = batches[:-1], shapes[:-1]
         if any(s != shapes[0] for s in shapes):
@@ -729,10 +765,11 @@ class GuidanceData:
 
     def shard(self, index):
         """This replica's part of batch `index` and its weight (see the class doc)."""
-        batch = tf.nest.map_structure(lambda t: tf.gather(t, index), self.stacked)
+        batch = keras.tree.map_structure(lambda t: ops.take(t, index, axis=0), self.stacked)
         replicas = F.num_replicas()
         if replicas == 1:
             return batch, None
+        tf = _tf("GuidanceData.shard")  # several replicas: a tf.distribute strategy
         rid = tf.distribute.get_replica_context().replica_id_in_sync_group
         start, end = alg.guidance_shard_bounds(self.batch_size, rid, replicas)
         shard = tf.nest.map_structure(lambda t: t[start:end], batch)
@@ -816,6 +853,8 @@ class GuidedTrainer(MetaTrainer):
       Sequence-to-Sequence Models" (official JAX code: google-research
       `gradient_based_tuning`).
     """
+
+    backends = ("tensorflow", "jax")
 
     def __init__(
         self,
@@ -914,9 +953,7 @@ class GuidedTrainer(MetaTrainer):
             # Keras builds optimizers lazily in apply_gradients; the guided step reads the
             # slots before that (first trace only, like Keras's own lazy build).
             self.optimizer.build(self.model.trainable_variables)
-        index = tf.math.floormod(
-            tf.convert_to_tensor(self.guided.guided_steps.value), self.guidance.num_batches
-        )
+        index = ops.mod(F.read_value(self.guided.guided_steps), self.guidance.num_batches)
         guidance_batch, weight = self.guidance.shard(index)
         loss_scale = self.loss_scale()
         loss, grads, (new_state, y_pred) = F.value_and_grad(
@@ -940,7 +977,11 @@ class GuidedTrainer(MetaTrainer):
 
         # The state is assigned by finish_step after the guided step has read `new_state`.
         return self.finish_step(
-            data, y_pred, loss / tf.cast(loss_scale, loss.dtype), update=update, new_state=new_state
+            data,
+            y_pred,
+            loss / ops.cast(loss_scale, loss.dtype),
+            update=update,
+            new_state=new_state,
         )
 
     def get_config(self):
@@ -977,10 +1018,12 @@ class GuidedTrainer(MetaTrainer):
                 else _decode_array(e)
                 for e in data["stacked"]
             )
+            n = data["num_batches"]
+            batches = _Batches(
+                keras.tree.map_structure(lambda a, i=i: a[i], stacked) for i in range(n)
+            )
             config["guidance_data"] = Preprocessed(  # stored after preprocessing
-                tf.nest.map_structure(lambda a: a[0], stacked)
-                if data["num_batches"] == 1
-                else tf.data.Dataset.from_tensor_slices(stacked)
+                batches[0] if n == 1 else batches
             )
         config.pop("memory_efficient", None)  # see GuidedHyperparameters.from_config
         config["meta_optimizer"] = keras.optimizers.deserialize(config["meta_optimizer"])
