@@ -666,6 +666,8 @@ def environment():
         "cpu_count": os.cpu_count(),
         "dtype_policy": FLAGS.dtype_policy,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        # other processes on the machine (a loaded CPU makes CPU ratios rough)
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 
 
