@@ -202,6 +202,11 @@ def test_every_k_schedules_pick_a_program_on_the_host(float64):
     jit, eager = runs[True], runs[False]
     assert float(_np(jit.firsts.value)) == 4.0 and float(_np(jit.lasts.value)) == 3.0
     assert int(_np(jit.every.count.value)) == 10
+    for trainer in (jit, eager):
+        # A counter set outside fit (e.g. restored weights) is read again: phase 2 is last.
+        trainer.every.count.assign(2)
+        trainer.train_on_batch(x[:8], y[:8])
+    assert float(_np(jit.lasts.value)) == 4.0 and float(_np(jit.firsts.value)) == 4.0
     for a, b in zip(jit.model.get_weights(), eager.model.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
     for name in ("firsts", "lasts"):

@@ -384,7 +384,7 @@ def make_train_function(trainer, force=False):
     count_indices = [
         next(i for i, v in enumerate(non_trainable) if v is s.count) for s in schedules
     ]
-    counts = []
+    counts, carried = [], [None]  # host copies of the counters; the state they follow
     if jitted:
         out_shardings = None
         if keras.distribution.distribution() is not None:
@@ -431,7 +431,6 @@ def make_train_function(trainer, force=False):
             trainer._skip_batches = int(state[1][index])
             trainer._pending_nonfinite = []
             trainer._nonfinite_baseline = int(state[1][_nonfinite_index(trainer)])
-            counts[:] = [int(state[1][i]) for i in count_indices]
             if trainer._skip_batches:
                 logging.info(
                     "Resuming mid-epoch: skipping %d batches already trained on.",
@@ -445,6 +444,10 @@ def make_train_function(trainer, force=False):
         while trainer._skip_batches > 0:
             next(iterator)
             trainer._skip_batches -= 1
+        if schedules and state[1] is not carried[0]:
+            # A state that fit did not carry from the last call (a new fit or epoch, a
+            # callback's sync, train_on_batch): the schedules' counters as it holds them.
+            counts[:] = [int(state[1][i]) for i in count_indices]
         # A step whose loss was not finite kept its state; its count comes back as a
         # log. Checked one call late, so that the host does not wait for each step.
         pending = trainer._pending_nonfinite
@@ -453,6 +456,7 @@ def make_train_function(trainer, force=False):
             raise_if_nonfinite(trainer)
             trainer._pending_nonfinite = pending[-1:]
         logs, state = iterator_step(state, iterator)
+        carried[0] = state[1]
         if _NONFINITE_LOG in logs:
             logs = dict(logs)
             trainer._pending_nonfinite.append(
