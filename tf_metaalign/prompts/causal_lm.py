@@ -651,6 +651,29 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
         logits = b.token_embedding(hidden_states, reverse=True)
         return logits, hidden_states, cache
 
+    # --- fit / evaluate / predict without a preprocessor ----------------------------
+
+    def _without_pipeline(self):
+        """On JAX, with no preprocessor: keras-hub's `PipelineModel` would batch the data
+        with tf.data or grain to map a preprocessor over it (an ImportError without either),
+        though there is nothing to map; Keras's own data adapters take the token arrays."""
+        return self.preprocessor is None and backend.is_jax()
+
+    def fit(self, *args, **kwargs):
+        if self._without_pipeline():
+            return keras.Model.fit(self, *args, **kwargs)
+        return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        if self._without_pipeline():
+            return keras.Model.evaluate(self, *args, **kwargs)
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        if self._without_pipeline():
+            return keras.Model.predict(self, *args, **kwargs)
+        return super().predict(*args, **kwargs)
+
     def generate_step(self, inputs, stop_token_ids=None):
         """The family's own keras-hub `generate_step` (sampler loop, stop tokens), on this
         model's cache."""
@@ -871,7 +894,8 @@ def causal_lm_token_log_likelihoods(
         training: passed to the model.
 
     Returns:
-        [N, T] float32 log-likelihoods, 0 where `target_padding_mask` is 0.
+        [N, T] float32 log-likelihoods (float64 for a float64 model), 0 where
+        `target_padding_mask` is 0.
 
     Example:
 
@@ -913,7 +937,9 @@ def causal_lm_token_log_likelihoods(
     logits = model(
         {"token_ids": packed, "padding_mask": ops.cast(packed_mask, "int32")}, training=training
     )
-    log_probs = ops.log_softmax(ops.cast(logits, "float32"), axis=-1)
+    # float32 at least (half-precision logits), float64 logits kept as they are
+    dtype = "float64" if keras.backend.standardize_dtype(logits.dtype) == "float64" else "float32"
+    log_probs = ops.log_softmax(ops.cast(logits, dtype), axis=-1)
     # Target t sits at packed position n + t and is predicted by position n + t - 1.
     read = input_lengths[:, None] - 1 + ops.arange(t, dtype="int32")[None, :]
     read = ops.clip(read, 0, s + t - 1)

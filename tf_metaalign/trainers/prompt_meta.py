@@ -178,7 +178,7 @@ class _PromptMetaTrainer(MetaTrainer):
             return
         self._resolve_prompt()
         groups = []
-        with self.distribute_strategy.scope(), _compat.unlocked_state(self):
+        with self._strategy_scope(), _compat.unlocked_state(self):
             for group in self._state_groups:
                 initial = self.inner_optimizer.initial_state(self._group_variables(group))
                 slots = []
@@ -327,9 +327,7 @@ class _PromptMetaTrainer(MetaTrainer):
                 # A non-finite step (float16 overflow under a LossScaleOptimizer, which then
                 # skips the outer update) must not poison the carried state for good: keep
                 # the old state, as the outer optimizer keeps its own.
-                finite = ops.all(
-                    ops.stack([ops.all(ops.isfinite(g)) for g in result.gradients])
-                )
+                finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in result.gradients]))
                 self._assign_carried(result.optimizer_states, keep_unless=finite)
 
         flat = self._flat((query_x, query_y, sample_weight))
