@@ -145,7 +145,7 @@ def test_fomaml_first_step_equals_numpy(float64):
 
 
 def _prompted_gpt2():
-    import keras_hub
+    keras_hub = pytest.importorskip("keras_hub")
 
     from tf_metaalign import prompts
 

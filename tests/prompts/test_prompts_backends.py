@@ -17,9 +17,10 @@ The backbones are tiny random keras-hub models built from configs (no download).
 """
 
 import keras
-import keras_hub
 import numpy as np
 import pytest
+
+keras_hub = pytest.importorskip("keras_hub")  # the `hub` extra (JAX env: run.sh install_jax)
 from golden_io import check_golden, set_numpy_weights
 from keras import ops
 from prompt_precision import exact_gelu, float64_attention_softmax  # noqa: F401 (fixtures)
