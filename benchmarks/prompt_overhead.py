@@ -79,8 +79,10 @@ On JAX (`KERAS_BACKEND=jax`, no TensorFlow needed): the same steps (Keras's jitt
 batches from a Python generator; memory is XLA's buffer sizes (temporaries + outputs) of
 the compiled loss-and-gradient of the trainable variables (`jax_step_bytes`; the meta
 configurations are not measured), the analogue of the TensorFlow allocator peak.
-`prompt_overhead_jax.json` is `--nobert --nodecoder --configs=t5_full,t5_full_long,
-t5_shallow_prompt,t5_deep_prompt,t5_shallow_both,t5_deep_both --rounds=3` on JAX.
+`prompt_overhead_jax.json` is `--nobert --nodecoder --optimizer=adam --configs=t5_full,
+t5_full_long,t5_shallow_prompt,t5_deep_prompt,t5_shallow_both,t5_deep_both --rounds=5
+--steps_per_round=3` on JAX (Adam: the package's Adafactor comes to JAX with the
+optimizers' port).
 
 Writes `benchmarks/results/prompt_overhead.json`.
 """

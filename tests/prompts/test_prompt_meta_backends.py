@@ -194,7 +194,9 @@ def test_prompt_reptile_on_a_prompted_gpt2_equals_tensorflow(float64):
     check_golden("prompt_meta_reptile_gpt2", out, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("case", ["fomaml_carried", "reptile_carried"])
+@pytest.mark.parametrize(
+    "case", ["fomaml_carried", pytest.param("reptile_carried", marks=pytest.mark.slow)]
+)
 def test_one_device_equals_two_on_jax(float64, case):
     if not on_jax():
         pytest.skip("keras.distribution on JAX (TensorFlow: tests/prompts/test_prompt_meta.py)")
