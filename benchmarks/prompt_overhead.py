@@ -4,6 +4,7 @@ against full fine-tuning of the same model, and the prompt FOMAML / Reptile meta
     python -m benchmarks.prompt_overhead                    # ~30 min on 2 shared CPU cores
     python -m benchmarks.prompt_overhead --nobert           # T5 only
     python -m benchmarks.prompt_overhead --t5_size=base-ish --rounds=8
+    KERAS_BACKEND=jax python -m benchmarks.prompt_overhead --nobert --output=...  # on JAX
 
 The method: Wu et al., "Continued Pretraining for Better Zero- and Few-Shot Promptability"
 (EMNLP 2022; allenai/better-promptability): prompt tuning freezes the transformer and
@@ -73,6 +74,15 @@ backbone at S + L tokens 0.76x / 0.70x, 0.74x, 0.51x / 0.47x; peak memory 0.41-0
 `prompt_overhead.json` is `--nodecoder --rounds=8`; `prompt_overhead_gpt2.json` is
 `--configs=gpt2_* --nobert --rounds=5 --steps_per_round=2`, run on its own (six GPT-2-small
 models beside the others' did not fit the shared machine's memory).
+
+On JAX (`KERAS_BACKEND=jax`, no TensorFlow needed): the same steps (Keras's jitted fit),
+batches from a Python generator; memory is XLA's buffer sizes (temporaries + outputs) of
+the compiled loss-and-gradient of the trainable variables (`jax_step_bytes`; the meta
+configurations are not measured), the analogue of the TensorFlow allocator peak.
+`prompt_overhead_jax.json` is `--nobert --nodecoder --optimizer=adam --configs=t5_full,
+t5_full_long,t5_shallow_prompt,t5_deep_prompt,t5_shallow_both,t5_deep_both --rounds=5
+--steps_per_round=3` on JAX (Adam: the package's Adafactor comes to JAX with the
+optimizers' port).
 
 Writes `benchmarks/results/prompt_overhead.json`.
 """
@@ -311,10 +321,13 @@ def check_configs(configs, bert, decoder=True):
 def lm_head_class():
     import keras
 
-    class LMHead(keras.Model):
+    from tf_metaalign import prompts
+
+    class LMHead(prompts.TrainableSelection, keras.Model):
         """Vocabulary logits [B, T, V] of a T5: `PromptedT5.lm_logits` (= `T5Seq2SeqLM`'s
         logits) on a `PromptedT5`'s decoder output, or the same computation on the plain
-        backbone's (the `t5_full` reference)."""
+        backbone's (the `t5_full` reference). Trains what the prompted model's `train`
+        selects (`TrainableSelection`: Keras collects trainables by their own flags)."""
 
         def __init__(self, t5, **kwargs):
             super().__init__(**kwargs)
@@ -400,10 +413,51 @@ def make_optimizer():
     return keras.optimizers.Adam(FLAGS.learning_rate)
 
 
-def build(config):
-    """(runner, dataset, the model whose weights train, params of the underlying model)."""
+def repeated(batch):
+    """The same batch at every step: a `tf.data.Dataset` on TensorFlow, a Python generator on
+    JAX (no TensorFlow needed)."""
     import keras
-    import tensorflow as tf
+
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.data.Dataset.from_tensors(batch).repeat()
+
+    def forever():
+        while True:
+            yield batch
+
+    return forever()
+
+
+def jax_step_bytes(model, loss, batch):
+    """JAX: XLA's buffer sizes of the compiled loss-and-gradient of the model's trainable
+    variables (temporaries + outputs: activations, saved tensors, gradients), what the
+    TensorFlow run measures as the allocator peak of a warm step (the weights and slots,
+    the compiled function's arguments, are left out). None on TensorFlow."""
+    import keras
+
+    if keras.backend.backend() != "jax":
+        return None
+    import jax
+
+    x, y = batch
+    trainable = [v.value for v in model.trainable_variables]
+    frozen = [v.value for v in model.non_trainable_variables]
+
+    def loss_fn(trainable, frozen, x, y):
+        y_pred, _ = model.stateless_call(trainable, frozen, x, training=True)
+        return loss(y, y_pred)
+
+    compiled = jax.jit(jax.value_and_grad(loss_fn)).lower(trainable, frozen, x, y).compile()
+    analysis = compiled.memory_analysis()
+    return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
+
+
+def build(config):
+    """(runner, dataset, the model whose weights train, params of the underlying model,
+    one ordinary batch or None)."""
+    import keras
 
     from tf_metaalign import prompts
 
@@ -432,9 +486,9 @@ def build(config):
             "padding_mask": np.ones((B, S), "int32"),
         }
         y = rng.integers(1, V, (B, S)).astype("int32")  # next-token targets, every position
-        data = tf.data.Dataset.from_tensors((x, y)).repeat()
+        data = repeated((x, y))
         runner.compile(optimizer=make_optimizer(), loss=loss, jit_compile=FLAGS.jit_compile)
-        return runner, data, model, params
+        return runner, data, model, params, (x, y)
     if config.startswith("t5_"):
         backbone = t5_backbone()
         params = int(backbone.count_params())
@@ -471,13 +525,15 @@ def build(config):
             B, T = FLAGS.meta_tasks, FLAGS.inner_steps
             sx, sy = t5_batch(seed=1, leading=(B, T))
             qx, qy = t5_batch(seed=2, leading=(B,))
-            data = tf.data.Dataset.from_tensors(((sx, sy, qx), qy)).repeat()
+            data = repeated(((sx, sy, qx), qy))
+            batch = None
         else:
             runner = model
             # t5_full_long: the plain backbone on S + L encoder tokens, the length the
             # shallow prompt's encoder runs on.
             length = FLAGS.encoder_length + (FLAGS.prompt_length if config == "t5_full_long" else 0)
-            data = tf.data.Dataset.from_tensors(t5_batch(encoder_length=length)).repeat()
+            batch = t5_batch(encoder_length=length)
+            data = repeated(batch)
     else:
         import numpy as np
 
@@ -504,9 +560,10 @@ def build(config):
             "padding_mask": np.ones((B, S), "int32"),
         }
         y = rng.integers(0, FLAGS.bert_num_classes, (B,)).astype("int32")
-        data = tf.data.Dataset.from_tensors((x, y)).repeat()
+        batch = (x, y)
+        data = repeated(batch)
     runner.compile(optimizer=make_optimizer(), loss=loss, jit_compile=FLAGS.jit_compile)
-    return runner, data, model, params
+    return runner, data, model, params, batch
 
 
 def tensor_bytes(variables) -> int:
@@ -576,11 +633,12 @@ def main(argv):
             callbacks=[timer],
         )
 
-    models = {}
+    models, batches = {}, {}
     for config in configs:
-        runner, data, model, params = build(config)
+        runner, data, model, params, batch = build(config)
         runners[config], data_iters[config] = runner, data  # the same batch every step
         models[config] = model
+        batches[config] = batch
         timer = common.StepTimer(warmup=0)
         runner.fit(data, steps_per_epoch=FLAGS.warmup, epochs=1, verbose=0, callbacks=[timer])
         trainable = model.trainable_variables
@@ -606,6 +664,15 @@ def main(argv):
     for config in configs:
         runners[config].fit(data_iters[config], steps_per_epoch=1, epochs=1, verbose=0)
     for config in configs:  # memory: one warm step each
+        step_bytes = (
+            None
+            if batches[config] is None
+            else jax_step_bytes(models[config], runners[config].loss, batches[config])
+        )
+        if step_bytes is not None:  # JAX: XLA's buffers of the compiled step
+            info[config].update(peak_memory_bytes=step_bytes, memory_kind="xla_temp_and_output")
+            print(f"memory  {config:20s} XLA {step_bytes / 2**20:7.1f} MiB", flush=True)
+            continue
         with common.PeakMemory() as memory:
             runners[config].fit(data_iters[config], steps_per_epoch=1, epochs=1, verbose=0)
         info[config].update(peak_memory_bytes=memory.peak_bytes, memory_kind=memory.kind)

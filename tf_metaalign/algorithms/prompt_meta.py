@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
 
-import tensorflow as tf
+from keras import ops
 
 from tf_metaalign import functional as F
 from tf_metaalign.algorithms import reptile as R
@@ -170,7 +170,7 @@ def prompt_inner_loop(
       >>> [float(p) for p in r.params]  # the prompt moved, w did not
       [1.0, 1.0]
     """
-    fixed = [tf.stop_gradient(tf.convert_to_tensor(p)) for p in params]
+    fixed = [ops.stop_gradient(ops.convert_to_tensor(p)) for p in params]
 
     def prompt_loss_fn(prompt, state, batch):
         return loss_fn(merge(fixed, indices, prompt), state, batch)
@@ -386,7 +386,7 @@ def prompt_reptile(
         start = (optimizer.initial_state(prompt_vars), optimizer.initial_state(other_vars))
     else:
         start = tuple(optimizer_states)
-    phi = [tf.convert_to_tensor(p) for p in params]
+    phi = [ops.convert_to_tensor(p) for p in params]
     inner_states, ends = start, []
     support_losses, query_losses, outputs = [], [], []
     for support, query in tasks:
@@ -406,8 +406,8 @@ def prompt_reptile(
         query_loss, grads, (state, y_pred) = F.value_and_grad(loss_fn, r.params, r.state, query)
         grads = reduce(grads)
         if loss_scale is not None:
-            grads = [g / tf.cast(loss_scale, g.dtype) for g in grads]
-        grads = [tf.stop_gradient(g) for g in grads]
+            grads = [g / ops.cast(loss_scale, g.dtype) for g in grads]
+        grads = [ops.stop_gradient(g) for g in grads]
         # The full-model step: one update of every variable, each group at its own count.
         new_prompt, prompt_state = optimizer.apply_on_tensors(
             take(grads, indices), take(r.params, indices), r.optimizer_state, prompt_vars
@@ -418,14 +418,14 @@ def prompt_reptile(
                 take(grads, others), take(r.params, others), other_state, other_vars
             )
             new_params = merge(new_params, others, new_other)
-        ends.append([tf.stop_gradient(p) for p in new_params])
+        ends.append([ops.stop_gradient(p) for p in new_params])
         inner_states = (prompt_state, other_state)
         support_losses.append(_unscaled(r.losses[-1], loss_scale))
         query_losses.append(_unscaled(query_loss, loss_scale))
         outputs.append(y_pred)
     delta = R.mean_reptile_gradient(phi, ends)
     if loss_scale is not None:
-        delta = [d * tf.cast(loss_scale, d.dtype) for d in delta]
+        delta = [d * ops.cast(loss_scale, d.dtype) for d in delta]
     return PromptMetaResult(
         F.replica_share(delta),
         state,
@@ -437,4 +437,4 @@ def prompt_reptile(
 
 
 def _unscaled(loss, loss_scale):
-    return loss if loss_scale is None else loss / tf.cast(loss_scale, loss.dtype)
+    return loss if loss_scale is None else loss / ops.cast(loss_scale, loss.dtype)

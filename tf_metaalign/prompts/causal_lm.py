@@ -81,8 +81,9 @@ projections, its rotary embedding at positions L..), writes them after the prefi
 its causal mask with the prefix visible to every query, and repeats the key/value heads
 for grouped-query attention. The padding mask given to the layers is [ones(L); mask].
 TensorFlow registers no gradient for `XlaDynamicUpdateSlice` (what `keras.ops.slice_update`
-runs), through which the layer writes the cache: importing this module registers the
-exact one (an identity on the kept part, a slice for the update) when none is registered.
+runs), through which the layer writes the cache: on TensorFlow, importing this module
+registers the exact one (an identity on the kept part, a slice for the update) when none is
+registered. (JAX differentiates `lax.dynamic_update_slice` itself.)
 
 Generation: `PromptedCausalLM` IS a `keras_hub.models.CausalLM`: `compile(sampler=...)` and
 `generate(...)` are keras-hub's own, and `generate_step` is the family's own
@@ -98,9 +99,9 @@ import warnings
 import keras
 import keras_hub
 import numpy as np
-import tensorflow as tf
 from keras import ops
 
+from tf_metaalign import backend
 from tf_metaalign.prompts import storage
 from tf_metaalign.prompts.base import MODES as MODES  # the modes PromptedCausalLM accepts
 from tf_metaalign.prompts.base import KeyValueCache, PromptedBackbone, check_mode
@@ -138,6 +139,7 @@ _FAMILIES = (
 def _dynamic_update_slice_gradient(op, grad):
     """d/d(input): `grad` with the updated window zeroed; d/d(update): `grad` on the window.
     Start indices are clamped as XLA clamps them (the update always fits)."""
+    import tensorflow as tf
     from tensorflow.compiler.tf2xla.python import xla
 
     operand, update, start = op.inputs
@@ -153,6 +155,10 @@ def _dynamic_update_slice_gradient(op, grad):
 
 
 def _register_gradient():
+    if not backend.is_tensorflow():
+        return
+    import tensorflow as tf
+
     try:
         tf.RegisterGradient("XlaDynamicUpdateSlice")(_dynamic_update_slice_gradient)
     except KeyError:  # registered already (a later TensorFlow, or another library)
@@ -645,6 +651,29 @@ class PromptedCausalLM(PromptedBackbone, keras_hub.models.CausalLM):
         logits = b.token_embedding(hidden_states, reverse=True)
         return logits, hidden_states, cache
 
+    # --- fit / evaluate / predict without a preprocessor ----------------------------
+
+    def _without_pipeline(self):
+        """On JAX, with no preprocessor: keras-hub's `PipelineModel` would batch the data
+        with tf.data or grain to map a preprocessor over it (an ImportError without either),
+        though there is nothing to map; Keras's own data adapters take the token arrays."""
+        return self.preprocessor is None and backend.is_jax()
+
+    def fit(self, *args, **kwargs):
+        if self._without_pipeline():
+            return keras.Model.fit(self, *args, **kwargs)
+        return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        if self._without_pipeline():
+            return keras.Model.evaluate(self, *args, **kwargs)
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        if self._without_pipeline():
+            return keras.Model.predict(self, *args, **kwargs)
+        return super().predict(*args, **kwargs)
+
     def generate_step(self, inputs, stop_token_ids=None):
         """The family's own keras-hub `generate_step` (sampler loop, stop tokens), on this
         model's cache."""
@@ -865,7 +894,8 @@ def causal_lm_token_log_likelihoods(
         training: passed to the model.
 
     Returns:
-        [N, T] float32 log-likelihoods, 0 where `target_padding_mask` is 0.
+        [N, T] float32 log-likelihoods (float64 for a float64 model), 0 where
+        `target_padding_mask` is 0.
 
     Example:
 
@@ -890,9 +920,9 @@ def causal_lm_token_log_likelihoods(
         target_padding_mask = ops.ones_like(target_ids)
     target_mask = ops.cast(ops.convert_to_tensor(target_padding_mask), "int32")
     input_lengths = ops.sum(input_mask, axis=-1)
-    tf.debugging.assert_positive(
+    input_lengths = _assert_positive(
         input_lengths,
-        message="every input row needs at least one real token (e.g. a BOS) before its answer",
+        "every input row needs at least one real token (e.g. a BOS) before its answer",
     )
     target_lengths = ops.sum(target_mask, axis=-1)
     s, t = ops.shape(input_ids)[1], ops.shape(target_ids)[1]
@@ -907,13 +937,32 @@ def causal_lm_token_log_likelihoods(
     logits = model(
         {"token_ids": packed, "padding_mask": ops.cast(packed_mask, "int32")}, training=training
     )
-    log_probs = ops.log_softmax(ops.cast(logits, "float32"), axis=-1)
+    # float32 at least (half-precision logits), float64 logits kept as they are
+    dtype = "float64" if keras.backend.standardize_dtype(logits.dtype) == "float64" else "float32"
+    log_probs = ops.log_softmax(ops.cast(logits, dtype), axis=-1)
     # Target t sits at packed position n + t and is predicted by position n + t - 1.
     read = input_lengths[:, None] - 1 + ops.arange(t, dtype="int32")[None, :]
     read = ops.clip(read, 0, s + t - 1)
     per_position = ops.take_along_axis(log_probs, read[..., None], axis=1)  # [N, T, V]
     picked = ops.take_along_axis(per_position, target_ids[..., None], axis=-1)[..., 0]
     return ops.where(target_mask > 0, picked, ops.zeros_like(picked))
+
+
+def _assert_positive(lengths, message):
+    """`lengths`, checked > 0: on TensorFlow by an assertion op (also in a traced function),
+    on JAX when the values are concrete (a jitted caller's traced values are not checked)."""
+    if backend.is_tensorflow():
+        import tensorflow as tf
+
+        tf.debugging.assert_positive(lengths, message=message)
+        return lengths
+    try:
+        values = np.asarray(lengths)
+    except Exception:  # a traced value (inside jax.jit)
+        return lengths
+    if not (values > 0).all():
+        raise ValueError(f"`input_padding_mask`: {message}; row lengths {values.tolist()}.")
+    return lengths
 
 
 def causal_lm_score_fn(model, pad_id=0, training=False):

@@ -70,32 +70,34 @@ def _check_reduction(reduction) -> str:
 def token_log_likelihoods(logits, target_ids):
     """`log softmax(logits)[..., target_id]` per token: `[..., T, V]`, `[..., T]` -> `[..., T]`.
 
-    Turns a teacher-forced decoder's logits into what `score_fn` returns (computed by
-    `tf.nn.sparse_softmax_cross_entropy_with_logits`, stable for large logits).
+    Turns a teacher-forced decoder's logits into what `score_fn` returns (`ops.log_softmax`,
+    stable for large logits, read at the targets).
 
     Args:
       logits: `[..., T, V]` float, the decoder's logits at each target position.
       target_ids: `[..., T]` int, the target tokens.
 
     Returns:
-      A `[..., T]` `tf.Tensor` of log-likelihoods, in the dtype of `logits`.
+      A `[..., T]` tensor of the backend of log-likelihoods, in the dtype of `logits`.
 
     Example:
       >>> from tf_metaalign import prompts
       >>> logits = np.log([[[0.5, 0.25, 0.25], [0.1, 0.8, 0.1]]])  # log-probabilities
       >>> ll = prompts.token_log_likelihoods(logits, [[0, 1]])
-      >>> np.exp(ll.numpy()).round(4).tolist()  # p(0) at the first token, p(1) at the second
+      >>> # p(0) at the first token, p(1) at the second
+      >>> np.exp(keras.ops.convert_to_numpy(ll)).round(4).tolist()
       [[0.5, 0.8]]
 
     References:
       Wu et al., EMNLP 2022 (allenai/better-promptability: the token losses of
       `PrefixTransformer.get_predictions`).
     """
-    import tensorflow as tf
+    from keras import ops
 
-    logits = tf.convert_to_tensor(logits)
-    target_ids = tf.cast(target_ids, tf.int32)
-    return -tf.nn.sparse_softmax_cross_entropy_with_logits(labels=target_ids, logits=logits)
+    logits = ops.convert_to_tensor(logits)
+    target_ids = ops.cast(ops.convert_to_tensor(target_ids), "int32")
+    log_probs = ops.log_softmax(logits, axis=-1)
+    return ops.take_along_axis(log_probs, target_ids[..., None], axis=-1)[..., 0]
 
 
 def choice_scores(token_log_likelihoods, target_mask, reduction: str = "mean") -> np.ndarray:

@@ -22,15 +22,23 @@ the adapted prompts) and "support_loss" (the mean over tasks of the last inner s
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
+from keras import ops
 
-from tf_metaalign import _compat
+from tf_metaalign import _compat, backend
 from tf_metaalign import functional as F
 from tf_metaalign import optimizers as O
 from tf_metaalign.algorithms import prompt_meta as P
 from tf_metaalign.algorithms import reptile as R
-from tf_metaalign.trainers import task_batches
-from tf_metaalign.trainers.base import MetaTrainer, first_task_query_set
+from tf_metaalign.trainers.base import MetaTrainer, apply_gradients, first_task_query_set
+
+try:
+    from tf_metaalign.trainers import task_batches
+except ModuleNotFoundError as _error:  # its checks read tf.data / tf.TensorShape
+    if (_error.name or "").split(".")[0] != "tensorflow":
+        raise
+    # Without TensorFlow (Keras on JAX) the up-front input checks are skipped: a smaller
+    # last batch is then traced as a step of its own, with the mean over its own tasks.
+    task_batches = None
 
 
 def default_adafactor(learning_rate=1e-3, **kwargs):
@@ -50,11 +58,16 @@ def default_adafactor(learning_rate=1e-3, **kwargs):
 
 
 def _rank(t):
-    return t.shape.rank if hasattr(t, "shape") and t.shape is not None else None
+    shape = getattr(t, "shape", None)
+    if shape is None:
+        return None
+    return shape.rank if hasattr(shape, "rank") else len(shape)  # TensorShape or tuple
 
 
 class _PromptMetaTrainer(MetaTrainer):
     """Shared by `PromptFOMAMLTrainer` and `PromptReptileTrainer`."""
+
+    backends = ("tensorflow", "jax")
 
     _algorithm = None  # P.prompt_fomaml / P.prompt_reptile
     _state_groups = ("prompt",)
@@ -165,7 +178,7 @@ class _PromptMetaTrainer(MetaTrainer):
             return
         self._resolve_prompt()
         groups = []
-        with self.distribute_strategy.scope(), _compat.unlocked_state(self):
+        with self._strategy_scope(), _compat.unlocked_state(self):
             for group in self._state_groups:
                 initial = self.inner_optimizer.initial_state(self._group_variables(group))
                 slots = []
@@ -186,7 +199,7 @@ class _PromptMetaTrainer(MetaTrainer):
                 iterations = self.add_weight(
                     name=f"inner_{group}_iterations",
                     shape=(),
-                    dtype="int64",
+                    dtype=F.counter_dtype(),
                     initializer="zeros",
                     trainable=False,
                     aggregation="only_first_replica",
@@ -207,8 +220,8 @@ class _PromptMetaTrainer(MetaTrainer):
             )
         return tuple(
             O.OptimizerState(
-                tuple({k: tf.convert_to_tensor(v.value) for k, v in s.items()} for s in slots),
-                tf.convert_to_tensor(iterations.value),
+                tuple({k: F.read_value(v) for k, v in s.items()} for s in slots),
+                F.read_value(iterations),
             )
             for slots, iterations in self._inner_state_variables
         )
@@ -217,8 +230,8 @@ class _PromptMetaTrainer(MetaTrainer):
         """Store `states` where `keep_unless` (a boolean tensor) holds, else keep the old."""
 
         def pick(variable, value):
-            value = tf.cast(value, variable.dtype)
-            return tf.where(keep_unless, value, tf.convert_to_tensor(variable.value))
+            value = ops.cast(value, variable.dtype)
+            return ops.where(keep_unless, value, F.read_value(variable))
 
         for (slots, iterations), state in zip(self._inner_state_variables, states):
             for variables, values in zip(slots, state.slots):
@@ -246,7 +259,7 @@ class _PromptMetaTrainer(MetaTrainer):
         return first_task_query_set(x, y, sample_weight)
 
     def _tasks(self, support_x, support_y, query_x, query_y, sample_weight):
-        first = tf.nest.flatten(support_x)[0]
+        first = keras.tree.flatten(support_x)[0]
         if _rank(first) is not None and _rank(first) < 3:
             raise ValueError(
                 f"{type(self).__name__}: `support_x` must be [B, S, N_support, ...] (tasks, "
@@ -261,14 +274,15 @@ class _PromptMetaTrainer(MetaTrainer):
             )
         tasks = self.static_tasks_per_replica(first.shape[0])
         if first.shape[0] is None:  # tasks_per_batch: check every batch has that many
-            support_x = tf.nest.map_structure(
+            # (TensorFlow only: a JAX step's shapes are always static)
+            support_x = keras.tree.map_structure(
                 lambda a: task_batches.assert_task_count(self, a, tasks), support_x
             )
 
         def task(nest, t, s=None):
             if nest is None:
                 return None
-            return tf.nest.map_structure(lambda a: a[t] if s is None else a[t, s], nest)
+            return keras.tree.map_structure(lambda a: a[t] if s is None else a[t, s], nest)
 
         out = []
         for t in range(tasks):
@@ -304,22 +318,20 @@ class _PromptMetaTrainer(MetaTrainer):
             loss_scale=loss_scale,
         )
         n = len(tasks)
-        loss = tf.add_n(result.query_losses) / n
-        support_loss = F.unscale_loss_for_distribution(tf.add_n(result.support_losses) / n)
+        loss = backend.add_n(result.query_losses) / n
+        support_loss = F.unscale_loss_for_distribution(backend.add_n(result.support_losses) / n)
 
         def update():
-            self.optimizer.apply_gradients(zip(result.gradients, self.model.trainable_variables))
+            apply_gradients(self.optimizer, result.gradients, self.model.trainable_variables)
             if self.carry_inner_state:
                 # A non-finite step (float16 overflow under a LossScaleOptimizer, which then
                 # skips the outer update) must not poison the carried state for good: keep
                 # the old state, as the outer optimizer keeps its own.
-                finite = tf.reduce_all(
-                    [tf.reduce_all(tf.math.is_finite(g)) for g in result.gradients]
-                )
+                finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in result.gradients]))
                 self._assign_carried(result.optimizer_states, keep_unless=finite)
 
         flat = self._flat((query_x, query_y, sample_weight))
-        y_pred = tf.nest.map_structure(lambda *t: tf.concat(t, 0), *result.y_pred)
+        y_pred = keras.tree.map_structure(lambda *t: ops.concatenate(t, 0), *result.y_pred)
         return self.finish_step(
             flat,
             y_pred,
@@ -333,6 +345,8 @@ class _PromptMetaTrainer(MetaTrainer):
         # A last batch with fewer tasks, or tasks that do not split among the replicas:
         # refused before the first step (the loop over tasks is unrolled).
         # (Its evaluation takes ordinary model batches: validation_data is not checked.)
+        if task_batches is None:
+            return super().fit(*args, **kwargs)
         task_batches.check_fit_input(self, args, kwargs, validation=False)
         with task_batches.explain_task_count_error(self):
             return super().fit(*args, **kwargs)
@@ -340,9 +354,12 @@ class _PromptMetaTrainer(MetaTrainer):
     @staticmethod
     def _flat(nest):
         def one(a):
-            return None if a is None else tf.reshape(a, tf.concat([[-1], tf.shape(a)[2:]], 0))
+            if a is None:
+                return None
+            shape = ops.shape(a)
+            return ops.reshape(a, (-1,) + tuple(shape[2:]))
 
-        return tf.nest.map_structure(one, nest)
+        return keras.tree.map_structure(one, nest)
 
     def get_config(self):
         selection = self._prompt_config
