@@ -42,6 +42,18 @@ State threading: the model's non-trainable state (BatchNorm statistics, Dropout 
 goes through the forward passes in the order: for k: for t: support pass; then for t: for
 k in the query steps: query pass. Batch statistics are those of each pass's batch
 (`training=True` in `loss_fn`), as in the reference MAML.
+
+The backends: on TensorFlow the tasks run one after another (an unrolled loop of nested
+gradient tapes, each task's step traced once). On JAX they run in parallel: every pass of
+a step is one `jax.vmap` over the task axis (theta shared by the tasks at step 0, per task
+after), all from the state the step starts with, and the state after the T passes is
+composed as TensorFlow's sequence gives it (`_compose_tasks`: exact for elementwise-
+affine updates such as BatchNorm's moving statistics; integer seed states add their
+increments; the multi-step query passes in TensorFlow's task-major order). The
+meta-objective is one function of (theta, hyper) on both, differentiated by
+`tf_metaalign.backend.value_and_grad` (a tape on TensorFlow, `jax.value_and_grad` on
+JAX: second order through the inner `jax.grad`). The public functions take and return
+per-task lists on both backends.
 """
 
 from __future__ import annotations
