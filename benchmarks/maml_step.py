@@ -103,6 +103,12 @@ flags.DEFINE_string(
     "Where the JSON goes.",
 )
 flags.DEFINE_bool("verbose_times", False, "Print every timed meta-step.")
+flags.DEFINE_enum(
+    "jax_task_map",
+    "auto",
+    ["auto", "vmap", "loop"],
+    "On JAX: tf_metaalign.algorithms.maml.JAX_TASK_MAP (auto: vmap on GPU/TPU, loop on CPU).",
+)
 flags.DEFINE_bool(
     "hand_jax", True, "On JAX: also time the hand-written vmapped JAX MAML step (jax_*)."
 )
@@ -407,6 +413,12 @@ def main(argv):
         peer.append(run_peer(python, "before"))
         print(f"peer: {peer[-1]}", flush=True)
 
+    task_map = None
+    if on_jax():
+        from tf_metaalign.algorithms import maml as M
+
+        M.JAX_TASK_MAP = FLAGS.jax_task_map
+        task_map = "vmap" if M._parallel_tasks() else "loop"
     dataset = make_dataset()
     wait = [WaitForResults()] if on_jax() else []
     trainers, first_step, warm_errors, memory, memory_kind = {}, {}, {}, {}, None
@@ -595,6 +607,7 @@ def main(argv):
             "ours_over_hand_jax_max": TARGET_VS_HAND_JAX,
         },
         "environment": common.environment(),
+        "jax_task_map": task_map,
         "results": results,
         "torch": {
             "python": python,

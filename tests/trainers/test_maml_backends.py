@@ -115,7 +115,19 @@ def _run(name):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_trajectory_equals_tensorflow(float64, name):
+def test_trajectory_equals_tensorflow(float64, name, monkeypatch):
+    # JAX: the tasks vmapped (what GPUs and TPUs run; CPUs loop by default).
+    monkeypatch.setattr(M, "JAX_TASK_MAP", "vmap")
+    _, arrays = _run(name)
+    check_golden(f"maml_{name}", arrays, **TOL)
+
+
+@pytest.mark.parametrize("name", ["second_order", "maml_pp"])
+def test_trajectory_with_the_task_loop_equals_tensorflow(float64, name, monkeypatch):
+    """JAX's unrolled task loop (its CPU default) gives the same trajectory."""
+    if not on_jax():
+        pytest.skip("JAX_TASK_MAP is JAX's")
+    monkeypatch.setattr(M, "JAX_TASK_MAP", "loop")
     _, arrays = _run(name)
     check_golden(f"maml_{name}", arrays, **TOL)
 
