@@ -167,21 +167,21 @@ class MAMLTrainer(MetaTrainer):
     outputs on its query set ([T, N_query, ...]); on other batches, the model's outputs.
 
     On JAX (`KERAS_BACKEND=jax`, no TensorFlow needed) the same arguments and numbers
-    (TensorFlow == JAX at float64, tests/trainers/test_maml_backends.py): the tasks of a
-    meta-batch run in parallel (`jax.vmap` over the task axis on GPU and TPU; on CPU an
-    unrolled loop inside the jitted step, 8.7x faster there: `algorithms.maml.
-    JAX_TASK_MAP`), the whole meta-step one `jax.jit`; the second-order gradient is
-    `jax.value_and_grad` around the inner `jax.grad`. Every pass of an inner step (and of the query set) runs all tasks from
-    the same model state; the state after them is what TensorFlow's one-after-another
-    passes give: exact for state updated elementwise-affinely in itself (BatchNorm's
-    moving statistics, MAML++'s per-step copies; `algorithms.maml._compose_tasks`),
-    integer states (Dropout's seed) advance by every pass's increment. What differs:
-    Dropout draws the same mask for the tasks of one pass on JAX (one seed per pass;
-    Keras's random numbers differ between the backends anyway). Several devices:
-    `keras.distribution.DataParallel` shards the tasks and the step sees the global
-    meta-batch (one device == two, tested); a `tf.distribute` strategy is TensorFlow's.
-    The task count needs no static rule on JAX (a last, smaller meta-batch is traced
-    again), so `tasks_per_batch` is not needed there.
+    (TensorFlow == JAX at float64, tests/trainers/test_maml_backends.py). The tasks of a
+    meta-batch run in parallel: `jax.vmap` over the task axis on GPU and TPU; on CPU an
+    unrolled loop inside the jitted step, 8.7x faster there
+    (`algorithms.maml.JAX_TASK_MAP`). The whole meta-step is one `jax.jit`; the
+    second-order gradient is `jax.value_and_grad` around the inner `jax.grad`. Every pass
+    of an inner step (and of the query set) runs all tasks from the same model state;
+    the state after them is what TensorFlow's one-after-another passes give: exact for
+    state updated elementwise-affinely in itself (BatchNorm's moving statistics, MAML++'s
+    per-step copies; `algorithms.maml._compose_tasks`), integer states (Dropout's seed)
+    advance by every pass's increment. What differs: Dropout draws the same mask for the
+    tasks of one pass on JAX (one seed per pass; Keras's random numbers differ between
+    the backends anyway). Several devices: `keras.distribution.DataParallel` shards the
+    tasks and the step sees the global meta-batch (one device == two, tested); a
+    `tf.distribute` strategy is TensorFlow's. The task count needs no static rule on JAX
+    (a last, smaller meta-batch is traced again), so `tasks_per_batch` is not needed.
 
     Logs: "loss" (the meta-objective, independent of the replica count), the compiled
     metrics on the query sets at theta_{t,K}, "support_loss" (the mean support loss at
