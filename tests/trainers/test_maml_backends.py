@@ -122,7 +122,7 @@ def test_trajectory_equals_tensorflow(float64, name, monkeypatch):
     check_golden(f"maml_{name}", arrays, **TOL)
 
 
-@pytest.mark.parametrize("name", ["second_order", "maml_pp"])
+@pytest.mark.parametrize("name", ["second_order", pytest.param("maml_pp", marks=pytest.mark.slow)])
 def test_trajectory_with_the_task_loop_equals_tensorflow(float64, name, monkeypatch):
     """JAX's unrolled task loop (its CPU default) gives the same trajectory."""
     if not on_jax():
@@ -223,7 +223,8 @@ def test_fit_on_the_numpy_episode_route_equals_fit_on_its_arrays():
             [keras.Input((1,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)]
         )
         set_numpy_weights(model, seed=9)
-        trainer = MAMLTrainer(model, inner_steps=1, inner_learning_rate=0.05)
+        # tasks_per_batch: TensorFlow traces a PyDataset's batches with a dynamic task axis.
+        trainer = MAMLTrainer(model, inner_steps=1, inner_learning_rate=0.05, tasks_per_batch=2)
         trainer.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
         if route == "pydataset":
             history = trainer.fit(tasks.dataset(3, as_numpy=True), shuffle=False, verbose=0)
