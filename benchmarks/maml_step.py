@@ -40,6 +40,16 @@ average and CPU seconds, so read the ratios against a quiet peer run.
 
 Targets (issue #10 item 6): *_gs <= 1.2x the same order without sharing; maml and
 fomaml <= 0.8x the torch peer of the same order. Writes `benchmarks/results/maml_step.json`.
+
+On JAX (`KERAS_BACKEND=jax`, issue 30), also the hand-written vmapped JAX MAML step
+("jax_maml", "jax_fomaml": the same Conv-4, weights and episode; `jax.vmap` over the tasks
+of `jax.grad` inner steps, `jax.value_and_grad` outside, Adam by hand, one `jax.jit`; no
+moving statistics, no Keras), timed in the same interleaved rounds; target: the trainer
+<= 1.1x it (`hand_ratio`). Each timed trainer step waits for its results (a callback reads
+the logged loss), as the hand step does (`block_until_ready`). Memory on JAX: RSS growth.
+
+    KERAS_BACKEND=jax python -m benchmarks.maml_step --tasks=8 --rounds=3 \
+        --output=benchmarks/results/maml_step_jax.json
 """
 
 from __future__ import annotations
@@ -93,10 +103,21 @@ flags.DEFINE_string(
     "Where the JSON goes.",
 )
 flags.DEFINE_bool("verbose_times", False, "Print every timed meta-step.")
+flags.DEFINE_enum(
+    "jax_task_map",
+    "auto",
+    ["auto", "vmap", "loop"],
+    "On JAX: tf_metaalign.algorithms.maml.JAX_TASK_MAP (auto: vmap on GPU/TPU, loop on CPU).",
+)
+flags.DEFINE_bool(
+    "hand_jax", True, "On JAX: also time the hand-written vmapped JAX MAML step (jax_*)."
+)
 FLAGS = flags.FLAGS
 
 TARGET_SHARING = 1.2  # *_gs / same order without sharing
 TARGET_VS_TORCH = 0.8  # ours / torch, same order
+TARGET_VS_HAND_JAX = 1.1  # ours / the hand-written vmapped JAX step, same order (JAX)
+HAND = {"maml": "jax_maml", "fomaml": "jax_fomaml", "maml_xla": "jax_maml"}
 BASE = {
     "maml_gs": "maml",
     "fomaml_gs": "fomaml",
@@ -123,9 +144,9 @@ def build_model():
 
 
 def make_dataset():
-    """The same meta-batch forever (as the peer): ((support_x, support_y, query_x), query_y)."""
+    """The same meta-batch forever (as the peer): ((support_x, support_y, query_x), query_y).
+    A tf.data.Dataset on TensorFlow; a Python generator of NumPy arrays on JAX."""
     import numpy as np
-    import tensorflow as tf
 
     rng = np.random.default_rng(0)
     t, n, k, q, s = FLAGS.tasks, FLAGS.ways, FLAGS.shots, FLAGS.queries, FLAGS.image_size
@@ -133,7 +154,129 @@ def make_dataset():
     qx = rng.normal(size=(t, n * q, s, s, 1)).astype("float32")
     sy = np.tile(np.repeat(np.arange(n), k), (t, 1)).astype("int32")
     qy = np.tile(np.repeat(np.arange(n), q), (t, 1)).astype("int32")
+    if on_jax():
+
+        def forever():
+            while True:
+                yield (sx, sy, qx), qy
+
+        return forever()
+    import tensorflow as tf
+
     return tf.data.Dataset.from_tensors(((sx, sy, qx), qy)).repeat()
+
+
+def on_jax() -> bool:
+    import keras
+
+    return keras.backend.backend() == "jax"
+
+
+class WaitForResults:
+    """A Keras callback (JAX) that reads the logged loss at each batch's end, so that a
+    step's wall time includes its computation (JAX dispatches asynchronously)."""
+
+    def __new__(cls):
+        import keras
+
+        class _Wait(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if logs and "loss" in logs:
+                    float(logs["loss"])
+
+        return _Wait()
+
+
+def hand_jax_step(first_order, weights):
+    """The hand-written vmapped JAX MAML meta-step on the Conv-4 of `build_model` (its
+    initial `weights`: per block conv kernel, bias, BN gamma, beta (+ the moving statistics,
+    unused), then the dense kernel and bias): BatchNorm with batch statistics (eps 1e-3,
+    Keras's default), `--inner_steps` SGD steps per task under `jax.vmap`, the query
+    cross-entropy mean over tasks, `jax.value_and_grad` (second order through the inner
+    `jax.grad`, or with it stopped), Adam by hand. Returns (step, params, adam state):
+    `step(params, adam, batch) -> (params, adam, loss)`, jitted."""
+    import jax
+    import jax.numpy as jnp
+
+    blocks = FLAGS.conv_blocks
+    params = []
+    for b in range(blocks):
+        params += [jnp.asarray(w) for w in weights[6 * b : 6 * b + 4]]
+    params += [jnp.asarray(w) for w in weights[6 * blocks :]]
+    alpha = FLAGS.inner_learning_rate
+
+    def forward(p, x):
+        h = x
+        for b in range(blocks):
+            kernel, bias, gamma, beta = p[4 * b : 4 * b + 4]
+            h = jax.lax.conv_general_dilated(
+                h, kernel, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+            )
+            h = h + bias
+            mean = jnp.mean(h, axis=(0, 1, 2))
+            var = jnp.mean(jnp.square(h - mean), axis=(0, 1, 2))
+            h = (h - mean) * jax.lax.rsqrt(var + 1e-3) * gamma + beta
+            h = jax.nn.relu(h)
+            h = jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+        h = h.reshape(h.shape[0], -1)
+        return h @ p[-2] + p[-1]
+
+    def cross_entropy(p, x, y):
+        logits = forward(p, x)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+
+    def task_loss(p, sx, sy, qx, qy):
+        theta = p
+        for _ in range(FLAGS.inner_steps):
+            grads = jax.grad(cross_entropy)(theta, sx, sy)
+            if first_order:
+                grads = jax.lax.stop_gradient(grads)
+            theta = [t - alpha * g for t, g in zip(theta, grads)]
+        return cross_entropy(theta, qx, qy)
+
+    def meta_loss(p, batch):
+        (sx, sy, qx), qy = batch
+        return jnp.mean(jax.vmap(task_loss, in_axes=(None, 0, 0, 0, 0))(p, sx, sy, qx, qy))
+
+    lr, b1, b2, eps = FLAGS.learning_rate, 0.9, 0.999, 1e-7
+
+    @jax.jit
+    def step(p, adam, batch):
+        loss, grads = jax.value_and_grad(meta_loss)(p, batch)
+        m, v, t = adam
+        t = t + 1
+        m = [b1 * mi + (1 - b1) * g for mi, g in zip(m, grads)]
+        v = [b2 * vi + (1 - b2) * g * g for vi, g in zip(v, grads)]
+        scale = lr * jnp.sqrt(1 - b2**t) / (1 - b1**t)
+        p = [pi - scale * mi / (jnp.sqrt(vi) + eps) for pi, mi, vi in zip(p, m, v)]
+        return p, (m, v, t), loss
+
+    adam = ([jnp.zeros_like(w) for w in params], [jnp.zeros_like(w) for w in params], 0.0)
+    return step, params, adam
+
+
+class HandRunner:
+    """Runs `hand_jax_step` as `interleaved_rounds` runs a trainer (timer callbacks around
+    each step, which waits for its results)."""
+
+    def __init__(self, first_order, batch):
+        import jax
+
+        self.jax = jax
+        self.step, self.params, self.adam = hand_jax_step(
+            first_order, [w for w in build_model().get_weights()]
+        )
+        self.batch = jax.device_put(batch)
+
+    def run(self, steps, timer=None):
+        for i in range(steps):
+            if timer is not None:
+                timer.on_train_batch_begin(i)
+            self.params, self.adam, loss = self.step(self.params, self.adam, self.batch)
+            self.jax.block_until_ready(loss)
+            if timer is not None:
+                timer.on_train_batch_end(i)
+        return float(loss)
 
 
 def parse_config(config):
@@ -163,7 +306,8 @@ def make_trainer(config):
     trainer.compile(
         keras.optimizers.Adam(FLAGS.learning_rate),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile=spec["jit_compile"],
+        # On JAX a step is always one jax.jit (jit_compile=False would run it op by op).
+        jit_compile=True if on_jax() else spec["jit_compile"],
     )
     return trainer
 
@@ -269,7 +413,14 @@ def main(argv):
         peer.append(run_peer(python, "before"))
         print(f"peer: {peer[-1]}", flush=True)
 
+    task_map = None
+    if on_jax():
+        from tf_metaalign.algorithms import maml as M
+
+        M.JAX_TASK_MAP = FLAGS.jax_task_map
+        task_map = "vmap" if M._parallel_tasks() else "loop"
     dataset = make_dataset()
+    wait = [WaitForResults()] if on_jax() else []
     trainers, first_step, warm_errors, memory, memory_kind = {}, {}, {}, {}, None
     for config in configs:
         t0 = time.perf_counter()
@@ -277,7 +428,11 @@ def main(argv):
             trainer = make_trainer(config)
             timer = common.StepTimer(warmup=0)
             trainer.fit(
-                dataset, steps_per_epoch=FLAGS.warmup, epochs=1, verbose=0, callbacks=[timer]
+                dataset,
+                steps_per_epoch=FLAGS.warmup,
+                epochs=1,
+                verbose=0,
+                callbacks=[*wait, timer],
             )
         except Exception as e:  # noqa: BLE001  (XLA may not compile: record why)
             warm_errors[config] = f"{type(e).__name__}: {str(e)[:1500]}"
@@ -302,15 +457,33 @@ def main(argv):
         memory[config], memory_kind = mem.peak_bytes, mem.kind
         print(f"{config}: peak {mem.peak_bytes / 2**20:.1f} MB", flush=True)
 
+    # JAX: the hand-written vmapped JAX step of each order timed (first_order or not).
+    hand = {}
+    if on_jax() and FLAGS.hand_jax:
+        batch = next(make_dataset())
+        for config in [c for c in ("maml", "fomaml") if any(k.startswith(c) for k in trainers)]:
+            name = HAND[config]
+            t0 = time.perf_counter()
+            hand[name] = HandRunner(config == "fomaml", batch)
+            hand[name].run(max(FLAGS.warmup, 1))
+            first_step[name] = time.perf_counter() - t0
+            memory[name] = None
+            print(f"{name}: warm-up {first_step[name]:.1f} s", flush=True)
+
     def run(config, steps, timer):
-        trainers[config].fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[timer])
+        if config in hand:
+            hand[config].run(steps, timer)
+            return
+        trainers[config].fit(
+            dataset, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[*wait, timer]
+        )
 
     def show(config, step_times):
         if FLAGS.verbose_times:
             print(f"  {config}: " + " ".join(f"{1000 * x:.0f}" for x in step_times), flush=True)
 
     times, _ = common.interleaved_rounds(
-        trainers, run, FLAGS.rounds, FLAGS.steps_per_round, on_step_times=show
+        list(trainers) + list(hand), run, FLAGS.rounds, FLAGS.steps_per_round, on_step_times=show
     )
 
     if python and FLAGS.peer_runs > 1:
@@ -330,7 +503,18 @@ def main(argv):
     med = {c: float(np.median(t)) for c, t in times.items()}
     mean = {c: float(np.mean(t)) for c, t in times.items()}
     rows, results = [], {}
-    for config in configs:
+    for config in configs + list(hand):
+        if config in hand:
+            results[config] = r = {
+                "config": config,
+                "median_step_ms": 1000 * med[config],
+                "mean_step_ms": 1000 * mean[config],
+                "min_step_ms": 1000 * float(np.min(times[config])),
+                "timed_steps": len(times[config]),
+                "first_step_s": first_step[config],
+            }
+            rows.append(r)
+            continue
         if config not in times:
             results[config] = {"config": config, "error": warm_errors.get(config)}
             continue
@@ -352,6 +536,10 @@ def main(argv):
             r["meets_sharing_target"] = bool(r["sharing_ratio"] <= TARGET_SHARING)
             if memory[config] is not None and memory.get(BASE[config]):
                 r["sharing_memory_ratio"] = memory[config] / memory[BASE[config]]
+        if config in HAND and HAND[config] in med:
+            r["hand_jax_ratio"] = med[config] / med[HAND[config]]
+            r["hand_jax_target"] = TARGET_VS_HAND_JAX
+            r["meets_hand_jax_target"] = bool(r["hand_jax_ratio"] <= TARGET_VS_HAND_JAX)
         order = ORDER.get(base.replace("_gs", ""))
         if order in torch_s:
             r["torch_s"] = torch_s[order]
@@ -379,6 +567,7 @@ def main(argv):
             ("peak_mb", "peak MB", ".1f"),
             ("sharing_ratio", "gs/plain", ".3f"),
             ("torch_ratio", "ours/torch", ".3f"),
+            ("hand_jax_ratio", "ours/jax hand", ".3f"),
             ("first_step_s", "first step s", ".1f"),
         ],
     )
@@ -415,8 +604,10 @@ def main(argv):
         "targets": {
             "sharing_over_plain_max": TARGET_SHARING,
             "ours_over_torch_max": TARGET_VS_TORCH,
+            "ours_over_hand_jax_max": TARGET_VS_HAND_JAX,
         },
         "environment": common.environment(),
+        "jax_task_map": task_map,
         "results": results,
         "torch": {
             "python": python,

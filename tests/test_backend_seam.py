@@ -3,6 +3,8 @@ checked on both: numerical oracles, a trainer step == Keras's own fit, state ass
 conditional branches, the non-finite-loss guard, TensorFlow == JAX (golden) and, on JAX,
 1 device == 2 devices. Default run: ~20 s per backend on 2 cores."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -276,8 +278,23 @@ def test_import_and_unported_trainers_name_their_backend():
 
     assert tf_metaalign.backend.name == keras.backend.backend()
     if on_jax():
-        with pytest.raises((ImportError, NotImplementedError), match="TensorFlow|tensorflow"):
-            tf_metaalign.trainers.MAMLTrainer(_model())
+        # A trainer not moved to JAX yet (issue 30 moves them one by one; MAMLTrainer is):
+        # its stand-in name raises on access, or its class on construction.
+        unported = []
+        for name in tf_metaalign.trainers.__all__:
+            try:
+                cls = getattr(tf_metaalign.trainers, name)
+            except ImportError as error:
+                unported.append(error)
+                continue
+            if isinstance(cls, type) and "jax" not in getattr(cls, "backends", ("jax",)):
+                try:
+                    cls(_model())
+                except (ImportError, NotImplementedError) as error:
+                    unported.append(error)
+        if not unported:
+            pytest.skip("every trainer runs on JAX")
+        assert re.search("TensorFlow|tensorflow", str(unported[0])), unported[0]
 
 
 def test_import_on_jax_loads_no_tensorflow():

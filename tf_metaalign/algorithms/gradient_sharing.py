@@ -36,8 +36,9 @@ from __future__ import annotations
 import math
 from typing import Callable, NamedTuple, Sequence
 
-import tensorflow as tf
+from keras import ops
 
+from tf_metaalign import backend
 from tf_metaalign import functional as F
 
 
@@ -100,37 +101,42 @@ class GradientSharing:
     # ------------------------------------------------------------------ the maths
 
     @staticmethod
-    def shared_direction(
-        task_grads: Sequence[Sequence[tf.Tensor]], reduce: Callable = F.all_reduce_sum
-    ) -> list:
-        """g_k = S / ||S||, S = the sum of the tasks' gradients over every replica."""
+    def shared_direction(task_grads, reduce: Callable = F.all_reduce_sum, stacked=False) -> list:
+        """g_k = S / ||S||, S = the sum of the tasks' gradients over every replica.
+
+        `task_grads`: per task a list of tensors, or with `stacked=True` one list of
+        tensors with a leading task axis (the vectorised inner loop on JAX)."""
         if not task_grads:
             raise ValueError("GradientSharing: no task gradients given.")
-        total = [tf.add_n(list(gs)) for gs in zip(*task_grads)]
+        if stacked:
+            total = [ops.sum(g, axis=0) for g in task_grads]
+        else:
+            total = [backend.add_n(list(gs)) for gs in zip(*task_grads)]
         total = list(reduce(total))
         norm = F.global_norm(total)
-        return [tf.math.divide_no_nan(s, tf.cast(norm, s.dtype)) for s in total]
+        return [ops.divide_no_nan(s, ops.cast(norm, s.dtype)) for s in total]
 
     @staticmethod
-    def update_g_hat(g: Sequence[tf.Tensor], g_hat: Sequence[tf.Tensor], m_k, initialized):
+    def update_g_hat(g: Sequence, g_hat: Sequence, m_k, initialized):
         """g_hat_k = g_k if not `initialized`, else s g_k + (1 - s) g_hat_k, s = sigmoid(m_k)."""
         out = []
         for gi, hi in zip(g, g_hat):
-            s = tf.sigmoid(F.scalar(m_k, gi.dtype))  # a python m_k exact in gi's dtype
-            mixed = s * gi + (1 - s) * tf.cast(hi, gi.dtype)
+            s = ops.sigmoid(F.scalar(m_k, gi.dtype))  # a python m_k exact in gi's dtype
+            mixed = s * gi + (1 - s) * ops.cast(hi, gi.dtype)
             if isinstance(initialized, bool):
                 out.append(mixed if initialized else gi)
             else:
-                out.append(tf.where(tf.cast(initialized, tf.bool), mixed, gi))
+                out.append(ops.where(ops.cast(initialized, "bool"), mixed, gi))
         return out
 
     @staticmethod
-    def combine(g_hat: Sequence[tf.Tensor], task_grad: Sequence[tf.Tensor], lambda_k) -> list:
-        """Delta = sigmoid(lambda_k) g_hat_k + (1 - sigmoid(lambda_k)) grad L_t."""
+    def combine(g_hat: Sequence, task_grad: Sequence, lambda_k) -> list:
+        """Delta = sigmoid(lambda_k) g_hat_k + (1 - sigmoid(lambda_k)) grad L_t (`task_grad`
+        may carry a leading task axis: g_hat broadcasts over it)."""
         out = []
         for h, g in zip(g_hat, task_grad):
-            s = tf.sigmoid(F.scalar(lambda_k, g.dtype))
-            out.append(s * tf.cast(h, g.dtype) + (1 - s) * g)
+            s = ops.sigmoid(F.scalar(lambda_k, g.dtype))
+            out.append(s * ops.cast(h, g.dtype) + (1 - s) * g)
         return out
 
     def step(
@@ -142,6 +148,7 @@ class GradientSharing:
         initialized,
         g=None,
         reduce: Callable = F.all_reduce_sum,
+        stacked=False,
     ) -> SharingStep:
         """One training inner step (Algorithm 1) for all tasks of the batch.
 
@@ -153,20 +160,29 @@ class GradientSharing:
           g_hat: the stored g_hat_k (from the previous meta-iteration).
           initialized: whether `g_hat` holds a value (False at i = 1); bool or tensor.
           g: g_k if already computed (a first-order replay), else computed with `reduce`.
+          reduce: the cross-replica sum of S_k.
+          stacked: `task_grads` is one list of tensors with a leading task axis (the
+            vectorised inner loop on JAX); `deltas` is then stacked likewise.
         """
         if g is None:
-            g = self.shared_direction(task_grads, reduce)
+            g = self.shared_direction(task_grads, reduce, stacked=stacked)
         new_g_hat = self.update_g_hat(g, g_hat, m_k, initialized)
-        deltas = [self.combine(new_g_hat, tg, lambda_k) for tg in task_grads]
+        if stacked:
+            deltas = self.combine(new_g_hat, task_grads, lambda_k)
+        else:
+            deltas = [self.combine(new_g_hat, tg, lambda_k) for tg in task_grads]
         return SharingStep(deltas, new_g_hat, list(g))
 
-    def test_deltas(self, task_grads, lambda_k, g_hat, initialized=True) -> list:
+    def test_deltas(self, task_grads, lambda_k, g_hat, initialized=True, stacked=False) -> list:
         """Meta-test inner step (Algorithm 2): the stored g_hat_k, not updated. Before
-        any training step (`initialized` false) g_hat_k is taken as 0."""
+        any training step (`initialized` false) g_hat_k is taken as 0. `stacked`: as in
+        `step`."""
         if not isinstance(initialized, bool):
-            g_hat = [tf.where(tf.cast(initialized, tf.bool), h, tf.zeros_like(h)) for h in g_hat]
+            g_hat = [ops.where(ops.cast(initialized, "bool"), h, ops.zeros_like(h)) for h in g_hat]
         elif not initialized:
-            g_hat = [tf.zeros_like(h) for h in g_hat]
+            g_hat = [ops.zeros_like(h) for h in g_hat]
+        if stacked:
+            return self.combine(g_hat, task_grads, lambda_k)
         return [self.combine(g_hat, tg, lambda_k) for tg in task_grads]
 
 

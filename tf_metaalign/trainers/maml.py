@@ -10,21 +10,38 @@ outer gradient to the compiled (OUTER) optimizer and logs.
 from __future__ import annotations
 
 
-import keras
-import tensorflow as tf
+import contextlib
 
-from tf_metaalign import _compat
+import keras
+from keras import ops
+
+from tf_metaalign import _compat, backend
 from tf_metaalign import functional as F
 from tf_metaalign.algorithms import maml as M
 from tf_metaalign.algorithms import reptile as R
 from tf_metaalign.algorithms.gradient_sharing import as_gradient_sharing
-from tf_metaalign.trainers import task_batches
 from tf_metaalign.trainers.base import (
     MetaTrainer,
     _value_initializer,
     first_task_query_set,
     with_epoch_counter,
 )
+
+
+def _task_batches():
+    """`tf_metaalign.trainers.task_batches` (TensorFlow: a task count must be static when
+    the step is traced), or None on JAX, where every batch's shapes are concrete (a last
+    batch with fewer tasks is traced again; nothing to refuse)."""
+    if backend.is_jax():
+        return None
+    from tf_metaalign.trainers import task_batches
+
+    return task_batches
+
+
+def _explain_task_count_error(trainer):
+    module = _task_batches()
+    return contextlib.nullcontext() if module is None else module.explain_task_count_error(trainer)
 
 
 def _check_bool(name, value):
@@ -36,7 +53,7 @@ def _check_bool(name, value):
 def _rank(t):
     """The rank of a tensor or KerasTensor (None if unknown)."""
     shape = t.shape
-    if isinstance(shape, tf.TensorShape):
+    if hasattr(shape, "rank"):  # a tf.TensorShape
         return shape.rank
     return len(shape)
 
@@ -149,6 +166,23 @@ class MAMLTrainer(MetaTrainer):
     `predict` on batches `(support_x, support_y, query_x)` returns each task's adapted
     outputs on its query set ([T, N_query, ...]); on other batches, the model's outputs.
 
+    On JAX (`KERAS_BACKEND=jax`, no TensorFlow needed) the same arguments and numbers
+    (TensorFlow == JAX at float64, tests/trainers/test_maml_backends.py). The tasks of a
+    meta-batch run in parallel: `jax.vmap` over the task axis on GPU and TPU; on CPU an
+    unrolled loop inside the jitted step, 8.7x faster there
+    (`algorithms.maml.JAX_TASK_MAP`). The whole meta-step is one `jax.jit`; the
+    second-order gradient is `jax.value_and_grad` around the inner `jax.grad`. Every pass
+    of an inner step (and of the query set) runs all tasks from the same model state;
+    the state after them is what TensorFlow's one-after-another passes give: exact for
+    state updated elementwise-affinely in itself (BatchNorm's moving statistics, MAML++'s
+    per-step copies; `algorithms.maml._compose_tasks`), integer states (Dropout's seed)
+    advance by every pass's increment. What differs: Dropout draws the same mask for the
+    tasks of one pass on JAX (one seed per pass; Keras's random numbers differ between
+    the backends anyway). Several devices: `keras.distribution.DataParallel` shards the
+    tasks and the step sees the global meta-batch (one device == two, tested); a
+    `tf.distribute` strategy is TensorFlow's. The task count needs no static rule on JAX
+    (a last, smaller meta-batch is traced again), so `tasks_per_batch` is not needed.
+
     Logs: "loss" (the meta-objective, independent of the replica count), the compiled
     metrics on the query sets at theta_{t,K}, "support_loss" (the mean support loss at
     theta, before adaptation), with learned rates "inner_learning_rate" (their mean),
@@ -197,6 +231,8 @@ class MAMLTrainer(MetaTrainer):
       https://arxiv.org/abs/1707.09835; Antoniou et al., "How to train your MAML", ICLR
       2019. https://arxiv.org/abs/1810.09502
     """
+
+    backends = ("tensorflow", "jax")
 
     def __init__(
         self,
@@ -325,7 +361,10 @@ class MAMLTrainer(MetaTrainer):
                     "per_step_batch_norm_statistics=True, but the model has no "
                     "statistics (no non-trainable variable but seed states)."
                 )
-            with self.distribute_strategy.scope(), _compat.unlocked_state(self):
+            scope = (
+                contextlib.nullcontext() if backend.is_jax() else self.distribute_strategy.scope()
+            )
+            with scope, _compat.unlocked_state(self):
                 for k in range(inner_steps):
                     self.step_statistics.append(
                         [
@@ -351,7 +390,7 @@ class MAMLTrainer(MetaTrainer):
         def initializer(shape, dtype=None):
             # Not keras.initializers.Constant: it casts the python float through float32
             # (a float64 rate of 0.4 would start at 0.4000000059604645).
-            return tf.fill(shape, F.scalar(value, dtype))
+            return ops.full(shape, F.scalar(value, dtype), dtype=dtype)
 
         variable = self.add_weight(
             name=name, shape=shape, dtype=dtype, initializer=initializer, trainable=True
@@ -402,7 +441,7 @@ class MAMLTrainer(MetaTrainer):
             parts["query_sample_weight"] = sample_weight
         tasks = None
         for name, part in parts.items():
-            for t in tf.nest.flatten(part):
+            for t in keras.tree.flatten(part):
                 rank = _rank(t)
                 need = 1 if name == "query_sample_weight" else 2
                 if rank is not None and rank < need:
@@ -419,7 +458,7 @@ class MAMLTrainer(MetaTrainer):
                         )
                     tasks = n
         try:
-            model_inputs = tf.nest.flatten(self.model.inputs)
+            model_inputs = keras.tree.flatten(self.model.inputs)
         except (AttributeError, ValueError):  # a subclassed model: no symbolic inputs
             model_inputs = []
         if model_inputs:
@@ -434,9 +473,9 @@ class MAMLTrainer(MetaTrainer):
             tasks = self.static_tasks_per_replica(None)
 
             def fix(t):
-                return task_batches.assert_task_count(self, t, tasks)
+                return _task_batches().assert_task_count(self, t, tasks)
 
-            parts = {k: tf.nest.map_structure(fix, v) for k, v in parts.items()}
+            parts = {k: keras.tree.map_structure(fix, v) for k, v in parts.items()}
         support_x, support_y, query_x, y = (
             parts["support_x"],
             parts["support_y"],
@@ -446,7 +485,7 @@ class MAMLTrainer(MetaTrainer):
         sample_weight = parts.get("query_sample_weight")
 
         def task(nest, t):
-            return None if nest is None else tf.nest.map_structure(lambda a: a[t], nest)
+            return None if nest is None else keras.tree.map_structure(lambda a: a[t], nest)
 
         supports = [(task(support_x, t), task(support_y, t)) for t in range(tasks)]
         queries = [(task(query_x, t), task(y, t), task(sample_weight, t)) for t in range(tasks)]
@@ -454,8 +493,8 @@ class MAMLTrainer(MetaTrainer):
         def flat(nest):
             if nest is None:
                 return None
-            return tf.nest.map_structure(
-                lambda a: tf.reshape(a, tf.concat([[-1], tf.shape(a)[2:]], 0)), nest
+            return keras.tree.map_structure(
+                lambda a: ops.reshape(a, [-1] + list(ops.shape(a)[2:])), nest
             )
 
         return supports, queries, (flat(query_x), flat(y), flat(sample_weight))
@@ -474,7 +513,7 @@ class MAMLTrainer(MetaTrainer):
     def _hyper(self):
         """name -> current value of every trainer-owned trainable variable ("lr_<i>",
         "lslr", "sharing_m", "sharing_lambda": the names `algorithms.maml` is given)."""
-        return {n: tf.convert_to_tensor(v.value) for n, v in self._learned.items()}
+        return {n: F.read_value(v) for n, v in self._learned.items()}
 
     def _learning_rates_fn(self, steps):
         n = len(self.model.trainable_variables)
@@ -496,9 +535,7 @@ class MAMLTrainer(MetaTrainer):
 
     def _g_hat(self, steps):
         index = [min(k, self.inner_steps - 1) for k in range(steps)]
-        return [
-            [tf.convert_to_tensor(v.value) for v in self.weights_copy(f"g_hat_{k}")] for k in index
-        ]
+        return [[F.read_value(v) for v in self.weights_copy(f"g_hat_{k}")] for k in index]
 
     def _step_statistics(self, steps):
         """A fresh `StepStatistics` from the copies (past K: step K's), or None."""
@@ -507,16 +544,13 @@ class MAMLTrainer(MetaTrainer):
         return M.StepStatistics(
             self._statistics_indices,
             [
-                [
-                    tf.convert_to_tensor(v.value)
-                    for v in self.step_statistics[min(k, self.inner_steps - 1)]
-                ]
+                [F.read_value(v) for v in self.step_statistics[min(k, self.inner_steps - 1)]]
                 for k in range(steps)
             ],
         )
 
     def _g_hat_initialized(self):
-        return tf.convert_to_tensor(self.g_hat_initialized.value) > 0
+        return F.read_value(self.g_hat_initialized) > 0
 
     def _loss_fns(self, loss_scale, training=True):
         """(inner, query): the inner loss in task units (times the loss scale), the query
@@ -541,9 +575,9 @@ class MAMLTrainer(MetaTrainer):
         steps = self.inner_steps
         order_weight = step_weights = None
         if self.epochs_done is not None:
-            epoch = tf.convert_to_tensor(self.epochs_done.value)
+            epoch = F.read_value(self.epochs_done)
             if self.first_order_epochs:
-                order_weight = tf.cast(epoch >= self.first_order_epochs, tf.float32)
+                order_weight = ops.cast(epoch >= self.first_order_epochs, "float32")
             if self.multi_step_loss:
                 # In the weights' dtype: 1/K and 0.03/K are not exact in float32.
                 step_weights = M.multi_step_loss_weights(
@@ -583,14 +617,14 @@ class MAMLTrainer(MetaTrainer):
         by_id.update({id(v): result.hyper_grads[n] for n, v in self._learned.items()})
         variables = self.trainable_variables
         gradients = [by_id[id(v)] for v in variables]
-        loss = result.loss / tf.cast(loss_scale, result.loss.dtype)
+        loss = result.loss / ops.cast(loss_scale, result.loss.dtype)
 
         def update():
             self.optimizer.apply_gradients(zip(gradients, variables))
             if self.gradient_sharing is not None:
                 for k, values in enumerate(result.g_hat):
                     for v, value in zip(self.weights_copy(f"g_hat_{k}"), values):
-                        v.assign(tf.cast(value, v.dtype))
+                        v.assign(ops.cast(value, v.dtype))
                 self.g_hat_initialized.assign(1)
             if statistics is not None:
                 for copies, values in zip(self.step_statistics, statistics.values):
@@ -598,7 +632,9 @@ class MAMLTrainer(MetaTrainer):
                         v.assign(value)
 
         # The mean over ALL replicas' tasks (identical on every replica).
-        support_loss = F.all_reduce_sum(F.replica_share(tf.stop_gradient(result.support_losses[0])))
+        support_loss = F.all_reduce_sum(
+            F.replica_share(ops.stop_gradient(result.support_losses[0]))
+        )
         diagnostics = {"support_loss": support_loss}
         diagnostics.update(self._learned_diagnostics())
         return self.finish_step(
@@ -614,17 +650,12 @@ class MAMLTrainer(MetaTrainer):
         out = {}
         if self.learn_inner_learning_rates != "none":
             values = [
-                tf.reshape(tf.convert_to_tensor(v.value), [-1])
-                for v in self.inner_learning_rate_variables
+                ops.reshape(F.read_value(v), [-1]) for v in self.inner_learning_rate_variables
             ]
-            out["inner_learning_rate"] = tf.reduce_mean(tf.concat(values, 0))
+            out["inner_learning_rate"] = ops.mean(ops.concatenate(values, 0))
         if self.gradient_sharing is not None:
-            out["sharing_m"] = tf.reduce_mean(
-                tf.sigmoid(tf.convert_to_tensor(self.sharing_m.value))
-            )
-            out["sharing_lambda"] = tf.reduce_mean(
-                tf.sigmoid(tf.convert_to_tensor(self.sharing_lambda.value))
-            )
+            out["sharing_m"] = ops.mean(ops.sigmoid(F.read_value(self.sharing_m)))
+            out["sharing_lambda"] = ops.mean(ops.sigmoid(F.read_value(self.sharing_lambda)))
         return out
 
     # ------------------------------------------------------------------ evaluation
@@ -640,43 +671,71 @@ class MAMLTrainer(MetaTrainer):
         # Zero steps: the model's own statistics (no step's copy is entered).
         return self._step_statistics(steps) if steps else None
 
-    def _adapt(self, supports, loss_scale=None, training=True, steps=None, statistics=None):
-        steps = self._evaluation_steps if steps is None else steps
-        inner_fn, _ = self._loss_fns(loss_scale, training=training)
+    def _adapt_arguments(self, steps, loss_scale=None):
+        """(learning rates, keyword arguments) of `algorithms.maml.adapt` for `steps`
+        evaluation inner steps (first order; the stored g_hat, Algorithm 2)."""
         hyper = self._hyper()
-        kwargs = {}
+        kwargs = {"first_order": True, "loss_scale": loss_scale}
         if self.gradient_sharing is not None and steps:
             index = [min(k, self.inner_steps - 1) for k in range(steps)]
-            kwargs = dict(
+            kwargs.update(
                 sharing=self.gradient_sharing,
-                sharing_m=tf.gather(hyper["sharing_m"], index),
-                sharing_lambda=tf.gather(hyper["sharing_lambda"], index),
+                sharing_m=ops.take(hyper["sharing_m"], index, axis=0),
+                sharing_lambda=ops.take(hyper["sharing_lambda"], index, axis=0),
                 g_hat=self._g_hat(steps),
                 sharing_training=False,
                 g_hat_initialized=self._g_hat_initialized(),
             )
+        return self._learning_rates_fn(steps)(hyper), kwargs
+
+    def _adapt(self, supports, loss_scale=None, training=True, steps=None, statistics=None):
+        steps = self._evaluation_steps if steps is None else steps
+        inner_fn, _ = self._loss_fns(loss_scale, training=training)
+        learning_rates, kwargs = self._adapt_arguments(steps, loss_scale)
         return M.adapt(
             inner_fn,
             F.current_params(self.model),
             F.current_state(self.model),
             supports,
-            self._learning_rates_fn(steps)(hyper),
-            first_order=True,
-            loss_scale=loss_scale,
+            learning_rates,
             step_statistics=statistics,
             **kwargs,
         )
 
-    def test_step(self, data):
+    def _adapt_and_evaluate(self, supports, queries, query_fn=None):
+        """`algorithms.maml.adapt_and_evaluate` with the evaluation passes: (mean query
+        loss, y_pred of every task's query set at theta_{t,K}, concatenated)."""
+        training = self.transductive_evaluation
+        steps = self._evaluation_steps
+        statistics = self._step_statistics_for(steps)
+        inner_fn, base_query_fn = self._loss_fns(None, training=training)
+        learning_rates, kwargs = self._adapt_arguments(steps)
+        kwargs.pop("first_order")
+        loss, _, y_pred, _, _ = M.adapt_and_evaluate(
+            inner_fn,
+            query_fn or base_query_fn,
+            F.current_params(self.model),
+            F.current_state(self.model),
+            supports,
+            queries,
+            learning_rates,
+            step_statistics=statistics,
+            **kwargs,
+        )
+        return loss, y_pred
+
+    def test_step(self, *args):
+        # TensorFlow calls test_step(data); JAX test_step(state, data) -> (logs, state).
+        if backend.is_jax():
+            from tf_metaalign.trainers.reptile import _stateless_test_step
+
+            return _stateless_test_step(self, self._test_step, *args)
+        return self._test_step(*args)
+
+    def _test_step(self, data):
         self.unpack(data)
         supports, queries, flat_query = self._split(data)
-        training = self.transductive_evaluation
-        statistics = self._step_statistics_for(self._evaluation_steps)
-        adapted = self._adapt(supports, training=training, statistics=statistics)
-        _, query_fn = self._loss_fns(None, training=training)
-        loss, _, y_pred, _ = M.query_objective(
-            query_fn, adapted.trajectories, adapted.state, queries, step_statistics=statistics
-        )
+        loss, y_pred = self._adapt_and_evaluate(supports, queries)
         x, y, sample_weight = flat_query
         _compat.loss_tracker(self).update_state(
             F.unscale_loss_for_distribution(loss), sample_weight=F.batch_size(x)
@@ -684,35 +743,55 @@ class MAMLTrainer(MetaTrainer):
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return {k: v for k, v in logs.items() if k not in self._diagnostics}
 
-    def predict_step(self, data):
+    def predict_step(self, *args):
         """Task batches `(support_x, support_y, query_x)` (each [T, N, ...]): the model's
         outputs on each task's query set after adaptation, [T, N_query, ...] (passes as in
         `evaluate`). Any other batch: the wrapped model's outputs, as `MetaTrainer`."""
+        if backend.is_jax():  # predict_step(state, data) -> (outputs, non-trainable state)
+            state, data = args
+            if not self._is_task_batch(data):
+                return super().predict_step(state, data)
+            mapping = list(zip(self.trainable_variables, state[0]))
+            mapping += list(zip(self.non_trainable_variables, state[1]))
+            with keras.StatelessScope(state_mapping=mapping):
+                outputs = self._predict_tasks(data)
+            return outputs, state[1]
+        (data,) = args
+        if not self._is_task_batch(data):
+            return super().predict_step(data)
+        return self._predict_tasks(data)
+
+    @staticmethod
+    def _is_task_batch(data):
         if isinstance(data, (tuple, list)) and len(data) == 1:
             data = data[0]
-        if not (isinstance(data, (tuple, list)) and len(data) == 3):
-            return super().predict_step(data)
+        return isinstance(data, (tuple, list)) and len(data) == 3
+
+    def _predict_tasks(self, data):
+        if isinstance(data, (tuple, list)) and len(data) == 1:
+            data = data[0]
         self.unpack((tuple(data), None))
         supports, queries, _ = self._split((tuple(data), None), require_y=False)
-        training = self.transductive_evaluation
-        statistics = self._step_statistics_for(self._evaluation_steps)
-        adapted = self._adapt(supports, training=training, statistics=statistics)
-        state, outputs = adapted.state, []
-        for trajectory, (query_x, _, _) in zip(adapted.trajectories, queries):
-            if statistics is not None:
-                state = statistics.enter(self._evaluation_steps - 1, state)
-            y_pred, state, _ = F.stateless_forward(
-                self.model, trajectory[-1], state, query_x, training=training
-            )
-            outputs.append(y_pred)
-        return tf.nest.map_structure(lambda *ys: tf.stack(ys, 0), *outputs)
+        model, training = self.model, self.transductive_evaluation
+
+        def outputs_only(params, state, batch):  # the query passes, without a loss
+            y_pred, new_state, _ = F.stateless_forward(model, params, state, batch[0], training)
+            first = keras.tree.flatten(y_pred)[0]
+            return ops.zeros((), first.dtype), (new_state, y_pred)
+
+        _, y_pred = self._adapt_and_evaluate(supports, queries, outputs_only)
+        tasks = len(queries)
+        return keras.tree.map_structure(
+            lambda a: ops.reshape(a, [tasks, -1] + list(ops.shape(a)[1:])), y_pred
+        )
 
     def evaluate(self, *args, **kwargs):
-        task_batches.check_evaluate_input(self, args, kwargs)
+        if _task_batches() is not None:
+            _task_batches().check_evaluate_input(self, args, kwargs)
         # Keras may build the compiled metrics from an evaluation batch (a task batch).
         self._building_from_training_batch = True
         try:
-            with task_batches.explain_task_count_error(self):
+            with _explain_task_count_error(self):
                 return super().evaluate(*args, **kwargs)
         finally:
             self._building_from_training_batch = False
@@ -722,9 +801,9 @@ class MAMLTrainer(MetaTrainer):
         if getattr(test_function, "_maml_wrapped", False):
             return test_function
 
-        def function(iterator):
+        def function(*args):  # TensorFlow: (iterator); JAX: (state, iterator)
             self._building_from_training_batch = False  # real steps from here on
-            return test_function(iterator)
+            return test_function(*args)
 
         function._maml_wrapped = True
         self.test_function = function
@@ -754,18 +833,18 @@ class MAMLTrainer(MetaTrainer):
         `model.stateless_call(weights, model.non_trainable_variables, x)`."""
         if inner_steps is not None:
             inner_steps = _check_epochs("inner_steps", inner_steps)
-        support_x = tf.nest.map_structure(tf.convert_to_tensor, support_x)
-        support_y = tf.nest.map_structure(tf.convert_to_tensor, support_y)
-        first = tf.nest.flatten(support_x)[0]
-        if first.shape.rank is None or first.shape.rank < 2:
+        support_x = keras.tree.map_structure(ops.convert_to_tensor, support_x)
+        support_y = keras.tree.map_structure(ops.convert_to_tensor, support_y)
+        first = keras.tree.flatten(support_x)[0]
+        if _rank(first) is None or _rank(first) < 2:
             raise ValueError(
                 f"adapt: `support_x` needs a leading task dimension ([T, N, ...]); "
                 f"got shape {first.shape}."
             )
         self._check_task_axis("adapt", "support_x", support_x)
         tasks = first.shape[0]
-        for t in tf.nest.flatten(support_y):
-            if t.shape.rank is None or t.shape.rank < 2 or t.shape[:2] != first.shape[:2]:
+        for t in keras.tree.flatten(support_y):
+            if _rank(t) is None or _rank(t) < 2 or tuple(t.shape[:2]) != tuple(first.shape[:2]):
                 raise ValueError(
                     f"adapt: `support_y` must be [T, N, ...] with the T={tasks} tasks and "
                     f"N={first.shape[1]} examples of `support_x` (shape {first.shape}); got "
@@ -776,8 +855,8 @@ class MAMLTrainer(MetaTrainer):
             return [list(F.current_params(self.model)) for _ in range(tasks)]
         supports = [
             (
-                tf.nest.map_structure(lambda a: a[t], support_x),
-                tf.nest.map_structure(lambda a: a[t], support_y),
+                keras.tree.map_structure(lambda a: a[t], support_x),
+                keras.tree.map_structure(lambda a: a[t], support_y),
             )
             for t in range(tasks)
         ]
@@ -794,10 +873,10 @@ class MAMLTrainer(MetaTrainer):
         task axis, or a missing feature axis, is named as such (not as N tasks of one
         example each, adapted silently)."""
         try:
-            inputs = tf.nest.flatten(self.model.inputs)
+            inputs = keras.tree.flatten(self.model.inputs)
         except (AttributeError, ValueError):  # a subclassed model: no symbolic inputs
             return
-        given = tf.nest.flatten(x)
+        given = keras.tree.flatten(x)
         if len(given) != len(inputs):
             return
         for t, i in zip(given, inputs):
@@ -848,8 +927,9 @@ class MAMLTrainer(MetaTrainer):
     def fit(self, *args, **kwargs):
         # A last batch with fewer tasks, or tasks that do not split among the replicas:
         # refused before the first step (the loop over tasks is unrolled).
-        task_batches.check_fit_input(self, args, kwargs)
-        with task_batches.explain_task_count_error(self):
+        if _task_batches() is not None:
+            _task_batches().check_fit_input(self, args, kwargs)
+        with _explain_task_count_error(self):
             if self.epochs_done is None:
                 return super().fit(*args, **kwargs)
             args, kwargs = with_epoch_counter(args, kwargs, self.epochs_done)
