@@ -121,3 +121,20 @@ def test_import_needs_no_tensorflow_on_jax():
         "assert 'tensorflow' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: O.Adafactor(0.01, decay_rate=1.5), "decay_rate"),
+        (lambda: O.Adafactor(0.01, factoring="rows"), "factoring"),
+        (lambda: O.Lamb(0.01, beta_1=1.0), "beta_1"),
+        (lambda: O.AdamWeightDecay(-1.0), "learning_rate"),
+        (lambda: O.AdamWeightDecay(0.01, exclude_from_weight_decay=[1]), "exclude_from"),
+        (lambda: O.RecAdam(0.01, anneal_fun="cosine"), "anneal_fun"),
+        (lambda: O.BertSchedule(0.01, num_train_steps=0), "num_train_steps"),
+    ],
+)
+def test_bad_input_errors_name_the_argument(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()
