@@ -62,6 +62,22 @@ if BACKEND == "tensorflow":
     def clip_by_global_norm(tensors, clip_norm):
         return tf.clip_by_global_norm(tensors, clip_norm)[0]
 
+    maximum = tf.maximum
+    minimum = tf.minimum
+    rsqrt = tf.math.rsqrt
+    exp = tf.exp
+    expand_dims = tf.expand_dims
+    where = tf.where
+    logical_and = tf.logical_and
+    ones_like = tf.ones_like
+    zeros_like = tf.zeros_like
+
+    def mean(x, axis=None, keepdims=False):
+        return tf.reduce_mean(x, axis=axis, keepdims=keepdims)
+
+    def sum(x, axis=None, keepdims=False):  # noqa: A001  (the ops name)
+        return tf.reduce_sum(x, axis=axis, keepdims=keepdims)
+
 else:
     from keras import ops
 
@@ -69,7 +85,6 @@ else:
     convert_to_tensor = ops.convert_to_tensor
     sqrt = ops.sqrt
     square = ops.square
-    pow = ops.power
     zeros = ops.zeros
 
     def constant(value, dtype):
@@ -82,3 +97,35 @@ else:
         norm = ops.cast(norm, dtype_of(tensors[0]))
         scale = clip_norm * ops.minimum(1.0 / norm, 1.0 / clip_norm)
         return [t * ops.cast(scale, dtype_of(t)) for t in tensors]
+
+    def _like(value, other):
+        """A python number as a tensor of `other`'s dtype (as TensorFlow converts a python
+        operand; keras.ops would take floatx instead, widening a float32 tensor under
+        floatx float64)."""
+        if isinstance(value, (int, float)) and hasattr(other, "dtype"):
+            return ops.convert_to_tensor(np.asarray(value, dtype_of(other)))
+        return value
+
+    def _pair(x, y):
+        return _like(x, y), _like(y, x)
+
+    def maximum(x, y):
+        return ops.maximum(*_pair(x, y))
+
+    def minimum(x, y):
+        return ops.minimum(*_pair(x, y))
+
+    def pow(x, y):  # noqa: A001  (TensorFlow's name)
+        return ops.power(*_pair(x, y))
+
+    def where(condition, x, y):
+        return ops.where(condition, *_pair(x, y))
+
+    rsqrt = ops.rsqrt
+    exp = ops.exp
+    expand_dims = ops.expand_dims
+    logical_and = ops.logical_and
+    ones_like = ops.ones_like
+    zeros_like = ops.zeros_like
+    mean = ops.mean
+    sum = ops.sum  # noqa: A001  (the ops name)

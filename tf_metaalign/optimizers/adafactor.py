@@ -2,8 +2,8 @@
 tensor2tensor (Pegasus) rule."""
 
 import keras
-import tensorflow as tf
 
+from tf_metaalign.optimizers import _math as M
 from tf_metaalign.optimizers import base
 from tf_metaalign.optimizers import schedules
 
@@ -161,31 +161,31 @@ class AdafactorRule(base.UpdateRule):
 
     def update(self, grad, var, slots, hparams, step, options=None):
         g, w, slots, hp, t, options, dtype = self._prepare(grad, var, slots, hparams, step, options)
-        c = lambda x: tf.cast(x, dtype)  # noqa: E731  (float64 scalar -> compute dtype)
-        decay = 1.0 - tf.pow(tf.maximum(t - float(self.decay_offset), 1.0), -hp["decay_rate"])
+        c = lambda x: M.cast(x, dtype)  # noqa: E731  (float64 scalar -> compute dtype)
+        decay = 1.0 - M.pow(M.maximum(t - float(self.decay_offset), 1.0), -hp["decay_rate"])
         rho, mixing = c(decay), c(1.0 - decay)
-        g_sq = tf.square(g) + self.epsilon_1
+        g_sq = M.square(g) + self.epsilon_1
         new_slots = {}
         dims = options.get("factored_dims")
         if dims is not None:
             a, b = dims
-            v_row = rho * slots["v_row"] + mixing * tf.reduce_mean(g_sq, axis=b)
-            v_col = rho * slots["v_col"] + mixing * tf.reduce_mean(g_sq, axis=a)
+            v_row = rho * slots["v_row"] + mixing * M.mean(g_sq, axis=b)
+            v_col = rho * slots["v_col"] + mixing * M.mean(g_sq, axis=a)
             new_slots["v_row"], new_slots["v_col"] = v_row, v_col
             a_in_row = a if a < b else a - 1  # axis a's index once axis b is removed
-            row_mean = tf.reduce_mean(v_row, axis=a_in_row, keepdims=True)
-            row_factor = tf.math.rsqrt(v_row / row_mean)
-            col_factor = tf.math.rsqrt(v_col)
-            x = g * tf.expand_dims(row_factor, axis=b) * tf.expand_dims(col_factor, axis=a)
+            row_mean = M.mean(v_row, axis=a_in_row, keepdims=True)
+            row_factor = M.rsqrt(v_row / row_mean)
+            col_factor = M.rsqrt(v_col)
+            x = g * M.expand_dims(row_factor, axis=b) * M.expand_dims(col_factor, axis=a)
         else:
             v = rho * slots["v"] + mixing * g_sq
             new_slots["v"] = v
-            x = g * tf.math.rsqrt(v)
+            x = g * M.rsqrt(v)
         if self.clipping_threshold is not None:
-            x = x / tf.maximum(c(1.0), base.rms(x) / c(self.clipping_threshold))
+            x = x / M.maximum(c(1.0), base.rms(x) / c(self.clipping_threshold))
         scale = c(hp["learning_rate"])
         if options.get("parameter_scale", False):
-            scale = scale * tf.maximum(base.rms(w), self.epsilon_2)
+            scale = scale * M.maximum(base.rms(w), self.epsilon_2)
         u = scale * x
         if self.use_momentum:
             b1 = hp["beta_1"]

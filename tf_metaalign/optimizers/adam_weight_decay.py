@@ -1,8 +1,8 @@
 """BERT's AdamWeightDecayOptimizer (google-research/bert optimization.py)."""
 
 import keras
-import tensorflow as tf
 
+from tf_metaalign.optimizers import _math as M
 from tf_metaalign.optimizers import base
 
 BERT_EXCLUDE_FROM_WEIGHT_DECAY = ("LayerNorm", "layer_norm", "bias")
@@ -51,9 +51,9 @@ class AdamWeightDecayRule(base.UpdateRule):
 
     def update(self, grad, var, slots, hparams, step, options=None):
         g, w, slots, hp, _, options, dtype = self._prepare(grad, var, slots, hparams, step, options)
-        c = lambda x: tf.cast(x, dtype)  # noqa: E731  (float64 scalar -> compute dtype)
+        c = lambda x: M.cast(x, dtype)  # noqa: E731  (float64 scalar -> compute dtype)
         m, v = base.moment_estimates(g, slots["m"], slots["v"], hp["beta_1"], hp["beta_2"], dtype)
-        update = m / (tf.sqrt(v) + c(hp["epsilon"]))
+        update = m / (M.sqrt(v) + c(hp["epsilon"]))
         if options.get("weight_decay", True):
             update = update + c(hp["weight_decay_rate"]) * w
         return self._finish(w - c(hp["learning_rate"]) * update, var, {"m": m, "v": v}, dtype)

@@ -181,9 +181,8 @@ def learning_rate_tensor(value):
 
 
 def rms(x):
-    import tensorflow as tf  # the rules that use it (Adafactor, Lamb) are TensorFlow's
-
-    return tf.sqrt(tf.reduce_mean(tf.square(x)))
+    """sqrt(mean(x^2)) over the whole tensor (Mesh TensorFlow's `reduce_rms`)."""
+    return M.sqrt(M.mean(M.square(x)))
 
 
 def moment_estimates(g, m, v, beta_1, beta_2, dtype):

@@ -3,8 +3,8 @@
 import functools
 
 import keras
-import tensorflow as tf
 
+from tf_metaalign.optimizers import _math as M
 from tf_metaalign.optimizers import base
 from tf_metaalign.optimizers.adam_weight_decay import (
     BERT_EXCLUDE_FROM_WEIGHT_DECAY,
@@ -14,9 +14,9 @@ from tf_metaalign.optimizers.adam_weight_decay import (
 
 def safe_norm(x):
     """L2 norm whose derivative is 0 (not NaN) at x = 0."""
-    sq = tf.reduce_sum(tf.square(x))
+    sq = M.sum(M.square(x))
     positive = sq > 0
-    return tf.where(positive, tf.sqrt(tf.where(positive, sq, tf.ones_like(sq))), tf.zeros_like(sq))
+    return M.where(positive, M.sqrt(M.where(positive, sq, M.ones_like(sq))), M.zeros_like(sq))
 
 
 class LambRule(base.UpdateRule):
@@ -72,22 +72,22 @@ class LambRule(base.UpdateRule):
 
     def update(self, grad, var, slots, hparams, step, options=None):
         g, w, slots, hp, t, options, dtype = self._prepare(grad, var, slots, hparams, step, options)
-        c = lambda x: tf.cast(x, dtype)  # noqa: E731  (float64 scalar -> compute dtype)
+        c = lambda x: M.cast(x, dtype)  # noqa: E731  (float64 scalar -> compute dtype)
         b1, b2 = hp["beta_1"], hp["beta_2"]
         m, v = base.moment_estimates(g, slots["m"], slots["v"], b1, b2, dtype)
         if self.bias_correction:
-            m_hat = m / c(1.0 - tf.pow(b1, t))
-            v_hat = v / c(1.0 - tf.pow(b2, t))
+            m_hat = m / c(1.0 - M.pow(b1, t))
+            v_hat = v / c(1.0 - M.pow(b2, t))
         else:
             m_hat, v_hat = m, v
-        update = m_hat / (tf.sqrt(v_hat) + c(hp["epsilon"]))
+        update = m_hat / (M.sqrt(v_hat) + c(hp["epsilon"]))
         if options.get("weight_decay", True):
             update = update + c(hp["weight_decay_rate"]) * w
         if options.get("layer_adaptation", True):
             w_norm = safe_norm(w)
             u_norm = safe_norm(update)
-            ok = tf.logical_and(w_norm > 0, u_norm > 0)
-            ratio = tf.where(ok, w_norm / tf.where(ok, u_norm, tf.ones_like(u_norm)), 1.0)
+            ok = M.logical_and(w_norm > 0, u_norm > 0)
+            ratio = M.where(ok, w_norm / M.where(ok, u_norm, M.ones_like(u_norm)), 1.0)
             update = ratio * update
         return self._finish(w - c(hp["learning_rate"]) * update, var, {"m": m, "v": v}, dtype)
 

@@ -1,12 +1,14 @@
 """RecAdam (Chen et al. 2020, "Recall and Learn"; Sanyuan-Chen/RecAdam RecAdam.py)."""
 
+import contextlib
 import math
 import numbers
 import warnings
 
 import keras
-import tensorflow as tf
+import numpy as np
 
+from tf_metaalign.optimizers import _math as M
 from tf_metaalign.optimizers import base
 
 ANNEAL_FUNCTIONS = ("sigmoid", "linear", "constant")
@@ -29,19 +31,15 @@ def anneal_lambda(anneal_fun, step, k, t0, weight):
       >>> t = tf.constant([0.0, 100.0, 200.0], tf.float64)
       >>> np.round(anneal_lambda("sigmoid", t, k=0.1, t0=100.0, weight=1.0).numpy(), 4)
       array([0. , 0.5, 1. ])"""
-    step = tf.cast(step, tf.float64)
-    weight = tf.constant(float(weight), tf.float64)
+    dtype = M.wide_float()  # float64 (float32 on JAX without jax_enable_x64)
+    step = M.cast(step, dtype)
+    weight = M.constant(float(weight), dtype)
     if anneal_fun == "sigmoid":
         return weight / (
-            1.0
-            + tf.exp(
-                tf.constant(-float(k), tf.float64) * (step - tf.constant(float(t0), tf.float64))
-            )
+            1.0 + M.exp(M.constant(-float(k), dtype) * (step - M.constant(float(t0), dtype)))
         )
     if anneal_fun == "linear":
-        return weight * tf.minimum(
-            tf.constant(1.0, tf.float64), step / tf.constant(float(t0), tf.float64)
-        )
+        return weight * M.minimum(M.constant(1.0, dtype), step / M.constant(float(t0), dtype))
     return weight + 0.0 * step
 
 
@@ -127,28 +125,37 @@ class RecAdamRule(base.UpdateRule):
 
     def init_slots(self, var, options):
         slots = super().init_slots(var, options)
-        slots["pretrained"] = tf.cast(tf.convert_to_tensor(var), slots["pretrained"].dtype)
+        slots["pretrained"] = M.cast(M.convert_to_tensor(var), slots["pretrained"].dtype)
         return slots
 
     def update(self, grad, var, slots, hparams, step, options=None):
         g, w, slots, hp, t, options, dtype = self._prepare(grad, var, slots, hparams, step, options)
-        c = lambda x: tf.cast(x, dtype)  # noqa: E731
+        c = lambda x: M.cast(x, dtype)  # noqa: E731
         b1, b2, lr = hp["beta_1"], hp["beta_2"], hp["learning_rate"]
         m, v = base.moment_estimates(g, slots["m"], slots["v"], b1, b2, dtype)
-        direction = m / (tf.sqrt(v) + c(hp["epsilon"]))
+        direction = m / (M.sqrt(v) + c(hp["epsilon"]))
         step_size = lr
         if self.correct_bias:
-            step_size = lr * tf.sqrt(1.0 - tf.pow(b2, t)) / (1.0 - tf.pow(b1, t))
+            step_size = lr * M.sqrt(1.0 - M.pow(b2, t)) / (1.0 - M.pow(b1, t))
         pretrained = slots["pretrained"]
         if self.anneal_w > 0.0 and options.get("recall", True):
             lam = anneal_lambda(self.anneal_fun, t, self.anneal_k, self.anneal_t0, self.anneal_w)
             w = w - c(step_size * lam) * direction
-            pull = lr * (tf.constant(self.anneal_w, tf.float64) - lam) * self.pretrain_cof
+            pull = lr * (M.constant(self.anneal_w, M.wide_float()) - lam) * self.pretrain_cof
             w = w - c(pull) * (w - pretrained)
         else:
             w = w - c(step_size) * direction
         w = w - c(lr * hp["weight_decay_rate"]) * w
         return self._finish(w, var, {"m": m, "v": v, "pretrained": pretrained}, dtype)
+
+
+def _eager_scope():
+    """`tf.init_scope()` on TensorFlow; nothing on JAX."""
+    if M.BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return tf.init_scope()
+    return contextlib.nullcontext()
 
 
 def _check_anneal(anneal_fun, anneal_k, anneal_t0, anneal_w, pretrain_cof):
@@ -303,14 +310,18 @@ class RecAdam(base.BaseOptimizer):
             return
         super().build(variables)
         # The "pretrained" slots start as the variables' values (build creates slots as
-        # zeros). Under init_scope: a build traced inside a train step must assign once,
-        # now, not become an op of the step that would reset the slot at every step.
-        with tf.init_scope():
+        # zeros). On TensorFlow under init_scope: a build traced inside a train step must
+        # assign once, now, not become an op of the step that would reset the slot at every
+        # step. On JAX Keras builds the optimizer eagerly, before the jitted step.
+        with _eager_scope():
             for variable, slots in zip(variables, self._slot_variables):
                 if "pretrained" in slots:
-                    slots["pretrained"].assign(
-                        tf.cast(tf.convert_to_tensor(variable), slots["pretrained"].dtype)
-                    )
+                    value = M.cast(M.convert_to_tensor(variable), slots["pretrained"].dtype)
+                    if M.BACKEND != "tensorflow":
+                        # A copy: JAX donates each state buffer to the jitted step, and
+                        # the slot must not share the variable's buffer.
+                        value = np.array(keras.ops.convert_to_numpy(value))
+                    slots["pretrained"].assign(value)
 
     def get_config(self):
         config = super().get_config()

@@ -5,7 +5,8 @@ Keras calls a schedule with `optimizer.iterations`, the number of updates alread
 """
 
 import keras
-import tensorflow as tf
+
+from tf_metaalign.optimizers import _math as M
 
 
 def _check(name, value, minimum=0, positive=False, integer=False):
@@ -25,7 +26,7 @@ def _dtype():
     """The schedules compute in float32, in float64 under `floatx="float64"` (so a float64
     run's rate is its python value, not that value rounded through float32). Python
     constants meet the step tensor in its dtype: exact."""
-    return tf.float64 if keras.backend.floatx() == "float64" else tf.float32
+    return M.wide_float() if keras.backend.floatx() == "float64" else "float32"
 
 
 @keras.saving.register_keras_serializable(package="tf_metaalign")
@@ -54,8 +55,8 @@ class T5InverseSquareRootSchedule(keras.optimizers.schedules.LearningRateSchedul
         self.scale = float(_check("scale", scale))
 
     def __call__(self, step):
-        step = tf.cast(step, _dtype())
-        return self.scale * tf.math.rsqrt(tf.maximum(step, float(self.warmup_steps)))
+        step = M.cast(step, _dtype())
+        return self.scale * M.rsqrt(M.maximum(step, float(self.warmup_steps)))
 
     def get_config(self):
         return {"warmup_steps": self.warmup_steps, "scale": self.scale}
@@ -107,15 +108,15 @@ class BertSchedule(keras.optimizers.schedules.LearningRateSchedule):
         self.power = float(_check("power", power))
 
     def __call__(self, step):
-        step = tf.cast(step, _dtype())
-        progress = tf.minimum(step, float(self.num_train_steps)) / float(self.num_train_steps)
-        decayed = (self.init_learning_rate - self.end_learning_rate) * tf.pow(
+        step = M.cast(step, _dtype())
+        progress = M.minimum(step, float(self.num_train_steps)) / float(self.num_train_steps)
+        decayed = (self.init_learning_rate - self.end_learning_rate) * M.pow(
             1.0 - progress, self.power
         ) + self.end_learning_rate
         if self.num_warmup_steps <= 0:
             return decayed
         warmup = self.init_learning_rate * step / float(self.num_warmup_steps)
-        return tf.where(step < float(self.num_warmup_steps), warmup, decayed)
+        return M.where(step < float(self.num_warmup_steps), warmup, decayed)
 
     def get_config(self):
         return {
@@ -158,14 +159,10 @@ class PegasusSchedule(keras.optimizers.schedules.LearningRateSchedule):
         )
 
     def __call__(self, step):
-        step = tf.cast(step, _dtype())
-        lr = (
-            self.init_learning_rate
-            / 0.01
-            * tf.math.rsqrt(tf.maximum(step, float(self.decay_start_step)))
-        )
+        step = M.cast(step, _dtype())
+        lr = self.init_learning_rate / 0.01 * M.rsqrt(M.maximum(step, float(self.decay_start_step)))
         if self.warmup_steps is not None:
-            lr = tf.minimum((step + 1.0) / float(self.warmup_steps) * self.init_learning_rate, lr)
+            lr = M.minimum((step + 1.0) / float(self.warmup_steps) * self.init_learning_rate, lr)
         return lr
 
     def get_config(self):
@@ -211,8 +208,8 @@ class AdafactorRelativeStep(keras.optimizers.schedules.LearningRateSchedule):
         self.multiply_by_parameter_scale = multiply_by_parameter_scale
 
     def __call__(self, step):
-        step = tf.cast(step, _dtype())
-        lr = tf.minimum(tf.math.rsqrt(step + 1.0), 0.01)
+        step = M.cast(step, _dtype())
+        lr = M.minimum(M.rsqrt(step + 1.0), 0.01)
         if not self.multiply_by_parameter_scale:
             lr = lr * 0.05
         return lr
