@@ -3,7 +3,8 @@ module imports no TensorFlow; on JAX the tasks of `algorithms.maml` run vmapped)
 meta-gradient against central finite differences, first order against the FOMAML closed
 form, Meta-SGD's rates and gradient sharing's gates against finite differences, gradient
 sharing against a NumPy re-derivation and against plain MAML at a gate of exactly 0, and
-MAML++'s multi-step loss weights. The same tests as there, with `keras.ops` tensors."""
+MAML++'s multi-step loss weights (before the port they ran in test_maml.py, TF only).
+The NumPy re-derivations are tests/maml_oracles.py's."""
 
 import keras
 import numpy as np
@@ -14,12 +15,13 @@ from tf_metaalign import functional as F
 from tf_metaalign.algorithms import maml as M
 from tf_metaalign.algorithms.gradient_sharing import GradientSharing
 
+from maml_oracles import _np_grad, np_sharing_inner_loop
+
 BACKENDS = ("tensorflow", "jax")
 
-# On TensorFlow the same tests run in test_maml.py: here they run on JAX only.
-pytestmark = pytest.mark.skipif(
-    keras.backend.backend() != "jax", reason="on TensorFlow: tests/algorithms/test_maml.py"
-)
+#: ~20 s eager on JAX (test_maml_backends.py checks the meta-gradient along directions there);
+#: a few seconds on TensorFlow, where it stays in the default suite.
+slow_on_jax = pytest.mark.slow if keras.backend.backend() == "jax" else (lambda test: test)
 
 
 def _tensor(value, dtype="float64"):
@@ -121,7 +123,7 @@ def _meta_gradient(model, params, tasks, hyper, lrs_fn, **kw):
 # --------------------------------------------------------------- second-order MAML
 
 
-@pytest.mark.slow  # ~20 s eager on JAX; test_maml_backends.py checks it along directions
+@slow_on_jax
 def test_maml_meta_gradient_equals_finite_differences(float64):
     model = _mlp(1)
     tasks = _tasks(3)
@@ -136,13 +138,6 @@ def test_maml_meta_gradient_equals_finite_differences(float64):
     fo = _meta_gradient(model, params, tasks, {}, lrs, first_order=True)
     assert np.max(np.abs(_flat(fo.grads) - fd)) > 1e-4
     np.testing.assert_allclose(float(r.loss), _objective(model, params, tasks, lrs, {}), rtol=1e-12)
-
-
-def _np_grad(params, x, y):
-    """Gradient of Keras's MSE mean((x W + b - y)^2) at [W, b]."""
-    w, b = params
-    r = 2.0 * (x @ w + b - y) / y.size
-    return [x.T @ r, r.sum(0)]
 
 
 def test_first_order_equals_the_fomaml_closed_form(float64):
@@ -285,27 +280,6 @@ def test_sharing_gate_exactly_zero_equals_plain_maml(float64):
         for a, b in zip(shared.grads, plain.grads):
             np.testing.assert_array_equal(_numpy(a), _numpy(b))
         np.testing.assert_array_equal(_numpy(shared.hyper_grads["sharing_lambda"]), 0.0)
-
-
-def np_sharing_inner_loop(theta0, tasks, alpha, m, lam, g_hat, initialized):
-    """Chang & Lipson Algorithm 1's inner loop for a linear model, in NumPy."""
-    sig = lambda z: 1.0 / (1.0 + np.exp(-z))  # noqa: E731
-    flat = lambda gs: np.concatenate([g.ravel() for g in gs])  # noqa: E731
-    thetas = [[p.copy() for p in theta0] for _ in tasks]
-    new_g_hat = []
-    for k in range(len(m)):
-        grads = [_np_grad(th, xs, ys) for th, ((xs, ys), _) in zip(thetas, tasks)]
-        s = [sum(g[i] for g in grads) for i in range(2)]
-        norm = np.linalg.norm(flat(s))
-        g = [x / norm for x in s]
-        gh = (
-            [sig(m[k]) * a + (1 - sig(m[k])) * b for a, b in zip(g, g_hat[k])] if initialized else g
-        )
-        new_g_hat.append(gh)
-        for t in range(len(tasks)):
-            delta = [sig(lam[k]) * h + (1 - sig(lam[k])) * gt for h, gt in zip(gh, grads[t])]
-            thetas[t] = [p - alpha * d for p, d in zip(thetas[t], delta)]
-    return thetas, new_g_hat
 
 
 @pytest.mark.parametrize("initialized", [False, True])
