@@ -6,8 +6,9 @@ NumPy route gives the tf.data route's batches is tests/data/test_numpy_routes_tf
 ~10 s per backend."""
 
 import importlib
-import sys
 import importlib.util
+import io
+import sys
 import pathlib
 import zipfile
 
@@ -286,7 +287,8 @@ def test_tf_data_routes_without_tensorflow_name_the_numpy_route(no_tensorflow):
         load_tfds("mnist")
 
 
-def test_omniglot_reads_its_cache_without_tensorflow(tmp_path, no_tensorflow):
+def test_omniglot_reads_its_cache_without_tensorflow(tmp_path, no_tensorflow, monkeypatch):
+    monkeypatch.setitem(sys.modules, "PIL", None)  # no Pillow either: nothing decodes
     root = tmp_path / "omniglot"
     root.mkdir()
     with zipfile.ZipFile(root / "tiny.zip", "w") as zf:  # never decoded: read from the cache
@@ -301,6 +303,34 @@ def test_omniglot_reads_its_cache_without_tensorflow(tmp_path, no_tensorflow):
     classes = load_omniglot(root, sets=["tiny"], cache_dir=tmp_path / "cache")
     np.testing.assert_array_equal(classes["Latin/character02"], images[1:])
     assert isinstance(pathlib.Path(path), pathlib.Path)
+
+
+def test_omniglot_decodes_on_either_backend_as_tensorflow_does():
+    """`tf.io.decode_png` + `tf.image.resize` (lanczos3, antialiased) on TensorFlow; Pillow
+    + `keras.ops.image.resize` elsewhere: the same arrays (a golden written on TensorFlow),
+    so the few-shot program's data do not depend on the backend."""
+    from PIL import Image
+
+    from golden_io import check_golden
+
+    rng = np.random.default_rng(0)
+    pngs = []
+    for _ in range(3):  # binary drawings, 105x105 as Omniglot's: random strokes
+        img = np.full((105, 105), 255, np.uint8)
+        for _ in range(6):
+            r, c = rng.integers(5, 100, 2)
+            img[r - 2 : r + 3, max(0, c - 20) : c + 20] = 0
+            img[max(0, r - 20) : r + 20, c - 1 : c + 2] = 0
+        buffer = io.BytesIO()
+        Image.fromarray(img).convert("1").save(buffer, format="PNG")
+        pngs.append(buffer.getvalue())
+    full = omniglot_module._decode_images(pngs, None, "lanczos3")
+    assert set(np.unique(full)) == {0.0, 1.0}  # strokes 1, exactly
+    small = omniglot_module._decode_images(pngs, 28, "lanczos3")
+    assert small.shape == (3, 28, 28, 1) and small.dtype == np.float32
+    check_golden("omniglot_decode_lanczos3", {"full": full, "small": small}, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="could not decode PNG #1 of images"):
+        omniglot_module._decode_images([pngs[0], b"not a png"], 28, "lanczos3")
 
 
 def test_every_data_helper_and_callback_imports_without_tensorflow():
