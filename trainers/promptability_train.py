@@ -17,6 +17,7 @@ def token_loss(lm, x, y, batch_size: int = 64) -> float:
     """`lm`'s mean target-token cross-entropy over ALL of `(x, y)` (`encode_examples`):
     summed over the real tokens and divided by their count once, where Keras's `evaluate`
     would average per-batch means."""
+    import keras
     import numpy as np
 
     from tf_metaalign.prompts.evaluation import token_log_likelihoods
@@ -26,7 +27,8 @@ def token_loss(lm, x, y, batch_size: int = 64) -> float:
         sl = slice(start, start + batch_size)
         logits = lm({k: v[sl] for k, v in x.items()})
         real = y[sl] != 0
-        nll -= float(np.sum(np.where(real, token_log_likelihoods(logits, y[sl]).numpy(), 0)))
+        log_p = keras.ops.convert_to_numpy(token_log_likelihoods(logits, y[sl]))
+        nll -= float(np.sum(np.where(real, log_p, 0)))
         tokens += float(real.sum())
     return nll / tokens
 

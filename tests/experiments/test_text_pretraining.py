@@ -196,6 +196,15 @@ def test_pretraining_dataset_batches_the_example_stream():
     assert np.array_equal(y, ey) and np.array_equal(w, ew)
     assert all(np.array_equal(x[k], ex[k]) for k in ex)
     assert x["encoder_padding_mask"].dtype == bool and y.dtype == np.int32
+    # The NumPy route (the default off TensorFlow): the same batches, endlessly.
+    batches = tp.pretraining_dataset(docs, "both", L, V, batch_size=4, seed=2, as_numpy=True)
+    nx, ny, nw = next(batches)
+    assert np.array_equal(ny, y) and np.array_equal(nw, w)
+    assert all(np.array_equal(nx[k], x[k]) and nx[k].dtype == x[k].dtype for k in x)
+    ((_, y2, _),) = ds.skip(7).take(1).as_numpy_iterator()
+    for _ in range(6):
+        next(batches)
+    assert np.array_equal(next(batches)[1], y2)
 
 
 def test_unigram_baselines_by_hand():

@@ -5,6 +5,8 @@ a backbone's weights and its record, keyed by a hash of every setting it depends
   file_hash                                   SHA-256 of a file (a SentencePiece model's)
   load_cached_backbone / save_cached_backbone a backbone's weights and record in the cache
   history_lists                               a Keras `History` as JSON-able lists
+  fit                                         `model.fit`, past keras-hub's data pipeline
+                                              where there is nothing to preprocess
 """
 
 from __future__ import annotations
@@ -59,3 +61,15 @@ def history_lists(history) -> dict:
     return {
         k: (v if isinstance(v, (list, float, int)) else list(v)) for k, v in history.history.items()
     }
+
+
+def fit(model, *args, **kwargs):
+    """`model.fit(*args, **kwargs)` for a keras-hub task: without a preprocessor and off
+    TensorFlow, Keras's own `fit` (keras-hub's `PipelineModel.fit` would batch the data
+    with tf.data or grain to map a preprocessor over it, an ImportError without either,
+    though there is nothing to map; Keras's data adapters take the arrays and generators)."""
+    import keras
+
+    if getattr(model, "preprocessor", None) is None and keras.backend.backend() != "tensorflow":
+        return keras.Model.fit(model, *args, **kwargs)
+    return model.fit(*args, **kwargs)

@@ -36,6 +36,7 @@ from tf_metaalign.data.splits import check_positive_int
 from trainers.experiments.english_corpus import corpus_hash, english_corpus
 from trainers.experiments.pretrained_cache import (
     file_hash,
+    fit,
     history_lists,
     load_cached_backbone,
     save_cached_backbone,
@@ -176,7 +177,8 @@ def pretrain_gpt2(
 
     # The rows are already in a seeded shuffled order: shuffle=False keeps every step's
     # batch a function of the settings.
-    history = model.fit(
+    history = fit(
+        model,
         x,
         y,
         batch_size=batch_size,

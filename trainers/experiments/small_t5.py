@@ -41,6 +41,7 @@ from trainers.experiments import text_pretraining as tp
 from trainers.experiments.english_corpus import corpus_hash, english_corpus
 from trainers.experiments.pretrained_cache import (
     file_hash,
+    fit,
     history_lists,
     load_cached_backbone,
     save_cached_backbone,
@@ -169,8 +170,9 @@ def pretrain_t5(
     jit_compile="auto",
     callbacks: Sequence = (),
 ):
-    """Pre-trains `model` (a `T5Seq2SeqLM`) with `model.fit` on a `tf.data` stream of
-    `objective` ("span_corruption", "lm_adaptation" or "both") built from `corpus`.
+    """Pre-trains `model` (a `T5Seq2SeqLM`) with `model.fit` on a stream (`tf.data` on
+    TensorFlow, NumPy batches on other backends) of `objective` ("span_corruption",
+    "lm_adaptation" or "both") built from `corpus`.
 
     `steps` optimizer steps of `batch_size` examples whose encoder and decoder inputs have
     `sequence_length` ids (span corruption's decoder: `tp.decoder_length_for`, shorter). The
@@ -207,8 +209,9 @@ def pretrain_t5(
     timer = _Timer()
     epochs = max(1, steps // log_every)
     # shuffle=False: the stream shuffles itself (Keras warns that it ignores shuffle=True).
-    history = model.fit(
-        ds.repeat(),
+    history = fit(
+        model,
+        ds.repeat() if hasattr(ds, "repeat") else ds,  # the NumPy route's stream is endless
         steps_per_epoch=log_every,
         epochs=epochs,
         shuffle=False,

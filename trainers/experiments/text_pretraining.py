@@ -22,6 +22,7 @@ module per concern:
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -164,12 +165,29 @@ def pretraining_dataset(
     vocabulary_size: int,
     batch_size: int,
     seed: int = 0,
+    as_numpy: bool | None = None,
     **kwargs,
 ):
-    """`pretraining_examples` as a batched `tf.data.Dataset` of `(x, y, sample_weight)`."""
+    """`pretraining_examples` as a batched `tf.data.Dataset` of `(x, y, sample_weight)`.
+
+    `as_numpy` (default: on every Keras backend but TensorFlow): an endless generator of
+    the same batches as NumPy arrays (`stack_examples` of `batch_size` examples), for
+    `model.fit(..., steps_per_epoch=...)` without TensorFlow.
+    """
+    batch_size = check_positive_int(batch_size, "batch_size")
+    if as_numpy is None:
+        import keras
+
+        as_numpy = keras.backend.backend() != "tensorflow"
+    if as_numpy:
+        return _numpy_batches(
+            pretraining_examples(
+                token_docs, objective, sequence_length, vocabulary_size, seed, **kwargs
+            ),
+            batch_size,
+        )
     import tensorflow as tf
 
-    batch_size = check_positive_int(batch_size, "batch_size")
     L = int(sequence_length)
     D = decoder_length_for(
         objective, L, kwargs.get("noise_density", 0.15), kwargs.get("mean_noise_span_length", 3.0)
@@ -189,6 +207,16 @@ def pretraining_dataset(
         output_signature=signature,
     )
     return ds.batch(batch_size, drop_remainder=True).prefetch(2)
+
+
+def _numpy_batches(examples, batch_size):
+    """Consecutive `batch_size` examples of `examples`, stacked; the last partial batch
+    dropped (as `pretraining_dataset`'s `drop_remainder`)."""
+    while True:
+        chunk = list(itertools.islice(examples, batch_size))
+        if len(chunk) < batch_size:
+            return
+        yield stack_examples(chunk)
 
 
 def stack_examples(examples) -> tuple:
