@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from trainers.experiments.pretrained_cache import fit
 from trainers.promptability_decoder_data import (
     PAD_ID,
     Codec,
@@ -186,12 +187,14 @@ class Method:
         order = np.concatenate([rng.permutation(len(examples)) for _ in range(self.config.epochs)])
         timer = common.StepTimer(warmup=1)
         start = time.perf_counter()
-        self.model.fit(
+        fit(
+            self.model,
             {k: v[order] for k, v in x.items()},
             y[order],
             sample_weight=w[order],
             batch_size=self.config.batch_size,
             epochs=1,
+            shuffle=False,  # the order is drawn above (Keras's own fit would reshuffle)
             verbose=0,
             callbacks=[timer],
         )
@@ -374,12 +377,14 @@ def step_costs(methods: dict, examples, codec: Codec, config: Config) -> dict:
     for _ in range(config.cost_rounds):
         for name, method in methods.items():
             timer = common.StepTimer(warmup=1)
-            method.model.fit(
+            fit(
+                method.model,
                 {k: v[order] for k, v in x.items()},
                 y[order],
                 sample_weight=w[order],
                 batch_size=config.batch_size,
                 epochs=1,
+                shuffle=False,
                 verbose=0,
                 callbacks=[timer],
             )
