@@ -308,7 +308,7 @@ class MAMLTrainer(MetaTrainer):
         self.schedule = self.every_k_steps(1, name="outer_steps")
         self.epochs_done = None
         if multi_step_loss or first_order_epochs:
-            self.epochs_done = self.add_state_variable("epochs_done", dtype="int64")
+            self.epochs_done = self.add_state_variable("epochs_done", dtype=F.counter_dtype())
         self._learned = {}  # algorithm name -> trainer-owned trainable variable
         dtype = (
             model.trainable_variables[0].dtype
@@ -349,7 +349,9 @@ class MAMLTrainer(MetaTrainer):
             # flag says "not initialised" until the first meta-iteration writes it).
             for k in range(inner_steps):
                 self.add_weights_copy(f"g_hat_{k}")
-            self.g_hat_initialized = self.add_state_variable("g_hat_initialized", dtype="int64")
+            self.g_hat_initialized = self.add_state_variable(
+                "g_hat_initialized", dtype=F.counter_dtype()
+            )
         self._statistics_indices = []
         self.step_statistics = []  # per step, the copies of the statistics
         if per_step:
