@@ -91,6 +91,26 @@ def test_overlapping_or_padded_windows_fall_back():
     assert jax_pooling.select_max_pool(x, 5, 5, padding="same") is not None
 
 
+@pytest.mark.parametrize("form", ["select", "xla"])
+def test_keras_pooling_layers_go_through_the_swapped_function(form, monkeypatch):
+    """Keras's MaxPooling2D traced inside `max_pool_as_selects` has no `reduce_window`
+    with "select" (so the private hook in `_compat.keras_jax_nn` is still where Keras
+    looks) and keeps it with "xla"; the function is restored after."""
+    jax_pooling = _pooling()
+    import jax
+
+    from tf_metaalign import _compat
+
+    monkeypatch.setattr(jax_pooling, "MAX_POOL", form)
+    layer = keras.layers.MaxPooling2D(2)
+    x = np.zeros((1, 4, 4, 1), "float32")
+    keras_max_pool = _compat.keras_jax_nn().max_pool
+    with jax_pooling.max_pool_as_selects():
+        jaxpr = str(jax.make_jaxpr(lambda v: layer(v))(x))
+    assert ("reduce_window" in jaxpr) == (form == "xla"), jaxpr
+    assert _compat.keras_jax_nn().max_pool is keras_max_pool
+
+
 def test_bad_setting_is_named(monkeypatch):
     jax_pooling = _pooling()
     monkeypatch.setattr(jax_pooling, "MAX_POOL", "fast")

@@ -94,8 +94,9 @@ def max_pool_as_selects():
     if not _use_selects():
         yield
         return
-    from keras.src.backend.jax import nn as keras_jax_nn
+    from tf_metaalign import _compat
 
+    keras_jax_nn = _compat.keras_jax_nn()
     keras_max_pool = keras_jax_nn.max_pool
 
     def max_pool(inputs, pool_size, strides=None, padding="valid", data_format=None):
