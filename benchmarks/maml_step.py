@@ -537,17 +537,22 @@ def main(argv):
 
     med = {c: float(np.median(t)) for c, t in times.items()}
     mean = {c: float(np.mean(t)) for c, t in times.items()}
+
+    def timing(config):
+        """The row fields every timed config has."""
+        return {
+            "config": config,
+            "median_step_ms": 1000 * med[config],
+            "mean_step_ms": 1000 * mean[config],
+            "min_step_ms": 1000 * float(np.min(times[config])),
+            "timed_steps": len(times[config]),
+            "first_step_s": first_step[config],
+        }
+
     rows, results = [], {}
     for config in configs + list(hand):
         if config in hand:
-            results[config] = r = {
-                "config": config,
-                "median_step_ms": 1000 * med[config],
-                "mean_step_ms": 1000 * mean[config],
-                "min_step_ms": 1000 * float(np.min(times[config])),
-                "timed_steps": len(times[config]),
-                "first_step_s": first_step[config],
-            }
+            results[config] = r = timing(config)
             rows.append(r)
             continue
         if config not in times:
@@ -557,11 +562,7 @@ def main(argv):
         r = {
             "config": config,
             **parse_config(config),
-            "median_step_ms": 1000 * med[config],
-            "mean_step_ms": 1000 * mean[config],
-            "min_step_ms": 1000 * float(np.min(times[config])),
-            "timed_steps": len(times[config]),
-            "first_step_s": first_step[config],
+            **timing(config),
             "peak_mb": memory[config] / 2**20 if memory[config] is not None else None,
         }
         if config in BASE and BASE[config] in med:
