@@ -45,9 +45,18 @@ Configurations (`--configs`; names):
   trainer_gsam, trainer_mt_sum, trainer_mt_pcgrad, trainer_reptile
                          the package's trainers through `fit`; each is judged against the
                          hand-written step named in REFERENCES (trainer_mt_sum also against
-                         fit_mt). A trainer that does not run on JAX yet is SKIPPED with the
-                         error in the JSON ("not ported": an ImportError or
-                         NotImplementedError; "failed": anything else, printed in full).
+                         fit_mt). What the trainers compute beyond the hand-written steps:
+                         the non-finite-loss guard (a `lax.cond` around the update; the
+                         `*_noguard` configurations drop it), the logged diagnostics:
+                         PCGrad's `task_cosine` (from the T x T Gram matrix the method
+                         needs: no pass over the weights), DotProd's `grad_dot`,
+                         `grad_cosine`, `reg_ratio` (G1.G2 and ||G2|| are two reductions
+                         over the gradients that jax_dotprod_fd does not make: ~5% of the
+                         compiled step's bytes on dotprod_overhead's MLP, no measurable
+                         time), and Keras's loss tracker. A trainer that does not run on
+                         JAX yet is SKIPPED with the error in the JSON ("not ported": an
+                         ImportError or NotImplementedError; "failed": anything else,
+                         printed in full).
 
 Timing: every configuration is built and compiled first (a first window, untimed; its wall
 time, "first_window_s", holds the XLA compilation). Then `--windows` rounds: each round
