@@ -153,7 +153,7 @@ class _VjpLinearization(Linearization):
         import jax
 
         params = list(params)
-        outer = _current_scope()
+        outer = _compat.current_stateless_scope()
 
         def run(p, offsets):
             recorder = _Offsets(offsets)
@@ -225,12 +225,6 @@ class _VjpLinearization(Linearization):
 
         eye = jax.numpy.eye(len(items), dtype=items[0].dtype)
         return list(jax.vmap(pull)(eye))
-
-
-def _current_scope():
-    from keras.src.backend.common import stateless_scope
-
-    return stateless_scope.get_stateless_scope()
 
 
 def _in_own_scope(fn, outer):
