@@ -45,9 +45,18 @@ Configurations (`--configs`; names):
   trainer_gsam, trainer_mt_sum, trainer_mt_pcgrad, trainer_reptile
                          the package's trainers through `fit`; each is judged against the
                          hand-written step named in REFERENCES (trainer_mt_sum also against
-                         fit_mt). A trainer that does not run on JAX yet is SKIPPED with the
-                         error in the JSON ("not ported": an ImportError or
-                         NotImplementedError; "failed": anything else, printed in full).
+                         fit_mt). What the trainers compute beyond the hand-written steps:
+                         the non-finite-loss guard (a `lax.cond` around the update; the
+                         `*_noguard` configurations drop it), the logged diagnostics:
+                         PCGrad's `task_cosine` (from the T x T Gram matrix the method
+                         needs: no pass over the weights), DotProd's `grad_dot`,
+                         `grad_cosine`, `reg_ratio` (G1.G2 and ||G2|| are two reductions
+                         over the gradients that jax_dotprod_fd does not make: ~5% of the
+                         compiled step's bytes on dotprod_overhead's MLP, no measurable
+                         time), and Keras's loss tracker. A trainer that does not run on
+                         JAX yet is SKIPPED with the error in the JSON ("not ported": an
+                         ImportError or NotImplementedError; "failed": anything else,
+                         printed in full).
 
 Timing: every configuration is built and compiled first (a first window, untimed; its wall
 time, "first_window_s", holds the XLA compilation). Then `--windows` rounds: each round
@@ -70,11 +79,12 @@ classifier, token + learned position embeddings, mean pooling; the GPU default i
 issue's (vocabulary 8,000, d 512, 8 heads, MLP 2,048, 4 layers, 256 tokens, 2 classes,
 `--dropout` 0.1: 16,838,658 parameters) at batch 64; `--small` is a CPU-sized one.
 Adam(1e-4) everywhere. The multi-task configurations put T = `--tasks` heads (2 classes
-each) on the pooled representation. Writes `benchmarks/results/jax_gpu_<device>.json` and
-prints the table. With dropout the model holds random-seed states, which the trainers
-checkpoint as copies: a copy that shares its buffer with the seed state makes Keras's
-donated JAX step fail ("Attempt to donate the same buffer twice"); `--dropout=0` leaves
-the seed states out.
+each) on the pooled representation. Then `--families` (MAML, guided learning, soft
+prompts: issue 30) run through their own scripts, one subprocess each (FAMILY_RUNS).
+Writes `benchmarks/results/jax_gpu_<device>.json` and prints the table. With dropout the
+model holds random-seed states, which the trainers checkpoint as copies: a copy that
+shares its buffer with the seed state makes Keras's donated JAX step fail ("Attempt to
+donate the same buffer twice"); `--dropout=0` leaves the seed states out.
 """
 
 from __future__ import annotations
@@ -82,6 +92,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
+# The families run as subprocesses on the same device after this process's own work: with
+# JAX's default preallocation (75% of a GPU's memory) they would find none left.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import random  # noqa: E402
 import re  # noqa: E402
@@ -122,6 +135,12 @@ flags.DEFINE_string(
 )
 flags.DEFINE_float("dropout", 0.1, "Dropout rate of the transformer (0: no seed states).")
 flags.DEFINE_bool("strict", False, "Re-raise a trainer's error instead of skipping it.")
+flags.DEFINE_list(
+    "families",
+    ["maml", "guided", "prompts"],
+    "Issue 30's trainers, each through its own benchmark script in a subprocess after the "
+    "configurations above (FAMILY_RUNS); empty (`--families=`) for none.",
+)
 FLAGS = flags.FLAGS
 
 LEARNING_RATE = 1e-4
@@ -175,6 +194,45 @@ REFERENCES = {
     "trainer_reptile": [("jax_reptile", TARGET)],
 }
 NOT_PORTED = (ImportError, NotImplementedError)
+
+#: Issue 30's trainers on the same device, each timed by its own script (the same code and
+#: targets as on the CPU; its JSON goes to results/jax_gpu_<device>_<family>.json):
+#:   maml     MAMLTrainer (second and first order) vs the hand-written vmapped JAX MAML
+#:            step (<= 1.1x) and the PyTorch peer shared/peers/maml_torch.py run on the
+#:            same device (`--peer_device=auto`; needs torch in this interpreter);
+#:   guided   GuidedTrainer vs plain fit, keras-hub encoder-decoder, Adam / LAMB /
+#:            Adafactor (no worse than on TF: 1.56x / 1.87x / 1.66x);
+#:   prompts  prompt-only T5 and GPT-2 steps vs full fine-tuning (shallow <= 0.70, deep
+#:            <= 0.85, memory < 1); MiniLM needs the pretrained encoder, so it is left out.
+#: guided and prompts need keras-hub (`pip install --no-deps keras-hub`: it declares
+#: tensorflow-text but its models run without TensorFlow).
+FAMILY_RUNS = {
+    "maml": ["benchmarks.maml_step", "--configs=maml,fomaml", "--peer_device=auto"],
+    "guided": [
+        "benchmarks.guided_overhead",
+        "--model=transformer",
+        "--optimizers=adam,lamb,adafactor",
+        "--norecompute",
+    ],
+    "prompts": [
+        "benchmarks.prompt_overhead",
+        "--nobert",
+        "--configs=t5_full,t5_full_long,t5_shallow_prompt,t5_deep_prompt,"
+        "gpt2_full,gpt2_full_long,gpt2_shallow_prompt,gpt2_deep_prompt",
+    ],
+}
+#: Extra flags by `--size` (the GPU runs use the scripts' defaults, sized for a CPU's
+#: patience at the small end; "cpu" skips the hand-written vmapped MAML, which XLA CPU
+#: runs as grouped convolutions, ~10x slower than the trainer's loop over tasks).
+FAMILY_SIZE_FLAGS = {
+    "gpu": {},
+    "cpu": {"maml": ["--nohand_jax"], "prompts": ["--gpt2_size=tiny"]},
+    "small": {
+        "maml": ["--nohand_jax", "--rounds=1", "--peer_runs=1"],
+        "guided": ["--layers=1", "--steps=3", "--repeats=1"],
+        "prompts": ["--t5_size=tiny", "--gpt2_size=tiny", "--rounds=1"],
+    },
+}
 
 
 # --------------------------------------------------------------------------- the model
@@ -671,6 +729,39 @@ def environment():
     }
 
 
+def run_families(slug, size_name):
+    """Runs FAMILY_RUNS[f] for f in `--families` (subprocesses, one at a time, after the
+    in-process configurations are done); returns {family: summary} for the JSON."""
+    import json
+    import subprocess
+
+    out = {}
+    for family in FLAGS.families:
+        if family not in FAMILY_RUNS:
+            raise app.UsageError(
+                f"`--families`: unknown {family!r}; choose from {sorted(FAMILY_RUNS)}."
+            )
+        path = RESULTS / f"jax_gpu_{slug}_{family}.json"
+        module, *args = FAMILY_RUNS[family]
+        args += FAMILY_SIZE_FLAGS[size_name].get(family, []) + [f"--output={path}"]
+        command = [sys.executable, "-m", module, *args]
+        print(f"{family}: {' '.join(command[1:])}", flush=True)
+        start = time.perf_counter()
+        proc = subprocess.run(command, cwd=str(RESULTS.parent.parent), env=dict(os.environ))
+        summary = {
+            "command": command[1:],
+            "returncode": proc.returncode,
+            "wall_s": time.perf_counter() - start,
+            "output": str(path.relative_to(RESULTS.parent.parent)),
+        }
+        if proc.returncode == 0 and path.exists():
+            result = json.loads(path.read_text())
+            summary["table"] = result.get("table")
+            print(result.get("table", ""), flush=True)
+        out[family] = summary
+    return out
+
+
 def median(values):
     import numpy as np
 
@@ -855,6 +946,10 @@ def main(argv):
         print("WARNING: TensorFlow was imported during the run (it should not be).")
     path = write_json(FLAGS.output or RESULTS / f"jax_gpu_{slug}.json", out)
     print(f"wrote {path}")
+    if FLAGS.families:
+        out["families"] = run_families(slug, "small" if FLAGS.small else FLAGS.size)
+        write_json(path, out)
+        print(f"wrote {path} (with the families)")
 
 
 if __name__ == "__main__":

@@ -95,6 +95,15 @@ flags.DEFINE_string(
     "torch, else the peer is skipped. 'none': skip.",
 )
 flags.DEFINE_string("peer", str(DEFAULT_PEER), "The PyTorch peer script.")
+flags.DEFINE_enum(
+    "peer_device",
+    "cpu",
+    ["cpu", "cuda", "auto"],
+    "Where the PyTorch peer runs: its script has no device option, so for cuda it runs "
+    "under `torch.set_default_device` (every tensor and module it builds lands there; its "
+    "per-task `.item()` synchronises, so its wall times are honest). auto: cuda when JAX's "
+    "default device is a GPU.",
+)
 flags.DEFINE_integer("peer_runs", 2, "Peer runs: 1 = before ours; 2 = before and after.")
 flags.DEFINE_integer("peer_timeout", 900, "Seconds before a peer run is abandoned.")
 flags.DEFINE_string(
@@ -332,6 +341,31 @@ def resolve_torch_python():
     )
 
 
+#: Runs a script as `__main__` with torch's default device set first (argv: device, script).
+PEER_ON_DEVICE = (
+    "import runpy, sys, torch; torch.set_default_device(sys.argv[1]); "
+    "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def peer_device():
+    """`--peer_device`, with auto resolved: "cuda" when JAX's default device is a GPU."""
+    if FLAGS.peer_device != "auto":
+        return FLAGS.peer_device
+    if on_jax():
+        import jax
+
+        return "cuda" if jax.devices()[0].platform == "gpu" else "cpu"
+    return "cpu"
+
+
+def peer_command(python):
+    device = peer_device()
+    if device == "cpu":
+        return [python, FLAGS.peer]
+    return [python, "-c", PEER_ON_DEVICE, device, FLAGS.peer]
+
+
 def run_peer(python, label):
     """Run the peer script; returns {"second_order_s", "first_order_s", ...} or {"error"}."""
     import re
@@ -344,7 +378,7 @@ def run_peer(python, label):
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         proc = subprocess.run(
-            [python, FLAGS.peer],
+            peer_command(python),
             capture_output=True,
             text=True,
             timeout=FLAGS.peer_timeout,
@@ -359,6 +393,7 @@ def run_peer(python, label):
     # much of the 2 cores the peer got (OpenMP threads suffer on an oversubscribed machine).
     out = {
         "run": label,
+        "device": peer_device(),
         "wall_s": time.perf_counter() - t0,
         "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
         "load_average": os.getloadavg(),
@@ -502,17 +537,22 @@ def main(argv):
 
     med = {c: float(np.median(t)) for c, t in times.items()}
     mean = {c: float(np.mean(t)) for c, t in times.items()}
+
+    def timing(config):
+        """The row fields every timed config has."""
+        return {
+            "config": config,
+            "median_step_ms": 1000 * med[config],
+            "mean_step_ms": 1000 * mean[config],
+            "min_step_ms": 1000 * float(np.min(times[config])),
+            "timed_steps": len(times[config]),
+            "first_step_s": first_step[config],
+        }
+
     rows, results = [], {}
     for config in configs + list(hand):
         if config in hand:
-            results[config] = r = {
-                "config": config,
-                "median_step_ms": 1000 * med[config],
-                "mean_step_ms": 1000 * mean[config],
-                "min_step_ms": 1000 * float(np.min(times[config])),
-                "timed_steps": len(times[config]),
-                "first_step_s": first_step[config],
-            }
+            results[config] = r = timing(config)
             rows.append(r)
             continue
         if config not in times:
@@ -522,11 +562,7 @@ def main(argv):
         r = {
             "config": config,
             **parse_config(config),
-            "median_step_ms": 1000 * med[config],
-            "mean_step_ms": 1000 * mean[config],
-            "min_step_ms": 1000 * float(np.min(times[config])),
-            "timed_steps": len(times[config]),
-            "first_step_s": first_step[config],
+            **timing(config),
             "peak_mb": memory[config] / 2**20 if memory[config] is not None else None,
         }
         if config in BASE and BASE[config] in med:

@@ -23,15 +23,14 @@ VOCABULARY, TOKENS = 16, 4
 
 def prompted_gpt2(dtype="float64", dropout=0.0, seed=0):
     """A one-layer GPT-2 (hidden 4, 2 heads) with a deep prefix of 2 positions."""
-    import keras_hub
-
     from tf_metaalign import prompts
+    from tiny_backbones import tiny_backbone
 
     keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.GPT2Backbone(
+    backbone = tiny_backbone(
+        "gpt2",
         vocabulary_size=VOCABULARY,
         num_layers=1,
-        num_heads=2,
         hidden_dim=4,
         intermediate_dim=8,
         max_sequence_length=8,

@@ -297,9 +297,23 @@ def test_import_and_unported_trainers_name_their_backend():
         assert re.search("TensorFlow|tensorflow", str(unported[0])), unported[0]
 
 
+#: the library's modules that are TensorFlow code by design, never imported on JAX:
+#: the backend's TensorFlow half, forward-mode tangents of TF ops (`tf_metaalign.forward_mode`
+#: is a stub naming TensorFlow there), MultiTaskTrainer's TF-only paths and the static
+#: task-count checks of the loop-over-tasks trainers (on JAX shapes are concrete).
+TENSORFLOW_ONLY_MODULES = {
+    "tf_metaalign.backend.tensorflow",
+    "tf_metaalign.forward_mode",
+    "tf_metaalign.trainers.multitask_tf",
+    "tf_metaalign.trainers.task_batches",
+}
+
+
 def test_import_on_jax_loads_no_tensorflow():
-    """`import tf_metaalign` under KERAS_BACKEND=jax imports no TensorFlow (even where it is
-    installed), and the trainers of issue 29 are there (a fresh interpreter)."""
+    """`import tf_metaalign` and every module of the library but TENSORFLOW_ONLY_MODULES,
+    under KERAS_BACKEND=jax, import no TensorFlow (even where it is installed) and none of
+    the programs (`trainers`) or tests (a fresh interpreter); without TensorFlow installed,
+    each of TENSORFLOW_ONLY_MODULES does need it (the list only shrinks)."""
     import importlib.util
     import os
     import subprocess
@@ -308,9 +322,26 @@ def test_import_on_jax_loads_no_tensorflow():
     if importlib.util.find_spec("jax") is None:
         pytest.skip("needs jax installed")
     code = (
-        "import sys, tf_metaalign\n"
+        "import importlib, importlib.util, pkgutil, sys, tf_metaalign\n"
         "from tf_metaalign import trainers, algorithms, functional, backend\n"
         "assert backend.name == 'jax'\n"
+        f"tf_only = {sorted(TENSORFLOW_ONLY_MODULES)!r}\n"
+        "names = [m.name for m in pkgutil.walk_packages(tf_metaalign.__path__, 'tf_metaalign.')]\n"
+        "assert set(tf_only) <= set(names), sorted(set(tf_only) - set(names))\n"
+        "for name in names:\n"
+        "    if name not in tf_only:\n"
+        "        importlib.import_module(name)\n"
+        "assert len(names) > 50, names\n"
+        "leaked = [m for m in sys.modules if m.split('.')[0] in ('trainers', 'tests')]\n"
+        "assert not leaked, leaked\n"
+        "if importlib.util.find_spec('tensorflow') is None:\n"
+        "    for name in tf_only:\n"
+        "        try:\n"
+        "            importlib.import_module(name)\n"
+        "        except ModuleNotFoundError as error:\n"
+        "            assert error.name == 'tensorflow', (name, error)\n"
+        "        else:\n"
+        "            raise AssertionError(name + ' imports without TensorFlow: unlist it')\n"
         "print('tensorflow' in sys.modules)\n"
     )
     env = {**os.environ, "KERAS_BACKEND": "jax"}

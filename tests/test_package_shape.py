@@ -1,7 +1,7 @@
 """The shape of the package: what a user imports is the library, and only the library.
 
 * nothing under `tf_metaalign/` imports the programs' package `trainers` (our
-  experiments live there and run from a checkout; they are not installed);
+  experiments live there and run from a checkout; they are not installed), nor the tests;
 * every package `__init__` of the library lists its public API in `__all__`, and every
   name listed resolves;
 * every program module in `trainers/` is split by stage (under ~400 lines each);
@@ -34,12 +34,16 @@ def _imported_modules(path: Path):
             yield node.module
 
 
-def test_the_library_never_imports_the_programs():
+def test_the_library_never_imports_the_programs_or_the_tests():
+    """Nor `tests` nor a test helper by its module name (`golden_io`, `trainer_entries`, ...:
+    importable under pytest, where tests/ is on sys.path, but not for a user)."""
+    tests = ROOT / "tests"
+    helpers = {path.stem for path in tests.rglob("*.py")} - {"__init__"}
     offenders = [
         f"{path.relative_to(ROOT)}: {module}"
         for path in sorted(LIBRARY.rglob("*.py"))
         for module in _imported_modules(path)
-        if module == "trainers" or module.startswith("trainers.")
+        if module.split(".")[0] in {"trainers", "tests"} | helpers
     ]
     assert not offenders, offenders
 

@@ -701,3 +701,16 @@ def keras_jax_promotes_64_bit(enabled: bool) -> bool:
             {"int64": "int32", "uint64": "uint32", "float64": "float32", "complex128": "complex64"}
         )
     return previous
+
+
+def keras_jax_nn():
+    """Keras's JAX `nn` module, whose `max_pool` `keras.ops.max_pool` (and so Keras's
+    pooling layers) calls at trace time.
+
+    Private: `keras.src.backend.jax.nn`. `backend.jax_pooling` swaps its `max_pool` for
+    an exact element-wise form while a trainer's step is traced (XLA CPU's gradient of
+    `reduce_window` is a scalar loop); Keras has no public hook for a backend op.
+    """
+    from keras.src.backend.jax import nn
+
+    return nn

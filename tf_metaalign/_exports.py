@@ -37,9 +37,9 @@ def missing_attribute(namespace: dict, package: str):
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         raise ImportError(
             f"{package}.{name} needs TensorFlow ({module} imports it), which is not installed "
-            "here. On Keras's JAX backend it is not available yet (issue 30 moves the MAML "
-            "family, guided learning, the optimizers and soft prompts to JAX); run it with "
-            "TensorFlow installed and KERAS_BACKEND=tensorflow."
+            "here: it is TensorFlow code (on Keras's JAX backend, JAX's own transformations "
+            "do its work: e.g. `jax.jvp` for forward mode); run it with TensorFlow installed "
+            "and KERAS_BACKEND=tensorflow."
         )
 
     return __getattr__

@@ -1,6 +1,11 @@
-"""MAML / Meta-SGD / MAML++ / gradient sharing: the meta-gradient against central finite
-differences, first order against the FOMAML closed form, gradient sharing against a NumPy
-re-derivation and against plain MAML at a gate of exactly 0, then the trainer."""
+"""MAMLTrainer (MAML / Meta-SGD / MAML++ / gradient sharing) on TensorFlow: its step is the
+algorithm's meta-gradient, first order equals the FOMAML closed form, gradient sharing
+follows a NumPy re-derivation and equals plain MAML at a gate of exactly 0, two replicas
+equal one, evaluate / predict adapt per task. The algorithm's own oracles (finite
+differences, the FOMAML closed form, Meta-SGD's rates, gradient sharing against NumPy and
+at a gate of exactly 0, MAML++'s loss weights) run on both backends in
+test_maml_algorithm_backends.py; the builders and NumPy re-derivations are
+tests/maml_oracles.py's."""
 
 import keras
 import numpy as np
@@ -10,110 +15,24 @@ import tensorflow as tf
 from tf_metaalign import functional as F
 from tf_metaalign.algorithms import maml as M
 from tf_metaalign.algorithms.gradient_sharing import GradientSharing
+from tf_metaalign.trainers import MAMLTrainer
 
-
-def _mlp(seed=0, dtype="float64"):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential(
-        [
-            keras.Input((4,), dtype=dtype),
-            keras.layers.Dense(5, activation="tanh", dtype=dtype),
-            keras.layers.Dense(2, dtype=dtype),
-        ]
-    )
-
-
-def _linear(seed=0, dtype="float64"):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((4,), dtype=dtype), keras.layers.Dense(2, dtype=dtype)])
-
-
-def _tasks(num_tasks, n_support=6, n_query=5, seed=0, dtype="float64"):
-    """Per task: a random linear-ish regression problem -> (support, query) numpy batches."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(num_tasks):
-        a = rng.normal(size=(4, 2))
-        xs, xq = rng.normal(size=(n_support, 4)), rng.normal(size=(n_query, 4))
-        f = lambda x: np.tanh(x @ a) + 0.1 * x[:, :2]  # noqa: E731
-        out.append(
-            ((xs.astype(dtype), f(xs).astype(dtype)), (xq.astype(dtype), f(xq).astype(dtype)))
-        )
-    return out
-
-
-def _loss_fn(model):
-    return F.make_loss_fn(model, keras.losses.MeanSquaredError())
-
-
-def _const(batches):
-    return [tuple(tf.constant(a) for a in b) for b in batches]
-
-
-def _flat(ts):
-    return np.concatenate([np.ravel(np.asarray(t)) for t in ts])
-
-
-def _unflat(v, like):
-    out, i = [], 0
-    for t in like:
-        n = int(np.prod(t.shape))
-        out.append(tf.constant(np.reshape(v[i : i + n], t.shape), tf.float64))
-        i += n
-    return out
-
-
-def _objective(model, params, tasks, lrs_fn, hyper, **kw):
-    """The post-adaptation mean query loss (no tape: for finite differences)."""
-    loss, *_ = M.adapt_and_evaluate(*_algorithm_args(model, params, tasks), lrs_fn(hyper), **kw)
-    return float(loss)
-
-
-def _central_difference(f, x, eps=1e-5):
-    g = np.zeros_like(x)
-    for i in range(x.size):
-        e = np.zeros_like(x)
-        e[i] = eps
-        g[i] = (f(x + e) - f(x - e)) / (2 * eps)
-    return g
-
-
-def _plain_lrs(alpha, steps, n):
-    return lambda h: [[tf.constant(alpha, tf.float64)] * n for _ in range(steps)]
-
-
-def _algorithm_args(model, params, tasks):
-    """The leading arguments of `M.meta_gradient` / `M.adapt_and_evaluate`: the model's MSE
-    as inner and outer loss, `params`, the model's state and the tasks' support and query
-    batches."""
-    return (
-        _loss_fn(model),
-        _loss_fn(model),
-        params,
-        F.current_state(model),
-        _const([t[0] for t in tasks]),
-        _const([t[1] for t in tasks]),
-    )
-
-
-def _meta_gradient(model, params, tasks, hyper, lrs_fn, **kw):
-    return M.meta_gradient(*_algorithm_args(model, params, tasks), hyper, lrs_fn, **kw)
-
-
-# The algorithm's oracles (finite differences, the FOMAML closed form, Meta-SGD's rates,
-# gradient sharing against NumPy and at a gate of exactly 0, MAML++'s loss weights) run on
-# both backends in test_maml_algorithm_backends.py.
-
-
-# ------------------------------------------------------------------------ the trainer
-
-from conftest import two_cpu_strategy  # noqa: E402
-from maml_oracles import _np_grad, np_sharing_inner_loop  # noqa: E402
-from tf_metaalign.trainers import MAMLTrainer  # noqa: E402
+from conftest import two_cpu_strategy
+from maml_oracles import (
+    _np_grad,
+    const_batches,
+    linear_model,
+    mlp,
+    model_meta_gradient,
+    mse_loss_fn,
+    np_sharing_inner_loop,
+    plain_lrs,
+    regression_tasks,
+)
 
 
 def _task_arrays(num_tasks, seed=0, n_support=6, n_query=5):
-    tasks = _tasks(num_tasks, n_support, n_query, seed=seed)
+    tasks = regression_tasks(num_tasks, n_support, n_query, seed=seed)
     sx = np.stack([t[0][0] for t in tasks])
     sy = np.stack([t[0][1] for t in tasks])
     qx = np.stack([t[1][0] for t in tasks])
@@ -122,7 +41,7 @@ def _task_arrays(num_tasks, seed=0, n_support=6, n_query=5):
 
 
 def _task_list(x, y, indices):
-    """`_task_arrays`' tasks `indices` as `_tasks` gives them: [((xs, ys), (xq, yq))]."""
+    """`_task_arrays`' tasks `indices` as `regression_tasks` gives them: [((xs, ys), (xq, yq))]."""
     return [((x[0][t], x[1][t]), (x[2][t], y[t])) for t in indices]
 
 
@@ -149,11 +68,11 @@ def _trainer(model, optimizer=None, **kwargs):
 def test_trainer_step_is_the_algorithms_meta_gradient(float64):
     x, y = _task_arrays(4, seed=7)
     for first_order in (False, True):
-        trainer = _trainer(_mlp(5), inner_steps=2, inner_learning_rate=0.3, first_order=first_order)
+        trainer = _trainer(mlp(5), inner_steps=2, inner_learning_rate=0.3, first_order=first_order)
         phi = F.current_params(trainer.model)
         tasks = _task_list(x, y, range(4))
-        r = _meta_gradient(
-            trainer.model, phi, tasks, {}, _plain_lrs(0.3, 2, 4), first_order=first_order
+        r = model_meta_gradient(
+            trainer.model, phi, tasks, {}, plain_lrs(0.3, 2, 4), first_order=first_order
         )
         history = trainer.fit(_dataset(x, y, 4), verbose=0)
         _assert_outer_sgd_step(trainer.model, phi, r.grads)
@@ -163,7 +82,7 @@ def test_trainer_step_is_the_algorithms_meta_gradient(float64):
 
 def test_trainer_first_order_equals_the_fomaml_closed_form(float64):
     x, y = _task_arrays(6, seed=8)
-    trainer = _trainer(_linear(6), inner_steps=2, inner_learning_rate=0.2, first_order=True)
+    trainer = _trainer(linear_model(6), inner_steps=2, inner_learning_rate=0.2, first_order=True)
     phi = [v.numpy() for v in trainer.model.trainable_variables]
     trainer.fit(_dataset(x, y, 3), verbose=0)  # 2 outer steps of 3 tasks
     for start in (0, 3):
@@ -184,9 +103,9 @@ def test_trainer_gate_exactly_zero_equals_plain_maml(float64, run_eagerly):
     # nested functions it inlines) in different contexts, so float64 rounding may differ
     # in the last bit; one lost or wrong term would differ by far more.
     x, y = _task_arrays(8, seed=9)
-    plain = _trainer(_mlp(3), keras.optimizers.Adam(0.02), inner_steps=2, inner_learning_rate=0.3)
+    plain = _trainer(mlp(3), keras.optimizers.Adam(0.02), inner_steps=2, inner_learning_rate=0.3)
     shared = _trainer(
-        _mlp(3),
+        mlp(3),
         keras.optimizers.Adam(0.02),
         inner_steps=2,
         inner_learning_rate=0.3,
@@ -210,7 +129,7 @@ def test_trainer_g_hat_and_gates_follow_numpy(float64):
     each iteration; m and lambda both move (non-zero outer gradients)."""
     x, y = _task_arrays(6, seed=10)
     trainer = _trainer(
-        _linear(7),
+        linear_model(7),
         keras.optimizers.SGD(0.5),
         inner_steps=2,
         inner_learning_rate=0.25,
@@ -237,7 +156,7 @@ def test_trainer_g_hat_and_gates_follow_numpy(float64):
 def test_learned_inner_learning_rates_receive_gradients(float64, learn):
     x, y = _task_arrays(4, seed=11)
     trainer = _trainer(
-        _mlp(2),
+        mlp(2),
         keras.optimizers.SGD(0.5),
         inner_steps=2,
         inner_learning_rate=0.1,
@@ -255,7 +174,7 @@ def test_learned_inner_learning_rates_receive_gradients(float64, learn):
         hyper = {"lslr": tf.constant(before[0])}
         fn = lambda h: [[h["lslr"][k, i] for i in range(4)] for k in range(2)]  # noqa: E731
     tasks = _task_list(x, y, range(4))
-    r = _meta_gradient(trainer.model, phi, tasks, hyper, fn)
+    r = model_meta_gradient(trainer.model, phi, tasks, hyper, fn)
     for name, b, a in zip(sorted(r.hyper_grads, key=lambda n: (len(n), n)), before, after):
         g = r.hyper_grads[name].numpy()
         assert np.all(g != 0), name
@@ -273,10 +192,10 @@ def test_two_replicas_equal_one_with_gradient_sharing(float64):
         multi_step_loss=True,
         multi_step_loss_epochs=2,
     )
-    single = _trainer(_mlp(4), keras.optimizers.Adam(0.02), **kwargs)
+    single = _trainer(mlp(4), keras.optimizers.Adam(0.02), **kwargs)
     h1 = single.fit(_dataset(x, y, 4), epochs=2, verbose=0)
     with two_cpu_strategy().scope():
-        double = _trainer(_mlp(4), keras.optimizers.Adam(0.02), **kwargs)
+        double = _trainer(mlp(4), keras.optimizers.Adam(0.02), **kwargs)
     h2 = double.fit(_dataset(x, y, 4), epochs=2, verbose=0)
     for a, b in zip(double.variables, single.variables):
         np.testing.assert_allclose(
@@ -289,9 +208,9 @@ def test_two_replicas_equal_one_with_gradient_sharing(float64):
 
 def test_derivative_order_annealing_is_first_order_then_second(float64):
     x, y = _task_arrays(4, seed=13)
-    annealed = _trainer(_mlp(6), inner_steps=2, inner_learning_rate=0.3, first_order_epochs=1)
-    first = _trainer(_mlp(6), inner_steps=2, inner_learning_rate=0.3, first_order=True)
-    second = _trainer(_mlp(6), inner_steps=2, inner_learning_rate=0.3)
+    annealed = _trainer(mlp(6), inner_steps=2, inner_learning_rate=0.3, first_order_epochs=1)
+    first = _trainer(mlp(6), inner_steps=2, inner_learning_rate=0.3, first_order=True)
+    second = _trainer(mlp(6), inner_steps=2, inner_learning_rate=0.3)
     for t in (annealed, first, second):
         t.fit(_dataset(x, y, 4), epochs=1, verbose=0)
     for a, b in zip(annealed.model.trainable_variables, first.model.trainable_variables):
@@ -304,7 +223,7 @@ def test_derivative_order_annealing_is_first_order_then_second(float64):
     # Epoch 2 is second order: one step from the same weights as `second` would take.
     phi = F.current_params(annealed.model)
     tasks = _task_list(x, y, range(4))
-    r = _meta_gradient(annealed.model, phi, tasks, {}, _plain_lrs(0.3, 2, 4))
+    r = model_meta_gradient(annealed.model, phi, tasks, {}, plain_lrs(0.3, 2, 4))
     annealed.fit(_dataset(x, y, 4), epochs=1, verbose=0)
     _assert_outer_sgd_step(annealed.model, phi, r.grads)
     assert int(annealed.epochs_done.numpy()) == 2
@@ -352,7 +271,7 @@ def test_evaluate_adapts_and_reports_query_accuracy(float64):
 
 
 def test_arguments_are_checked():
-    model = _linear(0, dtype="float32")
+    model = linear_model(0, dtype="float32")
     with pytest.raises(ValueError, match="inner_steps"):
         MAMLTrainer(model, inner_steps=0)
     with pytest.raises(ValueError, match="inner_learning_rate"):
@@ -414,11 +333,11 @@ def test_per_step_batch_norm_statistics(float64):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     # The reference: the trajectories do not depend on the statistics (batch statistics).
     r = M.adapt(
-        _loss_fn(model),
+        mse_loss_fn(model),
         phi,
         s0,
-        _const([(x[0][t], x[1][t]) for t in range(2)]),
-        _plain_lrs(0.3, 2, 6)({}),
+        const_batches([(x[0][t], x[1][t]) for t in range(2)]),
+        plain_lrs(0.3, 2, 6)({}),
     )
 
     def run(state, passes):
@@ -460,7 +379,7 @@ def test_validation_during_fit_is_the_adapted_query_loss(float64):
     x, y = _task_arrays(8, seed=15)
     val = _task_arrays(4, seed=16)
     trainer = _trainer(
-        _mlp(8),
+        mlp(8),
         keras.optimizers.Adam(0.01),
         inner_steps=2,
         inner_learning_rate=0.3,
@@ -475,7 +394,7 @@ def test_validation_during_fit_is_the_adapted_query_loss(float64):
 
 def test_predict_adapts_each_task(float64):
     x, y = _task_arrays(4, seed=17)
-    trainer = _trainer(_mlp(9), inner_steps=2, inner_learning_rate=0.3)
+    trainer = _trainer(mlp(9), inner_steps=2, inner_learning_rate=0.3)
     trainer.fit(_dataset(x, y, 2), verbose=0)
     data = tf.data.Dataset.from_tensor_slices(x).batch(2, drop_remainder=True)
     predictions = trainer.predict(data, verbose=0)
@@ -503,10 +422,10 @@ def test_evaluate_and_predict_on_two_replicas_equal_one(float64):
         gradient_sharing=GradientSharing(),
         evaluation_inner_steps=3,
     )
-    single = _trainer(_mlp(6), keras.optimizers.Adam(0.02), **kwargs)
+    single = _trainer(mlp(6), keras.optimizers.Adam(0.02), **kwargs)
     single.fit(_dataset(x, y, 4), verbose=0)  # g_hat initialised, gates moved
     with two_cpu_strategy().scope():
-        double = _trainer(_mlp(6), keras.optimizers.Adam(0.02), **kwargs)
+        double = _trainer(mlp(6), keras.optimizers.Adam(0.02), **kwargs)
     double.set_weights(single.get_weights())
     assert int(double.g_hat_initialized.numpy()) == 1
     want = single.evaluate(_dataset(x, y, 4), verbose=0, return_dict=True)

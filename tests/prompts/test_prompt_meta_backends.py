@@ -145,19 +145,12 @@ def test_fomaml_first_step_equals_numpy(float64):
 
 
 def _prompted_gpt2():
-    keras_hub = pytest.importorskip("keras_hub")
+    pytest.importorskip("keras_hub")
 
     from tf_metaalign import prompts
+    from tiny_backbones import tiny_backbone
 
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=16,
-        num_layers=1,
-        num_heads=2,
-        hidden_dim=8,
-        intermediate_dim=16,
-        max_sequence_length=16,
-        dropout=0.0,
-    )
+    backbone = tiny_backbone("gpt2", vocabulary_size=16, num_layers=1)
     model = prompts.prompt_causal_lm(backbone, length=2, mode="deep", train="both", seed=5)
     set_numpy_weights(model, seed=30, scale=0.3)
     return model

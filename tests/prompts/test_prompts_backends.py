@@ -24,6 +24,7 @@ keras_hub = pytest.importorskip("keras_hub")  # the `hub` extra (JAX env: run.sh
 from golden_io import check_golden, set_numpy_weights
 from keras import ops
 from prompt_precision import exact_gelu, float64_attention_softmax  # noqa: F401 (fixtures)
+from tiny_backbones import tiny_backbone
 
 EXACT_GELU = pytest.mark.usefixtures("exact_gelu")  # see prompt_precision
 
@@ -63,56 +64,7 @@ def _families(*names):
 def _backbone(family, seed=0):
     """A tiny backbone in the global float precision with NumPy-drawn weights (scale 0.3:
     moderate logits)."""
-    if family == "t5":
-        backbone = keras_hub.models.T5Backbone(
-            vocabulary_size=V,
-            num_layers=2,
-            num_heads=2,
-            hidden_dim=8,
-            intermediate_dim=16,
-            key_value_dim=4,
-            dropout=0.0,
-        )
-    elif family == "bert":
-        backbone = keras_hub.models.BertBackbone(
-            vocabulary_size=V,
-            num_layers=2,
-            num_heads=2,
-            hidden_dim=8,
-            intermediate_dim=16,
-            max_sequence_length=16,
-            dropout=0.0,
-        )
-    elif family == "gpt2":
-        backbone = keras_hub.models.GPT2Backbone(
-            vocabulary_size=V,
-            num_layers=2,
-            num_heads=2,
-            hidden_dim=8,
-            intermediate_dim=16,
-            max_sequence_length=16,
-            dropout=0.0,
-        )
-    elif family == "gemma":
-        backbone = keras_hub.models.GemmaBackbone(
-            vocabulary_size=V,
-            num_layers=2,
-            num_query_heads=2,
-            num_key_value_heads=1,
-            hidden_dim=8,
-            intermediate_dim=16,
-            head_dim=4,
-        )
-    else:
-        backbone = keras_hub.models.LlamaBackbone(  # GQA: 4 query heads, 2 key/value heads
-            vocabulary_size=V,
-            num_layers=2,
-            num_query_heads=4,
-            num_key_value_heads=2,
-            hidden_dim=16,
-            intermediate_dim=16,
-            dropout=0.0,
-        )
+    backbone = tiny_backbone(family, vocabulary_size=V)
     set_numpy_weights(backbone, seed=10 + seed, scale=0.3)
     return backbone
 

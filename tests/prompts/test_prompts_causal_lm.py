@@ -20,6 +20,7 @@ import tensorflow as tf
 from keras import ops
 
 from conftest import Recorder
+from tiny_backbones import tiny_backbone
 from tf_metaalign import prompts
 from tf_metaalign.prompts import causal_lm as C
 from tf_metaalign.prompts import evaluation as ev
@@ -43,34 +44,7 @@ def _slow_except(cases, *default):
 
 def tiny(family, seed=0):
     keras.utils.set_random_seed(seed)
-    if family == "gpt2":
-        return keras_hub.models.GPT2Backbone(
-            vocabulary_size=V,
-            num_layers=2,
-            num_heads=2,
-            hidden_dim=8,
-            intermediate_dim=16,
-            max_sequence_length=16,
-            dropout=0.0,
-        )
-    if family == "gemma":
-        return keras_hub.models.GemmaBackbone(
-            vocabulary_size=V,
-            num_layers=2,
-            num_query_heads=2,
-            num_key_value_heads=1,
-            hidden_dim=8,
-            intermediate_dim=16,
-            head_dim=4,
-        )
-    return keras_hub.models.LlamaBackbone(  # GQA: 4 query heads share 2 key/value heads
-        vocabulary_size=V,
-        num_layers=2,
-        num_query_heads=4,
-        num_key_value_heads=2,
-        hidden_dim=16,
-        intermediate_dim=16,
-    )
+    return tiny_backbone(family, vocabulary_size=V)
 
 
 LM_CLASS = {

@@ -12,6 +12,7 @@ import pytest
 from keras import ops
 
 from conftest import Recorder
+from test_prompts_backends import PromptedLMHead
 from tf_metaalign import prompts
 from tf_metaalign.prompts import storage
 from tf_metaalign.prompts.t5 import PromptedT5
@@ -114,17 +115,6 @@ def test_train_argument_selects_exactly_the_trainable_set(backbone, mode):
     assert {id(v) for v in model.trainable_variables} == transformer_ids | prompt_ids
     # The layers are the backbone's own objects: no copy of any weight.
     assert {id(v) for v in model.weights} == transformer_ids | prompt_ids
-
-
-class PromptedLMHead(prompts.TrainableSelection, keras.Model):
-    """Logits of a PromptedT5 (the test's training head)."""
-
-    def __init__(self, prompted):
-        super().__init__()
-        self.prompted = prompted
-
-    def call(self, x):
-        return self.prompted.lm_logits(self.prompted(x)["decoder_sequence_output"])
 
 
 def _fit_a_few_steps(model):

@@ -433,6 +433,18 @@ def _adapt_steps(
 
     state = list(state)
     support_losses, record, new_g_hat = [], [], []
+
+    def step_directions(task_grads, k, stacked):
+        """Delta_{t,k} for every task at step k; records (task gradients, g_k) and g_hat_k."""
+        deltas, g, step_g_hat = _inner_directions(
+            task_grads, k, mode, sharing, sharing_m, sharing_lambda, g_hat,
+            g_hat_initialized, sharing_training, reduce, stacked=stacked,
+        )  # fmt: skip
+        if step_g_hat is not None:
+            new_g_hat.append(step_g_hat)
+        record.append((task_grads, g))
+        return deltas
+
     if _vectorized():
         slopes = _state_slopes(inner_loss_fn, params, state, _task(supports, 0))
 
@@ -450,13 +462,7 @@ def _adapt_steps(
             state = _compose_tasks(state, new_states, slopes)
             if step_statistics is not None:
                 step_statistics.leave(k, state)
-            deltas, g, step_g_hat = _inner_directions(
-                task_grads, k, mode, sharing, sharing_m, sharing_lambda, g_hat,
-                g_hat_initialized, sharing_training, reduce, stacked=True,
-            )  # fmt: skip
-            if step_g_hat is not None:
-                new_g_hat.append(step_g_hat)
-            record.append((task_grads, g))
+            deltas = step_directions(task_grads, k, stacked=True)
             trajectory.append(_sgd(trajectory[-1], learning_rates[k], deltas))
             support_losses.append(_mean_over_tasks(losses))
         return trajectory, state, support_losses, new_g_hat, record
@@ -473,13 +479,7 @@ def _adapt_steps(
                 step_statistics.leave(k, state)
             task_grads.append(grad)
             losses.append(loss)
-        deltas, g, step_g_hat = _inner_directions(
-            task_grads, k, mode, sharing, sharing_m, sharing_lambda, g_hat,
-            g_hat_initialized, sharing_training, reduce, stacked=False,
-        )  # fmt: skip
-        if step_g_hat is not None:
-            new_g_hat.append(step_g_hat)
-        record.append((task_grads, g))
+        deltas = step_directions(task_grads, k, stacked=False)
         for t in range(len(supports)):
             thetas[t].append(_sgd(thetas[t][-1], learning_rates[k], deltas[t]))
         support_losses.append(_mean_over_tasks(losses))

@@ -29,6 +29,7 @@ import keras
 from keras import ops
 
 from tf_metaalign import _compat
+from tf_metaalign.backend.jax_pooling import max_pool_as_selects
 
 name = "jax"
 
@@ -286,7 +287,7 @@ def stateless_train_step(trainer, state, data):
     mapping = [(v, value) for vs, values in zip(groups, state) for v, value in zip(vs, values)]
     trainer._finite_checks = []
     try:
-        with keras.StatelessScope(state_mapping=mapping) as scope:
+        with keras.StatelessScope(state_mapping=mapping) as scope, max_pool_as_selects():
             logs = type(trainer).train_step(trainer, data)
         checks = trainer._finite_checks
     finally:

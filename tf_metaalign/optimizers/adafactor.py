@@ -95,12 +95,12 @@ class AdafactorRule(base.UpdateRule):
     Example:
       >>> from tf_metaalign.optimizers import AdafactorRule
       >>> rule = AdafactorRule(min_dim_size_to_factor=2)
-      >>> w = tf.ones([2, 3])
+      >>> w = keras.ops.ones((2, 3))
       >>> options = {"factored_dims": (0, 1), "parameter_scale": False, "weight_decay": False}
       >>> slots = rule.init_slots(w, options)
       >>> hparams = {"learning_rate": 0.1}
-      >>> new_w, new_slots = rule.update(tf.ones([2, 3]), w, slots, hparams, 1, options)
-      >>> np.round(new_w.numpy()[0], 4), sorted(new_slots)
+      >>> new_w, new_slots = rule.update(keras.ops.ones((2, 3)), w, slots, hparams, 1, options)
+      >>> np.round(np.asarray(new_w)[0], 4), sorted(new_slots)
       (array([0.9, 0.9, 0.9], dtype=float32), ['v_col', 'v_row'])
 
     References:
@@ -230,8 +230,8 @@ class Adafactor(base.BaseOptimizer):
     Example:
       >>> from tf_metaalign.optimizers import Adafactor
       >>> opt = Adafactor(learning_rate=0.01, min_dim_size_to_factor=2)
-      >>> w = keras.Variable(tf.ones([3, 4]))
-      >>> _ = opt.apply_gradients([(tf.fill([3, 4], 0.5), w)])
+      >>> w = keras.Variable(keras.ops.ones((3, 4)))
+      >>> _ = opt.apply_gradients([(keras.ops.full((3, 4), 0.5), w)])
       >>> {k: tuple(v.shape) for k, v in opt.slots_for(w).items()}  # factored: rows, columns
       {'v_row': (3,), 'v_col': (4,)}
       >>> round(float(w[0, 0]), 4)  # 1 - 0.01 * RMS(w) * sign(g): the update is clipped to RMS 1

@@ -21,11 +21,11 @@ class AdamRule(base.UpdateRule):
 
     Example:
       >>> from tf_metaalign.optimizers import AdamRule
-      >>> rule, w = AdamRule(), tf.constant([1.0, 2.0])
+      >>> rule, w = AdamRule(), keras.ops.array([1.0, 2.0])
       >>> new_w, slots = rule.update(
-      ...     tf.constant([0.5, -0.5]), w, rule.init_slots(w, None), {"learning_rate": 0.1}, 1
+      ...     keras.ops.array([0.5, -0.5]), w, rule.init_slots(w, None), {"learning_rate": 0.1}, 1
       ... )
-      >>> np.round(new_w.numpy(), 4), sorted(slots)
+      >>> np.round(np.asarray(new_w), 4), sorted(slots)
       (array([0.9, 2.1], dtype=float32), ['m', 'v'])
 
     References:
@@ -69,7 +69,7 @@ class Adam(base.BaseOptimizer):
     Example:
       >>> from tf_metaalign.optimizers import Adam
       >>> w = keras.Variable([1.0, 2.0])
-      >>> _ = Adam(learning_rate=0.1).apply_gradients([(tf.constant([0.5, -0.5]), w)])
+      >>> _ = Adam(learning_rate=0.1).apply_gradients([(keras.ops.array([0.5, -0.5]), w)])
       >>> np.round(w.numpy(), 4)  # the first step is lr * sign(g)
       array([0.9, 2.1], dtype=float32)
 
@@ -125,12 +125,12 @@ class AdamWRule(AdamRule):
 
     Example:
       >>> from tf_metaalign.optimizers import AdamWRule
-      >>> rule, w = AdamWRule(weight_decay=0.5), tf.constant([1.0, 2.0])
+      >>> rule, w = AdamWRule(weight_decay=0.5), keras.ops.array([1.0, 2.0])
       >>> new_w, _ = rule.update(
-      ...     tf.zeros([2]), w, rule.init_slots(w, None), {"learning_rate": 0.1}, 1,
+      ...     keras.ops.zeros((2,)), w, rule.init_slots(w, None), {"learning_rate": 0.1}, 1,
       ...     {"weight_decay": True},
       ... )
-      >>> np.round(new_w.numpy(), 4)  # a zero gradient: only the decay, w * (1 - 0.5 * 0.1)
+      >>> np.round(np.asarray(new_w), 4)  # a zero gradient: only the decay, w * (1 - 0.5 * 0.1)
       array([0.95, 1.9 ], dtype=float32)
 
     References:
@@ -185,7 +185,7 @@ class AdamW(base.BaseOptimizer):
     Example:
       >>> from tf_metaalign.optimizers import AdamW
       >>> w, ref = keras.Variable([1.0, 2.0]), keras.Variable([1.0, 2.0])
-      >>> g = tf.constant([0.5, -0.5])
+      >>> g = keras.ops.array([0.5, -0.5])
       >>> _ = AdamW(learning_rate=0.1, weight_decay=0.5).apply_gradients([(g, w)])
       >>> keras_opt = keras.optimizers.AdamW(learning_rate=0.1, weight_decay=0.5)
       >>> _ = keras_opt.apply_gradients([(g, ref)])

@@ -27,9 +27,9 @@ class AdamWeightDecayRule(base.UpdateRule):
 
     Example:
       >>> from tf_metaalign.optimizers import AdamWeightDecayRule
-      >>> rule, w = AdamWeightDecayRule(), tf.constant([1.0])
+      >>> rule, w = AdamWeightDecayRule(), keras.ops.array([1.0])
       >>> new_w, _ = rule.update(
-      ...     tf.constant([0.5]), w, rule.init_slots(w, None), {"learning_rate": 0.1}, 1,
+      ...     keras.ops.array([0.5]), w, rule.init_slots(w, None), {"learning_rate": 0.1}, 1,
       ...     {"weight_decay": False},
       ... )
       >>> round(float(new_w[0]), 4)  # 1 - 0.1 * 0.05 / sqrt(0.00025): 3.16x Adam's first step
@@ -184,7 +184,8 @@ class AdamWeightDecay(_DecayExcludingAdam):
       >>> layer = keras.layers.Dense(1, kernel_initializer="ones", bias_initializer="ones")
       >>> layer.build((None, 1))
       >>> opt = AdamWeightDecay(learning_rate=0.1, weight_decay_rate=0.5)
-      >>> _ = opt.apply_gradients([(tf.zeros_like(v), v) for v in layer.trainable_variables])
+      >>> variables = layer.trainable_variables
+      >>> _ = opt.apply_gradients([(keras.ops.zeros(v.shape), v) for v in variables])
       >>> np.round([float(layer.kernel[0, 0]), float(layer.bias[0])], 4)  # no decay of "bias"
       array([0.95, 1.  ])
 

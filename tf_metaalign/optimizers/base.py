@@ -37,6 +37,11 @@ rate cannot be exact: a Keras `LearningRateSchedule` computes in float32 (this p
 schedules compute in float64 under `floatx="float64"`, float32 otherwise), and
 `learning_rate_scale` (the learned scale of guided learning) is float32 under floatx float32
 (float64 under float64). `learning_rate_tensor` says which dtype a rate is handed on in.
+On JAX the rules run on `keras.ops` (`_math`) with the same numbers (float64 goldens equal
+TensorFlow's, tests/optimizers/test_optimizers_backends.py), and a python hyperparameter is
+converted by NumPy in the dtype asked for (as exact); but "float64" and the int64 step
+count exist there only under `jax_enable_x64`: without it they are float32 / int32
+(`_math.wide_float`, `counter_dtype`).
 
 One optimizer step on tensors (nothing assigned, differentiable, for MAML/Reptile inner loops
 and guided learning): `apply_rule` (the rule on every variable) and, with the optimizer's
@@ -215,10 +220,10 @@ class UpdateRule:
       ...     def slot_shapes(self, shape, options):
       ...         return {}
       ...     def update(self, grad, var, slots, hparams, step, options=None):
-      ...         return var - hparams["learning_rate"] * tf.sign(grad), {}
-      >>> grad, w = tf.constant([-3.0, 0.5]), tf.zeros([2])
+      ...         return var - hparams["learning_rate"] * keras.ops.sign(grad), {}
+      >>> grad, w = keras.ops.array([-3.0, 0.5]), keras.ops.zeros((2,))
       >>> new_w, _ = SignSGD().update(grad, w, {}, {"learning_rate": 0.1}, step=1)
-      >>> new_w.numpy()
+      >>> np.asarray(new_w)
       array([ 0.1, -0.1], dtype=float32)
     """
 
@@ -315,12 +320,12 @@ def apply_rule(rule, grads, params, slots, options, hparams, step):
 
     Example:
       >>> from tf_metaalign.optimizers import SGDRule, apply_rule
-      >>> params = [tf.constant([1.0, 2.0]), tf.constant(3.0)]
-      >>> grads = [tf.constant([1.0, -1.0]), tf.constant(2.0)]
+      >>> params = [keras.ops.array([1.0, 2.0]), keras.ops.array(3.0)]
+      >>> grads = [keras.ops.array([1.0, -1.0]), keras.ops.array(2.0)]
       >>> new_params, new_slots = apply_rule(
       ...     SGDRule(), grads, params, [{}, {}], None, {"learning_rate": 0.5}, step=1
       ... )
-      >>> [p.numpy().tolist() for p in new_params], new_slots
+      >>> [np.asarray(p).tolist() for p in new_params], new_slots
       ([[0.5, 2.5], 2.0], [{}, {}])
     """
     grads = _as_list(grads, "grads", "apply_rule")
@@ -356,7 +361,7 @@ class OptimizerState(NamedTuple):
 
     Example:
       >>> from tf_metaalign.optimizers import Adam
-      >>> w = keras.Variable(tf.zeros([2, 3]))
+      >>> w = keras.Variable(keras.ops.zeros((2, 3)))
       >>> state = Adam().initial_state([w])
       >>> sorted(state.slots[0]), int(state.iterations)
       (['m', 'v'], 0)
@@ -472,9 +477,10 @@ class BaseOptimizer(keras.optimizers.Optimizer):
       >>> w = keras.Variable([1.0, 2.0])
       >>> opt = SGD(learning_rate=0.1)  # a BaseOptimizer
       >>> state = opt.initial_state([w])
-      >>> grads = [tf.constant([1.0, 1.0])]
+      >>> grads = [keras.ops.array([1.0, 1.0])]
       >>> new_params, new_state = opt.apply_on_tensors(grads, [w.value], state, [w])
-      >>> np.round(new_params[0].numpy(), 4), int(new_state.iterations), w.numpy()  # w unchanged
+      >>> new_w = np.asarray(new_params[0])
+      >>> np.round(new_w, 4), int(new_state.iterations), w.numpy()  # w unchanged
       (array([0.9, 1.9], dtype=float32), 1, array([1., 2.], dtype=float32))
     """
 

@@ -420,7 +420,8 @@ def as_rule_optimizer(optimizer):
     Example:
       >>> from tf_metaalign.optimizers import as_rule_optimizer
       >>> opt = as_rule_optimizer(keras.optimizers.Adam(0.01, weight_decay=0.1))
-      >>> type(opt).__name__, float(opt.learning_rate), opt.weight_decay
+      >>> # the rate is held in float64 (float32 on JAX without x64): rounded here
+      >>> type(opt).__name__, round(float(opt.learning_rate), 6), opt.weight_decay
       ('AdamW', 0.01, 0.1)
     """
     if isinstance(optimizer, BaseOptimizer):
@@ -472,8 +473,9 @@ def describe_conversion(source, converted):
       >>> from tf_metaalign.optimizers import as_rule_optimizer, describe_conversion
       >>> source = keras.optimizers.SGD(0.1, momentum=0.9)
       >>> text = describe_conversion(source, as_rule_optimizer(source))
+      >>> # learning_rate=0.1 (float64; on JAX without x64 the float32 0.10000000149011612)
       >>> print(text.split(" -> ")[1])  # doctest: +ELLIPSIS
-      tf_metaalign.optimizers.SGD(learning_rate=0.1, ...
+      tf_metaalign.optimizers.SGD(learning_rate=0.1...
     """
     config = converted.get_config()
     keys = ("learning_rate", "beta_1", "beta_2", "epsilon", "weight_decay", "momentum", "nesterov")

@@ -78,13 +78,13 @@ class FlaxAdamRule(base.UpdateRule):
 
     Example:
       >>> from tf_metaalign.optimizers.flax_reference import FlaxAdamRule
-      >>> rule, w = FlaxAdamRule(epsilon=0.5), tf.constant([1.0, 2.0], tf.float64)
+      >>> rule, w = FlaxAdamRule(epsilon=0.5), keras.ops.array([1.0, 2.0])
       >>> new_w, _ = rule.update(
-      ...     tf.constant([0.5, -0.5], tf.float64), w, rule.init_slots(w, None),
+      ...     keras.ops.array([0.5, -0.5]), w, rule.init_slots(w, None),
       ...     {"learning_rate": 0.1}, 1,
       ... )
-      >>> np.round(new_w.numpy(), 4)  # lr * g / (|g| + eps): epsilon after bias correction
-      array([0.95, 2.05])
+      >>> np.round(np.asarray(new_w), 4)  # lr * g / (|g| + eps): epsilon after bias correction
+      array([0.95, 2.05], dtype=float32)
 
     References:
       flax `flax/optim/adam.py` (flax <= 0.5), as used by google-research
@@ -121,17 +121,19 @@ class FlaxLambRule(FlaxAdamRule):
     Example:
       >>> from tf_metaalign.optimizers.flax_reference import FlaxLambRule
       >>> rule = FlaxLambRule()
-      >>> w = tf.constant([[3.0, 4.0], [0.0, 0.0]], tf.float64)
+      >>> w = keras.ops.array([[3.0, 4.0], [0.0, 0.0]])
       >>> new_w, _ = rule.update(
-      ...     tf.ones([2, 2], tf.float64), w, rule.init_slots(w, None), {"learning_rate": 0.1}, 1
+      ...     keras.ops.ones((2, 2)), w, rule.init_slots(w, None), {"learning_rate": 0.1}, 1
       ... )
-      >>> np.round(new_w.numpy(), 3)  # r = ||w|| / ||u|| = 5 / 2
+      >>> np.round(np.asarray(new_w), 3)  # r = ||w|| / ||u|| = 5 / 2
       array([[ 2.75,  3.75],
-             [-0.25, -0.25]])
-      >>> zero = tf.zeros([2], tf.float64)  # a variable at zero stays there (r = 0)
-      >>> rule.update(tf.ones([2], tf.float64), zero, rule.init_slots(zero, None),
-      ...             {"learning_rate": 0.1}, 1)[0].numpy()
-      array([0., 0.])
+             [-0.25, -0.25]], dtype=float32)
+      >>> zero = keras.ops.zeros((2,))  # a variable at zero stays there (r = 0)
+      >>> new_zero, _ = rule.update(
+      ...     keras.ops.ones((2,)), zero, rule.init_slots(zero, None), {"learning_rate": 0.1}, 1
+      ... )
+      >>> np.asarray(new_zero)
+      array([0., 0.], dtype=float32)
 
     References:
       flax `flax/optim/lamb.py` (flax <= 0.5), the default model optimizer of google-research
@@ -222,7 +224,7 @@ class FlaxAdam(_FlaxOptimizer):
     Example:
       >>> from tf_metaalign.optimizers.flax_reference import FlaxAdam
       >>> w = keras.Variable([1.0, 2.0])
-      >>> _ = FlaxAdam(learning_rate=0.1).apply_gradients([(tf.constant([0.5, -0.5]), w)])
+      >>> _ = FlaxAdam(learning_rate=0.1).apply_gradients([(keras.ops.array([0.5, -0.5]), w)])
       >>> np.round(w.numpy(), 4)
       array([0.9, 2.1], dtype=float32)
 
@@ -251,7 +253,7 @@ class FlaxLamb(_FlaxOptimizer):
     Example:
       >>> from tf_metaalign.optimizers.flax_reference import FlaxLamb
       >>> w, b = keras.Variable([3.0, 4.0]), keras.Variable([0.0, 0.0])
-      >>> _ = FlaxLamb(0.1).apply_gradients([(tf.ones([2]), w), (tf.ones([2]), b)])
+      >>> _ = FlaxLamb(0.1).apply_gradients([(keras.ops.ones((2,)), w), (keras.ops.ones((2,)), b)])
       >>> np.round(w.numpy(), 3), b.numpy()  # the zero bias does not move
       (array([2.646, 3.646], dtype=float32), array([0., 0.], dtype=float32))
 

@@ -41,12 +41,12 @@ class LambRule(base.UpdateRule):
 
     Example:
       >>> from tf_metaalign.optimizers import LambRule
-      >>> rule, w = LambRule(bias_correction=True), tf.constant([3.0, 4.0])
+      >>> rule, w = LambRule(bias_correction=True), keras.ops.array([3.0, 4.0])
       >>> new_w, _ = rule.update(
-      ...     tf.constant([1.0, 1.0]), w, rule.init_slots(w, None), {"learning_rate": 0.1}, 1,
+      ...     keras.ops.array([1.0, 1.0]), w, rule.init_slots(w, None), {"learning_rate": 0.1}, 1,
       ...     {"weight_decay": False, "layer_adaptation": True},
       ... )
-      >>> np.round(new_w.numpy(), 3)  # u = (1, 1), r = 5 / sqrt(2)
+      >>> np.round(np.asarray(new_w), 3)  # u = (1, 1), r = 5 / sqrt(2)
       array([2.646, 3.646], dtype=float32)
 
     References:
@@ -115,7 +115,7 @@ class Lamb(_DecayExcludingAdam):
       >>> from tf_metaalign.optimizers import Lamb
       >>> w = keras.Variable([3.0, 4.0])  # ||w|| = 5
       >>> _ = Lamb(learning_rate=0.1, weight_decay_rate=0.0).apply_gradients(
-      ...     [(tf.constant([1.0, 1.0]), w)]
+      ...     [(keras.ops.array([1.0, 1.0]), w)]
       ... )
       >>> np.round(w.numpy(), 3)  # lr * ||w|| * u / ||u||: 0.1 * 5 / sqrt(2) off each entry
       array([2.646, 3.646], dtype=float32)

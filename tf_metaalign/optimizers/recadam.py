@@ -28,9 +28,10 @@ def anneal_lambda(anneal_fun, step, k, t0, weight):
 
     Example:
       >>> from tf_metaalign.optimizers import anneal_lambda
-      >>> t = tf.constant([0.0, 100.0, 200.0], tf.float64)
-      >>> np.round(anneal_lambda("sigmoid", t, k=0.1, t0=100.0, weight=1.0).numpy(), 4)
-      array([0. , 0.5, 1. ])"""
+      >>> t = keras.ops.array([0.0, 100.0, 200.0])
+      >>> lam = anneal_lambda("sigmoid", t, k=0.1, t0=100.0, weight=1.0)
+      >>> [round(float(x), 4) for x in lam]  # float64 (float32 on JAX without x64)
+      [0.0, 0.5, 1.0]"""
     dtype = M.wide_float()  # float64 (float32 on JAX without jax_enable_x64)
     step = M.cast(step, dtype)
     weight = M.constant(float(weight), dtype)
@@ -81,9 +82,9 @@ class RecAdamRule(base.UpdateRule):
     Example:
       >>> from tf_metaalign.optimizers import RecAdamRule
       >>> rule = RecAdamRule(anneal_fun="linear", anneal_t0=2, pretrain_cof=10.0)
-      >>> w = tf.constant([2.0])
+      >>> w = keras.ops.array([2.0])
       >>> slots = rule.init_slots(w, None)  # "pretrained" = 2.0
-      >>> new_w, _ = rule.update(tf.constant([0.0]), w + 1.0, slots, {"learning_rate": 0.01}, 1)
+      >>> new_w, _ = rule.update(keras.ops.array([0.0]), w + 1.0, slots, {"learning_rate": 0.01}, 1)
       >>> round(float(new_w[0]), 4)  # a zero gradient, lambda = 1/2: 3 - 0.01 * 0.5 * 10 * (3 - 2)
       2.95
 
@@ -234,7 +235,7 @@ class RecAdam(base.BaseOptimizer):
       >>> w = keras.Variable([1.0])  # the pretrained value, taken when the optimizer builds
       >>> opt = RecAdam(learning_rate=0.01, anneal_fun="linear", anneal_t0=2, pretrain_cof=10.0)
       >>> for _ in range(3):
-      ...     _ = opt.apply_gradients([(tf.constant([-1.0]), w)])  # the task pulls w up
+      ...     _ = opt.apply_gradients([(keras.ops.array([-1.0]), w)])  # the task pulls w up
       >>> float(opt.slots_for(w)["pretrained"][0]), round(float(w[0]), 4)  # Adam alone: 1.03
       (1.0, 1.0247)
 

@@ -24,10 +24,10 @@ class SGDRule(base.UpdateRule):
 
     Example:
       >>> from tf_metaalign.optimizers import SGDRule
-      >>> rule, w = SGDRule(momentum=0.9), tf.constant([1.0])
+      >>> rule, w = SGDRule(momentum=0.9), keras.ops.array([1.0])
       >>> slots = rule.init_slots(w, None)
-      >>> w, slots = rule.update(tf.constant([1.0]), w, slots, {"learning_rate": 0.1}, 1)
-      >>> w, slots = rule.update(tf.constant([1.0]), w, slots, {"learning_rate": 0.1}, 2)
+      >>> w, slots = rule.update(keras.ops.array([1.0]), w, slots, {"learning_rate": 0.1}, 1)
+      >>> w, slots = rule.update(keras.ops.array([1.0]), w, slots, {"learning_rate": 0.1}, 2)
       >>> round(float(w[0]), 4), round(float(slots["momentum"][0]), 4)
       (0.71, -0.19)
     """
@@ -75,7 +75,7 @@ class SGD(base.BaseOptimizer):
       >>> w = keras.Variable([1.0])
       >>> opt = SGD(learning_rate=0.1, momentum=0.9)
       >>> for _ in range(2):
-      ...     _ = opt.apply_gradients([(tf.constant([1.0]), w)])
+      ...     _ = opt.apply_gradients([(keras.ops.array([1.0]), w)])
       >>> round(float(w[0]), 4)  # 1 - 0.1 - (0.9 * 0.1 + 0.1)
       0.71
     """

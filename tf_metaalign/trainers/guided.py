@@ -11,7 +11,9 @@ See `tf_metaalign.algorithms.guided` for the maths and docs/guided.md for usage.
 Both backends (`GuidedTrainer.backends`): on JAX the hypergradient's tangents come from
 `jax.jvp` (`algorithms.guided`), the step runs purely (`trainers.base`), and guidance
 data is a batch of arrays (a `tf.data.Dataset`, `split_guidance_batch` and
-`example_fingerprints` need TensorFlow).
+`example_fingerprints` need TensorFlow). Under `keras.distribution.DataParallel` the step
+sees the global batch (one replica's semantics on any number of devices; docs/guided.md
+"On JAX" says what that changes).
 """
 
 from __future__ import annotations
@@ -821,7 +823,8 @@ class GuidedTrainer(MetaTrainer):
         flax's Adam as the meta-optimizer (epsilon 1e-8 after bias correction; default
         FlaxAdam(3e-5)); `compile` trains an Adam as flax's Adam (epsilon after bias
         correction) and a Lamb as flax's LAMB (`optimizers.flax_reference`); on several
-        replicas each replica's hypergradient is sanitised before they are averaged.
+        TensorFlow replicas each replica's hypergradient is sanitised before they are
+        averaged (on JAX the step sees the global batch: one device's order).
       meta_gradient_clip: clip the hypergradient to [-c, c] before the meta step (the
         reference's `--use_grad_clip --grad_clip_limit=c`, off by default there too).
 

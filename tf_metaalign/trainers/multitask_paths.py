@@ -110,6 +110,13 @@ class Linearization:
         as the tape gives them, TensorFlow only)."""
         raise NotImplementedError
 
+    def stacked_grads(self, target):
+        """The gradient of every item of the list `outputs[target]` with respect to the
+        params, stacked per param ([T, ...] for T items; dense). One pull-back per item
+        (on JAX: `jax.vmap` of the pull-back, one batched backward pass)."""
+        grads = [self.grad((target, t)) for t in range(len(self.outputs[target]))]
+        return [ops.stack([g[v] for g in grads]) for v in range(len(grads[0]))]
+
 
 class _Offsets:
     """Passed to `fn`: `tap(name, tensor)` marks an intermediate tensor that `grad` may
@@ -146,7 +153,7 @@ class _VjpLinearization(Linearization):
         import jax
 
         params = list(params)
-        outer = _current_scope()
+        outer = _compat.current_stateless_scope()
 
         def run(p, offsets):
             recorder = _Offsets(offsets)
@@ -197,11 +204,27 @@ class _VjpLinearization(Linearization):
             return list(param_grads)
         return [offset_grads[w] if isinstance(w, str) else param_grads[w] for w in wrt]
 
+    def stacked_grads(self, target):
+        # The T pull-backs as one vmapped one: its dots read each activation once for
+        # the T cotangents (T separate pull-backs read them T times). Equal to the
+        # base class's T pull-backs up to summation order.
+        import jax
 
-def _current_scope():
-    from keras.src.backend.common import stateless_scope
+        zeros = jax.numpy.zeros_like
+        items = list(self.outputs[target])
+        rest = {k: v for k, v in self.outputs.items() if k != target}
+        cot_rest = jax.tree_util.tree_map(zeros, rest)
+        cot_rest["__taps__"] = jax.tree_util.tree_map(zeros, self._taps)
 
-    return stateless_scope.get_stateless_scope()
+        def pull(one_hot):
+            cot = dict(cot_rest)
+            cot[target] = [
+                jax.numpy.ones_like(v) * one_hot[i].astype(v.dtype) for i, v in enumerate(items)
+            ]
+            return self._pull(cot)[0]
+
+        eye = jax.numpy.eye(len(items), dtype=items[0].dtype)
+        return list(jax.vmap(pull)(eye))
 
 
 def _in_own_scope(fn, outer):
@@ -537,7 +560,7 @@ class MaskedPasses(StackedTaskGradients):
 
     def task_gradients(self, trainer, batch, inputs):
         acc, scale = batch.acc, inputs.loss_scale
-        model, T = trainer.model, trainer.num_tasks
+        model = trainer.model
 
         def forward(params, offsets):
             y_pred, new_state, model_losses = F.stateless_forward(
@@ -553,12 +576,8 @@ class MaskedPasses(StackedTaskGradients):
         run = linearize(forward, inputs.params)
         task_losses, new_state, y_pred, regularizer = run.aux
         inv_scale = 1.0 / ops.cast(scale, acc)
-        task_grads = []
-        for t in range(T):
-            g = run.grad(("scaled", t))
-            task_grads.append([gi * ops.cast(inv_scale, _dtype(gi)) for gi in g])
+        stacked = [g * ops.cast(inv_scale, _dtype(g)) for g in run.stacked_grads("scaled")]
         reg_grads = run.grad("regularizer") if regularizer is not None else None
-        stacked = [ops.stack([g[v] for g in task_grads]) for v in range(len(inputs.params))]
         return task_losses, stacked, new_state, y_pred, regularizer, reg_grads
 
 

@@ -12,7 +12,9 @@ tasks per replica must be static: batch with `drop_remainder=True` or give
 `tasks_per_batch` (global); NumPy input: a number of tasks that is a multiple of
 `batch_size`, itself a multiple of the replica count. `fit` refuses input that breaks
 these rules before the first step (`tf_metaalign.trainers.task_batches`) rather than
-failing at the last batch. `evaluate` / `predict` take ordinary model batches.
+failing at the last batch. On JAX shapes are concrete: nothing is refused up front, a
+smaller last meta-batch is traced as a step of its own (the mean over its own tasks), and
+`tasks_per_batch` is not needed. `evaluate` / `predict` take ordinary model batches.
 
 The compiled optimizer is the OUTER optimizer (the paper: Adafactor at 1e-3, clipping at
 1.0: `default_adafactor(aggregated_clipnorm=1.0)`). Logs "loss" (the mean query loss at
@@ -408,8 +410,10 @@ class PromptFOMAMLTrainer(_PromptMetaTrainer):
         meta-batches, kept in the checkpointed variables `inner_prompt_<slot>_<j>` and
         `inner_prompt_iterations`. Under R replicas each replica runs its tasks' chain
         from the stored state, and the FIRST replica's end state is kept (the reference
-        keeps one chain per DDP process: not replica-count independent either). False:
-        every task starts from a fresh inner optimizer.
+        keeps one chain per DDP process: not replica-count independent either). On JAX
+        (`keras.distribution.DataParallel`) the step sees the global meta-batch: one chain
+        over all its tasks, as one replica's (1 device == 2, tested). False: every task
+        starts from a fresh inner optimizer.
       tasks_per_batch: the global number of tasks per meta-batch when the batch's task
         dimension is not static.
 

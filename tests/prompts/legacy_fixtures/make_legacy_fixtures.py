@@ -52,39 +52,14 @@ CASES = {
 
 
 def tiny_backbone(family):
-    """The tests' tiny backbones (tests/prompts/test_prompts_causal_lm.py `tiny`)."""
+    """The tests' tiny backbone of `family` (tests/tiny_backbones.py), seeded 0."""
     import keras
-    import keras_hub
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # tests/
+    from tiny_backbones import tiny_backbone as build
 
     keras.utils.set_random_seed(0)
-    if family == "gpt2":
-        return keras_hub.models.GPT2Backbone(
-            vocabulary_size=VOCABULARY,
-            num_layers=2,
-            num_heads=2,
-            hidden_dim=8,
-            intermediate_dim=16,
-            max_sequence_length=16,
-            dropout=0.0,
-        )
-    if family == "gemma":
-        return keras_hub.models.GemmaBackbone(
-            vocabulary_size=VOCABULARY,
-            num_layers=2,
-            num_query_heads=2,
-            num_key_value_heads=1,
-            hidden_dim=8,
-            intermediate_dim=16,
-            head_dim=4,
-        )
-    return keras_hub.models.LlamaBackbone(
-        vocabulary_size=VOCABULARY,
-        num_layers=2,
-        num_query_heads=4,
-        num_key_value_heads=2,
-        hidden_dim=16,
-        intermediate_dim=16,
-    )
+    return build(family, vocabulary_size=VOCABULARY)
 
 
 def model_arguments(case):
