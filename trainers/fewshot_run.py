@@ -249,6 +249,7 @@ def run_method(
         train,
         epochs=config.epochs,
         steps_per_epoch=config.steps_per_epoch,
+        shuffle=False,  # an endless stream in order (Keras warns that a generator ignores it)
         verbose=0,
         callbacks=[
             common.ProgressCallback(log, name, total, config.log_every, ("loss",)),
