@@ -337,12 +337,15 @@ def _fewshot(tmp_path, methods, *flags, timeout=300):
     return results, proc
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (OMNIGLOT / "all_runs.zip").is_file(), reason="no Omniglot here")
 def test_fewshot_runs_and_scores_the_official_runs(tmp_path):
     """`python -m trainers.fewshot` on this backend, Reptile for 1 step (its evaluation
     adapts each episode with a MAMLTrainer): the table's columns and row, Lake's official
-    runs scored (their PNGs decoded without TensorFlow on JAX)."""
-    if BACKEND == "tensorflow":  # the default suite's time: TF runs it in test_fewshot_job.py
+    runs scored (their PNGs decoded without TensorFlow on JAX). 23 s on JAX even on quiet
+    cores (tracing the evaluator's three episode shapes), so `-m slow`; on TensorFlow
+    test_fewshot_job.py runs the program in the default suite."""
+    if BACKEND == "tensorflow":
         pytest.skip("tests/experiments/test_fewshot_job.py runs the program on TensorFlow")
     results, _ = _fewshot(
         tmp_path, "reptile", "--epochs=1", "--steps_per_epoch=1", "--evaluation_inner_steps=1"
