@@ -84,6 +84,7 @@ from backend_battery import (
     take_rows,
 )
 from backends import BACKEND, data_parallel, on_jax, on_tensorflow
+from prompt_precision import float64_attention_softmax  # noqa: F401 (an entry's fixture)
 
 BACKENDS = ("tensorflow", "jax")
 
@@ -388,45 +389,58 @@ def check_host_round_trip(entry, second_rows=BATCH):
 # ---------------------------------------------------------------- the tests
 
 
+def _use_fixtures(entry, request):
+    for name in entry.fixtures:
+        request.getfixturevalue(name)
+
+
 @pytest.mark.parametrize("entry", cases("jit_equals_eager"))
-def test_jit_equals_eager(entry, float64):
+def test_jit_equals_eager(entry, float64, request):
+    _use_fixtures(entry, request)
     check_jit_equals_eager(entry)
 
 
 @pytest.mark.parametrize("entry", cases("steps_per_execution"))
-def test_steps_per_execution_3_equals_1(entry, float64):
+def test_steps_per_execution_3_equals_1(entry, float64, request):
+    _use_fixtures(entry, request)
     check_steps_per_execution(entry)
 
 
 @pytest.mark.parametrize("entry", cases("mixed_bfloat16"))
-def test_mixed_bfloat16_trains_finite_and_close_to_float32(entry):
+def test_mixed_bfloat16_trains_finite_and_close_to_float32(entry, request):
+    _use_fixtures(entry, request)
     check_mixed_bfloat16(entry)
 
 
 @pytest.mark.parametrize("entry", cases("save_load"))
-def test_save_load_then_continue_equals_uninterrupted(entry, float64, tmp_path):
+def test_save_load_then_continue_equals_uninterrupted(entry, float64, tmp_path, request):
+    _use_fixtures(entry, request)
     check_save_load(entry, tmp_path)
 
 
 @pytest.mark.parametrize("entry", cases("model_as_itself"))
-def test_wrapped_model_evaluates_predicts_and_saves_as_itself(entry, float64, tmp_path):
+def test_wrapped_model_evaluates_predicts_and_saves_as_itself(entry, float64, tmp_path, request):
+    _use_fixtures(entry, request)
     check_model_as_itself(entry, tmp_path)
 
 
 @pytest.mark.parametrize("entry", cases("resume"))
-def test_resume_from_backup_equals_uninterrupted(entry, float64, tmp_path):
+def test_resume_from_backup_equals_uninterrupted(entry, float64, tmp_path, request):
+    _use_fixtures(entry, request)
     check_resume(entry, tmp_path)
 
 
 @pytest.mark.parametrize("entry", cases("devices"))
-def test_one_device_equals_two_devices(entry, float64):
+def test_one_device_equals_two_devices(entry, float64, request):
+    _use_fixtures(entry, request)
     if on_tensorflow():
         pytest.skip(f"JAX's keras.distribution (TensorFlow: {_TF_BATTERY}, 2 replicas == 1)")
     check_devices(entry)
 
 
 @pytest.mark.parametrize("entry", cases("host_round_trip"))
-def test_step_has_no_host_callback_and_compiles_once(entry):
+def test_step_has_no_host_callback_and_compiles_once(entry, request):
+    _use_fixtures(entry, request)
     if on_tensorflow():
         pytest.skip(f"JAX's step (TensorFlow: {_TF_BATTERY}, no_host_round_trip)")
     check_host_round_trip(entry)
