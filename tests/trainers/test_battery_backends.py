@@ -1,6 +1,11 @@
-"""One trainer battery, both backends (issue 29): the same entries and checks on Keras's
-TensorFlow and JAX backends. The entries (tests/backend_battery.py) build every trainer of
-issue 29 with the constructor arguments of its TensorFlow battery entry; an entry whose
+"""One trainer battery, both backends (issues 29 and 30): the same entries and checks on
+Keras's TensorFlow and JAX backends. The entries (tests/backend_battery.py) build every
+trainer class of `tf_metaalign.trainers` (a test enforces it) with the constructor
+arguments of its TensorFlow battery entry: DotProd, SAM / GSAM, the multi-task zoo, the
+Reptile family, guided learning, MAML (second order with MAML++ and per-step BatchNorm
+statistics; first order with Meta-SGD; both with gradient sharing), prompt FOMAML /
+Reptile (on an MLP with an input offset, and on a prompted keras-hub GPT-2), and
+prompt-only training of that GPT-2 (its backbone checked bit-identical). An entry whose
 trainer class does not declare "jax" in `backends` is skipped on JAX ("not yet on JAX").
 
 The checks (each trains the entry two ways and compares every number of the training
@@ -18,7 +23,9 @@ exactly; each also asserts that training moved what it compares):
    original (uninterrupted) one.
 5. `model_as_itself`: after `fit`, `trainer.save` writes the USER'S model (it reloads as
    the model's class with the trained weights); `model.evaluate` / `predict` ==
-   `trainer.evaluate` / `predict`, and the reloaded model evaluates the same.
+   `trainer.evaluate` / `predict`, and the reloaded model evaluates the same (MAML,
+   which evaluates episodes: `evaluate_tasks(inner_steps=0)` == `model.evaluate` on the
+   query rows).
 6. `resume`: `keras.callbacks.BackupAndRestore(save_freq=2)`, a run interrupted at the end
    of batch 3 of epoch 1 (after the save at batch 2: batch 3 is trained and lost), then a
    fresh trainer resumed from the backup == an uninterrupted run (with Dropout: its seed).
@@ -44,7 +51,10 @@ the Dropout checks (2, 6) are an xfail that says so; they run the day it is fixe
 
 Default run (measured on 2 shared cores): TensorFlow 35 tests, 124 s (60 s of CPU);
 JAX 41 tests, 99 s (64 s of CPU) with DotProd, SAM/GSAM and the Reptile family ported.
-The rest under -m slow.
+Issue 30's entries add 4 default tests (MAML's resume, prompt FOMAML's jit == eager,
+prompt-only GPT-2's save_load and model_as_itself) and the trainers' coverage test:
+~40 s on JAX, ~30 s on TensorFlow (load ~4). The rest under -m slow (MAML: 27-165 s a
+check on TensorFlow; the prompt trainers on GPT-2: 9-171 s).
 """
 
 import dataclasses
@@ -64,6 +74,7 @@ from backend_battery import (
     Interrupted,
     assert_logs_same,
     assert_same,
+    _np,
     assert_trained,
     build,
     counting_train_step_calls,
@@ -76,6 +87,7 @@ from backend_battery import (
     take_rows,
 )
 from backends import BACKEND, data_parallel, on_jax, on_tensorflow
+from prompt_precision import float64_attention_softmax  # noqa: F401 (an entry's fixture)
 
 BACKENDS = ("tensorflow", "jax")
 
@@ -116,8 +128,15 @@ def check_jit_equals_eager(entry):
         if "jit_compile" in options:
             assert trainer.jit_compile is True, f"{entry.name}: Keras turned XLA off"
         initial = snapshot(trainer)
+        frozen = [_np(v) for v in entry.frozen(trainer.model)] if entry.frozen else []
         logs, _ = fit(trainer, x, y)
         runs.append((initial, snapshot(trainer), logs))
+        if entry.frozen:
+            after = [_np(v) for v in entry.frozen(trainer.model)]
+            assert frozen and len(after) == len(frozen)
+            assert_same(
+                dict(enumerate(after)), dict(enumerate(frozen)), 0.0, 0.0, "frozen variables"
+            )
     (initial, jit, jit_logs), (_, eager, eager_logs) = runs
     assert_trained(initial, jit, entry.name)
     rtol, atol = entry.rtol_atol("jit_equals_eager")
@@ -228,13 +247,18 @@ def check_save_load(entry, tmp_path):
     )
 
 
+def _trainer_scores(trainer, x, y):
+    logs = trainer.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    return logs, trainer.predict(x, verbose=0)
+
+
 def check_model_as_itself(entry, tmp_path):
     x, y = data(entry)
     trainer = build(entry)
     fit(trainer, x, y, epochs=1)
     make_eval = entry.make_eval_data or entry.make_data
     x_eval, y_eval = make_eval(16, dtype="float64", seed=1)
-    x_model = entry.model_inputs(x_eval)
+    x_model, y_model = entry.model_inputs(x_eval), entry.model_targets(y_eval)
     model = trainer.model
     path = str(tmp_path / "model.keras")
     trainer.save(path)  # the user's model
@@ -247,9 +271,9 @@ def check_model_as_itself(entry, tmp_path):
         0.0,
         f"{entry.name}: the saved model's weights vs trainer.model's",
     )
-    got = model.evaluate(x_model, y_eval, batch_size=8, verbose=0, return_dict=True)
-    again = loaded.evaluate(x_model, y_eval, batch_size=8, verbose=0, return_dict=True)
-    expected = trainer.evaluate(x_eval, y_eval, batch_size=8, verbose=0, return_dict=True)
+    got = model.evaluate(x_model, y_model, batch_size=8, verbose=0, return_dict=True)
+    again = loaded.evaluate(x_model, y_model, batch_size=8, verbose=0, return_dict=True)
+    expected, predicted = (entry.trainer_scores or _trainer_scores)(trainer, x_eval, y_eval)
     assert sorted(got) == sorted(expected) and "loss" in got and len(got) > 1, (got, expected)
     rtol, atol = entry.rtol_atol("model_as_itself")
     as_arrays = lambda logs: {k: np.asarray(v) for k, v in logs.items()}  # noqa: E731
@@ -257,7 +281,7 @@ def check_model_as_itself(entry, tmp_path):
     assert_same(as_arrays(got), as_arrays(expected), rtol, atol, "model vs trainer.evaluate")
     np.testing.assert_allclose(
         keras.tree.flatten(model.predict(x_model, verbose=0)),
-        keras.tree.flatten(trainer.predict(x_eval, verbose=0)),
+        keras.tree.flatten(predicted),
         rtol=rtol,
         atol=atol,
     )
@@ -368,45 +392,58 @@ def check_host_round_trip(entry, second_rows=BATCH):
 # ---------------------------------------------------------------- the tests
 
 
+def _use_fixtures(entry, request):
+    for name in entry.fixtures:
+        request.getfixturevalue(name)
+
+
 @pytest.mark.parametrize("entry", cases("jit_equals_eager"))
-def test_jit_equals_eager(entry, float64):
+def test_jit_equals_eager(entry, float64, request):
+    _use_fixtures(entry, request)
     check_jit_equals_eager(entry)
 
 
 @pytest.mark.parametrize("entry", cases("steps_per_execution"))
-def test_steps_per_execution_3_equals_1(entry, float64):
+def test_steps_per_execution_3_equals_1(entry, float64, request):
+    _use_fixtures(entry, request)
     check_steps_per_execution(entry)
 
 
 @pytest.mark.parametrize("entry", cases("mixed_bfloat16"))
-def test_mixed_bfloat16_trains_finite_and_close_to_float32(entry):
+def test_mixed_bfloat16_trains_finite_and_close_to_float32(entry, request):
+    _use_fixtures(entry, request)
     check_mixed_bfloat16(entry)
 
 
 @pytest.mark.parametrize("entry", cases("save_load"))
-def test_save_load_then_continue_equals_uninterrupted(entry, float64, tmp_path):
+def test_save_load_then_continue_equals_uninterrupted(entry, float64, tmp_path, request):
+    _use_fixtures(entry, request)
     check_save_load(entry, tmp_path)
 
 
 @pytest.mark.parametrize("entry", cases("model_as_itself"))
-def test_wrapped_model_evaluates_predicts_and_saves_as_itself(entry, float64, tmp_path):
+def test_wrapped_model_evaluates_predicts_and_saves_as_itself(entry, float64, tmp_path, request):
+    _use_fixtures(entry, request)
     check_model_as_itself(entry, tmp_path)
 
 
 @pytest.mark.parametrize("entry", cases("resume"))
-def test_resume_from_backup_equals_uninterrupted(entry, float64, tmp_path):
+def test_resume_from_backup_equals_uninterrupted(entry, float64, tmp_path, request):
+    _use_fixtures(entry, request)
     check_resume(entry, tmp_path)
 
 
 @pytest.mark.parametrize("entry", cases("devices"))
-def test_one_device_equals_two_devices(entry, float64):
+def test_one_device_equals_two_devices(entry, float64, request):
+    _use_fixtures(entry, request)
     if on_tensorflow():
         pytest.skip(f"JAX's keras.distribution (TensorFlow: {_TF_BATTERY}, 2 replicas == 1)")
     check_devices(entry)
 
 
 @pytest.mark.parametrize("entry", cases("host_round_trip"))
-def test_step_has_no_host_callback_and_compiles_once(entry):
+def test_step_has_no_host_callback_and_compiles_once(entry, request):
+    _use_fixtures(entry, request)
     if on_tensorflow():
         pytest.skip(f"JAX's step (TensorFlow: {_TF_BATTERY}, no_host_round_trip)")
     check_host_round_trip(entry)
@@ -468,3 +505,29 @@ def test_entries_name_known_checks_and_every_check_runs_by_default():
     for check in CHECKS:
         runs = [e.name for e in library if check in e.default]
         assert len(runs) >= 2, f"{check}: in the default suite for {runs} only"
+
+
+def test_every_trainer_of_the_package_has_an_entry():
+    """Every trainer class that `tf_metaalign.trainers` exports (its `__all__`) is built by
+    at least one entry (MetaTrainer itself: through the battery's own BatteryTrainer)."""
+    import tf_metaalign.trainers as T
+
+    from tf_metaalign.trainers import MetaTrainer
+
+    exported = []
+    for name in T.__all__:
+        try:
+            value = getattr(T, name)
+        except ImportError:  # a stand-in name on this backend: not a trainer here
+            continue
+        if isinstance(value, type) and issubclass(value, MetaTrainer) and value is not MetaTrainer:
+            exported.append(name)
+    covered = set()
+    for entry in ENTRIES:
+        try:
+            covered.add(entry.trainer_class().__name__)
+        except ImportError:
+            pass
+    assert len(exported) >= 10, exported
+    missing = sorted(set(exported) - covered)
+    assert not missing, f"trainers without a battery entry: {missing}"
