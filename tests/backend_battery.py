@@ -202,19 +202,21 @@ VOCABULARY, TOKENS = 16, 4
 
 
 def prompted_gpt2(dtype="float64", dropout=0.0, seed=0, train="both"):
-    """causal_lm_entries.prompted_gpt2 (`train="prompt"`: prompt-only training); skips the
-    test where keras-hub is not installed (the `hub` extra)."""
+    """A one-layer GPT-2 (hidden 4, 2 heads) with a deep prefix of 2 positions
+    (`train="prompt"`: prompt-only training); skips the test where keras-hub is not
+    installed (the `hub` extra). causal_lm_entries uses it too."""
     import pytest
 
-    keras_hub = pytest.importorskip("keras_hub")
+    pytest.importorskip("keras_hub")
 
     from tf_metaalign import prompts
+    from tiny_backbones import tiny_backbone
 
     keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.GPT2Backbone(
+    backbone = tiny_backbone(
+        "gpt2",
         vocabulary_size=VOCABULARY,
         num_layers=1,
-        num_heads=2,
         hidden_dim=4,
         intermediate_dim=8,
         max_sequence_length=8,

@@ -8,8 +8,12 @@ backbone's dict `{"token_ids", "padding_mask"}` with next-token targets.
 from __future__ import annotations
 
 import keras
-import numpy as np
 
+from backend_battery import (
+    decoder_task_data,
+    prompted_gpt2,
+    token_batches,
+)
 from trainer_entries import (
     CHECKS,
     STACKED_K,
@@ -18,59 +22,7 @@ from trainer_entries import (
     prompt_fomaml_trainer,
 )
 
-VOCABULARY, TOKENS = 16, 4
-
-
-def prompted_gpt2(dtype="float64", dropout=0.0, seed=0):
-    """A one-layer GPT-2 (hidden 4, 2 heads) with a deep prefix of 2 positions."""
-    from tf_metaalign import prompts
-    from tiny_backbones import tiny_backbone
-
-    keras.utils.set_random_seed(seed)
-    backbone = tiny_backbone(
-        "gpt2",
-        vocabulary_size=VOCABULARY,
-        num_layers=1,
-        hidden_dim=4,
-        intermediate_dim=8,
-        max_sequence_length=8,
-        dropout=dropout,
-        dtype=dtype,
-    )
-    return prompts.prompt_causal_lm(backbone, length=2, mode="deep", train="both", seed=seed)
-
-
-def token_batches(n, dtype="float64", seed=0):
-    """n rows of TOKENS token ids (the last row's final token padded) and their next
-    tokens: the rule next = (3 * token + 1) mod VOCABULARY, so that training moves."""
-    del dtype  # token ids whatever the float dtype
-    rng = np.random.default_rng(seed)
-    first = rng.integers(1, VOCABULARY, (n, 1))
-    ids = [first]
-    for _ in range(TOKENS):
-        ids.append((3 * ids[-1] + 1) % VOCABULARY)
-    ids = np.concatenate(ids, 1).astype("int32")
-    mask = np.ones((n, TOKENS), "int32")
-    mask[-1, -1] = 0
-    return {"token_ids": ids[:, :-1] * mask, "padding_mask": mask}, ids[:, 1:]
-
-
-def decoder_task_data(n, dtype="float64", seed=0, steps=STACKED_K, n_support=2, n_query=2):
-    """n tasks `((support_x, support_y, query_x), query_y)` of `token_batches` rows, as the
-    prompt entries' `prompt_task_data` cuts its regression rows."""
-    per_task = steps * n_support + n_query
-    x, y = token_batches(n * per_task, seed=seed)
-    cut = steps * n_support
-
-    def split(a):
-        a = a.reshape((n, per_task) + a.shape[1:])
-        return a[:, :cut].reshape((n, steps, n_support) + a.shape[2:]), a[:, cut:]
-
-    support_x, query_x = {}, {}
-    for key, value in x.items():
-        support_x[key], query_x[key] = split(value)
-    support_y, query_y = split(y)
-    return (support_x, support_y, query_x), query_y
+# The tiny prompted GPT-2 and its tasks: backend_battery's (TensorFlow-free), one copy.
 
 
 def _compile():

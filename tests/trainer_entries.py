@@ -17,7 +17,7 @@ from typing import Callable, Mapping
 
 import keras
 import numpy as np
-import tensorflow as tf
+from backend_battery import prompt_mlp, prompt_task_data, regression_data
 
 # ------------------------------------------------------------------ shared building blocks
 
@@ -37,14 +37,6 @@ def mlp(dtype="float64", dropout=0.0, seed=0):
         layers.append(keras.layers.Dropout(dropout, seed=7, dtype=dtype))
     layers.append(keras.layers.Dense(2, dtype=dtype))
     return keras.Sequential(layers)
-
-
-def regression_data(n, dtype="float64", seed=0):
-    """x: (n, 4) normal; y: (n, 2) a smooth function of x. Same values for every dtype."""
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 4))
-    y = np.stack([np.sin(x[:, 0] + x[:, 1]), x[:, 2] * x[:, 3] - 0.5 * x[:, 0]], axis=1)
-    return x.astype(dtype), y.astype(dtype)
 
 
 def contiguous_rows(global_batch, replicas):
@@ -612,53 +604,7 @@ BY_NAME = {e.name: e for e in ENTRIES}
 # ------------------------------------------------------------ prompt FOMAML / Reptile
 
 
-@keras.saving.register_keras_serializable(package="trainer_entries")
-class PromptOffset(keras.layers.Layer):
-    """x + p: a learned input offset standing in for a soft prompt (its path holds
-    "prompt", which the prompt trainers select by default)."""
-
-    def build(self, input_shape):
-        self.offset = self.add_weight(
-            shape=(input_shape[-1],),
-            name="offset",
-            initializer=keras.initializers.RandomNormal(seed=11),
-        )
-
-    def call(self, x):
-        return x + tf.cast(self.offset, x.dtype)
-
-
-def prompt_mlp(dtype="float64", dropout=0.0, seed=0):
-    """`mlp` with a `PromptOffset` named "prompt" on its input."""
-    keras.utils.set_random_seed(seed)
-    input_dtype = dtype or keras.backend.floatx()
-    layers = [
-        keras.Input((4,), dtype=input_dtype),
-        PromptOffset(name="prompt", dtype=dtype),
-        keras.layers.Dense(5, activation="tanh", dtype=dtype),
-    ]
-    if dropout:
-        layers.append(keras.layers.Dropout(dropout, seed=7, dtype=dtype))
-    layers.append(keras.layers.Dense(2, dtype=dtype))
-    return keras.Sequential(layers)
-
-
-def prompt_task_data(n, dtype="float64", seed=0, steps=STACKED_K, n_support=2, n_query=2):
-    """n tasks `((support_x [S, N_s, 4], support_y, query_x [N_q, 4]), query_y)`: the rows of
-    `regression_data` cut into tasks (Keras splits the 8 tasks of a global batch among the
-    replicas, in `contiguous_rows` order)."""
-    per_task = steps * n_support + n_query
-    x, y = regression_data(n * per_task, dtype=dtype, seed=seed)
-    x, y = x.reshape(n, per_task, -1), y.reshape(n, per_task, -1)
-    cut = steps * n_support
-    return (
-        (
-            x[:, :cut].reshape(n, steps, n_support, -1),
-            y[:, :cut].reshape(n, steps, n_support, -1),
-            x[:, cut:],
-        ),
-        y[:, cut:],
-    )
+# The prompt trainers' MLP and tasks: backend_battery's (TensorFlow-free), one copy.
 
 
 def prompt_fomaml_trainer(model, data_dtype):
