@@ -96,7 +96,8 @@ class Evaluator:
         self.lm.compile(
             optimizer=adafactor_optimizer(config.few_shot_learning_rate),
             loss=masked_token_loss(),
-            jit_compile=False,
+            # traced by tf.function on TensorFlow; jax.jit on JAX (False there is eager)
+            jit_compile=keras.backend.backend() == "jax",
         )
         self.fresh_optimizer_state = FreshOptimizerState(
             self.lm.optimizer, self.lm.trainable_variables
@@ -292,7 +293,8 @@ def minilm_experiment(tasks: Tasks, config: Config, log=print) -> dict:
         model.compile(
             optimizer=keras.optimizers.Adam(config.minilm_learning_rate),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            jit_compile=False,
+            # traced by tf.function on TensorFlow; jax.jit on JAX (False there is eager)
+            jit_compile=keras.backend.backend() == "jax",
         )
         fresh_optimizer_state = FreshOptimizerState(model.optimizer, model.trainable_variables)
         start = time.perf_counter()
