@@ -464,8 +464,8 @@ def test_promptability_scorer_reads_the_current_weights_and_matches_tensorflow(m
 @pytest.mark.slow
 def test_promptability_runs_end_to_end(tmp_path):
     """`python -m trainers.promptability` at a tiny budget on this backend (a 10-step T5,
-    4 training steps per configuration; ~4 min on JAX on 2 shared cores, most of it
-    tracing): the ARG table's rows and columns, the positive control,
+    4 training steps per configuration; 86 s on JAX on 2 quiet cores, ~4 min on
+    loaded ones, most of it tracing): the ARG table's rows and columns, the positive control,
     prompt-only training leaving the transformer unchanged."""
     pytest.importorskip("django", reason="the offline prompted tasks need Django's catalogs")
     pytest.importorskip("keras_hub", reason="the T5 is keras-hub's")
