@@ -140,7 +140,8 @@ class Method:
                 from_logits=True, reduction="mean_with_sample_weight"
             ),
             weighted_metrics=[],
-            jit_compile=False,
+            # traced by tf.function on TensorFlow; jax.jit on JAX (False there is eager)
+            jit_compile=keras.backend.backend() == "jax",
         )
         self.trainable = count(self.model.trainable_variables)
         self.fresh_optimizer_state = FreshOptimizerState(

@@ -33,6 +33,54 @@ class FreshOptimizerState:
             variable.assign(value)
 
 
+class JittedScorer:
+    """`log_likelihoods(inputs, targets, mask)` compiled on JAX: `jax.jit` of the function
+    run in a `keras.StatelessScope` that maps every variable of `model` to a value passed
+    in (what `stateless_call` does for `call`), so the compiled function reads the
+    variables' CURRENT values at every call (a plain `jax.jit` would bake in those of its
+    first call, and the prompt and weights change between calls).
+
+    The arrays are padded up to a few shapes before the call, so that the evaluation's
+    many (dataset, template) shapes share compilations: rows to a power of two (copies of
+    the first row), input and target lengths to a multiple of 8 (padding id 0, mask 0).
+    Exact: the encoder masks padded inputs (`inputs != 0`), the decoder is causal and
+    the added target positions come after the real ones, rows are independent; the
+    result is cut back to the call's shape (tested against the eager function)."""
+
+    def __init__(self, model, log_likelihoods):
+        import jax
+
+        import keras
+
+        self.variables = list(model.variables)
+        variables = self.variables
+
+        def pure(values, inputs, targets, mask):
+            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                return log_likelihoods(inputs, targets, mask)
+
+        self.compiled = jax.jit(pure)
+
+    def __call__(self, inputs, targets, mask):
+        import numpy as np
+
+        rows, length = inputs.shape
+        target_length = targets.shape[1]
+        padded_rows = max(8, 1 << (rows - 1).bit_length())
+
+        def pad(array, columns, fill):
+            out = np.full((padded_rows, columns), fill, array.dtype)
+            out[:rows, : array.shape[1]] = array
+            out[rows:, : array.shape[1]] = array[:1]
+            return out
+
+        inputs = pad(inputs, -(-length // 8) * 8, 0)
+        targets = pad(targets, -(-target_length // 8) * 8, 0)
+        mask = pad(mask, targets.shape[1], 0)
+        out = self.compiled([v.value for v in self.variables], inputs, targets, mask)
+        return out[:rows, :target_length]
+
+
 class Evaluator:
     """One prompted model per mode on ONE backbone, traced once: rank classification and
     few-shot prompt tuning for any (transformer weights, prompt) assigned to it."""
@@ -48,7 +96,8 @@ class Evaluator:
         self.lm.compile(
             optimizer=adafactor_optimizer(config.few_shot_learning_rate),
             loss=masked_token_loss(),
-            jit_compile=False,
+            # traced by tf.function on TensorFlow; jax.jit on JAX (False there is eager)
+            jit_compile=keras.backend.backend() == "jax",
         )
         self.fresh_optimizer_state = FreshOptimizerState(
             self.lm.optimizer, self.lm.trainable_variables
@@ -65,7 +114,9 @@ class Evaluator:
             log_likelihoods = tf.function(
                 log_likelihoods, input_signature=[spec] * 3, reduce_retracing=True
             )
-        self._log_likelihoods = log_likelihoods  # eager on JAX (see common.compiled)
+        else:
+            log_likelihoods = JittedScorer(prompted, log_likelihoods)
+        self._log_likelihoods = log_likelihoods
 
     def score_fn(self, inputs, targets, mask):
         import numpy as np
@@ -242,7 +293,8 @@ def minilm_experiment(tasks: Tasks, config: Config, log=print) -> dict:
         model.compile(
             optimizer=keras.optimizers.Adam(config.minilm_learning_rate),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            jit_compile=False,
+            # traced by tf.function on TensorFlow; jax.jit on JAX (False there is eager)
+            jit_compile=keras.backend.backend() == "jax",
         )
         fresh_optimizer_state = FreshOptimizerState(model.optimizer, model.trainable_variables)
         start = time.perf_counter()

@@ -96,7 +96,8 @@ def continued_pretraining(
     model.compile(
         optimizer=adafactor_optimizer(config.learning_rate),
         loss=masked_token_loss(),
-        jit_compile=False,
+        # traced by tf.function on TensorFlow; jax.jit on JAX (False there is eager)
+        jit_compile=keras.backend.backend() == "jax",
     )
     progress = common.ProgressCallback(
         log, name, steps, max(1, config.log_every * steps // config.steps)

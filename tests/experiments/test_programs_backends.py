@@ -420,11 +420,52 @@ PROMPTABILITY_TINY = (
 )
 
 
+@pytest.mark.parametrize("mode", ["shallow", "deep"])
+def test_promptability_scorer_reads_the_current_weights_and_matches_tensorflow(mode):
+    """The T5 program's rank-classification scorer (`Evaluator.score_fn`: `tf.function` on
+    TensorFlow, `jax.jit` over the variables' values with padded shapes on JAX) equals the
+    eager `t5_token_log_likelihoods`, also after the weights and the prompt change (a
+    compiled function that kept its first values would fail the second round), and the
+    scores are TensorFlow's (golden; weights and prompt drawn by NumPy)."""
+    pytest.importorskip("keras_hub", reason="the T5 is keras-hub's")
+    from tf_metaalign import prompts
+    from trainers import promptability_config as PC
+    from trainers import promptability_evaluate as PE
+    from trainers.experiments import small_t5
+
+    backbone = small_t5.build_t5(small_t5.t5_config("tiny", vocabulary_size=60)).backbone
+    evaluator = PE.Evaluator(backbone, PC.Config(), None, mode, 3)
+    rng = np.random.default_rng(7)
+    inputs = rng.integers(1, 60, (5, 11)).astype(np.int32)
+    inputs[1, 6:] = 0  # a shorter input
+    targets = rng.integers(1, 60, (5, 3)).astype(np.int32)
+    mask = np.ones_like(targets)
+    targets[2, 2:] = mask[2, 2:] = 0  # a shorter target
+
+    def draw(variables):
+        return [rng.normal(0.0, 0.3, v.shape).astype(np.float32) for v in variables]
+
+    rounds = {}
+    for r in range(2):
+        backbone.set_weights(draw(backbone.weights))
+        evaluator.set_prompt(draw(evaluator.prompted.prompt_variables))
+        got = evaluator.score_fn(inputs, targets, mask)
+        eager = keras.ops.convert_to_numpy(
+            prompts.t5_token_log_likelihoods(evaluator.prompted, inputs, inputs != 0, targets, mask)
+        )
+        assert got.shape == targets.shape and np.all(got[mask == 0] == 0)
+        np.testing.assert_allclose(got, eager, rtol=1e-5, atol=1e-5, err_msg=f"round {r}")
+        rounds[f"round{r}"] = got
+    assert not np.allclose(rounds["round0"], rounds["round1"], atol=1e-3)
+    check_golden(f"programs_promptability_scores_{mode}", rounds, rtol=1e-4, atol=1e-5)
+    keras.backend.clear_session()
+
+
 @pytest.mark.slow
 def test_promptability_runs_end_to_end(tmp_path):
     """`python -m trainers.promptability` at a tiny budget on this backend (a 10-step T5,
-    4 training steps per configuration; ~7 min on JAX on 2 shared cores, most of it the
-    eager rank classification): the ARG table's rows and columns, the positive control,
+    4 training steps per configuration; 86 s on JAX on 2 quiet cores, ~4 min on
+    loaded ones, most of it tracing): the ARG table's rows and columns, the positive control,
     prompt-only training leaving the transformer unchanged."""
     pytest.importorskip("django", reason="the offline prompted tasks need Django's catalogs")
     pytest.importorskip("keras_hub", reason="the T5 is keras-hub's")
