@@ -767,10 +767,12 @@ class MetaTrainer(F.TrainableSelection, PipelineDataMixin, keras.Model):
         trainer's optimizer instance (so `model.save` keeps its slots and step). Then
         `model.evaluate(x, y)` reports what `trainer.evaluate(x, y)` reports, and
         `keras.models.load_model` gives the model back compiled, as a model trained with
-        its own `fit` would be (where the trainer trains variables of its own besides the
-        model's, e.g. MAML's learned inner learning rates, the model alone cannot reload
-        the optimizer's slots and Keras says so: to resume training, save the trainer's
-        weights or the trainer itself, `keras.saving.save_model(trainer, path)`). With
+        its own `fit` would be, with the optimizer's step and the slots of the model's
+        variables (where the trainer trains variables of its own besides the model's, e.g.
+        MAML's learned inner learning rates, `trainer.save` writes the optimizer state of
+        the model's variables only; the trainer's own are in the trainer's weights: to
+        resume the trainer, save its weights or the trainer itself,
+        `keras.saving.save_model(trainer, path)`). With
         `loss=None` the trainer trains with the wrapped model's own compiled loss (a model
         the user compiled before wrapping it), and the model's compilation is left as the
         user made it.
@@ -830,8 +832,38 @@ class MetaTrainer(F.TrainableSelection, PipelineDataMixin, keras.Model):
           zipped: as `keras.Model.save`.
           **kwargs: passed on to `keras.Model.save`.
         """
-        with self.model_weights_to_save():
+        with self.model_weights_to_save(), self._model_optimizer_to_save():
             return self.model.save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+
+    @contextlib.contextmanager
+    def _model_optimizer_to_save(self):
+        """A context in which the wrapped model's optimizer holds the trainer optimizer's
+        state for the MODEL's variables only, so that the saved file reloads with its
+        slots and step. Where the trainer trains variables of its own (MAML's learned inner
+        learning rates, uncertainty weighting's task log-variances) the shared optimizer
+        has slots for those too, and a model loaded from the file would skip the whole
+        optimizer state ("Skipping variable loading for optimizer ..."): continuing with
+        the loaded model's own `fit` would restart Adam's moments at zero. A copy of the
+        optimizer (same class and configuration) built on the model's variables takes the
+        iteration count and each model variable's slots, matched by their paths; it lives
+        for the duration of the save. Where a slot has no match (an optimizer whose
+        variables do not follow Keras's naming), the model keeps the shared optimizer."""
+        model = self.model
+        optimizer = getattr(model, "optimizer", None)
+        ours = [id(v) for v in self.trainable_variables]
+        theirs = [id(v) for v in model.trainable_variables]
+        if optimizer is None or not getattr(optimizer, "built", False) or ours == theirs:
+            yield
+            return
+        view = _optimizer_state_for(optimizer, model.trainable_variables)
+        if view is None:
+            yield
+            return
+        model.optimizer = view
+        try:
+            yield
+        finally:
+            model.optimizer = optimizer
 
     def model_weights_to_save(self):
         """A context in which the wrapped model's variables hold the weights `save`
@@ -1007,3 +1039,26 @@ def _check_no_tf_strategy_on_jax(what):
             "keras.distribution.set_distribution(keras.distribution.DataParallel()) "
             "before building the model (see docs/tpu.md)."
         )
+
+
+def _optimizer_state_for(optimizer, variables):
+    """A new optimizer of `optimizer`'s class and configuration, built on `variables`, with
+    `optimizer`'s values for every variable it has (the step, the learning rate, each
+    variable's slots: same paths, as Keras names slots after their variable's path); None
+    if one is missing or a path is ambiguous."""
+    source = {}
+    for v in optimizer.variables:
+        if v.path in source:
+            return None
+        source[v.path] = v
+    view = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+    view.build(variables)
+    pairs = []
+    for v in view.variables:
+        match = source.get(v.path)
+        if match is None or tuple(match.shape) != tuple(v.shape) or match.dtype != v.dtype:
+            return None
+        pairs.append((v, match))
+    for v, match in pairs:
+        v.assign(match.value)
+    return view
