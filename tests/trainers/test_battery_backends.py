@@ -54,7 +54,10 @@ JAX 41 tests, 99 s (64 s of CPU) with DotProd, SAM/GSAM and the Reptile family p
 Issue 30's entries add 4 default tests (MAML's resume, prompt FOMAML's jit == eager,
 prompt-only GPT-2's save_load and model_as_itself) and the trainers' coverage test:
 ~40 s on JAX, ~30 s on TensorFlow (load ~4). The rest under -m slow (MAML: 27-165 s a
-check on TensorFlow; the prompt trainers on GPT-2: 9-171 s).
+check on TensorFlow; the prompt trainers on GPT-2: 9-171 s). On TensorFlow, a check that
+test_trainer_battery.py runs by default for the same trainer runs here under -m slow
+(`covered_by_the_tensorflow_battery`: 23 tests, ~630 s of a loaded TensorFlow run's
+durations, ~200 s quiet); TensorFlow's default here is then 36 tests (16 of them JAX-only skips).
 """
 
 import dataclasses
@@ -94,9 +97,64 @@ BACKENDS = ("tensorflow", "jax")
 _TF_BATTERY = "tests/trainers/test_trainer_battery.py"
 
 
+#: On TensorFlow, a check of this battery that tests/trainers/test_trainer_battery.py runs in
+#: the default suite for the same trainer (with the same constructor arguments) is a
+#: duplicate there: this battery's check -> the TensorFlow battery's checks that cover it
+#: (jit == eager: its eager == traced and XLA == traced; resume: its SIGKILL and resume).
+_TF_BATTERY_CHECKS = {
+    "jit_equals_eager": ("eager", "jit_compile"),
+    "steps_per_execution": ("steps_per_execution",),
+    "mixed_bfloat16": ("mixed_bfloat16",),
+    "save_load": ("keras_round_trip",),
+    "model_as_itself": ("model_after_fit",),
+    "resume": ("backup_and_restore",),
+}
+#: entry -> the TensorFlow battery's entry (tests/trainer_entries.py) of the same trainer and
+#: arguments. Not "plain" and "prompt_only_gpt2" (this battery's own trainer), "gsam" (its
+#: TensorFlow checks are slow there), "guided" (here it converts Keras's Adam; there it
+#: is given the package's). "meta_sgd_first_order": MAMLTrainer's resume runs there as the
+#: "maml" entry's kill and resume (learned rates, gradient sharing, epoch schedules).
+_TF_COVERED_BY = {
+    **{
+        name: name
+        for name in (
+            "dotprod",
+            "sam",
+            "multitask_pcgrad",
+            "multitask_uw",
+            "multitask_gradvac",
+            "multitask_outputs_pcgrad",
+            "sequential_reptile",
+            "reptile",
+            "fomaml",
+            "multi_task_reptile",
+            "prompt_fomaml",
+        )
+    },
+    "meta_sgd_first_order": "maml",
+}
+
+
+def covered_by_the_tensorflow_battery(entry, check):
+    """True where, on TensorFlow, test_trainer_battery.py's default suite runs `check` for
+    `entry`'s trainer (every covering check default there, none an xfail): the check then
+    runs here under -m slow on TensorFlow (the suite's budget); JAX runs it by default."""
+    name = _TF_COVERED_BY.get(entry.name)
+    if name is None or check not in _TF_BATTERY_CHECKS:
+        return False
+    from trainer_entries import BY_NAME as TF_BY_NAME
+
+    tf_entry = TF_BY_NAME[name]
+    return all(
+        c not in tf_entry.slow and c not in tf_entry.xfail for c in _TF_BATTERY_CHECKS[check]
+    )
+
+
 def cases(check):
     """One pytest.param per entry: skipped on JAX where its trainer is not there yet,
-    `slow` where the check is not in the entry's `default`, its known failures xfail."""
+    `slow` where the check is not in the entry's `default` (on TensorFlow also where the
+    TensorFlow battery runs it by default: `covered_by_the_tensorflow_battery`), its known
+    failures xfail."""
     assert check in CHECKS, check
     params = []
     for entry in ENTRIES:
@@ -107,7 +165,9 @@ def cases(check):
             reason, raises, backends = entry.xfail[check]
             if BACKEND in backends:
                 marks.append(pytest.mark.xfail(strict=True, raises=raises, reason=reason))
-        if check not in entry.default:
+        if check not in entry.default or (
+            on_tensorflow() and covered_by_the_tensorflow_battery(entry, check)
+        ):
             marks.append(pytest.mark.slow)
         params.append(pytest.param(entry, id=entry.name, marks=marks))
     return params
@@ -505,6 +565,18 @@ def test_entries_name_known_checks_and_every_check_runs_by_default():
     for check in CHECKS:
         runs = [e.name for e in library if check in e.default]
         assert len(runs) >= 2, f"{check}: in the default suite for {runs} only"
+
+
+def test_tensorflow_duplicates_name_tensorflow_battery_entries():
+    """`_TF_COVERED_BY` names entries of both batteries (a renamed entry would otherwise
+    leave its checks default on TensorFlow without anyone noticing)."""
+    if not on_tensorflow():
+        pytest.skip("the TensorFlow battery runs on TensorFlow")
+    from trainer_entries import BY_NAME as TF_BY_NAME
+
+    for name, tf_name in _TF_COVERED_BY.items():
+        assert name in BY_NAME and tf_name in TF_BY_NAME, (name, tf_name)
+    assert set(_TF_BATTERY_CHECKS) <= set(CHECKS)
 
 
 def test_every_trainer_of_the_package_has_an_entry():
