@@ -855,6 +855,11 @@ class MetaTrainer(F.TrainableSelection, PipelineDataMixin, keras.Model):
         if optimizer is None or not getattr(optimizer, "built", False) or ours == theirs:
             yield
             return
+        if not set(theirs) <= set(ours):
+            # The trainer does not train all the model's variables (prompt-only training):
+            # the optimizer has no slots for the others to give the model's file.
+            yield
+            return
         view = _optimizer_state_for(optimizer, model.trainable_variables)
         if view is None:
             yield
