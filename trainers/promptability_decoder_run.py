@@ -99,6 +99,7 @@ class Method:
         import keras_hub
 
         from tf_metaalign import prompts
+        from trainers import common
         from trainers.promptability_evaluate import FreshOptimizerState
 
         self.name, self.config = name, config
@@ -140,8 +141,7 @@ class Method:
                 from_logits=True, reduction="mean_with_sample_weight"
             ),
             weighted_metrics=[],
-            # traced by tf.function on TensorFlow; jax.jit on JAX (False there is eager)
-            jit_compile=keras.backend.backend() == "jax",
+            jit_compile=common.fit_jit_compile(),
         )
         self.trainable = count(self.model.trainable_variables)
         self.fresh_optimizer_state = FreshOptimizerState(

@@ -34,32 +34,19 @@ class FreshOptimizerState:
 
 
 class JittedScorer:
-    """`log_likelihoods(inputs, targets, mask)` compiled on JAX: `jax.jit` of the function
-    run in a `keras.StatelessScope` that maps every variable of `model` to a value passed
-    in (what `stateless_call` does for `call`), so the compiled function reads the
-    variables' CURRENT values at every call (a plain `jax.jit` would bake in those of its
-    first call, and the prompt and weights change between calls).
-
-    The arrays are padded up to a few shapes before the call, so that the evaluation's
-    many (dataset, template) shapes share compilations: rows to a power of two (copies of
-    the first row), input and target lengths to a multiple of 8 (padding id 0, mask 0).
-    Exact: the encoder masks padded inputs (`inputs != 0`), the decoder is causal and
-    the added target positions come after the real ones, rows are independent; the
-    result is cut back to the call's shape (tested against the eager function)."""
+    """`log_likelihoods(inputs, targets, mask)` compiled on JAX (`common.compiled` over the
+    model's variables: it reads their current values, as the prompt and weights change
+    between calls), on inputs padded up to a few shapes so that the evaluation's many
+    (dataset, template) shapes share compilations: rows to a power of two (copies of the
+    first row), input and target lengths to a multiple of 8 (padding id 0, mask 0). Exact:
+    the encoder masks padded inputs (`inputs != 0`), the decoder is causal and the added
+    target positions come after the real ones, rows are independent; the result is cut
+    back to the call's shape (tested against the eager function)."""
 
     def __init__(self, model, log_likelihoods):
-        import jax
+        from trainers import common
 
-        import keras
-
-        self.variables = list(model.variables)
-        variables = self.variables
-
-        def pure(values, inputs, targets, mask):
-            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
-                return log_likelihoods(inputs, targets, mask)
-
-        self.compiled = jax.jit(pure)
+        self.compiled = common.compiled(log_likelihoods, variables=model.variables)
 
     def __call__(self, inputs, targets, mask):
         import numpy as np
@@ -77,7 +64,7 @@ class JittedScorer:
         inputs = pad(inputs, -(-length // 8) * 8, 0)
         targets = pad(targets, -(-target_length // 8) * 8, 0)
         mask = pad(mask, targets.shape[1], 0)
-        out = self.compiled([v.value for v in self.variables], inputs, targets, mask)
+        out = self.compiled(inputs, targets, mask)
         return out[:rows, :target_length]
 
 
@@ -90,14 +77,14 @@ class Evaluator:
 
         from tf_metaalign import prompts
         from tf_metaalign.prompts.t5_lm import masked_token_loss
+        from trainers import common
 
         self.config, self.tokenize, self.mode = config, tokenize, mode
         self.prompted, self.lm = build_prompted(backbone, config, mode, "prompt", length)
         self.lm.compile(
             optimizer=adafactor_optimizer(config.few_shot_learning_rate),
             loss=masked_token_loss(),
-            # traced by tf.function on TensorFlow; jax.jit on JAX (False there is eager)
-            jit_compile=keras.backend.backend() == "jax",
+            jit_compile=common.fit_jit_compile(),
         )
         self.fresh_optimizer_state = FreshOptimizerState(
             self.lm.optimizer, self.lm.trainable_variables
@@ -259,6 +246,7 @@ def minilm_experiment(tasks: Tasks, config: Config, log=print) -> dict:
     import numpy as np
 
     from tf_metaalign import prompts
+    from trainers import common
     from trainers.experiments import text_encoder as TE
     from tf_metaalign.prompts import evaluation as E
 
@@ -293,8 +281,7 @@ def minilm_experiment(tasks: Tasks, config: Config, log=print) -> dict:
         model.compile(
             optimizer=keras.optimizers.Adam(config.minilm_learning_rate),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            # traced by tf.function on TensorFlow; jax.jit on JAX (False there is eager)
-            jit_compile=keras.backend.backend() == "jax",
+            jit_compile=common.fit_jit_compile(),
         )
         fresh_optimizer_state = FreshOptimizerState(model.optimizer, model.trainable_variables)
         start = time.perf_counter()

@@ -96,8 +96,7 @@ def continued_pretraining(
     model.compile(
         optimizer=adafactor_optimizer(config.learning_rate),
         loss=masked_token_loss(),
-        # traced by tf.function on TensorFlow; jax.jit on JAX (False there is eager)
-        jit_compile=keras.backend.backend() == "jax",
+        jit_compile=common.fit_jit_compile(),
     )
     progress = common.ProgressCallback(
         log, name, steps, max(1, config.log_every * steps // config.steps)

@@ -850,17 +850,14 @@ class MetaTrainer(F.TrainableSelection, PipelineDataMixin, keras.Model):
         variables do not follow Keras's naming), the model keeps the shared optimizer."""
         model = self.model
         optimizer = getattr(model, "optimizer", None)
-        ours = [id(v) for v in self.trainable_variables]
-        theirs = [id(v) for v in model.trainable_variables]
-        if optimizer is None or not getattr(optimizer, "built", False) or ours == theirs:
-            yield
-            return
-        if not set(theirs) <= set(ours):
-            # The trainer does not train all the model's variables (prompt-only training):
-            # the optimizer has no slots for the others to give the model's file.
-            yield
-            return
-        view = _optimizer_state_for(optimizer, model.trainable_variables)
+        view = None
+        if optimizer is not None and getattr(optimizer, "built", False):
+            ours = [id(v) for v in self.trainable_variables]
+            theirs = [id(v) for v in model.trainable_variables]
+            # Equal lists: the shared optimizer is the model's own. A model variable the
+            # trainer does not train (prompt-only training) has no slots to give.
+            if ours != theirs and set(theirs) <= set(ours):
+                view = _optimizer_state_for(optimizer, model.trainable_variables)
         if view is None:
             yield
             return
